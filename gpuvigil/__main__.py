@@ -1,0 +1,5 @@
+import sys
+
+from gpuvigil.cli import main
+
+sys.exit(main())

@@ -1,0 +1,1 @@
+"""Detectors: one module each, over windowed frames, returning typed findings."""

@@ -1,0 +1,166 @@
+"""Typed findings and hints: what detectors conclude and what a scheduler should do about it.
+
+Both have a JSON form (pydantic) used by the CLI, the feedback API, the alert outbox and the
+tests. A finding's `cause_key` identifies the underlying cause (same kind, job, node, GPU), so
+that a cause seen on every tick is one finding, and one hint, not thousands.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from enum import StrEnum
+from typing import Any
+
+import polars as pl
+from pydantic import BaseModel, ConfigDict, Field
+
+from gpuvigil import schemas
+
+
+class Severity(StrEnum):
+    PAGE = "page"
+    TICKET = "ticket"
+    INFO = "info"
+
+
+class FindingKind(StrEnum):
+    OOM_PREDICTED = "oom_predicted"
+    OOM_CAPACITY = "oom_capacity"
+    OOM_FRAGMENTATION = "oom_fragmentation"
+    OOM_FOREIGN_PROCESS = "oom_foreign_process"
+    NCCL_TIMEOUT = "nccl_timeout"
+    COLLECTIVE_HANG = "collective_hang"
+    COLLECTIVE_MISMATCH = "collective_mismatch"
+    XID = "xid"
+    ECC = "ecc"
+    THERMAL_THROTTLE = "thermal_throttle"
+    STRAGGLER = "straggler"
+    FRAGMENTATION_ALLOCATOR = "fragmentation_allocator"
+    FRAGMENTATION_CLUSTER = "fragmentation_cluster"
+    ANOMALY = "anomaly"  # unknown anomaly from the learned model: never pages on its own
+
+
+class HintAction(StrEnum):
+    CORDON_NODE = "cordon_node"
+    DRAIN_NODE = "drain_node"
+    REQUEUE_JOB = "requeue_job"
+    SET_ALLOC_CONF = "set_alloc_conf"
+    RESIZE_OR_MOVE_JOB = "resize_or_move_job"
+    COMPACT = "compact"
+    AVOID_GPU = "avoid_gpu"
+
+
+Evidence = dict[str, float | int | str | bool | None | list[Any]]
+
+
+def _digest(*parts: object) -> str:
+    return hashlib.sha1("|".join("" if p is None else str(p) for p in parts).encode()).hexdigest()[:16]
+
+
+class Finding(BaseModel):
+    """One conclusion of a detector, with the numbers that justify it."""
+
+    model_config = ConfigDict(frozen=False, extra="forbid")
+
+    kind: FindingKind
+    severity: Severity
+    ts: float
+    job: str | None = None
+    ranks: list[int] = Field(default_factory=list)
+    culprit_ranks: list[int] = Field(default_factory=list)
+    node: str | None = None
+    gpu: int | None = None
+    xid: int | None = None
+    evidence: Evidence = Field(default_factory=dict)
+    summary: str
+    source: str | None = None  # file:line for offline analysis, detector name online
+    cause: str | None = None  # e.g. hardware | software | leak | fragmentation
+
+    @property
+    def cause_key(self) -> str:
+        """Stable identity of the underlying cause (ignores time and evidence)."""
+        return _digest(self.kind.value, self.job, self.node, self.gpu, self.xid if self.kind in (FindingKind.XID,) else None)
+
+    @property
+    def id(self) -> str:
+        return self.cause_key
+
+    def to_json_dict(self) -> dict[str, Any]:
+        d = self.model_dump(mode="json")
+        d["id"] = self.id
+        return d
+
+
+class Hint(BaseModel):
+    """An action for a scheduler, with its reason and the finding it came from."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    action: HintAction
+    ts: float
+    reason: str
+    finding_id: str
+    finding_kind: FindingKind
+    job: str | None = None
+    node: str | None = None
+    gpu: int | None = None
+    exclude_nodes: list[str] = Field(default_factory=list)
+    params: dict[str, Any] = Field(default_factory=dict)
+
+    @property
+    def cause_key(self) -> str:
+        return _digest(self.action.value, self.finding_id, self.job, self.node, self.gpu)
+
+    @property
+    def id(self) -> str:
+        return self.cause_key
+
+    def to_json_dict(self) -> dict[str, Any]:
+        d = self.model_dump(mode="json")
+        d["id"] = self.id
+        return d
+
+
+def findings_frame(findings: list[Finding]) -> pl.DataFrame:
+    return schemas.frame(
+        [
+            {
+                "id": f.id,
+                "kind": f.kind.value,
+                "severity": f.severity.value,
+                "ts": f.ts,
+                "job": f.job,
+                "ranks": f.ranks,
+                "node": f.node,
+                "gpu": f.gpu,
+                "xid": f.xid,
+                "summary": f.summary,
+                "evidence_json": json.dumps(f.evidence, sort_keys=True),
+                "source": f.source,
+            }
+            for f in findings
+        ],
+        schemas.FINDINGS,
+    )
+
+
+def hints_frame(hints: list[Hint]) -> pl.DataFrame:
+    return schemas.frame(
+        [
+            {
+                "id": h.id,
+                "action": h.action.value,
+                "ts": h.ts,
+                "job": h.job,
+                "node": h.node,
+                "gpu": h.gpu,
+                "reason": h.reason,
+                "finding_id": h.finding_id,
+                "finding_kind": h.finding_kind.value,
+                "params_json": json.dumps({"exclude_nodes": h.exclude_nodes, **h.params}, sort_keys=True),
+            }
+            for h in hints
+        ],
+        schemas.HINTS,
+    )

@@ -1,0 +1,1 @@
+"""The pipeline: windows collector frames, runs detectors, turns findings into hints."""

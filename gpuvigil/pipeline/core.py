@@ -1,0 +1,132 @@
+"""The pipeline loop: collect → window → detect → findings lifecycle → hints → sinks."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+from pydantic import BaseModel, Field
+
+from gpuvigil import config
+from gpuvigil.collectors.base import Collector
+from gpuvigil.detectors.base import Detector
+from gpuvigil.model import Finding, Hint
+from gpuvigil.pipeline.hints import HintPolicy
+from gpuvigil.pipeline.window import Window
+
+
+class PipelineConfig(BaseModel):
+    tick_seconds: float = Field(1.0, gt=0)
+    horizon_seconds: dict[str, float] = Field(default_factory=lambda: {"default": 600.0})
+    # A finding that is not reported again for this long is cleared (its hints expire).
+    clear_after_seconds: dict[str, float] = Field(default_factory=lambda: {"default": 30.0})
+
+
+@dataclass
+class TickResult:
+    now: float
+    new_findings: list[Finding]
+    active_findings: list[Finding]
+    cleared_findings: list[Finding]
+    new_hints: list[Hint]
+    expired_hints: list[Hint]
+    duration_seconds: float
+    samples_ingested: int
+    collector_errors: dict[str, int] = field(default_factory=dict)
+    detector_seconds: dict[str, float] = field(default_factory=dict)
+
+
+class Sink(Protocol):
+    """Anything that consumes each tick's outcome: scheduler, alert pusher, exporter, timeline."""
+
+    def on_tick(self, result: TickResult, window: Window) -> None: ...
+
+
+class Pipeline:
+    def __init__(
+        self,
+        collectors: Sequence[Collector],
+        detectors: Sequence[Detector],
+        *,
+        sinks: Iterable[Sink] = (),
+        cfg: dict[str, Any] | None = None,
+    ):
+        cfg = config.defaults() if cfg is None else cfg
+        self.config = config.section("pipeline", PipelineConfig, cfg)
+        self.collectors = list(collectors)
+        self.detectors = list(detectors)
+        self.sinks = list(sinks)
+        self.hint_policy = HintPolicy(cfg)
+        self.window = Window(self.config.horizon_seconds)
+        self.active: dict[str, Finding] = {}
+        self.first_seen: dict[str, float] = {}
+        self.last_seen: dict[str, float] = {}
+        self.active_hints: dict[str, list[Hint]] = {}  # finding id → its hints
+        self.all_findings: list[Finding] = []  # every finding when first raised, in order
+        self.all_hints: list[Hint] = []
+        self.ticks = 0
+        self.samples_ingested_total = 0
+
+    def _clear_after(self, finding: Finding) -> float:
+        c = self.config.clear_after_seconds
+        return c.get(finding.kind.value, c.get("default", 30.0))
+
+    def tick(self, now: float) -> TickResult:
+        t0 = time.perf_counter()
+        ingested = 0
+        errors: dict[str, int] = {}
+        for collector in self.collectors:
+            for stream, df in collector.collect(now).items():
+                self.window.add(stream, df)
+                ingested += df.height
+            errors[collector.name] = collector.errors
+        self.window.seal(now)
+
+        reported: list[Finding] = []
+        det_seconds: dict[str, float] = {}
+        for detector in self.detectors:
+            d0 = time.perf_counter()
+            reported.extend(detector.detect(self.window))
+            det_seconds[detector.name] = time.perf_counter() - d0
+
+        new: list[Finding] = []
+        new_hints: list[Hint] = []
+        for finding in reported:
+            key = finding.id
+            if key not in self.active:
+                new.append(finding)
+                self.first_seen[key] = now
+                self.all_findings.append(finding)
+                hints = self.hint_policy.hints_for(finding)
+                self.active_hints[key] = hints
+                new_hints.extend(hints)
+                self.all_hints.extend(hints)
+            self.active[key] = finding
+            self.last_seen[key] = now
+
+        cleared: list[Finding] = []
+        expired: list[Hint] = []
+        for key, finding in list(self.active.items()):
+            if now - self.last_seen[key] > self._clear_after(finding):
+                cleared.append(self.active.pop(key))
+                expired.extend(self.active_hints.pop(key, []))
+
+        self.ticks += 1
+        self.samples_ingested_total += ingested
+        result = TickResult(
+            now=now,
+            new_findings=new,
+            active_findings=list(self.active.values()),
+            cleared_findings=cleared,
+            new_hints=new_hints,
+            expired_hints=expired,
+            duration_seconds=time.perf_counter() - t0,
+            samples_ingested=ingested,
+            collector_errors=errors,
+            detector_seconds=det_seconds,
+        )
+        for sink in self.sinks:
+            sink.on_tick(result, self.window)
+        return result

@@ -1,0 +1,85 @@
+"""Findings → scheduler hints, by a rule table (config section `hints`).
+
+The first rule whose `kind`, `cause`, `severity` and `match` (evidence key → value) all fit a
+finding decides its hints. Rules are data so an operator can, say, stop auto-cordoning on XID 13
+without touching code.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from pydantic import BaseModel, Field
+
+from gpuvigil import config
+from gpuvigil.model import Finding, FindingKind, Hint, HintAction
+
+
+class HintRule(BaseModel):
+    kind: FindingKind
+    cause: str | None = None
+    severity: str | None = None
+    match: dict[str, Any] = Field(default_factory=dict)
+    actions: list[HintAction]
+    exclude_culprit_node: bool = True
+    params: dict[str, Any] = Field(default_factory=dict)
+
+
+class HintConfig(BaseModel):
+    rules: list[HintRule]
+
+
+class HintPolicy:
+    def __init__(self, cfg: dict[str, Any] | None = None):
+        self.config = config.section("hints", HintConfig, cfg)
+
+    def rule_for(self, finding: Finding) -> HintRule | None:
+        for rule in self.config.rules:
+            if rule.kind != finding.kind:
+                continue
+            if rule.cause is not None and rule.cause != finding.cause:
+                continue
+            if rule.severity is not None and rule.severity != finding.severity.value:
+                continue
+            if any(finding.evidence.get(k) != v for k, v in rule.match.items()):
+                continue
+            return rule
+        return None
+
+    def hints_for(self, finding: Finding) -> list[Hint]:
+        rule = self.rule_for(finding)
+        if rule is None:
+            return []
+        hints = []
+        for action in rule.actions:
+            params: dict[str, Any] = dict(rule.params.get(action.value, {}))
+            exclude: list[str] = []
+            if action == HintAction.REQUEUE_JOB and rule.exclude_culprit_node:
+                culprit_nodes = finding.evidence.get("culprit_nodes")
+                if isinstance(culprit_nodes, list) and culprit_nodes:
+                    exclude = sorted({str(n) for n in culprit_nodes})
+                elif finding.node:
+                    exclude = [finding.node]
+            if action == HintAction.COMPACT and "moves" in finding.evidence:
+                params["moves"] = finding.evidence["moves"]
+            if action in (HintAction.REQUEUE_JOB, HintAction.SET_ALLOC_CONF, HintAction.RESIZE_OR_MOVE_JOB) and not finding.job:
+                continue  # job-level action without a job: nothing to act on
+            if action in (HintAction.CORDON_NODE, HintAction.DRAIN_NODE) and not finding.node:
+                continue
+            if action == HintAction.AVOID_GPU and (finding.node is None or finding.gpu is None):
+                continue
+            hints.append(
+                Hint(
+                    action=action,
+                    ts=finding.ts,
+                    reason=f"{finding.kind.value}: {finding.summary}",
+                    finding_id=finding.id,
+                    finding_kind=finding.kind,
+                    job=finding.job,
+                    node=finding.node,
+                    gpu=finding.gpu,
+                    exclude_nodes=exclude,
+                    params=params,
+                )
+            )
+        return hints
