@@ -41,6 +41,21 @@ class FindingKind(StrEnum):
     ANOMALY = "anomaly"  # unknown anomaly from the learned model: never pages on its own
 
 
+JOB_LEVEL_KINDS = frozenset(
+    {
+        FindingKind.OOM_PREDICTED,
+        FindingKind.OOM_CAPACITY,
+        FindingKind.OOM_FRAGMENTATION,
+        FindingKind.OOM_FOREIGN_PROCESS,
+        FindingKind.NCCL_TIMEOUT,
+        FindingKind.COLLECTIVE_HANG,
+        FindingKind.COLLECTIVE_MISMATCH,
+        FindingKind.FRAGMENTATION_CLUSTER,
+        FindingKind.FRAGMENTATION_ALLOCATOR,
+    }
+)
+
+
 class HintAction(StrEnum):
     CORDON_NODE = "cordon_node"
     DRAIN_NODE = "drain_node"
@@ -79,8 +94,14 @@ class Finding(BaseModel):
 
     @property
     def cause_key(self) -> str:
-        """Stable identity of the underlying cause (ignores time and evidence)."""
-        return _digest(self.kind.value, self.job, self.node, self.gpu, self.xid if self.kind in (FindingKind.XID,) else None)
+        """Stable identity of the underlying cause (ignores time and evidence).
+
+        Job-level causes (a leak, a hang, a blocked gang) follow the job wherever it is
+        rescheduled; hardware causes belong to the GPU.
+        """
+        if self.kind in JOB_LEVEL_KINDS and self.job:
+            return _digest(self.kind.value, self.job)
+        return _digest(self.kind.value, self.job, self.node, self.gpu, self.xid if self.kind == FindingKind.XID else None)
 
     @property
     def id(self) -> str:

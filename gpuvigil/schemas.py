@@ -55,6 +55,9 @@ RANK_PROGRESS = pl.Schema(
         "current_op": STR,  # e.g. ALLREDUCE, null when idle
         "step": I64,
         "step_time_seconds": F64,  # duration of the last completed step
+        # Time this rank spent blocked in collectives during the last step (Flight Recorder
+        # start→complete): the slowest rank waits least, so this names stragglers.
+        "collective_wait_seconds": F64,
     }
 )
 
@@ -97,6 +100,7 @@ JOBS = pl.Schema(
         "tenant": STR,
         "priority": STR,  # P0 | P1 | P2
         "n_gpus": I32,
+        "gpus_per_node": I32,  # null = any spread; else full-node gang shape
         "state": STR,  # pending | running | preempted | requeued | completed | failed
         "submit_ts": F64,
         "start_ts": F64,

@@ -22,6 +22,11 @@ class PipelineConfig(BaseModel):
     horizon_seconds: dict[str, float] = Field(default_factory=lambda: {"default": 600.0})
     # A finding that is not reported again for this long is cleared (its hints expire).
     clear_after_seconds: dict[str, float] = Field(default_factory=lambda: {"default": 30.0})
+    # Trend detectors need not run every tick; 0 = every tick.
+    detector_every_seconds: dict[str, float] = Field(default_factory=lambda: {"default": 0.0})
+    # The same hint (same action for the same cause) is not issued again within this time: a
+    # remedy that did not cure the cause escalates to people instead of looping.
+    hint_cooldown_seconds: float = Field(3600.0, ge=0)
 
 
 @dataclass
@@ -68,10 +73,19 @@ class Pipeline:
         self.all_hints: list[Hint] = []
         self.ticks = 0
         self.samples_ingested_total = 0
+        self._detector_last_run: dict[str, float] = {}
+        self._hint_issued_at: dict[str, float] = {}
 
     def _clear_after(self, finding: Finding) -> float:
         c = self.config.clear_after_seconds
         return c.get(finding.kind.value, c.get("default", 30.0))
+
+    def _hint_due(self, hint: Hint, now: float) -> bool:
+        last = self._hint_issued_at.get(hint.id)
+        if last is not None and now - last < self.config.hint_cooldown_seconds:
+            return False
+        self._hint_issued_at[hint.id] = now
+        return True
 
     def tick(self, now: float) -> TickResult:
         t0 = time.perf_counter()
@@ -86,7 +100,15 @@ class Pipeline:
 
         reported: list[Finding] = []
         det_seconds: dict[str, float] = {}
+        every = self.config.detector_every_seconds
         for detector in self.detectors:
+            period = every.get(detector.name, every.get("default", 0.0))
+            last = self._detector_last_run.get(detector.name)
+            if last is not None and now - last < period - 1e-9:
+                # Not due: keep its active findings alive until it runs again.
+                reported.extend(f for f in self.active.values() if f.source == detector.name)
+                continue
+            self._detector_last_run[detector.name] = now
             d0 = time.perf_counter()
             reported.extend(detector.detect(self.window))
             det_seconds[detector.name] = time.perf_counter() - d0
@@ -99,7 +121,7 @@ class Pipeline:
                 new.append(finding)
                 self.first_seen[key] = now
                 self.all_findings.append(finding)
-                hints = self.hint_policy.hints_for(finding)
+                hints = [h for h in self.hint_policy.hints_for(finding) if self._hint_due(h, now)]
                 self.active_hints[key] = hints
                 new_hints.extend(hints)
                 self.all_hints.extend(hints)

@@ -23,6 +23,7 @@ class Window:
         self._horizon = horizon_seconds
         self._frames: dict[str, pl.DataFrame] = {}
         self._pending: dict[str, list[pl.DataFrame]] = {}
+        self._fresh: dict[str, pl.DataFrame] = {}
         self.now: float = 0.0
         self.rows_ingested: dict[str, int] = {}
 
@@ -43,7 +44,9 @@ class Window:
     def seal(self, now: float) -> None:
         """Fold buffered frames in and drop rows older than each stream's horizon."""
         self.now = now
+        self._fresh = {}
         for stream, parts in self._pending.items():
+            self._fresh[stream] = pl.concat(parts, how="vertical_relaxed") if len(parts) > 1 else parts[0]
             old = self._frames.get(stream)
             frames = ([old] if old is not None and old.height else []) + parts
             df = pl.concat(frames, how="vertical_relaxed") if len(frames) > 1 else frames[0]
@@ -55,6 +58,13 @@ class Window:
 
     def get(self, stream: str) -> pl.DataFrame:
         df = self._frames.get(stream)
+        if df is None:
+            return schemas.empty(stream) if stream in schemas.STREAMS else pl.DataFrame()
+        return df
+
+    def fresh(self, stream: str) -> pl.DataFrame:
+        """Only the rows that arrived in the latest tick (for detectors that keep running state)."""
+        df = self._fresh.get(stream)
         if df is None:
             return schemas.empty(stream) if stream in schemas.STREAMS else pl.DataFrame()
         return df

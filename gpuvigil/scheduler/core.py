@@ -1,9 +1,14 @@
-"""The built-in scheduler: queue, all-or-nothing gang placement, requeue from checkpoint,
-cordon/drain, and the hints gpuvigil feeds it.
+"""The built-in scheduler: queue, all-or-nothing gang placement, preemption and quota reclaim,
+requeue from checkpoint, cordon/drain, and the hints gpuvigil feeds it.
 
 Public surface used by the simulator, the demo and the pipeline (keep it stable):
 `submit`, `cycle`, `apply_hint`, `checkpoint`, `job_failed`, `job_completed`, `placements`,
 `state_frames`, `on_tick` (a pipeline sink), `actions` (everything it did, in order).
+Added: `cancel`, `node_down`, `uncordon`, `lost_gpu_seconds`, `plugins`.
+
+The cycle is a framework (gpuvigil/scheduler/framework.py): a session snapshot, ordered actions
+(gpuvigil/scheduler/actions.py) and policy plugins (gpuvigil/scheduler/plugins/), configured
+by the `scheduler` config section.
 """
 
 from __future__ import annotations
@@ -14,7 +19,10 @@ from typing import Any
 import polars as pl
 
 from gpuvigil import schemas
-from gpuvigil.model import Hint, HintAction
+from gpuvigil.model import Hint
+from gpuvigil.scheduler import actions as actions_mod
+from gpuvigil.scheduler.config import SchedulerConfig, load_scheduler_config
+from gpuvigil.scheduler.framework import MILLI, ClusterView, Plan, Session
 
 GIB = 1 << 30
 
@@ -25,6 +33,10 @@ class NodeSpec:
     rack: str = "rack-0"
     n_gpus: int = 8
     gpu_memory_bytes: int = 141 * GIB
+    nvlink_domain: str | None = None  # None = the node itself (one HGX board)
+    cpu_milli: int = 0  # 0 = not tracked
+    memory_mib: int = 0  # 0 = not tracked
+    gpu_model: str = ""
 
 
 @dataclass
@@ -36,12 +48,21 @@ class JobSpec:
     submit_ts: float = 0.0
     min_gpu_memory_bytes: int = 0
     duration_seconds: float | None = None  # for trace replay; None = runs until stopped
+    gpus_per_node: int | None = None  # full-node gangs: exactly this many GPUs on each node used
+    gpu_milli: int = MILLI  # share of one GPU (GPU-sharing tasks, n_gpus == 1); 1000 = whole GPUs
+    cpu_milli: int = 0
+    memory_mib: int = 0
+
+    @property
+    def gpu_demand(self) -> float:
+        """GPUs this job holds (fractional for a GPU-sharing task)."""
+        return self.n_gpus * min(self.gpu_milli, MILLI) / MILLI
 
 
 @dataclass
 class Action:
     ts: float
-    action: str  # placed | cordoned | drained | requeued | set_alloc_conf | resized | moved | avoid_gpu | failed | completed
+    action: str  # placed | cordoned | drained | uncordoned | requeued | preempted | preempt_notice | set_alloc_conf | resized | moved | avoid_gpu | failed | completed | cancelled | node_down
     job: str | None = None
     node: str | None = None
     gpu: int | None = None
@@ -52,27 +73,120 @@ class Action:
         return {k: v for k, v in self.__dict__.items()}
 
 
-@dataclass
+class _TrackedDict(dict):
+    """A dict that tells its node when it changes (callers may edit `used` directly)."""
+
+    def __init__(self, owner: NodeState, *args: Any):
+        super().__init__(*args)
+        self._owner = owner
+
+    def _touch(self) -> None:
+        self._owner.touch()
+
+    def __setitem__(self, k, v):
+        super().__setitem__(k, v)
+        self._touch()
+
+    def __delitem__(self, k):
+        super().__delitem__(k)
+        self._touch()
+
+    def pop(self, *a):
+        out = super().pop(*a)
+        self._touch()
+        return out
+
+    def clear(self):
+        super().clear()
+        self._touch()
+
+    def update(self, *a, **kw):
+        super().update(*a, **kw)
+        self._touch()
+
+    def setdefault(self, k, d=None):
+        out = super().setdefault(k, d)
+        self._touch()
+        return out
+
+
+class _TrackedSet(set):
+    def __init__(self, owner: NodeState, *args: Any):
+        super().__init__(*args)
+        self._owner = owner
+
+    def add(self, x):
+        super().add(x)
+        self._owner.touch()
+
+    def discard(self, x):
+        super().discard(x)
+        self._owner.touch()
+
+    def remove(self, x):
+        super().remove(x)
+        self._owner.touch()
+
+    def clear(self):
+        super().clear()
+        self._owner.touch()
+
+    def __ior__(self, other):
+        out = super().__ior__(other)
+        self._owner.touch()
+        return out
+
+
+_NODE_TRACKED = {"state", "used", "shared", "avoid_gpus", "cpu_used", "mem_used"}
+
+
+@dataclass(eq=False)  # identity: two nodes are never "equal" by content
 class NodeState:
     spec: NodeSpec
     state: str = "up"  # up | cordoned | draining | drained | down
     reason: str = ""
-    used: dict[int, str] = field(default_factory=dict)  # gpu index → job
+    used: dict[int, str] = field(default_factory=dict)  # whole GPU index → job
     avoid_gpus: set[int] = field(default_factory=set)
+    shared: dict[int, dict[str, int]] = field(default_factory=dict)  # GPU → {job: milli} for GPU-sharing tasks
+    cpu_used: int = 0
+    mem_used: int = 0
+    dirty: bool = True
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        if name in ("used", "shared") and not isinstance(value, _TrackedDict):
+            value = _TrackedDict(self, value)
+        elif name == "avoid_gpus" and not isinstance(value, _TrackedSet):
+            value = _TrackedSet(self, value)
+        object.__setattr__(self, name, value)
+        if name in _NODE_TRACKED:
+            self.touch()
+
+    def touch(self) -> None:
+        object.__setattr__(self, "dirty", True)
+        sink = self.__dict__.get("_sink")
+        if sink is not None:
+            sink.add(self.spec.name)
 
     def free_gpus(self) -> list[int]:
-        return [g for g in range(self.spec.n_gpus) if g not in self.used and g not in self.avoid_gpus]
+        """Whole GPUs nobody holds (not even a share) and nobody avoids."""
+        return [g for g in range(self.spec.n_gpus) if g not in self.used and g not in self.avoid_gpus and not self.shared.get(g)]
 
     @property
     def schedulable(self) -> bool:
         return self.state == "up"
 
+    def jobs(self) -> set[str]:
+        out = set(self.used.values())
+        for held in self.shared.values():
+            out.update(held)
+        return out
 
-@dataclass
+
+@dataclass(eq=False)  # identity: membership tests stay O(1) per comparison
 class JobState:
     spec: JobSpec
-    state: str = "pending"  # pending | running | completed | failed
-    placement: list[tuple[str, int]] = field(default_factory=list)  # rank → (node, gpu)
+    state: str = "pending"  # pending | running | completed | failed | cancelled
+    placement: list[tuple[str, int]] = field(default_factory=list)  # rank → (node, gpu); gpu -1 for a CPU-only task
     start_ts: float | None = None
     last_checkpoint_step: int = 0
     last_checkpoint_ts: float | None = None
@@ -82,45 +196,146 @@ class JobState:
     memory_scale: float = 1.0  # < 1 after a resize to a smaller micro-batch
     preferred_nodes: list[str] = field(default_factory=list)
     lost_gpu_seconds: float = 0.0
+    # Queueing and preemption bookkeeping.
+    pending_since: float | None = None
+    first_start_ts: float | None = None
+    queued_seconds: float = 0.0
+    end_ts: float | None = None
+    preemptions: int = 0
+    borrowed: bool = False  # running on idle quota of other tenants (reclaimable)
+    preempt_deadline: float | None = None  # victim: evicted at this time unless it finishes
+    preempted_by: str | None = None
+    awaiting_victims: list[str] = field(default_factory=list)  # preemptor: victims under notice
+    awaiting_deadline: float | None = None
+
+    @property
+    def gpu_demand(self) -> float:
+        return self.spec.gpu_demand
 
 
 class Scheduler:
-    def __init__(self, nodes: list[NodeSpec]):
-        self.nodes: dict[str, NodeState] = {n.name: NodeState(n) for n in nodes}
+    def __init__(self, nodes: list[NodeSpec], cfg: dict[str, Any] | SchedulerConfig | None = None):
+        names = [n.name for n in nodes]
+        if len(set(names)) != len(names):
+            raise ValueError("node names must be unique")
+        self.config: SchedulerConfig = load_scheduler_config(cfg)
+        self._dirty: set[str] = set()
+        self.nodes: dict[str, NodeState] = {}
+        for spec in nodes:
+            ns = NodeState(spec)
+            object.__setattr__(ns, "_sink", self._dirty)
+            self.nodes[spec.name] = ns
+        self.view = ClusterView(list(self.nodes.values()))
+        self._dirty.clear()
         self.jobs: dict[str, JobState] = {}
+        self._pending: dict[str, JobState] = {}
+        self._running: dict[str, JobState] = {}
         self.actions: list[Action] = []
+        self.total_gpus = int(sum(n.n_gpus for n in nodes))
+        from gpuvigil.scheduler.plugins import build_plugins
+
+        self.plugins = build_plugins(self)
+
+    # -- plugin access ---------------------------------------------------------------------
+    def plugin(self, name: str):
+        return self.plugins.by_name.get(name)
 
     # -- jobs -------------------------------------------------------------------------------
     def submit(self, spec: JobSpec, now: float | None = None) -> None:
         if spec.name in self.jobs:
             raise ValueError(f"job {spec.name!r} already submitted")
-        if spec.n_gpus < 1:
-            raise ValueError(f"job {spec.name!r}: n_gpus must be >= 1")
-        self.jobs[spec.name] = JobState(spec)
+        if spec.n_gpus < 0 or (spec.n_gpus == 0 and spec.cpu_milli <= 0):
+            raise ValueError(f"job {spec.name!r}: n_gpus must be >= 1 (or 0 for a CPU-only task with cpu_milli > 0)")
+        if not 0 < spec.gpu_milli <= MILLI:
+            raise ValueError(f"job {spec.name!r}: gpu_milli must be in 1..{MILLI}, got {spec.gpu_milli}")
+        if spec.gpu_milli < MILLI and spec.n_gpus != 1:
+            raise ValueError(f"job {spec.name!r}: a GPU share (gpu_milli < {MILLI}) is for one GPU, got n_gpus={spec.n_gpus}")
+        if spec.gpus_per_node is not None and (spec.gpus_per_node < 1 or spec.n_gpus % spec.gpus_per_node):
+            raise ValueError(f"job {spec.name!r}: n_gpus={spec.n_gpus} is not a multiple of gpus_per_node={spec.gpus_per_node}")
+        js = JobState(spec, pending_since=spec.submit_ts)
+        self.jobs[spec.name] = js
+        self._pending[spec.name] = js
+        for listener in self.plugins.submit_listeners:
+            listener.on_submit(js)
+
+    def cancel(self, job: str, now: float, reason: str = "cancelled") -> None:
+        """Withdraw a job (pending or running); a running one releases its GPUs."""
+        js = self.jobs[job]
+        if js.state in ("completed", "failed", "cancelled"):
+            return
+        self._release(js)
+        self._set_state(js, "cancelled")
+        js.end_ts = now
+        self.actions.append(Action(now, "cancelled", job=job, detail=reason))
 
     def checkpoint(self, job: str, step: int, now: float) -> None:
         js = self.jobs[job]
         js.last_checkpoint_step = step
         js.last_checkpoint_ts = now
 
+    def _set_state(self, js: JobState, state: str) -> None:
+        js.state = state
+        name = js.spec.name
+        self._pending.pop(name, None)
+        self._running.pop(name, None)
+        if state == "pending":
+            self._pending[name] = js
+        elif state == "running":
+            self._running[name] = js
+
     def _release(self, js: JobState) -> None:
+        name = js.spec.name
+        touched: set[str] = set()
         for node, gpu in js.placement:
             ns = self.nodes[node]
-            if ns.used.get(gpu) == js.spec.name:
+            touched.add(node)
+            if ns.used.get(gpu) == name:
                 del ns.used[gpu]
+            held = ns.shared.get(gpu)
+            if held and name in held:
+                del held[name]
+                if not held:
+                    del ns.shared[gpu]
+                ns.touch()
+        for node in touched:
+            ns = self.nodes[node]
+            n_here = sum(1 for n, _ in js.placement if n == node)
+            share = n_here / max(1, len(js.placement))
+            ns.cpu_used -= int(round(js.spec.cpu_milli * share))
+            ns.mem_used -= int(round(js.spec.memory_mib * share))
+            if ns.state == "draining" and not ns.jobs():
+                ns.state = "drained"
         js.placement = []
+        self._clear_preemption(js)
 
-    def _requeue(self, js: JobState, now: float, why: str, hint_id: str | None = None) -> Action:
-        if js.state == "running" and js.last_checkpoint_ts is not None:
-            js.lost_gpu_seconds += (now - js.last_checkpoint_ts) * js.spec.n_gpus
-        elif js.state == "running" and js.start_ts is not None:
-            js.lost_gpu_seconds += (now - js.start_ts) * js.spec.n_gpus
+    def _clear_preemption(self, js: JobState) -> None:
+        js.preempt_deadline = None
+        js.preempted_by = None
+        for victim in js.awaiting_victims:
+            v = self.jobs.get(victim)
+            if v is not None and v.preempted_by == js.spec.name:
+                v.preempt_deadline, v.preempted_by = None, None
+        js.awaiting_victims, js.awaiting_deadline = [], None
+
+    def work_since_checkpoint(self, js: JobState, now: float) -> float:
+        """GPU-seconds of progress a restart of the running job now would throw away."""
+        if js.state != "running" or js.start_ts is None:
+            return 0.0
+        since = js.start_ts if js.last_checkpoint_ts is None else max(js.start_ts, js.last_checkpoint_ts)
+        return max(0.0, now - since) * js.gpu_demand
+
+    def _requeue(self, js: JobState, now: float, why: str, hint_id: str | None = None, kind: str = "requeued") -> Action:
+        if js.state == "running":
+            js.lost_gpu_seconds += self.work_since_checkpoint(js, now) + self.config.health.restart_overhead_seconds * js.gpu_demand
         self._release(js)
-        js.state = "pending"
+        self._set_state(js, "pending")
+        js.pending_since = now
         js.restarts += 1
+        if kind == "preempted":
+            js.preemptions += 1
         action = Action(
             now,
-            "requeued",
+            kind,
             job=js.spec.name,
             detail=f"{why}; resumes from checkpoint step {js.last_checkpoint_step}"
             + (f", excluding {', '.join(sorted(js.excluded_nodes))}" if js.excluded_nodes else ""),
@@ -141,130 +356,124 @@ class Scheduler:
 
     def job_completed(self, job: str, now: float) -> None:
         js = self.jobs[job]
+        if js.state in ("completed", "cancelled"):
+            return
         self._release(js)
-        js.state = "completed"
+        self._set_state(js, "completed")
+        js.end_ts = now
         self.actions.append(Action(now, "completed", job=job))
 
-    # -- placement --------------------------------------------------------------------------
-    def _candidate_nodes(self, js: JobState) -> list[NodeState]:
-        return [
-            ns
-            for ns in self.nodes.values()
-            if ns.schedulable
-            and ns.spec.name not in js.excluded_nodes
-            and ns.spec.gpu_memory_bytes >= js.spec.min_gpu_memory_bytes
-        ]
+    # -- nodes ------------------------------------------------------------------------------
+    def node_down(self, node: str, now: float, reason: str, requeue: bool = True) -> list[Action]:
+        """The node is gone (hardware fault seen by the scheduler): jobs on it restart elsewhere."""
+        ns = self.nodes[node]
+        out: list[Action] = []
+        if ns.state != "down":
+            ns.state, ns.reason = "down", reason
+            out.append(Action(now, "node_down", node=node, detail=reason))
+            self.actions.append(out[-1])
+        if requeue:
+            for name in sorted(ns.jobs()):
+                js = self.jobs[name]
+                if js.state == "running":
+                    out.append(self._requeue(js, now, f"node {node} down: {reason}"))
+        return out
 
-    def _place(self, js: JobState) -> list[tuple[str, int]] | None:
-        """All-or-nothing: fewest nodes first (whole job on one node if any fits), tightest fit."""
-        need = js.spec.n_gpus
-        cands = [(ns, ns.free_gpus()) for ns in self._candidate_nodes(js)]
-        cands = [(ns, free) for ns, free in cands if free]
-        if sum(len(f) for _, f in cands) < need:
-            return None
-        pref = set(js.preferred_nodes)
-        single = [(ns, f) for ns, f in cands if len(f) >= need]
-        if single:
-            ns, free = min(single, key=lambda c: (c[0].spec.name not in pref, len(c[1]), c[0].spec.name))
-            return [(ns.spec.name, g) for g in free[:need]]
-        # Multi-node gang: whole free nodes first (largest free first), grouped by rack.
-        cands.sort(key=lambda c: (c[0].spec.name not in pref, -len(c[1]), c[0].spec.rack, c[0].spec.name))
-        out: list[tuple[str, int]] = []
-        for ns, free in cands:
-            take = free[: need - len(out)]
-            out.extend((ns.spec.name, g) for g in take)
-            if len(out) == need:
-                return out
-        return None
+    def uncordon(self, node: str, now: float, reason: str = "repaired") -> list[Action]:
+        ns = self.nodes[node]
+        if ns.state == "up":
+            return []
+        ns.state, ns.reason = "up", ""
+        a = Action(now, "uncordoned", node=node, detail=reason)
+        self.actions.append(a)
+        return [a]
+
+    # -- placement --------------------------------------------------------------------------
+    def sync_view(self) -> None:
+        if self._dirty:
+            idx = self.view.index
+            changed = [idx[n] for n in self._dirty]
+            self._dirty.clear()
+            for i in changed:
+                self.view.sync(i)
+            for listener in self.plugins.change_listeners:
+                listener.on_change(changed)
+
+    def commit(self, plan: Plan, now: float) -> Action:
+        """Bind a plan for real (NodeState), after every permit plugin agreed."""
+        js = plan.job
+        name = js.spec.name
+        v = self.view
+        slots = [(v.names[n], g) for n, g in plan.slots]
+        per_node: dict[str, int] = {}
+        for node, g in slots:
+            ns = self.nodes[node]
+            per_node[node] = per_node.get(node, 0) + 1
+            if g < 0:
+                continue
+            if plan.milli < MILLI:
+                held = ns.shared.get(g)
+                if held is None:
+                    ns.shared[g] = {name: plan.milli}
+                else:
+                    held[name] = plan.milli
+                    ns.touch()
+            else:
+                ns.used[g] = name
+        for node, k in per_node.items():
+            ns = self.nodes[node]
+            share = k / max(1, len(slots))
+            ns.cpu_used += int(round(js.spec.cpu_milli * share))
+            ns.mem_used += int(round(js.spec.memory_mib * share))
+        js.placement = slots
+        self._set_state(js, "running")
+        js.start_ts = now
+        if js.first_start_ts is None:
+            js.first_start_ts = now
+        if js.pending_since is not None:
+            js.queued_seconds += max(0.0, now - js.pending_since)
+        js.pending_since = None
+        js.preferred_nodes = []
+        self._clear_preemption(js)
+        for listener in self.plugins.bind_listeners:
+            listener.on_bind(js, plan)
+        nodes = sorted(per_node)
+        what = f"{js.spec.gpu_milli / MILLI:.2f} GPU" if plan.milli < MILLI else f"{js.spec.n_gpus} GPU(s)"
+        a = Action(
+            now,
+            "placed",
+            job=name,
+            node=nodes[0] if len(nodes) == 1 else None,
+            detail=f"{what} on {', '.join(nodes)}"
+            + (f" (restart {js.restarts}, from step {js.last_checkpoint_step})" if js.restarts else ""),
+        )
+        self.actions.append(a)
+        return a
 
     def cycle(self, now: float) -> list[Action]:
-        """Place pending jobs, highest priority and oldest first."""
-        out: list[Action] = []
-        pending = sorted(
-            (js for js in self.jobs.values() if js.state == "pending" and js.spec.submit_ts <= now),
-            key=lambda js: (js.spec.priority, js.spec.submit_ts, js.spec.name),
-        )
-        for js in pending:
-            placement = self._place(js)
-            if placement is None:
-                continue
-            for node, gpu in placement:
-                self.nodes[node].used[gpu] = js.spec.name
-            js.placement = placement
-            js.state = "running"
-            js.start_ts = now
-            js.preferred_nodes = []
-            nodes = sorted({n for n, _ in placement})
-            a = Action(
-                now,
-                "placed",
-                job=js.spec.name,
-                node=nodes[0] if len(nodes) == 1 else None,
-                detail=f"{js.spec.n_gpus} GPU(s) on {', '.join(nodes)}"
-                + (f" (restart {js.restarts}, from step {js.last_checkpoint_step})" if js.restarts else ""),
-            )
-            out.append(a)
-        self.actions.extend(out)
-        return out
+        """One scheduling cycle: open a session, run the configured actions, return what changed."""
+        start = len(self.actions)
+        self.sync_view()
+        pending = [js for js in self._pending.values() if js.state == "pending" and js.spec.submit_ts <= now]
+        # Others may set a job running by hand (the simulator pins a scatter): follow them.
+        for js in list(self._pending.values()):
+            if js.state != "pending":
+                self._set_state(js, js.state)
+        for js in list(self._running.values()):
+            if js.state != "running":
+                self._set_state(js, js.state)
+        ssn = Session(now=now, scheduler=self, view=self.view, pending=pending)
+        for name in self.config.actions:
+            actions_mod.ACTIONS[name](ssn)
+            self.sync_view()
+        return self.actions[start:]
 
     # -- hints ------------------------------------------------------------------------------
     def apply_hint(self, hint: Hint, now: float) -> list[Action]:
-        out: list[Action] = []
-        act = hint.action
-        if act in (HintAction.CORDON_NODE, HintAction.DRAIN_NODE) and hint.node in self.nodes:
-            ns = self.nodes[hint.node]
-            if ns.state == "up":
-                ns.state = "cordoned" if act == HintAction.CORDON_NODE else "draining"
-                ns.reason = hint.reason
-                out.append(Action(now, "cordoned" if act == HintAction.CORDON_NODE else "drained", node=hint.node, detail=hint.reason, hint_id=hint.id))
-        elif act == HintAction.AVOID_GPU and hint.node in self.nodes and hint.gpu is not None:
-            ns = self.nodes[hint.node]
-            if hint.gpu not in ns.avoid_gpus:
-                ns.avoid_gpus.add(hint.gpu)
-                out.append(Action(now, "avoid_gpu", node=hint.node, gpu=hint.gpu, detail=f"GPU marked suspect: {hint.reason}", hint_id=hint.id))
-        elif act == HintAction.REQUEUE_JOB and hint.job in self.jobs:
-            js = self.jobs[hint.job]
-            js.excluded_nodes |= set(hint.exclude_nodes)
-            if js.state == "running":
-                out.append(self._requeue(js, now, hint.reason, hint.id))
-        elif act == HintAction.SET_ALLOC_CONF and hint.job in self.jobs:
-            js = self.jobs[hint.job]
-            conf = str(hint.params.get("alloc_conf", "expandable_segments:True"))
-            if js.alloc_conf != conf:
-                js.alloc_conf = conf
-                out.append(Action(now, "set_alloc_conf", job=hint.job, detail=f"PYTORCH_CUDA_ALLOC_CONF={conf}", hint_id=hint.id))
-                if js.state == "running":
-                    out.append(self._requeue(js, now, f"restart with PYTORCH_CUDA_ALLOC_CONF={conf}", hint.id))
-        elif act == HintAction.RESIZE_OR_MOVE_JOB and hint.job in self.jobs:
-            js = self.jobs[hint.job]
-            current = max((self.nodes[n].spec.gpu_memory_bytes for n, _ in js.placement), default=0)
-            larger = [ns for ns in self.nodes.values() if ns.spec.gpu_memory_bytes > current and ns.schedulable]
-            if larger:
-                js.spec.min_gpu_memory_bytes = min(ns.spec.gpu_memory_bytes for ns in larger)
-                detail = f"move to GPUs with >= {js.spec.min_gpu_memory_bytes / GIB:.0f} GiB"
-            else:
-                js.memory_scale *= 0.75
-                detail = f"no larger-memory GPU free: restart with micro-batch x{js.memory_scale:.2f}"
-            out.append(Action(now, "resized", job=hint.job, detail=detail, hint_id=hint.id))
-            if js.state == "running":
-                out.append(self._requeue(js, now, detail, hint.id))
-        elif act == HintAction.COMPACT:
-            for move in hint.params.get("moves", []):
-                js = self.jobs.get(str(move.get("job")))
-                target = move.get("to_node")
-                if js is None or js.state != "running":
-                    continue
-                js.preferred_nodes = [target] if target else []
-                out.append(Action(now, "moved", job=js.spec.name, node=target, detail=f"compact: move from {move.get('from_node')} to {target}", hint_id=hint.id))
-                out.append(self._requeue(js, now, "compact to free a gang slot", hint.id))
-                # Re-place the moved job right away so the freed slot goes to the gang job.
-                placement = self._place(js)
-                if placement is not None:
-                    for node, gpu in placement:
-                        self.nodes[node].used[gpu] = js.spec.name
-                    js.placement, js.state, js.start_ts = placement, "running", now
-        self.actions.extend(a for a in out if a not in self.actions)
-        return out
+        health = self.plugin("health")
+        if health is None:
+            return []
+        return health.apply_hint(hint, now)
 
     def on_tick(self, result, window) -> None:  # pipeline Sink
         for hint in result.new_hints:
@@ -275,6 +484,9 @@ class Scheduler:
     def placements(self) -> dict[str, list[tuple[str, int]]]:
         return {name: list(js.placement) for name, js in self.jobs.items() if js.state == "running"}
 
+    def lost_gpu_seconds(self) -> float:
+        return sum(js.lost_gpu_seconds for js in self.jobs.values())
+
     def state_frames(self) -> dict[str, pl.DataFrame]:
         jobs = schemas.frame(
             [
@@ -283,6 +495,7 @@ class Scheduler:
                     "tenant": js.spec.tenant,
                     "priority": js.spec.priority,
                     "n_gpus": js.spec.n_gpus,
+                    "gpus_per_node": js.spec.gpus_per_node,
                     "state": js.state,
                     "submit_ts": js.spec.submit_ts,
                     "start_ts": js.start_ts,

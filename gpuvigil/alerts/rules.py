@@ -1,0 +1,274 @@
+"""Prometheus alerting rules over gpuvigil's metrics, and their `promtool test rules` cases.
+
+Each rule says who owns it: `hardware` rules go to the hardware team, `job` rules to the team
+of the job's tenant (joined from `gpuvigil_job_info`, which carries `team`), `platform` rules to
+the default team. Labels the Alertmanager config routes and inhibits on:
+
+- `severity`: page | ticket
+- `team`: receiver owner
+- `scope`: node | job | cluster; job-scoped alerts are inhibited while their node has an alert
+  labelled `hardware="fatal"`.
+
+Thresholds come from the `alerts.rules` config section, so the shipped rules and the unit tests
+are regenerated together by `gpuvigil alerts build`.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+from typing import Any
+
+from gpuvigil.alerts.settings import AlertSettings
+
+# Job alerts take their owner from the job's info series. `instance` keeps two gpuvigil
+# instances (two clusters) with a job of the same name apart.
+JOB_TEAM = "* on(instance, job) group_left(team, tenant) gpuvigil_job_info"
+
+
+@dataclass
+class Example:
+    """A promtool unit-test case: input series, and the labels the alert must fire with."""
+
+    series: dict[str, str]  # series selector → promtool values notation
+    eval_time: str
+    fires_with: list[dict[str, str]]  # extra labels per expected alert (beyond the rule's own)
+    quiet_at: str | None = None  # an eval time at which the alert must not fire
+
+
+@dataclass
+class Rule:
+    name: str
+    group: str
+    expr: str
+    severity: str
+    owner: str  # hardware | job | platform
+    scope: str  # node | job | cluster
+    summary: str
+    description: str
+    for_: str = "0m"
+    fatal_hardware: bool = False
+    example: Example | None = None
+    kind: str | None = None  # the finding kind about the same cause (see rule_labels)
+    labels: dict[str, str] = field(default_factory=dict)
+
+
+def _dur_seconds(d: str) -> int:
+    units = {"ms": 0.001, "s": 1, "m": 60, "h": 3600, "d": 86400, "w": 604800, "y": 31536000}
+    return int(sum(float(n) * units[u] for n, u in re.findall(r"(\d+)(ms|s|m|h|d|w|y)", d)))
+
+
+def _minutes(d: str) -> int:
+    return max(1, _dur_seconds(d) // 60)
+
+
+def _num(x: float) -> str:
+    return repr(int(x)) if float(x).is_integer() else repr(float(x))
+
+
+def rules(s: AlertSettings) -> list[Rule]:
+    t = s.rules
+    gpu = {"node": "n1", "gpu": "0"}
+    sel = '{node="n1",gpu="0"}'
+    job_info = 'gpuvigil_job_info{job="j1",tenant="research",team="%s",priority="P0",state="running"}' % s.team_of_tenant("research")
+    job_labels = {"job": "j1", "tenant": "research", "team": s.team_of_tenant("research")}
+    temp_min = _minutes(t.gpu_temperature_for)
+    stall_min = _minutes(t.collective_stall_for)
+    head_min = _minutes(t.memory_headroom_for)
+    frag_min = _minutes(t.fragmentation_for)
+    stall_pipe_min = _minutes(t.pipeline_stall_for)
+    queue_or = " or ".join(
+        f'gpuvigil_scheduler_queue_oldest_wait_seconds{{priority="{p}"}} > {_num(v)}' for p, v in sorted(t.queue_wait_seconds.items())
+    )
+    p0_wait = t.queue_wait_seconds.get("P0", next(iter(t.queue_wait_seconds.values()), 900))
+    return [
+        # -- hardware ----------------------------------------------------------------------
+        Rule(
+            "GpuvigilGpuFatalXid", "gpuvigil-hardware", "gpuvigil_gpu_last_xid_fatal == 1", "page", "hardware", "node",
+            "GPU {{ $labels.gpu }} on {{ $labels.node }} reported a fatal XID",
+            "The GPU's last XID needs an operator (reset, reboot or drain). Jobs on the node stop; gpuvigil cordons it.",
+            fatal_hardware=True,
+            kind="xid",
+            example=Example({f"gpuvigil_gpu_last_xid_fatal{sel}": "0 0 1 1 1"}, "3m", [gpu], quiet_at="1m"),
+        ),
+        Rule(
+            "GpuvigilGpuEccUncorrectable", "gpuvigil-hardware", "increase(gpuvigil_gpu_ecc_dbe_errors_total[15m]) > 0", "page", "hardware", "node",
+            "Uncorrectable ECC error on GPU {{ $labels.gpu }} of {{ $labels.node }}",
+            "A double-bit ECC error corrupted device memory: the process on that GPU died. Drain the node and reset the GPU.",
+            fatal_hardware=True,
+            kind="ecc",
+            example=Example({f"gpuvigil_gpu_ecc_dbe_errors_total{sel}": "0 0 0 1 1"}, "4m", [gpu], quiet_at="2m"),
+        ),
+        Rule(
+            "GpuvigilGpuRowRemapFailure", "gpuvigil-hardware", "gpuvigil_gpu_row_remap_failure == 1", "page", "hardware", "node",
+            "Row remapping failed on GPU {{ $labels.gpu }} of {{ $labels.node }}",
+            "The GPU ran out of spare rows: it must be reset, and replaced if the failure persists.",
+            fatal_hardware=True,
+            kind="ecc",
+            example=Example({f"gpuvigil_gpu_row_remap_failure{sel}": "0 1 1"}, "2m", [gpu], quiet_at="0m"),
+        ),
+        Rule(
+            "GpuvigilGpuHighSbeRate", "gpuvigil-hardware", f"increase(gpuvigil_gpu_ecc_sbe_errors_total[1h]) > {_num(t.sbe_per_hour)}", "ticket", "hardware", "node",
+            "High corrected-ECC rate on GPU {{ $labels.gpu }} of {{ $labels.node }}",
+            "Corrected errors are rising fast: a sign of failing memory. Schedule a reset and check remapped rows.",
+            kind="ecc",
+            example=Example({f"gpuvigil_gpu_ecc_sbe_errors_total{sel}": f"0+{int(t.sbe_per_hour) // 10 + 1}x70"}, "65m", [gpu], quiet_at="5m"),
+        ),
+        Rule(
+            "GpuvigilGpuThermalThrottle", "gpuvigil-hardware",
+            'max by (cluster, instance, node, gpu) (gpuvigil_gpu_clock_throttled{reason=~"hw_thermal_slowdown|sw_thermal_slowdown"}) == 1',
+            "ticket", "hardware", "node",
+            "GPU {{ $labels.gpu }} on {{ $labels.node }} is throttling for heat",
+            "Thermal slowdown lowers the SM clock; a synchronous job runs at the speed of this GPU. Check cooling.",
+            for_=t.gpu_temperature_for,
+            kind="thermal_throttle",
+            example=Example({f'gpuvigil_gpu_clock_throttled{{node="n1",gpu="0",reason="hw_thermal_slowdown"}}': f"1x{temp_min + 5}"}, f"{temp_min + 1}m", [gpu], quiet_at="0m"),
+        ),
+        Rule(
+            "GpuvigilGpuOverheating", "gpuvigil-hardware", f"gpuvigil_gpu_temperature_celsius > {_num(t.gpu_temperature_celsius)}", "ticket", "hardware", "node",
+            "GPU {{ $labels.gpu }} on {{ $labels.node }} runs hot",
+            "The GPU has been above the temperature threshold long enough to throttle soon. Check the node's airflow.",
+            for_=t.gpu_temperature_for,
+            kind="thermal_throttle",
+            example=Example({f"gpuvigil_gpu_temperature_celsius{sel}": f"{_num(t.gpu_temperature_celsius + 3)}x{temp_min + 5}"}, f"{temp_min + 1}m", [gpu], quiet_at="0m"),
+        ),
+        # -- jobs ----------------------------------------------------------------------------
+        Rule(
+            "GpuvigilJobPredictedOom", "gpuvigil-jobs", f"(gpuvigil_job_predicted_oom_seconds < {_num(t.predicted_oom_seconds)}) {JOB_TEAM}", "page", "job", "job",
+            "Job {{ $labels.job }} will run out of GPU memory soon",
+            "Memory grows step after step: at this rate the job hits a CUDA OOM within the threshold. gpuvigil hints a resize or an allocator setting.",
+            kind="oom_predicted",
+            example=Example({'gpuvigil_job_predicted_oom_seconds{job="j1"}': f"{_num(t.predicted_oom_seconds * 2)} {_num(t.predicted_oom_seconds / 2)}x3", job_info: "1x5"}, "2m", [job_labels], quiet_at="0m"),
+        ),
+        Rule(
+            "GpuvigilJobMemoryHeadroomLow", "gpuvigil-jobs", f"(gpuvigil_job_memory_headroom_ratio < {_num(t.memory_headroom_ratio)}) {JOB_TEAM}", "ticket", "job", "job",
+            "Job {{ $labels.job }} has almost no GPU memory headroom",
+            "The job's tightest rank peaks within a few percent of device capacity: a longer sequence or a fragmented allocator will OOM it.",
+            for_=t.memory_headroom_for,
+            example=Example({'gpuvigil_job_memory_headroom_ratio{job="j1"}': f"{_num(t.memory_headroom_ratio / 2)}x{head_min + 5}", job_info: f"1x{head_min + 5}"}, f"{head_min + 1}m", [job_labels], quiet_at="0m"),
+        ),
+        Rule(
+            "GpuvigilJobCollectiveStalled", "gpuvigil-jobs",
+            f"((max by (cluster, instance, job) (gpuvigil_rank_collective_pending) > 0) and on(instance, job) "
+            f"(max by (cluster, instance, job) (changes(gpuvigil_rank_collective_completed_seq[{t.collective_stall_for}])) == 0)) {JOB_TEAM}",
+            "page", "job", "job",
+            "Job {{ $labels.job }} made no collective progress",
+            "Ranks have collectives in flight but none completed: an NCCL hang. Find the rank that stopped enqueuing (gpuvigil names it) before the watchdog kills the job.",
+            kind="collective_hang",
+            example=Example(
+                {
+                    'gpuvigil_rank_collective_pending{job="j1",rank="0"}': f"1x{stall_min + 10}",
+                    'gpuvigil_rank_collective_completed_seq{job="j1",rank="0"}': f"10+4x3 22x{stall_min + 7}",
+                    job_info: f"1x{stall_min + 10}",
+                },
+                f"{stall_min + 5}m", [job_labels], quiet_at="2m",
+            ),
+        ),
+        # -- scheduler -----------------------------------------------------------------------
+        Rule(
+            "GpuvigilQueueWaitHigh", "gpuvigil-scheduler", queue_or, "ticket", "platform", "cluster",
+            "{{ $labels.priority }} jobs of {{ $labels.tenant }} wait too long for GPUs",
+            "The oldest waiting job of this priority exceeds its wait target: the cluster is full, fragmented or has cordoned nodes.",
+            example=Example({'gpuvigil_scheduler_queue_oldest_wait_seconds{priority="P0",tenant="research"}': f"0 {_num(p0_wait * 2)}"}, "1m", [{"priority": "P0", "tenant": "research"}], quiet_at="0m"),
+        ),
+        Rule(
+            "GpuvigilClusterFragmented", "gpuvigil-scheduler",
+            f"(gpuvigil_scheduler_fragmentation_ratio > {_num(t.fragmentation_ratio)}) and on() (sum(gpuvigil_scheduler_queue_jobs) > 0)",
+            "ticket", "platform", "cluster",
+            "Free GPUs are scattered while jobs wait",
+            "Most free GPUs sit on partly used nodes, so gang jobs cannot start. gpuvigil hints compaction moves.",
+            for_=t.fragmentation_for,
+            example=Example({"gpuvigil_scheduler_fragmentation_ratio": f"0.9x{frag_min + 5}", 'gpuvigil_scheduler_queue_jobs{priority="P1",tenant="vision"}': f"2x{frag_min + 5}"}, f"{frag_min + 1}m", [{}], quiet_at="0m"),
+        ),
+        # -- gpuvigil itself -----------------------------------------------------------------
+        Rule(
+            "GpuvigilPipelineStalled", "gpuvigil-self", "rate(gpuvigil_pipeline_ticks_total[1m]) == 0", "page", "platform", "cluster",
+            "gpuvigil on {{ $labels.instance }} stopped ticking",
+            "The pipeline loop is stuck: no detector runs, so no fault is seen. Restart gpuvigil and look at its log.",
+            for_=t.pipeline_stall_for,
+            example=Example({'gpuvigil_pipeline_ticks_total{instance="gv:9400"}': f"0+60x3 180x{stall_pipe_min + 10}"}, f"{stall_pipe_min + 6}m", [{"instance": "gv:9400"}], quiet_at="2m"),
+        ),
+        Rule(
+            "GpuvigilCollectorErrors", "gpuvigil-self", "increase(gpuvigil_collector_errors_total[10m]) > 0", "ticket", "platform", "cluster",
+            "Collector {{ $labels.collector }} drops samples",
+            "A collector could not parse or read some of its input (malformed lines, unreachable endpoint): detectors see less than they should.",
+            example=Example({'gpuvigil_collector_errors_total{collector="dcgm"}': "0 0 3 3"}, "3m", [{"collector": "dcgm"}], quiet_at="1m"),
+        ),
+        Rule(
+            "GpuvigilAlertOutboxBacklog", "gpuvigil-self", "gpuvigil_alert_outbox_pending > 0", "ticket", "platform", "cluster",
+            "gpuvigil cannot deliver its alerts to Alertmanager",
+            "Alerts wait in gpuvigil's outbox (nothing is lost; they are retried with backoff). Check that Alertmanager is up and reachable.",
+            for_="10m",
+            example=Example({"gpuvigil_alert_outbox_pending": "3x20"}, "11m", [{}], quiet_at="5m"),
+        ),
+    ]
+
+
+def rule_labels(rule: Rule, s: AlertSettings) -> dict[str, str]:
+    labels = {"severity": rule.severity, "scope": rule.scope, "origin": "rule"}
+    if rule.kind:
+        # gpuvigil pushes a finding alert (origin="finding") with the same kind for the same
+        # cause; Alertmanager then holds this rule alert back so the pager rings once.
+        labels["kind"] = rule.kind
+    if rule.owner == "hardware":
+        labels["team"] = s.hardware_team
+    elif rule.owner == "platform":
+        labels["team"] = s.default_team
+    if rule.fatal_hardware:
+        labels["hardware"] = "fatal"
+    labels.update(rule.labels)
+    return labels
+
+
+def annotations(rule: Rule, s: AlertSettings) -> dict[str, str]:
+    return {"summary": rule.summary, "description": rule.description, "runbook": s.runbook(rule.name)}
+
+
+def rules_document(s: AlertSettings) -> dict[str, Any]:
+    groups: dict[str, list[dict[str, Any]]] = {}
+    for rule in rules(s):
+        body: dict[str, Any] = {"alert": rule.name, "expr": rule.expr}
+        if rule.for_ != "0m":
+            body["for"] = rule.for_
+        body["labels"] = rule_labels(rule, s)
+        body["annotations"] = annotations(rule, s)
+        groups.setdefault(rule.group, []).append(body)
+    return {"groups": [{"name": name, "rules": body} for name, body in groups.items()]}
+
+
+_LABEL_REF = re.compile(r"\{\{\s*\$labels\.(\w+)\s*\}\}")
+
+
+def _render(template: str, labels: dict[str, str]) -> str:
+    return _LABEL_REF.sub(lambda m: labels.get(m.group(1), ""), template)
+
+
+def tests_document(s: AlertSettings, rule_file: str) -> dict[str, Any]:
+    """A `promtool test rules` file: for every rule, it fires on its example and is quiet before."""
+    tests = []
+    for rule in rules(s):
+        ex = rule.example
+        if ex is None:
+            continue
+        expected = []
+        for extra in ex.fires_with:
+            labels = {**rule_labels(rule, s), **extra}
+            # Series labels the expression keeps (it never keeps __name__ for these rules).
+            expected.append(
+                {
+                    "exp_labels": dict(sorted(labels.items())),
+                    "exp_annotations": {k: _render(v, labels) for k, v in annotations(rule, s).items()},
+                }
+            )
+        cases = [{"eval_time": ex.eval_time, "alertname": rule.name, "exp_alerts": expected}]
+        if ex.quiet_at is not None:
+            cases.insert(0, {"eval_time": ex.quiet_at, "alertname": rule.name, "exp_alerts": []})
+        tests.append(
+            {
+                "name": rule.name,
+                "interval": "1m",
+                "input_series": [{"series": k, "values": v} for k, v in ex.series.items()],
+                "alert_rule_test": cases,
+            }
+        )
+    return {"rule_files": [rule_file], "evaluation_interval": "1m", "tests": tests}

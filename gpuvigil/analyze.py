@@ -1,0 +1,481 @@
+"""`gpuvigil analyze PATH...`: offline diagnosis of whatever files the on-call engineer has.
+
+Takes any mix of files and folders and recognises each file by its content, not its name:
+kernel logs (XIDs), training / NCCL logs (watchdog timeouts, NCCL warnings, CUDA OOMs), Flight
+Recorder dumps (pickle or JSON; all dumps of one folder are analysed together, across ranks),
+`torch.cuda.memory_stats()` JSON, memory snapshot pickles, saved `/metrics` scrapes (dcgm-exporter
+or gpuvigil's own), and NVML time-series CSV. Prints the findings sorted by time, as readable
+blocks or as JSON lines (`--format json`).
+
+Untrusted input: pickles are only ever read through the restricted unpickler (by the Flight
+Recorder and allocator readers). A file that cannot be read or is refused gets one line on
+stderr naming it, and the others are still analysed; the exit code is 2 only when nothing at
+all could be read.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+import polars as pl
+
+from gpuvigil import config
+from gpuvigil.errors import UserError
+from gpuvigil.model import Finding, FindingKind, Severity
+
+SNIFF_BYTES = 256 * 1024
+SEVERITY_ORDER = {Severity.PAGE: 0, Severity.TICKET: 1, Severity.INFO: 2}
+# NVML clock-event reasons that mean the GPU slowed itself down for heat (NVML's
+# nvmlClocksEventReasonSwThermalSlowdown 0x20, HwThermalSlowdown 0x40, HwSlowdown 0x08).
+THERMAL_REASONS_MASK = 0x20 | 0x40 | 0x08
+
+
+@dataclass
+class Report:
+    findings: list[Finding] = field(default_factory=list)
+    read: list[str] = field(default_factory=list)  # files analysed (whether or not they had findings)
+    errors: list[str] = field(default_factory=list)  # one line each, naming the file
+    formats: dict[str, str] = field(default_factory=dict)  # file → detected format
+
+
+def _optional(module: str) -> Any | None:
+    """Import a reader another part of gpuvigil provides; None if it is not installed."""
+    import importlib
+
+    try:
+        return importlib.import_module(module)
+    except ModuleNotFoundError as exc:
+        if exc.name == module:
+            return None
+        raise
+
+
+def _iter_files(paths: Iterable[Path]) -> list[Path | str]:
+    """Files to read in argument order (folders walked, sorted), or an error line in their place."""
+    items: list[Path | str] = []
+    seen: set[Path] = set()
+    for p in paths:
+        if p.is_dir():
+            found = sorted(f for f in p.rglob("*") if f.is_file() and not any(part.startswith(".") for part in f.relative_to(p).parts))
+            if not found:
+                items.append(f"{p}: folder has no files")
+        elif p.is_file():
+            found = [p]
+        else:
+            items.append(f"{p}: not a regular file" if p.exists() else f"{p}: no such file or folder")
+            continue
+        for f in found:
+            key = f.resolve()
+            if key not in seen:
+                seen.add(key)
+                items.append(f)
+    return items
+
+
+def _head(path: Path) -> bytes:
+    with open(path, "rb") as fh:
+        return fh.read(SNIFF_BYTES)
+
+
+def _is_pickle(head: bytes) -> bool:
+    # Protocol 2+ starts with PROTO (0x80) and a protocol number; torch writes protocol 2+.
+    return len(head) >= 2 and head[0] == 0x80 and 2 <= head[1] <= 5
+
+
+def _is_json(head: bytes) -> bool:
+    stripped = head.lstrip()
+    return stripped[:1] in (b"{", b"[")
+
+
+def _text_lines(path: Path) -> Iterable[str]:
+    with open(path, encoding="utf-8", errors="replace", newline=None) as fh:
+        yield from fh
+
+
+def _mtime(path: Path) -> float:
+    return path.stat().st_mtime
+
+
+def _is_nvml_csv(head_text: str) -> bool:
+    first = head_text.split("\n", 1)[0].lower()
+    cols = {c.strip() for c in first.split(",")}
+    return ("clock_event_reasons" in cols or "throttle_reasons" in cols) and bool(cols & {"t", "ts", "timestamp"})
+
+
+def _is_prometheus(head_text: str) -> bool:
+    return head_text.lstrip().startswith("# HELP") or head_text.lstrip().startswith("# TYPE") or "DCGM_FI_" in head_text
+
+
+def analyze_nvml_csv(path: Path, display: str) -> list[Finding]:
+    """Thermal slowdowns in an NVML time series (one row per sample)."""
+    try:
+        df = pl.read_csv(path, infer_schema_length=10000)
+    except (pl.exceptions.PolarsError, OSError, UnicodeDecodeError) as exc:
+        raise UserError(f"{display}: unreadable CSV: {str(exc).splitlines()[0]}") from exc
+    tcol = next((c for c in ("ts", "t", "timestamp") if c in df.columns), None)
+    rcol = next((c for c in ("clock_event_reasons", "throttle_reasons") if c in df.columns), None)
+    if tcol is None or rcol is None:
+        raise UserError(f"{display}: CSV without a time and a clock-event-reasons column")
+    gpu_col = "gpu" if "gpu" in df.columns else None
+    df = df.with_columns(
+        pl.col(tcol).cast(pl.Float64, strict=False).alias("_ts"),
+        pl.col(rcol).cast(pl.Int64, strict=False).alias("_reasons"),
+        (pl.col(gpu_col).cast(pl.Int32, strict=False) if gpu_col else pl.lit(0, pl.Int32)).alias("_gpu"),
+        (pl.int_range(pl.len()) + 2).alias("_line"),  # header is line 1
+    ).with_columns(((pl.col("_reasons") & THERMAL_REASONS_MASK) != 0).fill_null(False).alias("_hot"))
+    hot = (
+        df.filter(pl.col("_hot"))
+        .group_by("_gpu", maintain_order=True)
+        .agg(
+            pl.len().alias("samples"),
+            pl.col("_ts").min().alias("first_ts"),
+            pl.col("_ts").max().alias("last_ts"),
+            pl.col("_line").first().alias("line"),
+            pl.col("_reasons").first().alias("reasons"),
+            (pl.col("temp_c").max() if "temp_c" in df.columns else pl.lit(None)).alias("max_temp_c"),
+        )
+    )
+    totals = df.group_by("_gpu").agg(pl.len().alias("all_samples"))
+    out = []
+    for row in hot.join(totals, on="_gpu").to_dicts():
+        out.append(
+            Finding(
+                kind=FindingKind.THERMAL_THROTTLE,
+                severity=Severity.TICKET,
+                ts=row["first_ts"] if row["first_ts"] is not None else _mtime(path),
+                gpu=row["_gpu"],
+                evidence={
+                    "samples": row["samples"],
+                    "of_samples": row["all_samples"],
+                    "first_ts": row["first_ts"],
+                    "last_ts": row["last_ts"],
+                    "clock_event_reasons": row["reasons"],
+                    "max_temperature_c": row["max_temp_c"],
+                },
+                summary=f"GPU {row['_gpu']} slowed its clocks for heat in {row['samples']} of {row['all_samples']} samples",
+                source=f"{display}:{row['line']}",
+                cause="hardware",
+            )
+        )
+    return out
+
+
+def findings_from_gpuvigil_scrape(text: str, display: str, ts: float) -> list[Finding]:
+    """Findings gpuvigil itself had active when its `/metrics` was saved."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    out = []
+    for family in text_string_to_metric_families(text):
+        if family.name not in ("gpuvigil_node_findings_active", "gpuvigil_job_findings_active"):
+            continue
+        for s in family.samples:
+            if s.value <= 0:
+                continue
+            try:
+                kind, sev = FindingKind(s.labels.get("kind", "")), Severity(s.labels.get("severity", ""))
+            except ValueError:
+                continue
+            node, job = s.labels.get("node"), s.labels.get("job")
+            out.append(
+                Finding(
+                    kind=kind,
+                    severity=sev,
+                    ts=ts,
+                    node=node,
+                    job=job,
+                    evidence={"active_count": int(s.value), "metric": family.name},
+                    summary=f"gpuvigil had {int(s.value)} active {kind.value} finding(s) on {'node ' + node if node else 'job ' + str(job)} when this scrape was saved",
+                    source=display,
+                )
+            )
+    return out
+
+
+class Analyzer:
+    def __init__(self, *, cfg: dict[str, Any] | None = None, job: str | None = None, node: str | None = None, pci_to_gpu: dict[str, int] | None = None):
+        self.cfg = cfg
+        self.job = job
+        self.node = node
+        self.pci_to_gpu = pci_to_gpu or {}
+        self.fr = _optional("gpuvigil.collectors.flight_recorder")
+        self.alloc = _optional("gpuvigil.collectors.allocator")
+
+    def _is_fr(self, path: Path) -> bool:
+        return bool(self.fr is not None and self.fr.is_flight_recorder_dump(path))
+
+    def run(self, paths: list[Path], display: Callable[[Path], str] = str) -> Report:
+        report = Report()
+        fr_groups: dict[Path, list[Path]] = {}
+        for path in _iter_files(paths):
+            if isinstance(path, str):
+                report.errors.append(path)
+                continue
+            name = display(path)
+            try:
+                kind = self._analyze_file(path, name, report, fr_groups)
+            except UserError as exc:
+                report.errors.append(_one_line(str(exc), name))
+                continue
+            except (OSError, UnicodeError, ValueError, pl.exceptions.PolarsError) as exc:
+                report.errors.append(f"{name}: unreadable: {_first_line(exc)}")
+                continue
+            if kind is None:
+                report.errors.append(f"{name}: format not recognised (not a kernel, training or NCCL log, dump, memory stats, scrape or NVML CSV)")
+                continue
+            if kind != "flight_recorder":
+                report.read.append(name)
+                report.formats[name] = kind
+        for folder, dumps in fr_groups.items():
+            names = [display(d) for d in dumps]
+            try:
+                found = self.fr.analyze_paths(dumps)  # type: ignore[union-attr]
+            except UserError as exc:
+                report.errors.append(_one_line(str(exc), ", ".join(names)))
+                continue
+            for f in found:
+                if f.job is None and self.job:
+                    f.job = self.job
+            report.findings.extend(found)
+            for n in names:
+                report.read.append(n)
+                report.formats[n] = "flight_recorder"
+        report.findings.sort(key=lambda f: (f.ts, SEVERITY_ORDER[f.severity], f.source or ""))
+        return report
+
+    def _analyze_file(self, path: Path, name: str, report: Report, fr_groups: dict[Path, list[Path]]) -> str | None:
+        from gpuvigil.collectors import dcgm, kernel_log, nccl_log
+
+        head = _head(path)
+        if not head:
+            raise UserError(f"{name}: empty file")
+        if _is_pickle(head) or _is_json(head):
+            if self._is_fr(path):
+                fr_groups.setdefault(path.parent, []).append(path)
+                return "flight_recorder"
+            if self.alloc is not None and (self.alloc.is_memory_stats(path) or self.alloc.is_snapshot(path)):
+                kind = "memory_stats" if self.alloc.is_memory_stats(path) else "memory_snapshot"
+                report.findings.extend(self._tag(self.alloc.analyze_path(path), name))
+                return kind
+            if _is_pickle(head):
+                from gpuvigil.collectors.safe_pickle import safe_load
+
+                try:
+                    safe_load(path)  # says precisely why a malicious or broken pickle is refused
+                except UserError as exc:
+                    reason = _first_line(exc).removeprefix(f"{path}: ")
+                    raise UserError(f"{name}: {reason}") from exc
+                missing = [m for m, mod in (("Flight Recorder", self.fr), ("allocator", self.alloc)) if mod is None]
+                why = f" (this install has no {' or '.join(missing)} reader)" if missing else ""
+                raise UserError(f"{name}: pickle that is neither a Flight Recorder dump nor a memory snapshot{why}; not loaded")
+            # JSON that no reader claims falls through to the text checks (JSON-lines logs).
+        if b"\x00" in head:
+            return None
+        text_head = head.decode("utf-8", errors="replace")
+        ref = _mtime(path)
+        kinds: list[str] = []
+        if kernel_log.looks_like_kernel_log(text_head) or (len(head) == SNIFF_BYTES and _grep(path, b"NVRM: Xid")):
+            cfg = kernel_log.load_config(self.cfg)
+            lines = kernel_log.parse_lines(_text_lines(path), node=self.node, pci_to_gpu=self.pci_to_gpu, reference_ts=ref)
+            found = kernel_log.findings(
+                kernel_log.incidents(lines, cfg.burst_gap_seconds), source_file=name, job=self.job, companion_window_seconds=cfg.burst_gap_seconds
+            )
+            report.findings.extend(found)
+            kinds.append("kernel_log")
+        if nccl_log.looks_like_training_log(text_head) or (len(head) == SNIFF_BYTES and _grep(path, b"Watchdog caught", b"CUDA out of memory", b"NCCL WARN")):
+            parsed = nccl_log.parse_lines(_text_lines(path), reference_ts=ref)
+            report.findings.extend(nccl_log.findings(parsed, source_file=name, job=self.job, node=self.node, cfg=self.cfg))
+            kinds.append("training_log")
+        if kinds:
+            return "+".join(kinds)
+        if _is_nvml_csv(text_head):
+            report.findings.extend(self._tag(analyze_nvml_csv(path, name), name))
+            return "nvml_csv"
+        if _is_prometheus(text_head):
+            text = path.read_text(errors="replace")
+            if dcgm.looks_like_dcgm_scrape(text):
+                samples, _w, _e = dcgm.read_scrape(path, ts=ref, default_node=self.node)
+                report.findings.extend(dcgm.findings_from_scrape(samples, source_file=name, ts=ref))
+                return "dcgm_scrape"
+            if "gpuvigil_" in text:
+                try:
+                    report.findings.extend(findings_from_gpuvigil_scrape(text, name, ref))
+                except ValueError as exc:
+                    raise UserError(f"{name}: not a Prometheus text exposition: {_first_line(exc)}") from exc
+                return "gpuvigil_scrape"
+        return None
+
+    def _tag(self, found: list[Finding], name: str) -> list[Finding]:
+        for f in found:
+            if f.job is None and self.job:
+                f.job = self.job
+            if f.node is None and self.node:
+                f.node = self.node
+            if not f.source:
+                f.source = name
+        return found
+
+
+def _grep(path: Path, *needles: bytes) -> bool:
+    """Whether a large file contains any of `needles` beyond its sniffed head (streamed)."""
+    keep = max(len(n) for n in needles)
+    tail = b""
+    with open(path, "rb") as fh:
+        while chunk := fh.read(1 << 20):
+            buf = tail + chunk
+            if any(n in buf for n in needles):
+                return True
+            tail = buf[-keep:]
+    return False
+
+
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip()
+    return text.splitlines()[0] if text else type(exc).__name__
+
+
+def _one_line(msg: str, name: str) -> str:
+    line = msg.strip().splitlines()[0] if msg.strip() else "unreadable"
+    return line if name in line else f"{name}: {line}"
+
+
+def action_of(finding: Finding, policy: Any) -> str | None:
+    """What to do: NVIDIA's immediate action for an XID, else the scheduler hints' actions."""
+    if finding.kind == FindingKind.XID:
+        act = finding.evidence.get("action")
+        return str(act) if act else None
+    rule = policy.rule_for(finding)
+    if rule is None or not rule.actions:
+        return None
+    return ", ".join(a.value for a in rule.actions)
+
+
+def to_json_line(finding: Finding, policy: Any) -> dict[str, Any]:
+    d = finding.to_json_dict()
+    return {
+        "kind": d["kind"],
+        "severity": d["severity"],
+        "ts": d["ts"],
+        "job": d["job"],
+        "ranks": d["ranks"],
+        "culprit_ranks": d["culprit_ranks"],
+        "node": d["node"],
+        "gpu": d["gpu"],
+        "xid": d["xid"],
+        "action": action_of(finding, policy),
+        "cause": d["cause"],
+        "evidence": d["evidence"],
+        "summary": d["summary"],
+        "source": d["source"],
+        "id": d["id"],
+    }
+
+
+def _fmt_ts(ts: float) -> str:
+    # Since-boot dmesg stamps are small numbers: print them as such, not as 1970 dates.
+    if ts < 10 * 365 * 86400:
+        return f"{ts:.3f} s since boot"
+    return datetime.fromtimestamp(ts, UTC).strftime("%Y-%m-%d %H:%M:%S UTC")
+
+
+def _fmt_value(v: Any) -> str:
+    if isinstance(v, float):
+        return f"{v:.6g}"
+    if isinstance(v, (list, dict)):
+        return json.dumps(v, sort_keys=True)
+    return str(v)
+
+
+def format_text(finding: Finding, policy: Any) -> str:
+    lines = [f"[{finding.severity.value.upper()}] {finding.kind.value}  {_fmt_ts(finding.ts)}  {finding.source or ''}".rstrip()]
+    lines.append(f"  {finding.summary}")
+    where = []
+    for label, value in (("job", finding.job), ("node", finding.node), ("gpu", finding.gpu), ("xid", finding.xid)):
+        if value is not None:
+            where.append(f"{label} {value}")
+    if finding.ranks:
+        where.append(f"ranks {','.join(map(str, finding.ranks))}")
+    if finding.culprit_ranks:
+        where.append(f"culprit ranks {','.join(map(str, finding.culprit_ranks))}")
+    if finding.cause:
+        where.append(f"cause {finding.cause}")
+    if where:
+        lines.append("  " + "; ".join(where))
+    act = action_of(finding, policy)
+    if act:
+        lines.append(f"  action: {act}")
+    ev = ", ".join(f"{k}={_fmt_value(v)}" for k, v in finding.evidence.items() if v is not None and v != [] and k != "message")
+    if ev:
+        lines.append(f"  evidence: {ev}")
+    if finding.evidence.get("message"):
+        lines.append(f"  message: {finding.evidence['message']}")
+    return "\n".join(lines)
+
+
+def _parse_pci_map(items: list[str] | None) -> dict[str, int]:
+    out: dict[str, int] = {}
+    for item in items or []:
+        for part in item.split(","):
+            if not part.strip():
+                continue
+            bus, sep, idx = part.partition("=")
+            if not sep or not bus.strip() or not idx.strip().isdigit():
+                raise UserError(f"--pci-map: expected BUS_ID=GPU_INDEX (e.g. 0000:3b:00=3), got {part!r}")
+            out[bus.strip()] = int(idx)
+    return out
+
+
+def handler(args: argparse.Namespace) -> int:
+    try:
+        cfg = config.load(args.config) if args.config else None
+    except config.ConfigError as exc:
+        raise UserError(str(exc)) from exc
+    analyzer = Analyzer(cfg=cfg, job=args.job, node=args.node, pci_to_gpu=_parse_pci_map(args.pci_map))
+    report = analyzer.run([Path(p) for p in args.paths])
+    from gpuvigil.pipeline.hints import HintPolicy
+
+    policy = HintPolicy(cfg)
+    for err in report.errors:
+        print(f"gpuvigil analyze: {err}", file=sys.stderr)
+    if not report.read:
+        raise UserError("nothing could be read" + (f" ({len(report.errors)} error(s) above)" if report.errors else ""))
+    out = sys.stdout
+    if args.format == "json":
+        for f in report.findings:
+            out.write(json.dumps(to_json_line(f, policy), sort_keys=False, default=str) + "\n")
+    else:
+        blocks = [format_text(f, policy) for f in report.findings]
+        if blocks:
+            out.write("\n\n".join(blocks) + "\n")
+        n_page = sum(f.severity == Severity.PAGE for f in report.findings)
+        out.write(
+            f"\n{len(report.findings)} finding(s) ({n_page} page) from {len(report.read)} file(s)"
+            + (f"; {len(report.errors)} file(s) skipped (see stderr)" if report.errors else "")
+            + "\n"
+        )
+    out.flush()
+    return 0
+
+
+def add_parser(sub: Any) -> None:
+    p = sub.add_parser(
+        "analyze",
+        help="diagnose logs, dumps and scrapes offline (format detected from content)",
+        description=__doc__.split("\n\n")[0] if __doc__ else None,
+    )
+    p.add_argument("paths", nargs="+", metavar="PATH", help="files or folders: kernel/training/NCCL logs, Flight Recorder dumps, memory stats/snapshots, /metrics scrapes, NVML CSV")
+    p.add_argument("--format", choices=["text", "json"], default="text", help="text blocks (default) or JSON lines")
+    p.add_argument("--job", help="job name to attach to findings that do not name one")
+    p.add_argument("--node", help="node name for logs that do not name their host")
+    p.add_argument("--pci-map", action="append", metavar="BUS=GPU", help="map PCI bus ids in XID lines to GPU indices, e.g. 0000:3b:00=3 (repeatable, comma separated)")
+    p.add_argument("--config", help="YAML/JSON config overriding thresholds (e.g. oom_classify)")
+    p.set_defaults(func=handler)
+
+
+__all__ = ["Analyzer", "Report", "add_parser", "format_text", "to_json_line", "analyze_nvml_csv"]

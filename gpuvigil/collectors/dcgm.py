@@ -1,0 +1,359 @@
+"""dcgm-exporter: scrape its `/metrics` (or read a saved scrape) into `gpu_samples`.
+
+dcgm-exporter publishes one Prometheus series per DCGM field and GPU, labelled with `gpu`
+(index), `UUID`, `pci_bus_id`, `modelName`, `Hostname` (newer releases: `hostname`) and, when
+it maps GPUs to workloads, `pod`/`namespace`/`container` (Kubernetes) or `hpc_job` (Slurm).
+The text is parsed with prometheus_client's parser; the samples are pivoted to one row per GPU
+with polars and mapped onto the `gpu_samples` schema (MiB → bytes, % → ratio).
+
+`DCGM_FI_DEV_XID_ERRORS` is the *last* XID the GPU raised, not a count: a change of its value
+is a new XID, which the collector turns into an `events` row and counts in `xid_total`.
+
+Streams: `gpu_samples`, `events` (new XIDs), and `gpu_workloads` (which pod/job uses which
+GPU; declared here) plus `dcgm_extra` (fields with no `gpu_samples` column, e.g. energy).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import httpx
+import polars as pl
+from prometheus_client.parser import text_string_to_metric_families
+
+from gpuvigil import schemas, xid
+from gpuvigil.errors import UserError
+from gpuvigil.model import Finding, FindingKind, Severity
+
+MIB = 1 << 20
+
+GPU_WORKLOADS = pl.Schema(
+    {
+        "ts": pl.Float64,
+        "node": pl.Utf8,
+        "gpu": pl.Int32,
+        "gpu_uuid": pl.Utf8,
+        "model_name": pl.Utf8,
+        "pci_bus_id": pl.Utf8,
+        "pod": pl.Utf8,
+        "namespace": pl.Utf8,
+        "container": pl.Utf8,
+        "hpc_job": pl.Utf8,
+    }
+)
+
+DCGM_EXTRA = pl.Schema(
+    {
+        "ts": pl.Float64,
+        "node": pl.Utf8,
+        "gpu": pl.Int32,
+        "gpu_uuid": pl.Utf8,
+        "total_energy_mj": pl.Float64,
+        "memory_temperature_c": pl.Float64,
+        "pcie_tx_kb_total": pl.Float64,
+        "pcie_rx_kb_total": pl.Float64,
+        "nvlink_bandwidth_total": pl.Float64,
+        "fb_reserved_bytes": pl.Int64,
+    }
+)
+
+STREAMS: Mapping[str, pl.Schema] = {
+    "gpu_samples": schemas.GPU_SAMPLES,
+    "events": schemas.EVENTS,
+    "gpu_workloads": GPU_WORKLOADS,
+    "dcgm_extra": DCGM_EXTRA,
+}
+
+_LABELS = {
+    "gpu": "gpu",
+    "UUID": "gpu_uuid",
+    "Hostname": "node",
+    "hostname": "node",
+    "modelName": "model_name",
+    "pci_bus_id": "pci_bus_id",
+    "pod": "pod",
+    "namespace": "namespace",
+    "container": "container",
+    "hpc_job": "hpc_job",
+}
+_KEY = ["node", "gpu", "gpu_uuid"]
+_ATTRIBUTION = ["model_name", "pci_bus_id", "pod", "namespace", "container", "hpc_job"]
+
+# DCGM field → how it lands in our frames. Several DCGM fields may feed one column (summed).
+FIELDS_USED = (
+    "DCGM_FI_DEV_FB_USED",
+    "DCGM_FI_DEV_FB_FREE",
+    "DCGM_FI_DEV_FB_RESERVED",
+    "DCGM_FI_DEV_FB_TOTAL",
+    "DCGM_FI_DEV_GPU_UTIL",
+    "DCGM_FI_DEV_MEM_COPY_UTIL",
+    "DCGM_FI_DEV_POWER_USAGE",
+    "DCGM_FI_DEV_TOTAL_ENERGY_CONSUMPTION",
+    "DCGM_FI_DEV_GPU_TEMP",
+    "DCGM_FI_DEV_MEMORY_TEMP",
+    "DCGM_FI_DEV_SM_CLOCK",
+    "DCGM_FI_DEV_MEM_CLOCK",
+    "DCGM_FI_DEV_CLOCK_THROTTLE_REASONS",
+    "DCGM_FI_DEV_CLOCKS_EVENT_REASONS",
+    "DCGM_FI_DEV_ECC_SBE_VOL_TOTAL",
+    "DCGM_FI_DEV_ECC_DBE_VOL_TOTAL",
+    "DCGM_FI_DEV_RETIRED_SBE",
+    "DCGM_FI_DEV_RETIRED_DBE",
+    "DCGM_FI_DEV_UNCORRECTABLE_REMAPPED_ROWS",
+    "DCGM_FI_DEV_CORRECTABLE_REMAPPED_ROWS",
+    "DCGM_FI_DEV_ROW_REMAP_FAILURE",
+    "DCGM_FI_DEV_PCIE_REPLAY_COUNTER",
+    "DCGM_FI_DEV_XID_ERRORS",
+    "DCGM_FI_DEV_PCIE_TX_THROUGHPUT",
+    "DCGM_FI_DEV_PCIE_RX_THROUGHPUT",
+    "DCGM_FI_DEV_NVLINK_BANDWIDTH_TOTAL",
+)
+_FIELD_SET = frozenset(FIELDS_USED)
+
+
+def _f(name: str) -> pl.Expr:
+    return pl.col(name)
+
+
+def _sum_present(*names: str) -> pl.Expr:
+    """Sum of the fields that are present (null only if all are null)."""
+    return pl.when(pl.any_horizontal([_f(n).is_not_null() for n in names])).then(pl.sum_horizontal([_f(n) for n in names]))
+
+
+def parse_text(text: str, *, ts: float, default_node: str | None = None) -> tuple[pl.DataFrame, pl.DataFrame, pl.DataFrame]:
+    """(gpu_samples, gpu_workloads, dcgm_extra) from one Prometheus text exposition.
+
+    Raises ValueError for text that is not a Prometheus exposition. `xid_total` is left null
+    here: only a collector that watches successive scrapes can count XIDs.
+    """
+    rows: list[dict[str, Any]] = []
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            name = sample.name
+            # prometheus_client names counter samples `<family>_total`; DCGM's names are the family's.
+            if name not in _FIELD_SET and name.endswith("_total") and name[: -len("_total")] in _FIELD_SET:
+                name = name[: -len("_total")]
+            if name not in _FIELD_SET:
+                continue
+            row = {dst: sample.labels.get(src) for src, dst in _LABELS.items() if src in sample.labels}
+            row["field"] = name
+            row["value"] = float(sample.value)
+            rows.append(row)
+    if not rows:
+        return schemas.empty(schemas.GPU_SAMPLES), pl.DataFrame(schema=GPU_WORKLOADS), pl.DataFrame(schema=DCGM_EXTRA)
+    long = pl.DataFrame(rows, schema_overrides={"value": pl.Float64}, infer_schema_length=None)
+    for col in (*_KEY, *_ATTRIBUTION):
+        if col not in long.columns:
+            long = long.with_columns(pl.lit(None, pl.Utf8).alias(col))
+    long = long.with_columns(
+        pl.col("node").fill_null(pl.lit(default_node, pl.Utf8)),
+        pl.col("gpu").cast(pl.Int32, strict=False),
+    )
+    wide = long.pivot(on="field", index=_KEY, values="value", aggregate_function="first")
+    attribution = long.group_by(_KEY, maintain_order=True).agg([pl.col(c).drop_nulls().filter(pl.col(c).drop_nulls() != "").first().alias(c) for c in _ATTRIBUTION])
+    for name in FIELDS_USED:
+        if name not in wide.columns:
+            wide = wide.with_columns(pl.lit(None, pl.Float64).alias(name))
+    used = _f("DCGM_FI_DEV_FB_USED") * MIB
+    total = pl.coalesce(
+        _f("DCGM_FI_DEV_FB_TOTAL") * MIB,
+        _sum_present("DCGM_FI_DEV_FB_USED", "DCGM_FI_DEV_FB_FREE", "DCGM_FI_DEV_FB_RESERVED") * MIB,
+    )
+    last_xid = _f("DCGM_FI_DEV_XID_ERRORS")
+    samples = wide.select(
+        pl.lit(ts, pl.Float64).alias("ts"),
+        pl.col("node"),
+        pl.col("gpu"),
+        pl.col("gpu_uuid"),
+        used.round(0).cast(pl.Int64).alias("memory_used_bytes"),
+        total.round(0).cast(pl.Int64).alias("memory_total_bytes"),
+        (_f("DCGM_FI_DEV_GPU_UTIL") / 100.0).alias("util_ratio"),
+        (_f("DCGM_FI_DEV_MEM_COPY_UTIL") / 100.0).alias("mem_util_ratio"),
+        _f("DCGM_FI_DEV_POWER_USAGE").alias("power_w"),
+        _f("DCGM_FI_DEV_GPU_TEMP").alias("temperature_c"),
+        _f("DCGM_FI_DEV_SM_CLOCK").alias("sm_clock_mhz"),
+        _f("DCGM_FI_DEV_MEM_CLOCK").alias("mem_clock_mhz"),
+        pl.coalesce(_f("DCGM_FI_DEV_CLOCKS_EVENT_REASONS"), _f("DCGM_FI_DEV_CLOCK_THROTTLE_REASONS")).cast(pl.Int64).alias("throttle_reasons"),
+        _f("DCGM_FI_DEV_ECC_SBE_VOL_TOTAL").cast(pl.Int64).alias("ecc_sbe_volatile_total"),
+        _f("DCGM_FI_DEV_ECC_DBE_VOL_TOTAL").cast(pl.Int64).alias("ecc_dbe_volatile_total"),
+        _sum_present(
+            "DCGM_FI_DEV_RETIRED_SBE", "DCGM_FI_DEV_RETIRED_DBE", "DCGM_FI_DEV_UNCORRECTABLE_REMAPPED_ROWS", "DCGM_FI_DEV_CORRECTABLE_REMAPPED_ROWS"
+        )
+        .cast(pl.Int64)
+        .alias("retired_pages_total"),
+        (_f("DCGM_FI_DEV_ROW_REMAP_FAILURE") > 0).alias("remap_failure"),
+        _f("DCGM_FI_DEV_PCIE_REPLAY_COUNTER").cast(pl.Int64).alias("pcie_replay_total"),
+        pl.lit(None, pl.Int64).alias("xid_total"),
+        pl.when(last_xid > 0).then(last_xid).cast(pl.Int32).alias("last_xid"),
+    )
+    workloads = attribution.select(pl.lit(ts, pl.Float64).alias("ts"), *[pl.col(c) for c in GPU_WORKLOADS if c != "ts"])
+    extra = wide.select(
+        pl.lit(ts, pl.Float64).alias("ts"),
+        pl.col("node"),
+        pl.col("gpu"),
+        pl.col("gpu_uuid"),
+        _f("DCGM_FI_DEV_TOTAL_ENERGY_CONSUMPTION").alias("total_energy_mj"),
+        _f("DCGM_FI_DEV_MEMORY_TEMP").alias("memory_temperature_c"),
+        _f("DCGM_FI_DEV_PCIE_TX_THROUGHPUT").alias("pcie_tx_kb_total"),
+        _f("DCGM_FI_DEV_PCIE_RX_THROUGHPUT").alias("pcie_rx_kb_total"),
+        _f("DCGM_FI_DEV_NVLINK_BANDWIDTH_TOTAL").alias("nvlink_bandwidth_total"),
+        (_f("DCGM_FI_DEV_FB_RESERVED") * MIB).round(0).cast(pl.Int64).alias("fb_reserved_bytes"),
+    )
+    return (
+        schemas.conform(samples, schemas.GPU_SAMPLES, stream="gpu_samples"),
+        schemas.conform(workloads, GPU_WORKLOADS, stream="gpu_workloads"),
+        schemas.conform(extra, DCGM_EXTRA, stream="dcgm_extra"),
+    )
+
+
+def looks_like_dcgm_scrape(sample: str) -> bool:
+    return "DCGM_FI_" in sample
+
+
+def findings_from_scrape(samples: pl.DataFrame, *, source_file: str | None = None, ts: float | None = None) -> list[Finding]:
+    """What a single saved scrape says on its own: each GPU's last XID, and uncorrectable ECC."""
+    out: list[Finding] = []
+    for row in samples.filter(pl.col("last_xid").is_not_null() | (pl.col("ecc_dbe_volatile_total") > 0) | pl.col("remap_failure")).to_dicts():
+        where = f"GPU {row['gpu']} of {row['node'] or 'this node'}"
+        src = f"{source_file}:gpu={row['gpu']}" if source_file else "dcgm"
+        code = row["last_xid"]
+        if code is not None:
+            info = xid.xid_info(code)
+            fatal = xid.is_fatal(code)
+            out.append(
+                Finding(
+                    kind=FindingKind.XID,
+                    severity=Severity.PAGE if fatal else (Severity.INFO if info and info.action == "IGNORE" else Severity.TICKET),
+                    ts=ts if ts is not None else row["ts"],
+                    node=row["node"],
+                    gpu=row["gpu"],
+                    xid=code,
+                    evidence={
+                        "fatal": fatal,
+                        "app_level": info.app_level if info else False,
+                        "action": info.action if info else None,
+                        "name": info.name if info else "unknown XID",
+                        "gpu_uuid": row["gpu_uuid"],
+                        "note": "DCGM_FI_DEV_XID_ERRORS is the last XID since dcgm-exporter started; when it happened is not in the scrape",
+                    },
+                    summary=f"Last XID on {where} was {code} ({info.name if info else 'unknown'})" + (f"; NVIDIA's immediate action: {info.action}" if info else ""),
+                    source=src,
+                    cause="hardware" if fatal else None,
+                )
+            )
+        if (row["ecc_dbe_volatile_total"] or 0) > 0 or row["remap_failure"]:
+            out.append(
+                Finding(
+                    kind=FindingKind.ECC,
+                    severity=Severity.PAGE,
+                    ts=ts if ts is not None else row["ts"],
+                    node=row["node"],
+                    gpu=row["gpu"],
+                    evidence={
+                        "ecc_dbe_volatile_total": row["ecc_dbe_volatile_total"],
+                        "ecc_sbe_volatile_total": row["ecc_sbe_volatile_total"],
+                        "retired_pages_total": row["retired_pages_total"],
+                        "remap_failure": bool(row["remap_failure"]),
+                        "gpu_uuid": row["gpu_uuid"],
+                    },
+                    summary=f"Uncorrectable memory errors on {where}: {row['ecc_dbe_volatile_total'] or 0} volatile DBE"
+                    + ("; row remapping failed" if row["remap_failure"] else ""),
+                    source=src,
+                    cause="hardware",
+                )
+            )
+    return out
+
+
+class DcgmCollector:
+    """Scrapes one dcgm-exporter endpoint per `collect`. Failures are counted, never raised."""
+
+    streams: Mapping[str, pl.Schema] = STREAMS
+
+    def __init__(self, url: str, *, node: str | None = None, timeout_seconds: float = 2.0, client: httpx.Client | None = None):
+        self.url = url
+        self.name = f"dcgm:{url}"
+        self.errors = 0
+        self.node = node
+        self._client = client or httpx.Client(timeout=timeout_seconds)
+        self._last_xid: pl.DataFrame | None = None  # node, gpu_uuid, gpu, last_xid, xid_total
+        self.last_error: str | None = None
+
+    def close(self) -> None:
+        self._client.close()
+
+    def _fetch(self) -> str | None:
+        try:
+            resp = self._client.get(self.url)
+            resp.raise_for_status()
+            return resp.text
+        except httpx.HTTPError as exc:
+            self.errors += 1
+            self.last_error = f"{type(exc).__name__}: {exc}"
+            return None
+
+    def collect(self, now: float) -> dict[str, pl.DataFrame]:
+        text = self._fetch()
+        if text is None:
+            return {}
+        try:
+            samples, workloads, extra = parse_text(text, ts=now, default_node=self.node)
+        except (ValueError, TypeError, schemas.SchemaError, pl.exceptions.PolarsError) as exc:
+            self.errors += 1
+            self.last_error = f"unparseable scrape: {exc}"
+            return {}
+        samples, new_xids = self._track_xids(samples, now)
+        out = {"gpu_samples": samples, "gpu_workloads": workloads, "dcgm_extra": extra}
+        if new_xids.height:
+            out["events"] = new_xids
+        return out
+
+    def _track_xids(self, samples: pl.DataFrame, now: float) -> tuple[pl.DataFrame, pl.DataFrame]:
+        """Count a new XID whenever a GPU's last XID changes (including from none to one)."""
+        cur = samples.select("node", "gpu_uuid", "gpu", "last_xid")
+        prev = self._last_xid if self._last_xid is not None else pl.DataFrame(schema={"node": pl.Utf8, "gpu_uuid": pl.Utf8, "prev_xid": pl.Int32, "xid_total": pl.Int64})
+        joined = cur.join(prev.select("node", "gpu_uuid", "prev_xid", "xid_total"), on=["node", "gpu_uuid"], how="left", nulls_equal=True)
+        changed = pl.col("last_xid").is_not_null() & (pl.col("prev_xid").is_null() | (pl.col("last_xid") != pl.col("prev_xid")))
+        joined = joined.with_columns(changed.alias("new"), (pl.col("xid_total").fill_null(0) + changed.cast(pl.Int64)).alias("xid_total"))
+        self._last_xid = joined.select("node", "gpu_uuid", pl.col("last_xid").alias("prev_xid"), "xid_total")
+        samples = samples.drop("xid_total").join(joined.select("node", "gpu_uuid", "xid_total"), on=["node", "gpu_uuid"], how="left", nulls_equal=True)
+        samples = schemas.conform(samples, schemas.GPU_SAMPLES, stream="gpu_samples")
+        events = joined.filter(pl.col("new")).select(
+            pl.lit(now, pl.Float64).alias("ts"),
+            "node",
+            "gpu",
+            pl.lit("dcgm").alias("source"),
+            pl.lit("xid").alias("kind"),
+            pl.col("last_xid").alias("xid"),
+            pl.format("XID {} reported by dcgm-exporter (DCGM_FI_DEV_XID_ERRORS)", pl.col("last_xid")).alias("message"),
+        )
+        return samples, schemas.conform(events, schemas.EVENTS, stream="events")
+
+
+def read_scrape(path: str | Path, *, ts: float | None = None, default_node: str | None = None) -> tuple[pl.DataFrame, pl.DataFrame, pl.DataFrame]:
+    """A saved scrape file; the file's modification time stands for the scrape time."""
+    p = Path(path)
+    try:
+        text = p.read_text(errors="replace")
+        ts = p.stat().st_mtime if ts is None else ts
+    except OSError as exc:
+        raise UserError(f"{p}: cannot read: {exc.strerror or exc}") from exc
+    try:
+        return parse_text(text, ts=ts, default_node=default_node)
+    except (ValueError, TypeError, pl.exceptions.PolarsError) as exc:
+        raise UserError(f"{p}: not a Prometheus text exposition: {str(exc).splitlines()[0] if str(exc) else type(exc).__name__}") from exc
+
+
+def scrape_once(url: str, *, timeout_seconds: float = 2.0) -> str:
+    """Fetch one scrape (used by tools; the collector counts errors instead of raising)."""
+    try:
+        resp = httpx.get(url, timeout=timeout_seconds)
+        resp.raise_for_status()
+    except httpx.HTTPError as exc:
+        raise UserError(f"{url}: scrape failed: {exc}") from exc
+    return resp.text
+
+
+__all__ = ["DcgmCollector", "GPU_WORKLOADS", "DCGM_EXTRA", "STREAMS", "parse_text", "read_scrape", "findings_from_scrape", "looks_like_dcgm_scrape"]

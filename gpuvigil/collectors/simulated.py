@@ -1,0 +1,546 @@
+"""A seeded, deterministic simulated GPU cluster with fault injection: a collector like any other.
+
+It plays the hardware and the training processes. The scheduler decides where jobs run (as
+Slurm or Kubernetes would); each tick the simulator reads the scheduler's placements, advances
+every running job, and emits what real collectors would see: NVML-like `gpu_samples`, in-process
+hook `rank_progress` and `allocator_stats`, and kernel/torch `events` (XIDs, CUDA OOMs) in their
+real wording. A job that crashes (OOM, lost GPU, ECC error) is reported to the scheduler, which
+requeues it from its last checkpoint.
+
+Magnitudes come from the H200 captures in tests/data/h200: 139.8 GiB usable memory, ~125 W
+idle and ~700 W busy, 1,980 MHz SM clock, 35 °C idle.
+
+Synchronous data-parallel model: in each step every rank computes for `step_time × slowdown_r`
+and enters `collectives_per_step` collectives spread over its compute; collective k completes
+when the slowest rank enters it. So a straggler slows the whole job but waits least, and a rank
+that stops entering collectives leaves its peers blocked one sequence number ahead of it.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+
+import numpy as np
+import polars as pl
+
+from gpuvigil import schemas
+from gpuvigil.collectors.scenario import FaultConfig, JobConfig, Scenario
+from gpuvigil.scheduler.core import JobSpec, NodeSpec, Scheduler
+
+GIB = 1 << 30
+IDLE_POWER_W = 125.0
+MAX_POWER_W = 700.0
+SM_CLOCK_MHZ = 1980.0
+MEM_CLOCK_MHZ = 3201.0
+CONTEXT_BYTES = int(0.6 * GIB)  # CUDA context + NCCL buffers outside the caching allocator
+THROTTLE_SW_THERMAL = 0x20
+THROTTLE_HW_THERMAL = 0x40
+
+
+def node_specs(scenario: Scenario) -> list[NodeSpec]:
+    """The simulated cluster's nodes: `node-000`…, racks of `nodes_per_rack`."""
+    return [
+        NodeSpec(
+            f"node-{i:03d}",
+            rack=f"rack-{i // scenario.nodes_per_rack:02d}",
+            n_gpus=scenario.gpus_per_node,
+            gpu_memory_bytes=int(scenario.gpu_memory_gib * GIB),
+        )
+        for i in range(scenario.nodes)
+    ]
+
+
+@dataclass
+class InjectedFault:
+    """Ground truth of one fault, as it actually happened in the simulation."""
+
+    kind: str
+    ts: float
+    job: str | None
+    ranks: list[int]
+    node: str | None
+    gpu: int | None
+
+    def to_json_dict(self) -> dict:
+        return dict(self.__dict__)
+
+
+@dataclass
+class SimJob:
+    cfg: JobConfig
+    generation: int = -1  # scheduler restart count this state belongs to
+    placement: list[tuple[str, int]] = field(default_factory=list)
+    phase: float = 0.0  # steps done + fraction of the current step
+    start_step: int = 0
+    startup_left: float = 0.0
+    ckpt_left: float = 0.0
+    next_ckpt_step: int = 0
+    hung_seq: int | None = None  # completed seq at which the job froze
+    hang_culprits: list[int] = field(default_factory=list)
+    dead_ranks: set[int] = field(default_factory=set)
+    slowdown: np.ndarray = field(default_factory=lambda: np.ones(0))
+    leak_bytes_per_step: np.ndarray = field(default_factory=lambda: np.zeros(0))
+    frag_bytes_per_step: np.ndarray = field(default_factory=lambda: np.zeros(0))
+    steps_since_restart: float = 0.0
+    retries: np.ndarray = field(default_factory=lambda: np.zeros(0))
+    last_step_seconds: float = 0.0
+    long_ckpt_until: float = -1.0
+
+
+class SimulatedCluster:
+    """Collector over a simulated cluster driven by a `Scenario` and a `Scheduler`."""
+
+    name = "simulated"
+    streams: Mapping[str, pl.Schema] = {
+        "gpu_samples": schemas.GPU_SAMPLES,
+        "rank_progress": schemas.RANK_PROGRESS,
+        "allocator_stats": schemas.ALLOCATOR_STATS,
+        "events": schemas.EVENTS,
+    }
+
+    def __init__(self, scenario: Scenario, scheduler: Scheduler | None = None, seed: int = 0):
+        self.scenario = scenario
+        self.seed = seed
+        self.rng = np.random.default_rng(seed)
+        self.errors = 0
+        self.gpu_memory_bytes = int(scenario.gpu_memory_gib * GIB)
+        g = scenario.gpus_per_node
+        self.node_names = [spec.name for spec in node_specs(scenario)]
+        self.node_index = {n: i for i, n in enumerate(self.node_names)}
+        n_gpus = scenario.nodes * g
+        self.gpu_node = np.repeat(np.arange(scenario.nodes), g)
+        self.gpu_local = np.tile(np.arange(g), scenario.nodes)
+        self.gpu_uuid = [f"GPU-{seed:04x}{i:04x}-sim0-4c7e-9a1b-{i:012x}" for i in range(n_gpus)]
+        self.temp_c = np.full(n_gpus, 35.0)
+        self.ecc_dbe = np.zeros(n_gpus, dtype=np.int64)
+        self.ecc_sbe = np.zeros(n_gpus, dtype=np.int64)
+        self.retired = np.zeros(n_gpus, dtype=np.int64)
+        self.xid_total = np.zeros(n_gpus, dtype=np.int64)
+        self.last_xid = np.full(n_gpus, -1, dtype=np.int64)
+        self.pcie_replay = np.zeros(n_gpus, dtype=np.int64)
+        self.lost = np.zeros(n_gpus, dtype=bool)
+        self.thermal_target = np.full(n_gpus, np.nan)
+        self.scheduler = scheduler or Scheduler(node_specs(scenario))
+        self.jobs: dict[str, SimJob] = {}
+        self.injected: list[InjectedFault] = []
+        self._pending_faults = sorted(scenario.faults, key=lambda f: f.at)
+        self._events: list[dict] = []
+        self.now = 0.0
+        self._submit_jobs()
+
+    # -- set-up -------------------------------------------------------------------------------
+    def _add_job(self, cfg: JobConfig) -> None:
+        self.jobs[cfg.name] = SimJob(cfg)
+        self.scheduler.submit(
+            JobSpec(cfg.name, cfg.gpus, tenant=cfg.tenant, priority=cfg.priority, submit_ts=cfg.submit_at, gpus_per_node=cfg.gpus_per_node),
+            0.0,
+        )
+
+    def _submit_jobs(self) -> None:
+        s = self.scenario
+        for cfg in s.jobs:
+            self._add_job(cfg)
+        bg = s.background
+        for i in range(bg.jobs):
+            lo, hi = bg.step_time_seconds
+            plo, phi = bg.memory_peak_gib
+            peak = float(self.rng.uniform(plo, phi))
+            self._add_job(
+                JobConfig(
+                    name=f"bg-{i:03d}",
+                    gpus=int(self.rng.choice(bg.sizes)),
+                    step_time_seconds=float(math.exp(self.rng.uniform(math.log(lo), math.log(hi)))),
+                    memory_base_gib=peak * float(self.rng.uniform(0.3, 0.6)),
+                    memory_peak_gib=peak,
+                    checkpoint_every_steps=int(self.rng.integers(200, 2000)),
+                    priority="P2",
+                    tenant=str(self.rng.choice(["research", "prod", "eval"])),
+                )
+            )
+        if s.fragmented_cluster is not None:
+            self._scatter_small_jobs(s.fragmented_cluster.small_job_gpus, s.fragmented_cluster.free_per_node)
+            gang = s.fragmented_cluster.gang.model_copy(update={"submit_at": max(1.0, s.fragmented_cluster.gang.submit_at)})
+            self._add_job(gang)
+            self.injected.append(InjectedFault("cluster_fragmentation", gang.submit_at, gang.name, [], None, None))
+
+    def _scatter_small_jobs(self, sizes: list[int], free_per_node: tuple[int, int]) -> None:
+        """Small jobs placed so every node keeps a few free GPUs but none is wholly free."""
+        g = self.scenario.gpus_per_node
+        k = 0
+        for node in self.node_names:
+            free = int(self.rng.integers(free_per_node[0], free_per_node[1] + 1))
+            to_fill = max(0, g - free)
+            while to_fill > 0:
+                size = min(int(self.rng.choice(sizes)), to_fill)
+                name = f"small-{k:03d}"
+                k += 1
+                cfg = JobConfig(name=name, gpus=size, step_time_seconds=float(self.rng.uniform(0.5, 3.0)), memory_base_gib=20, memory_peak_gib=60, priority="P2", tenant="eval")
+                self.jobs[name] = SimJob(cfg)
+                self.scheduler.submit(JobSpec(name, size, tenant="eval", priority="P2", submit_ts=0.0), 0.0)
+                self.scheduler.jobs[name].preferred_nodes = [node]
+                # Pin it there now so the scatter is exactly as drawn.
+                ns = self.scheduler.nodes[node]
+                gpus = ns.free_gpus()[:size]
+                for gpu in gpus:
+                    ns.used[gpu] = name
+                js = self.scheduler.jobs[name]
+                js.placement = [(node, gpu) for gpu in gpus]
+                js.state, js.start_ts = "running", 0.0
+                to_fill -= size
+
+    # -- faults -------------------------------------------------------------------------------
+    def _gpu_index(self, node: str, gpu: int) -> int:
+        return self.node_index[node] * self.scenario.gpus_per_node + gpu
+
+    def _activate(self, f: FaultConfig) -> None:
+        job = self.jobs.get(f.job) if f.job else None
+        if job is None or not job.placement:
+            # The target job is not running (yet): the fault will hit when it does.
+            self._deferred.append(f)
+            return
+        ranks = f.ranks or [int(self.rng.integers(0, job.cfg.gpus))]
+        node, gpu = job.placement[ranks[0]]
+        if f.type == "memory_leak":
+            job.leak_bytes_per_step[ranks] = f.leak_gib_per_step * GIB
+        elif f.type == "fragmentation":
+            job.frag_bytes_per_step[ranks] = f.fragmentation_gib_per_step * GIB
+        elif f.type == "nccl_hang":
+            job.hang_culprits = list(ranks)
+        elif f.type == "gpu_lost":
+            idx = self._gpu_index(node, gpu)
+            self.lost[idx] = True
+            dead = [r for r, (n, g_) in enumerate(job.placement) if (n, g_) == (node, gpu)]
+            job.dead_ranks |= set(dead)
+            ranks = dead
+            self._xid_event(idx, 79, "GPU has fallen off the bus.", job.cfg.name)
+        elif f.type == "ecc_dbe":
+            idx = self._gpu_index(node, gpu)
+            self.ecc_dbe[idx] += 1
+            self.retired[idx] += 1
+            self._xid_event(idx, 48, "An uncorrectable double bit error (DBE) has been detected on GPU in the framebuffer at partition 0, subpartition 0.", job.cfg.name)
+            self._crash(job, f"CUDA error: uncorrectable ECC error encountered on rank {ranks[0]} ({node} GPU {gpu})")
+        elif f.type == "thermal":
+            for r in ranks:
+                n, g_ = job.placement[r]
+                self.thermal_target[self._gpu_index(n, g_)] = f.temperature_c
+        elif f.type == "straggler":
+            job.slowdown[ranks] = f.slowdown
+        elif f.type == "long_checkpoint":
+            job.long_ckpt_until = self.now + f.duration_seconds
+            ranks = list(range(job.cfg.gpus))
+            node, gpu = None, None
+        kind = {"long_checkpoint": "checkpoint_pause"}.get(f.type, f.type)
+        self.injected.append(InjectedFault(kind, self.now, job.cfg.name, sorted(ranks), node, gpu))
+
+    def _xid_event(self, idx: int, xid: int, text: str, job: str | None) -> None:
+        node = self.node_names[self.gpu_node[idx]]
+        gpu = int(self.gpu_local[idx])
+        self.xid_total[idx] += 1
+        self.last_xid[idx] = xid
+        bus = 0x18 + 0x10 * gpu
+        self._events.append(
+            {
+                "ts": self.now,
+                "node": node,
+                "gpu": gpu,
+                "source": "kernel",
+                "kind": "xid",
+                "xid": xid,
+                "job": job,
+                "message": f"NVRM: Xid (PCI:0000:{bus:02x}:00): {xid}, pid=<unknown>, name=<unknown>, {text}",
+            }
+        )
+
+    def _crash(self, job: SimJob, reason: str, rank: int | None = None, oom_message: str | None = None) -> None:
+        if oom_message is not None and rank is not None:
+            node, gpu = job.placement[rank]
+            self._events.append(
+                {"ts": self.now, "node": node, "gpu": gpu, "source": "torch", "kind": "oom", "job": job.cfg.name, "rank": rank, "message": oom_message}
+            )
+        self.scheduler.job_failed(job.cfg.name, self.now, reason)
+        job.placement = []
+
+    # -- per-tick dynamics --------------------------------------------------------------------
+    def _sync_with_scheduler(self) -> None:
+        placements = self.scheduler.placements()
+        for name, job in self.jobs.items():
+            js = self.scheduler.jobs[name]
+            placement = placements.get(name)
+            if placement is None:
+                job.placement = []
+                continue
+            if js.restarts != job.generation or placement != job.placement:
+                self._restart(job, placement, js.restarts, js.last_checkpoint_step)
+
+    def _restart(self, job: SimJob, placement: list[tuple[str, int]], generation: int, from_step: int) -> None:
+        n = job.cfg.gpus
+        first_start = job.generation < 0
+        job.generation = generation
+        job.placement = list(placement)
+        job.phase = float(from_step)
+        job.start_step = from_step
+        job.startup_left = job.cfg.startup_seconds
+        job.ckpt_left = 0.0
+        every = job.cfg.checkpoint_every_steps
+        job.next_ckpt_step = (from_step // every + 1) * every
+        job.hang_culprits = []
+        job.dead_ranks = set()
+        job.steps_since_restart = 0.0
+        job.retries = np.zeros(n)
+        if first_start:
+            job.slowdown = np.ones(n)
+            job.leak_bytes_per_step = np.zeros(n)
+            job.frag_bytes_per_step = np.zeros(n)
+        # A restart clears leaked and fragmented memory but not the bug behind it (the leak
+        # comes back); expandable segments cure fragmentation. A straggler or hot GPU was a
+        # property of the hardware the job left, so slowness does not follow it.
+        js = self.scheduler.jobs[job.cfg.name]
+        if "expandable_segments:True" in js.alloc_conf:
+            job.frag_bytes_per_step = np.zeros(n)
+        if not first_start:
+            job.slowdown = np.ones(n)
+
+    def _advance(self, job: SimJob, dt: float) -> None:
+        if not job.placement or job.hang_culprits or job.dead_ranks:
+            return
+        if job.startup_left > 0:
+            job.startup_left -= dt
+            return
+        if job.ckpt_left > 0 or self.now < job.long_ckpt_until:
+            job.ckpt_left -= dt
+            if job.ckpt_left <= 0 and self.now >= job.long_ckpt_until:
+                self.scheduler.checkpoint(job.cfg.name, int(job.phase), self.now)
+            return
+        thermal = self._thermal_slowdown(job)
+        noise = 1.0 + self.scenario.noise * float(self.rng.standard_normal())
+        per_rank = job.cfg.step_time_seconds * job.slowdown * thermal
+        step = float(per_rank.max()) * max(0.5, noise)
+        job.last_step_seconds = step
+        steps = dt / step
+        before = job.phase
+        job.phase += steps
+        job.steps_since_restart += steps
+        if job.phase >= job.next_ckpt_step > before:
+            job.phase = float(job.next_ckpt_step)
+            job.next_ckpt_step += job.cfg.checkpoint_every_steps
+            job.ckpt_left = job.cfg.checkpoint_seconds
+            if job.ckpt_left <= 0:
+                self.scheduler.checkpoint(job.cfg.name, int(job.phase), self.now)
+
+    def _thermal_slowdown(self, job: SimJob) -> np.ndarray:
+        idx = np.array([self._gpu_index(n, g) for n, g in job.placement])
+        clock = self._sm_clock(idx)
+        return SM_CLOCK_MHZ / clock
+
+    def _sm_clock(self, idx: np.ndarray) -> np.ndarray:
+        # Clocks drop about 5% per degree above 85 °C, floored at 55% of nominal.
+        over = np.clip(self.temp_c[idx] - 85.0, 0, None)
+        return SM_CLOCK_MHZ * np.clip(1.0 - 0.05 * over, 0.55, 1.0)
+
+    def _memory(self, job: SimJob) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """Per-rank (allocated now, per-step peak allocated, reserved) in bytes."""
+        js = self.scheduler.jobs[job.cfg.name]
+        scale = js.memory_scale
+        n = job.cfg.gpus
+        base = job.cfg.memory_base_gib * GIB * scale
+        peak = job.cfg.memory_peak_gib * GIB * scale
+        frac = job.phase - math.floor(job.phase)
+        in_step = job.startup_left <= 0 and job.ckpt_left <= 0 and not job.hang_culprits
+        # Activations build up through forward and are freed through backward.
+        saw = math.sin(math.pi * frac) if in_step else 0.0
+        leak = job.leak_bytes_per_step * job.steps_since_restart
+        frag = job.frag_bytes_per_step * job.steps_since_restart
+        jitter = 1.0 + 0.002 * self.rng.standard_normal(n)
+        allocated = (base + (peak - base) * saw) * jitter + leak
+        peak_alloc = np.full(n, peak) * jitter + leak
+        reserved = peak_alloc + frag + 0.01 * peak
+        if job.startup_left > 0:
+            allocated = allocated * 0.3
+            peak_alloc = peak_alloc * 0.3
+            reserved = reserved * 0.3
+        return allocated, peak_alloc, reserved
+
+    # -- collect ------------------------------------------------------------------------------
+    def collect(self, now: float) -> dict[str, pl.DataFrame]:
+        dt = now - self.now if now > self.now else 1.0
+        self.now = now
+        self._deferred: list[FaultConfig] = []
+        due = [f for f in self._pending_faults if f.at <= now]
+        self._pending_faults = [f for f in self._pending_faults if f.at > now]
+        self._sync_with_scheduler()
+        for f in due:
+            self._activate(f)
+        self._pending_faults = sorted(self._pending_faults + self._deferred, key=lambda f: f.at)
+
+        rp_cols: dict[str, list] = {k: [] for k in schemas.RANK_PROGRESS}
+        al_cols: dict[str, list] = {k: [] for k in schemas.ALLOCATOR_STATS}
+        n_gpus = len(self.gpu_node)
+        gpu_mem = np.zeros(n_gpus)
+        gpu_busy = np.zeros(n_gpus)
+        for job in list(self.jobs.values()):
+            self._advance(job, dt)
+            if not job.placement:
+                continue
+            self._emit_job(job, now, rp_cols, al_cols, gpu_mem, gpu_busy)
+        frames = {
+            "gpu_samples": self._gpu_frame(now, gpu_mem, gpu_busy),
+            "rank_progress": pl.DataFrame(rp_cols, schema=schemas.RANK_PROGRESS),
+            "allocator_stats": pl.DataFrame(al_cols, schema=schemas.ALLOCATOR_STATS),
+            "events": schemas.frame(self._events, schemas.EVENTS),
+        }
+        self._events = []
+        return frames
+
+    def _emit_job(self, job: SimJob, now: float, rp: dict, al: dict, gpu_mem: np.ndarray, gpu_busy: np.ndarray) -> None:
+        cfg = job.cfg
+        n = cfg.gpus
+        C = cfg.collectives_per_step
+        idx = np.array([self._gpu_index(nd, g) for nd, g in job.placement])
+        allocated, peak_alloc, reserved = self._memory(job)
+        capacity = self.gpu_memory_bytes
+        over = np.nonzero(reserved + CONTEXT_BYTES > capacity)[0]
+        if len(over) and not job.dead_ranks:
+            r = int(over[0])
+            request = int(max(peak_alloc[r] - allocated[r], 2 * GIB))
+            message = _oom_message(request, capacity, reserved[r], peak_alloc[r] - job.frag_bytes_per_step[r] * job.steps_since_restart, r)
+            self._crash(job, f"CUDA out of memory on rank {r}", rank=r, oom_message=message)
+            return
+
+        step = int(math.floor(job.phase))
+        frac = job.phase - step
+        running = job.startup_left <= 0 and job.ckpt_left <= 0 and now >= job.long_ckpt_until
+        if job.hang_culprits or job.dead_ranks:
+            if job.hung_seq is None or job.generation != getattr(job, "_hung_gen", None):
+                job.hung_seq = step * C + int(frac * C)
+                job._hung_gen = job.generation  # type: ignore[attr-defined]
+            done = job.hung_seq
+            enq = np.full(n, done + 1)
+            stuck = job.hang_culprits or sorted(job.dead_ranks)
+            enq[stuck] = done
+            comp = np.full(n, done)
+            step_now = done // C
+            wait = np.zeros(n)
+        else:
+            job.hung_seq = None
+            thermal = self._thermal_slowdown(job)
+            per_rank = cfg.step_time_seconds * job.slowdown * thermal
+            step_len = float(per_rank.max())
+            if running:
+                tau = frac * step_len
+                entered = np.minimum(C, np.floor(tau * C / per_rank)).astype(np.int64)
+                enq = step * C + entered
+                comp = np.full(n, step * C + int(entered.min()))
+            else:
+                enq = np.full(n, step * C)
+                comp = enq.copy()
+            step_now = step
+            wait = np.clip(job.last_step_seconds - per_rank, 0, None) if job.last_step_seconds else np.zeros(n)
+            wait = wait * (1.0 + self.scenario.noise * self.rng.standard_normal(n)).clip(0.5, 1.5)
+        alive = np.ones(n, dtype=bool)
+        alive[list(job.dead_ranks)] = False
+        ranks = np.arange(n)[alive]
+        nodes = [job.placement[r][0] for r in ranks]
+        gpus = [job.placement[r][1] for r in ranks]
+        rp["ts"].extend([now] * len(ranks))
+        rp["job"].extend([cfg.name] * len(ranks))
+        rp["rank"].extend(ranks.tolist())
+        rp["node"].extend(nodes)
+        rp["gpu"].extend(gpus)
+        rp["pg"].extend(["0"] * len(ranks))
+        rp["last_enqueued_seq"].extend(enq[alive].tolist())
+        rp["last_completed_seq"].extend(comp[alive].tolist())
+        rp["current_op"].extend(["ALLREDUCE" if e > c else None for e, c in zip(enq[alive], comp[alive])])
+        rp["step"].extend([int(step_now)] * len(ranks))
+        rp["step_time_seconds"].extend([job.last_step_seconds or cfg.step_time_seconds] * len(ranks))
+        rp["collective_wait_seconds"].extend(wait[alive].tolist())
+
+        frag = reserved - peak_alloc
+        retries = job.retries
+        retries += (frag > 4 * GIB) * (self.rng.random(n) < 0.3)
+        al["ts"].extend([now] * len(ranks))
+        al["job"].extend([cfg.name] * len(ranks))
+        al["rank"].extend(ranks.tolist())
+        al["node"].extend(nodes)
+        al["gpu"].extend(gpus)
+        al["allocated_bytes"].extend(allocated[alive].astype(np.int64).tolist())
+        al["reserved_bytes"].extend(reserved[alive].astype(np.int64).tolist())
+        al["inactive_split_bytes"].extend((frag[alive] * 0.9).astype(np.int64).tolist())
+        largest_free = np.maximum(capacity - reserved - CONTEXT_BYTES, 0) + np.minimum(frag, 2 * GIB) * 0.1
+        al["largest_free_block_bytes"].extend(largest_free[alive].astype(np.int64).tolist())
+        al["peak_allocated_bytes"].extend(peak_alloc[alive].astype(np.int64).tolist())
+        al["alloc_retries"].extend(retries[alive].astype(np.int64).tolist())
+        al["oom_count"].extend([0] * len(ranks))
+        al["device_capacity_bytes"].extend([capacity] * len(ranks))
+        al["foreign_used_bytes"].extend([0] * len(ranks))
+
+        np.add.at(gpu_mem, idx[alive], reserved[alive] + CONTEXT_BYTES)
+        busy = 0.92 if running else 0.04
+        if job.hang_culprits or job.dead_ranks:
+            busy = 1.0  # NCCL kernels spin while blocked in the collective
+        np.maximum.at(gpu_busy, idx[alive], busy)
+
+    def _gpu_frame(self, now: float, gpu_mem: np.ndarray, gpu_busy: np.ndarray) -> pl.DataFrame:
+        n = len(gpu_mem)
+        rng = self.rng
+        noise = self.scenario.noise
+        util = np.clip(gpu_busy * (1 + noise * rng.standard_normal(n)), 0, 1)
+        hot = ~np.isnan(self.thermal_target)
+        target = np.where(hot, self.thermal_target, 35.0 + 40.0 * util)
+        self.temp_c += (target - self.temp_c) * 0.1 + 0.3 * rng.standard_normal(n)
+        sm = self._sm_clock(np.arange(n)) * np.where(util > 0.01, 1.0, 0.2)
+        sm = np.maximum(sm, 345.0)
+        throttle = np.where(self.temp_c > 85.0, THROTTLE_SW_THERMAL | THROTTLE_HW_THERMAL, 0) | np.where(util < 0.01, 0x1, 0)
+        power = IDLE_POWER_W + (MAX_POWER_W - IDLE_POWER_W) * util * (sm / SM_CLOCK_MHZ)
+        lost = self.lost
+        df = pl.DataFrame(
+            {
+                "ts": np.full(n, now),
+                "node": np.array(self.node_names, dtype=object)[self.gpu_node],
+                "gpu": self.gpu_local.astype(np.int32),
+                "gpu_uuid": self.gpu_uuid,
+                "memory_used_bytes": gpu_mem.astype(np.int64),
+                "memory_total_bytes": np.full(n, self.gpu_memory_bytes, dtype=np.int64),
+                "util_ratio": util,
+                "mem_util_ratio": util * 0.6,
+                "power_w": power,
+                "temperature_c": np.round(self.temp_c, 1),
+                "sm_clock_mhz": np.round(sm),
+                "mem_clock_mhz": np.full(n, MEM_CLOCK_MHZ),
+                "throttle_reasons": throttle.astype(np.int64),
+                "ecc_sbe_volatile_total": self.ecc_sbe,
+                "ecc_dbe_volatile_total": self.ecc_dbe,
+                "retired_pages_total": self.retired,
+                "remap_failure": np.zeros(n, dtype=bool),
+                "pcie_replay_total": self.pcie_replay,
+                "xid_total": self.xid_total,
+                "last_xid": self.last_xid,
+            },
+            schema_overrides={"node": pl.Utf8},
+        )
+        # A GPU that fell off the bus answers nothing: its readings are null.
+        metrics = ["memory_used_bytes", "util_ratio", "mem_util_ratio", "power_w", "temperature_c", "sm_clock_mhz", "mem_clock_mhz", "throttle_reasons"]
+        df = df.with_columns(
+            [pl.when(pl.Series(lost)).then(None).otherwise(pl.col(c)).alias(c) for c in metrics]
+            + [pl.when(pl.col("last_xid") < 0).then(None).otherwise(pl.col("last_xid")).alias("last_xid")]
+        )
+        return schemas.conform(df, schemas.GPU_SAMPLES)
+
+
+def _fmt_gib(b: float) -> str:
+    return f"{b / GIB:.2f} GiB"
+
+
+def _oom_message(request: float, capacity: float, reserved: float, allocated: float, rank: int) -> str:
+    """The CUDA OOM text exactly as PyTorch 2.x words it (see tests/data/h200/s2_oom_ramp.log)."""
+    in_use = reserved + CONTEXT_BYTES
+    free = max(capacity - in_use, 0)
+    unalloc = max(reserved - allocated, 0)
+    return (
+        f"[rank{rank}]: torch.OutOfMemoryError: CUDA out of memory. Tried to allocate {_fmt_gib(request)}. "
+        f"GPU 0 has a total capacity of {_fmt_gib(capacity)} of which {_fmt_gib(free)} is free. "
+        f"Including non-PyTorch memory, this process has {_fmt_gib(in_use)} memory in use. "
+        f"Of the allocated memory {_fmt_gib(allocated)} is allocated by PyTorch, and {_fmt_gib(unalloc)} is reserved by PyTorch but unallocated. "
+        "If reserved but unallocated memory is large try setting PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True to avoid fragmentation."
+    )

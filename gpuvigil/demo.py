@@ -1,0 +1,223 @@
+"""`gpuvigil demo`: every fault scenario end to end on the simulated cluster.
+
+For each scenario: the fault is injected → a detector finds it → the finding is alerted (routed
+by severity) → the scheduler acts on the hint → the job resumes. The verdict checks the finding
+names the injected job, rank(s) and node, and that hard negatives raise nothing.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from concurrent.futures import ProcessPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any
+
+from gpuvigil.collectors import scenario as scenario_mod
+from gpuvigil.errors import UserError
+
+# Which fields of the injected fault a finding of each kind must name.
+_MUST_NAME = {
+    "collective_hang": ("job", "culprit_ranks", "node"),
+    "straggler": ("job", "culprit_ranks", "node"),
+    "xid": ("job", "node", "gpu"),
+    "ecc": ("job", "node", "gpu"),
+    "thermal_throttle": ("job", "node", "gpu"),
+    "oom_predicted": ("job", "ranks"),
+    "fragmentation_cluster": ("job",),
+}
+RECEIVER = {"page": "pager (on-call)", "ticket": "ticket queue", "info": "log only"}
+
+
+@dataclass
+class ScenarioResult:
+    scenario: str
+    description: str
+    seed: int
+    nodes: int
+    duration_seconds: float
+    expect: list[str]
+    injected: list[dict[str, Any]]
+    findings: list[dict[str, Any]]
+    hints: list[dict[str, Any]]
+    actions: list[dict[str, Any]]
+    problems: list[str] = field(default_factory=list)
+
+    @property
+    def ok(self) -> bool:
+        return not self.problems
+
+    def to_json_dict(self) -> dict[str, Any]:
+        return {
+            "scenario": self.scenario,
+            "seed": self.seed,
+            "nodes": self.nodes,
+            "ok": self.ok,
+            "problems": self.problems,
+            "injected": self.injected,
+            "findings": self.findings,
+            "hints": self.hints,
+            "actions": self.actions,
+        }
+
+
+def _fault_value(fault: dict[str, Any], what: str) -> Any:
+    return fault.get("ranks") if what == "culprit_ranks" else fault.get(what)
+
+
+def _names(finding: dict[str, Any], fault: dict[str, Any], what: str) -> bool:
+    if what == "culprit_ranks":
+        return sorted(finding.get("culprit_ranks") or []) == sorted(fault["ranks"])
+    if what == "ranks":
+        return set(fault["ranks"]) <= set(finding.get("ranks") or [])
+    return finding.get(what) == fault.get(what)
+
+
+def check(expect: list[str], injected: list[dict[str, Any]], findings: list[dict[str, Any]]) -> list[str]:
+    """What is wrong with a run: a missed or misattributed fault, or any finding on a negative."""
+    if not expect:
+        return [f"unexpected {f['kind']} finding: {f['summary']}" for f in findings]
+    problems = []
+    for kind in expect:
+        candidates = [f for f in findings if f["kind"] == kind]
+        if not candidates:
+            problems.append(f"no {kind} finding")
+            continue
+        fields = _MUST_NAME.get(kind, ("job",))
+        fault = injected[0] if injected else {}
+        fields = tuple(w for w in fields if _fault_value(fault, w) not in (None, []))
+        if not any(all(_names(f, fault, w) for w in fields) for f in candidates):
+            got = candidates[0]
+            problems.append(
+                f"{kind} finding names {', '.join(f'{w}={got.get(w)}' for w in fields)} but the fault was "
+                + ", ".join(f"{w}={_fault_value(fault, w)}" for w in fields)
+            )
+    return problems
+
+
+def run_scenario(name: str, nodes: int | None = None, seed: int = 0) -> ScenarioResult:
+    from gpuvigil.runtime import build_simulated
+
+    sc = scenario_mod.load(name)
+    rt = build_simulated(sc, nodes=nodes, seed=seed)
+    assert rt.cluster is not None
+    rt.run(rt.cluster.scenario.duration_seconds)
+    findings = [f.to_json_dict() for f in rt.pipeline.all_findings]
+    injected = [f.to_json_dict() for f in rt.cluster.injected]
+    return ScenarioResult(
+        scenario=sc.name,
+        description=sc.description,
+        seed=seed,
+        nodes=rt.cluster.scenario.nodes,
+        duration_seconds=rt.cluster.scenario.duration_seconds,
+        expect=list(sc.expect),
+        injected=injected,
+        findings=findings,
+        hints=[h.to_json_dict() for h in rt.pipeline.all_hints],
+        actions=[a.to_json_dict() for a in rt.scheduler.actions if a.ts > 0],
+        problems=check(list(sc.expect), injected, findings),
+    )
+
+
+def _run_one(args: tuple[str, int | None, int]) -> ScenarioResult:
+    return run_scenario(*args)
+
+
+def _fmt_ranks(ranks: list[int]) -> str:
+    if len(ranks) > 6:
+        return f"{ranks[:6]}…({len(ranks)})"
+    return str(ranks)
+
+
+def render_timeline(res: ScenarioResult) -> list[tuple[float, str, str, str]]:
+    """(ts, stage, style, text) rows: injected → detected → alerted → action → resumed."""
+    rows: list[tuple[float, str, str, str]] = []
+    onset = min((f["ts"] for f in res.injected), default=None)
+    for f in res.injected:
+        where = f"job={f['job']} ranks={_fmt_ranks(f['ranks'])}" + (f" node={f['node']} gpu={f['gpu']}" if f["node"] else "")
+        rows.append((f["ts"], "INJECTED", "bold yellow", f"{f['kind']}  {where}"))
+    for f in res.findings:
+        lat = f" (+{f['ts'] - onset:.0f} s after onset)" if onset is not None and f["ts"] >= onset else ""
+        who = f"job={f['job']}" + (f" ranks={_fmt_ranks(f['culprit_ranks'] or f['ranks'])}" if (f["culprit_ranks"] or f["ranks"]) else "")
+        who += (f" node={f['node']}" if f["node"] else "") + (f" gpu={f['gpu']}" if f["gpu"] is not None else "")
+        rows.append((f["ts"], "DETECTED", "bold red" if f["severity"] == "page" else "bold magenta", f"{f['kind']} [{f['severity']}] {who}{lat}\n{f['summary']}"))
+        rows.append((f["ts"], "ALERTED", "cyan", f"{f['severity']} → {RECEIVER[f['severity']]}"))
+    faulted_jobs = {f["job"] for f in res.injected}
+    for a in res.actions:
+        stage = "RESUMED" if a["action"] == "placed" else "ACTION"
+        if a["action"] == "placed" and a["job"] not in faulted_jobs:
+            continue
+        target = a["job"] or a["node"] or ""
+        if a["action"] == "avoid_gpu":
+            target = f"{a['node']} GPU {a['gpu']}"
+        rows.append((a["ts"], stage, "green", f"{a['action']} {target}: {a['detail']}"))
+    order = {"INJECTED": 0, "DETECTED": 1, "ALERTED": 2, "ACTION": 3, "RESUMED": 4}
+    return sorted(rows, key=lambda r: (r[0], order[r[1]]))
+
+
+def print_text(results: list[ScenarioResult], console) -> None:
+    from rich.markup import escape
+
+    for res in results:
+        console.print(f"\n[bold]━━ {res.scenario}[/bold] — {escape(res.description)}")
+        rows = render_timeline(res)
+        if not rows:
+            console.print("   (no fault injected)")
+        for ts, stage, style, text in rows:
+            first, *rest = text.split("\n")
+            console.print(f"  t={ts:7.1f}s  [{style}]{stage:<9}[/{style}] {escape(first)}")
+            for line in rest:
+                console.print(f"                       {escape(line)}", style="dim")
+        if res.ok:
+            verdict = "no finding, as expected" if not res.expect else f"detected {', '.join(res.expect)} naming the right job/rank/node"
+            console.print(f"  [bold green]✓ {verdict}[/bold green]")
+        else:
+            for p in res.problems:
+                console.print(f"  [bold red]✗ {escape(p)}[/bold red]")
+
+
+def cmd_demo(args) -> int:
+    from rich.console import Console
+    from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
+
+    names = scenario_mod.builtin_names() if args.scenario == "all" else [args.scenario]
+    if args.scenario != "all":
+        scenario_mod.load(args.scenario)  # fail fast with a one-line error
+    if args.nodes is not None and args.nodes < 1:
+        raise UserError(f"--nodes must be >= 1, got {args.nodes}")
+    jobs = [(n, args.nodes, args.seed) for n in names]
+    err = Console(stderr=True)
+    workers = max(1, min(len(jobs), os.cpu_count() or 1, args.jobs or 64))
+    results: dict[str, ScenarioResult] = {}
+    with Progress(TextColumn("[progress.description]{task.description}"), BarColumn(), TextColumn("{task.completed}/{task.total}"), TimeElapsedColumn(), console=err, transient=True, disable=args.json or not err.is_terminal) as progress:
+        task = progress.add_task("simulating scenarios", total=len(jobs))
+        if workers == 1:
+            for job in jobs:
+                results[job[0]] = _run_one(job)
+                progress.advance(task)
+        else:
+            with ProcessPoolExecutor(max_workers=workers) as pool:
+                for job, res in zip(jobs, pool.map(_run_one, jobs)):
+                    results[job[0]] = res
+                    progress.advance(task)
+    ordered = [results[n] for n in names]
+    if args.json:
+        for res in ordered:
+            sys.stdout.write(json.dumps(res.to_json_dict(), sort_keys=True) + "\n")
+    else:
+        console = Console(highlight=False, soft_wrap=True)
+        print_text(ordered, console)
+        bad = [r.scenario for r in ordered if not r.ok]
+        console.print(f"\n{len(ordered) - len(bad)}/{len(ordered)} scenarios as expected" + (f"; wrong: {', '.join(bad)}" if bad else ""))
+    return 0 if all(r.ok for r in ordered) else 1
+
+
+def add_parser(sub) -> None:
+    p = sub.add_parser("demo", help="run fault scenarios end to end on the simulated cluster")
+    p.add_argument("--scenario", default="all", help=f"scenario name or file, or 'all' (built-in: {', '.join(scenario_mod.builtin_names())})")
+    p.add_argument("--nodes", type=int, default=None, help="override the scenario's node count")
+    p.add_argument("--seed", type=int, default=0, help="random seed (runs are deterministic per seed)")
+    p.add_argument("--json", action="store_true", help="one JSON object per scenario on stdout")
+    p.add_argument("--jobs", type=int, default=None, help="scenarios simulated in parallel (default: one per core)")
+    p.set_defaults(func=cmd_demo)

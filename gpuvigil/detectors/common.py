@@ -1,0 +1,45 @@
+"""Small helpers shared by detectors (polars expressions, no per-GPU Python loops)."""
+
+from __future__ import annotations
+
+from typing import Any, TypeVar
+
+import polars as pl
+from pydantic import BaseModel
+
+from gpuvigil import config
+from gpuvigil.pipeline.window import Window
+
+M = TypeVar("M", bound=BaseModel)
+
+
+def settings(name: str, model: type[M], cfg: dict[str, Any] | None) -> M:
+    """One detector's block of the `detectors` config section."""
+    cfg = config.defaults() if cfg is None else cfg
+    block = (cfg.get("detectors") or {}).get(name, {})
+    return config.section(name, model, {name: block})
+
+
+def current_run(window: Window, stream: str, since: float | None = None, warmup: float = 0.0) -> pl.DataFrame:
+    """Rows of a per-job stream from each job's current run only (after its latest (re)start).
+
+    A requeued job restarts from a checkpoint with lower sequence numbers and fresh memory; its
+    previous run's samples would otherwise look like a stall or a leak.
+    """
+    df = window.get(stream)
+    if since is not None:
+        df = df.filter(pl.col("ts") >= since)
+    jobs = window.get("jobs")
+    if df.height == 0 or jobs.height == 0:
+        return df
+    starts = jobs.select("job", pl.col("start_ts").alias("_start"), pl.col("state").alias("_state"))
+    return (
+        df.join(starts, on="job", how="left")
+        .filter(pl.col("_start").is_null() | (pl.col("ts") >= pl.col("_start") + warmup))
+        .drop("_start", "_state")
+    )
+
+
+def gpu_jobs(window: Window) -> pl.DataFrame:
+    """(node, gpu) → job, rank from the scheduler's allocation snapshot."""
+    return window.get("allocations").select("node", "gpu", "job", "rank")

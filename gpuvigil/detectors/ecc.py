@@ -1,0 +1,95 @@
+"""Uncorrectable ECC errors and row-remap failures: the GPU's memory cannot be trusted."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import polars as pl
+from pydantic import BaseModel
+
+from gpuvigil import xid as xid_table
+from gpuvigil.detectors.common import gpu_jobs, settings
+from gpuvigil.model import Finding, FindingKind, Severity
+from gpuvigil.pipeline.window import Window
+
+
+class EccConfig(BaseModel):
+    report_seconds: float = 3600.0
+    ecc_codes: list[int] = [48, 63, 64, 92, 94, 95]
+
+
+class EccDetector:
+    name = "ecc"
+
+    def __init__(self, cfg: dict[str, Any] | None = None):
+        self.config = settings("ecc", EccConfig, cfg)
+        self._counters: pl.DataFrame | None = None
+        self._last_now: float | None = None
+
+    def detect(self, window: Window) -> list[Finding]:
+        now = window.now
+        # Each incident is reported once, on the tick it arrives (on the first tick: the recent
+        # past); the pipeline keeps the finding active for `clear_after_seconds.ecc`.
+        since = now - self.config.report_seconds if self._last_now is None else self._last_now
+        self._last_now = now
+        ev = (
+            window.get("events")
+            .filter(
+                (pl.col("ts") > since)
+                & (pl.col("kind").is_in(["ecc_dbe", "ecc"]) | ((pl.col("kind") == "xid") & pl.col("xid").is_in(self.config.ecc_codes)))
+            )
+            .group_by(["node", "gpu"])
+            .agg(pl.len().alias("events"), pl.col("xid").drop_nulls().unique().sort().alias("xids"), pl.col("ts").max().alias("event_ts"), pl.col("job").drop_nulls().last().alias("event_job"))
+        )
+        # Counters: compare this tick's readings with the previous ones (O(GPUs) per tick).
+        gs = window.fresh("gpu_samples").select("node", "gpu", "ecc_dbe_volatile_total", "retired_pages_total", "remap_failure")
+        prev = self._counters
+        self._counters = gs if prev is None else pl.concat([prev.join(gs.select("node", "gpu"), on=["node", "gpu"], how="anti"), gs])
+        if prev is None:
+            prev = gs.clear()
+        counters = (
+            gs.join(prev.select("node", "gpu", pl.col("ecc_dbe_volatile_total").alias("_dbe0")), on=["node", "gpu"], how="left")
+            .select(
+                "node",
+                "gpu",
+                (pl.col("ecc_dbe_volatile_total") - pl.col("_dbe0").fill_null(0)).alias("dbe_delta"),
+                pl.col("ecc_dbe_volatile_total").alias("dbe_total"),
+                pl.col("retired_pages_total").alias("remapped"),
+                pl.col("remap_failure").fill_null(False),
+            )
+            .filter((pl.col("dbe_delta") > 0) | pl.col("remap_failure"))
+        )
+        hits = ev.join(counters, on=["node", "gpu"], how="full", coalesce=True).join(gpu_jobs(window), on=["node", "gpu"], how="left")
+        findings = []
+        for row in hits.iter_rows(named=True):
+            xids = row["xids"] or []
+            job = row["job"] or row["event_job"]
+            actions = sorted({xid_table.xid_info(x).action for x in xids if xid_table.xid_info(x)})
+            findings.append(
+                Finding(
+                    kind=FindingKind.ECC,
+                    severity=Severity.PAGE,
+                    ts=float(row["event_ts"] or now),
+                    job=job,
+                    node=row["node"],
+                    gpu=row["gpu"],
+                    xid=xids[0] if xids else None,
+                    cause="hardware",
+                    source=self.name,
+                    evidence={
+                        "xids": xids,
+                        "dbe_new": int(row["dbe_delta"] or 0),
+                        "dbe_volatile_total": int(row["dbe_total"] or 0),
+                        "remapped_rows": int(row["remapped"] or 0),
+                        "remap_failure": bool(row["remap_failure"]),
+                        "nvidia_action": ",".join(actions) or "DRAIN_AND_RESET",
+                    },
+                    summary=(
+                        f"Uncorrectable ECC error on {row['node']} GPU {row['gpu']}"
+                        + (f" (XID {', '.join(map(str, xids))})" if xids else "")
+                        + (f", killing job {job}" if job else "")
+                        + ": drain the node and reset the GPU before it runs anything again."
+                    ),
+                )
+            )
+        return findings

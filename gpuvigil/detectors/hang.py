@@ -1,0 +1,153 @@
+"""Collective hang: some ranks wait in a collective that others never entered.
+
+Signals, all from `rank_progress` (the in-process hook's Flight Recorder `pg_status`):
+- a job is *stalled* when its highest enqueued sequence number is ahead of its lowest completed
+  one (someone is waiting) and no collective has completed for longer than the job's own cadence
+  allows: max(min_stall_seconds, step_time_factor × median step time);
+- the *culprits* are the ranks that never enqueued the pending collective, and ranks whose
+  reports stopped while their peers kept reporting (a dead process or a GPU off the bus).
+A checkpoint save or a data-loader stall pauses all ranks *outside* collectives (enqueued ==
+completed everywhere), so it is never a hang. XID/ECC events on a culprit's node say hardware.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import polars as pl
+from pydantic import BaseModel
+
+from gpuvigil.detectors.common import settings
+from gpuvigil.model import Finding, FindingKind, Severity
+from gpuvigil.pipeline.window import Window
+
+
+class HangConfig(BaseModel):
+    min_stall_seconds: float = 5.0
+    step_time_factor: float = 1.5
+    stale_report_seconds: float = 5.0
+    hardware_lookback_seconds: float = 120.0
+    forget_after_seconds: float = 900.0
+
+
+class HangDetector:
+    name = "hang"
+
+    def __init__(self, cfg: dict[str, Any] | None = None):
+        self.config = settings("hang", HangConfig, cfg)
+        self._state: pl.DataFrame | None = None
+
+    def _update_state(self, window: Window) -> pl.DataFrame:
+        """Per (job, rank): the latest report and when its completed counter last moved.
+
+        Kept incrementally from each tick's fresh rows, so the cost is O(ranks) per tick
+        however long a stall lasts.
+        """
+        fresh = window.fresh("rank_progress")
+        if fresh.height:
+            fresh = fresh.sort("ts").group_by(["job", "rank"], maintain_order=True).last()
+        if self._state is None:
+            state = fresh.with_columns(pl.col("ts").alias("since"))
+        elif fresh.height == 0:
+            state = self._state
+        else:
+            prev = self._state.select("job", "rank", pl.col("last_completed_seq").alias("_prev_comp"), pl.col("since").alias("_prev_since"))
+            updated = fresh.join(prev, on=["job", "rank"], how="left").with_columns(
+                pl.when(pl.col("_prev_comp") == pl.col("last_completed_seq")).then(pl.col("_prev_since")).otherwise(pl.col("ts")).alias("since")
+            ).drop("_prev_comp", "_prev_since")
+            kept = self._state.join(fresh.select("job", "rank"), on=["job", "rank"], how="anti")
+            state = pl.concat([kept, updated], how="vertical_relaxed")
+        jobs = window.get("jobs")
+        if jobs.height and state.height:
+            # Forget ranks of a job's previous run (requeued) and of jobs no longer running.
+            running = jobs.filter(pl.col("state") == "running").select("job", pl.col("start_ts").alias("_start"))
+            state = state.join(running, on="job", how="inner").filter(pl.col("ts") >= pl.col("_start")).drop("_start")
+        self._state = state.filter(pl.col("ts") >= window.now - self.config.forget_after_seconds)
+        return self._state
+
+    def detect(self, window: Window) -> list[Finding]:
+        c = self.config
+        now = window.now
+        latest = self._update_state(window)
+        if latest.height == 0:
+            return []
+        per_job = (
+            latest.group_by("job")
+            .agg(
+                pl.col("last_enqueued_seq").max().alias("max_enq"),
+                pl.col("last_completed_seq").min().alias("min_comp"),
+                pl.col("ts").max().alias("fresh_ts"),
+                pl.col("since").max().alias("progress_ts"),
+                pl.len().alias("n_ranks"),
+                pl.col("step_time_seconds").median().alias("step_time"),
+            )
+            .with_columns(
+                pl.max_horizontal(pl.lit(c.min_stall_seconds), pl.col("step_time") * c.step_time_factor).alias("threshold"),
+                (pl.lit(now) - pl.col("progress_ts")).alias("stalled_seconds"),
+            )
+            .filter(
+                (pl.col("max_enq") > pl.col("min_comp"))
+                & (pl.col("stalled_seconds") > pl.col("threshold"))
+                & (pl.lit(now) - pl.col("fresh_ts") <= c.stale_report_seconds)  # the job still reports
+            )
+        )
+        if per_job.height == 0:
+            return []
+        ranks = latest.join(per_job.select("job", "min_comp", "max_enq", "fresh_ts", "stalled_seconds", "threshold", "step_time", "n_ranks"), on="job").with_columns(
+            (
+                (pl.col("last_enqueued_seq") <= pl.col("min_comp"))
+                | (pl.col("fresh_ts") - pl.col("ts") > c.stale_report_seconds)
+            ).alias("culprit"),
+            (pl.col("fresh_ts") - pl.col("ts") > c.stale_report_seconds).alias("silent"),
+        )
+        events = window.get("events").filter(
+            pl.col("kind").is_in(["xid", "ecc_dbe", "ecc"]) & (pl.col("ts") >= now - c.hardware_lookback_seconds)
+        )
+        findings = []
+        for job_rows in ranks.partition_by("job"):
+            culprits = job_rows.filter(pl.col("culprit")).sort("rank")
+            if culprits.height == 0 or culprits.height == job_rows.height:
+                continue  # nobody waiting on anybody: not a collective hang
+            first = job_rows.row(0, named=True)
+            job = first["job"]
+            culprit_nodes = sorted(set(culprits["node"].to_list()))
+            hw = events.filter(pl.col("node").is_in(culprit_nodes))
+            xids = sorted({int(x) for x in hw["xid"].drop_nulls().to_list()})
+            silent = culprits.filter(pl.col("silent"))["rank"].to_list()
+            cause = "hardware" if hw.height else "software"
+            c0 = culprits.row(0, named=True)
+            seq = int(first["min_comp"]) + 1
+            where = ", ".join(f"rank {r['rank']} ({r['node']} GPU {r['gpu']})" for r in culprits.head(4).iter_rows(named=True))
+            more = f" and {culprits.height - 4} more" if culprits.height > 4 else ""
+            why = f"XID {', '.join(map(str, xids))} on {', '.join(sorted(set(hw['node'].to_list())))}" if xids else ("its process stopped reporting" if silent else "it never entered the collective")
+            findings.append(
+                Finding(
+                    kind=FindingKind.COLLECTIVE_HANG,
+                    severity=Severity.PAGE,
+                    ts=now,
+                    job=job,
+                    ranks=culprits["rank"].to_list(),
+                    culprit_ranks=culprits["rank"].to_list(),
+                    node=c0["node"] if len(culprit_nodes) == 1 else culprit_nodes[0],
+                    gpu=int(c0["gpu"]) if culprits.height == 1 else None,
+                    cause=cause,
+                    source=self.name,
+                    evidence={
+                        "pending_seq": seq,
+                        "op": next((o for o in job_rows["current_op"].to_list() if o), None),
+                        "stalled_seconds": round(float(first["stalled_seconds"]), 1),
+                        "threshold_seconds": round(float(first["threshold"]), 2),
+                        "step_time_seconds": round(float(first["step_time"] or 0.0), 3),
+                        "waiting_ranks": int(job_rows.height - culprits.height),
+                        "world_size": int(first["n_ranks"]),
+                        "culprit_nodes": culprit_nodes,
+                        "silent_ranks": silent,
+                        "xids": xids,
+                    },
+                    summary=(
+                        f"{job} is hung in collective #{seq}: {where}{more} did not join ({why}); "
+                        f"{job_rows.height - culprits.height} ranks have waited {first['stalled_seconds']:.0f} s."
+                    ),
+                )
+            )
+        return findings

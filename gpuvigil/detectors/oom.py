@@ -1,0 +1,141 @@
+"""OOM predicted before it happens, from the trend of per-step memory peaks.
+
+The caching allocator's footprint is what runs out: `reserved` (segments held) must stay below
+capacity minus the context and other processes. Its per-step *peak* is flat for a healthy job,
+however close to 100% the sawtooth goes; it rises for a leak (allocated peaks rise) and for
+fragmentation (reserved − allocated rises, alloc retries rise). A least-squares line over the
+recent window gives the growth rate and the time left; the cause is whichever component grows.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import polars as pl
+from pydantic import BaseModel
+
+from gpuvigil.detectors.common import current_run, settings
+from gpuvigil.model import Finding, FindingKind, Severity
+from gpuvigil.pipeline.window import Window
+
+GIB = float(1 << 30)
+
+
+class OomConfig(BaseModel):
+    fit_window_seconds: float = 90.0
+    warmup_seconds: float = 30.0
+    min_samples: int = 20
+    min_span_seconds: float = 20.0
+    min_growth_bytes_per_second: float = 1 << 20
+    min_r2: float = 0.6
+    predict_horizon_seconds: float = 1800.0
+    page_within_seconds: float = 900.0
+    safety_margin_bytes: int = 1 << 30
+    fragmentation_share: float = 0.5
+
+
+def _slope(y: str, x: str = "_t", where: pl.Expr | None = None) -> pl.Expr:
+    xs, ys = pl.col(x), pl.col(y)
+    if where is not None:
+        xs, ys = xs.filter(where), ys.filter(where)
+    return pl.cov(xs, ys) / xs.var()
+
+
+class OomPredictor:
+    name = "oom"
+
+    def __init__(self, cfg: dict[str, Any] | None = None):
+        self.config = settings("oom", OomConfig, cfg)
+
+    def detect(self, window: Window) -> list[Finding]:
+        c = self.config
+        now = window.now
+        df = current_run(window, "allocator_stats", since=now - c.fit_window_seconds, warmup=c.warmup_seconds)
+        if df.height == 0:
+            return []
+        df = df.with_columns(
+            (pl.col("ts") - now).alias("_t"),
+            pl.max_horizontal("reserved_bytes", "peak_allocated_bytes").cast(pl.Float64).alias("_footprint"),
+            (pl.col("reserved_bytes") - pl.col("peak_allocated_bytes")).cast(pl.Float64).alias("_gap"),
+            pl.col("peak_allocated_bytes").cast(pl.Float64).alias("_peak"),
+            pl.col("foreign_used_bytes").fill_null(0).cast(pl.Float64).alias("_foreign"),
+            pl.col("alloc_retries").fill_null(0).cast(pl.Float64).alias("_retries"),
+        )
+        fits = (
+            df.group_by(["job", "rank"])
+            .agg(
+                pl.len().alias("n"),
+                (pl.col("_t").max() - pl.col("_t").min()).alias("span"),
+                _slope("_footprint").alias("slope"),
+                # Growth must hold in both halves of the window: a one-off step (warm-up, a new
+                # phase of training) is not a trend.
+                _slope("_footprint", where=pl.col("_t") < (pl.col("_t").min() + pl.col("_t").max()) / 2).alias("slope_early"),
+                _slope("_footprint", where=pl.col("_t") >= (pl.col("_t").min() + pl.col("_t").max()) / 2).alias("slope_late"),
+                _slope("_gap").alias("gap_slope"),
+                _slope("_peak").alias("peak_slope"),
+                _slope("_foreign").alias("foreign_slope"),
+                (pl.corr("_t", "_footprint") ** 2).alias("r2"),
+                pl.col("_footprint").last().alias("footprint"),
+                pl.col("_gap").last().alias("gap"),
+                pl.col("_foreign").last().alias("foreign"),
+                (pl.col("_retries").last() - pl.col("_retries").first()).alias("retries_delta"),
+                pl.col("device_capacity_bytes").last().alias("capacity"),
+                pl.col("node").last(),
+                pl.col("gpu").last(),
+            )
+            .with_columns(
+                (pl.col("capacity") - pl.col("foreign") - c.safety_margin_bytes - pl.col("footprint")).alias("headroom"),
+            )
+            .with_columns((pl.col("headroom") / pl.col("slope")).alias("tto"))
+            .filter(
+                (pl.col("n") >= c.min_samples)
+                & (pl.col("span") >= c.min_span_seconds)
+                & (pl.col("slope") >= c.min_growth_bytes_per_second)
+                & (pl.col("slope_early") >= c.min_growth_bytes_per_second / 2)
+                & (pl.col("slope_late") >= c.min_growth_bytes_per_second / 2)
+                & (pl.col("r2") >= c.min_r2)
+                & (pl.col("tto") <= c.predict_horizon_seconds)
+            )
+            .sort("tto")
+        )
+        findings = []
+        for rows in fits.partition_by("job", maintain_order=True):
+            worst = rows.row(0, named=True)
+            if worst["foreign_slope"] >= c.fragmentation_share * worst["slope"]:
+                cause, what = "foreign_process", "another process on the GPU is taking memory"
+            elif worst["gap_slope"] >= c.fragmentation_share * worst["slope"] or worst["retries_delta"] > 0 and worst["gap_slope"] > worst["peak_slope"]:
+                cause, what = "fragmentation", "the caching allocator is fragmenting (reserved but unallocated memory keeps growing)"
+            else:
+                cause, what = "leak", "allocated memory grows every step (a leak or growing activations)"
+            tto = float(worst["tto"])
+            findings.append(
+                Finding(
+                    kind=FindingKind.OOM_PREDICTED,
+                    severity=Severity.PAGE if tto <= c.page_within_seconds else Severity.TICKET,
+                    ts=now,
+                    job=worst["job"],
+                    ranks=sorted(rows["rank"].to_list()),
+                    node=worst["node"],
+                    gpu=int(worst["gpu"]),
+                    cause=cause,
+                    source=self.name,
+                    evidence={
+                        "time_to_oom_seconds": round(tto, 1),
+                        "rank": int(worst["rank"]),
+                        "growth_bytes_per_second": round(float(worst["slope"])),
+                        "fragmentation_growth_bytes_per_second": round(float(worst["gap_slope"])),
+                        "reserved_unallocated_bytes": int(worst["gap"]),
+                        "footprint_bytes": int(worst["footprint"]),
+                        "headroom_bytes": int(worst["headroom"]),
+                        "capacity_bytes": int(worst["capacity"]),
+                        "alloc_retries_delta": int(worst["retries_delta"]),
+                        "fit_r2": round(float(worst["r2"]), 3),
+                        "ranks_at_risk": rows.height,
+                    },
+                    summary=(
+                        f"{worst['job']} rank {worst['rank']} ({worst['node']} GPU {worst['gpu']}) will run out of GPU memory in about "
+                        f"{tto / 60:.1f} min: {what}, +{worst['slope'] / GIB * 60:.2f} GiB/min, {worst['headroom'] / GIB:.1f} GiB left."
+                    ),
+                )
+            )
+        return findings

@@ -1,0 +1,1 @@
+"""Export gpuvigil's state: Prometheus `/metrics` and OpenTelemetry (OTLP), from one snapshot."""

@@ -1,0 +1,254 @@
+"""The scheduling framework: a per-cycle session over array views of the cluster, the plugin
+hooks (small Protocols), and the tentative placement (`Statement`) that commits all-or-nothing.
+
+Shaped like Volcano / the Kubernetes scheduling framework. A cycle opens a `Session`, runs the
+configured actions in order (enqueue, allocate, preempt, backfill) and closes it. Actions ask the
+plugins:
+
+- `order`   : `job_key(job, ssn)` sorts pending jobs (lowest key first);
+- `filter`  : `filter(job, ssn) -> bool[N]` nodes the job may use at all;
+- `score`   : `score(job, ssn, feasible) -> float[...]` higher is better; `feasible` is `bool[N]`
+              for whole-GPU jobs and `bool[N, G]` (node, GPU) for GPU-sharing jobs;
+- `permit`  : `permit(job, plan, ssn) -> str | None` a veto with its reason, before commit;
+- `preempt` : `victims(preemptor, ssn) -> list[JobState]` running jobs this plugin lets the
+              preemptor evict, and `grace_seconds(preemptor, ssn)` how long victims get.
+
+Node state lives in `NodeState` (source of truth, dicts of which job holds which GPU); the
+session reads dense numpy views of it (`ClusterView`) so filters and scores are one vector
+operation over all nodes rather than a Python loop per GPU.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Protocol, runtime_checkable
+
+import numpy as np
+
+if TYPE_CHECKING:
+    from gpuvigil.scheduler.core import JobState, NodeState, Scheduler
+
+MILLI = 1000  # one whole GPU in milli-GPU
+UNTRACKED = np.int64(1) << 50  # capacity of a resource a node does not declare
+
+
+class ClusterView:
+    """Dense arrays mirroring the nodes, refreshed only for nodes that changed."""
+
+    def __init__(self, nodes: list[NodeState]):
+        self.nodes = nodes
+        self.names = [ns.spec.name for ns in nodes]
+        self.index = {name: i for i, name in enumerate(self.names)}
+        n = len(nodes)
+        self.max_gpus = max((ns.spec.n_gpus for ns in nodes), default=0)
+        self.n_gpus = np.array([ns.spec.n_gpus for ns in nodes], dtype=np.int64)
+        self.gpu_memory = np.array([ns.spec.gpu_memory_bytes for ns in nodes], dtype=np.int64)
+        racks = sorted({ns.spec.rack for ns in nodes})
+        rack_code = {r: i for i, r in enumerate(racks)}
+        self.rack = np.array([rack_code[ns.spec.rack] for ns in nodes], dtype=np.int64)
+        self.rack_names = racks
+        domains = sorted({ns.spec.nvlink_domain or ns.spec.name for ns in nodes})
+        dom_code = {d: i for i, d in enumerate(domains)}
+        self.domain = np.array([dom_code[ns.spec.nvlink_domain or ns.spec.name] for ns in nodes], dtype=np.int64)
+        self.gpu_model = [ns.spec.gpu_model for ns in nodes]
+        self.cpu_total = np.array([ns.spec.cpu_milli or UNTRACKED for ns in nodes], dtype=np.int64)
+        self.mem_total = np.array([ns.spec.memory_mib or UNTRACKED for ns in nodes], dtype=np.int64)
+        # free milli-GPU per (node, GPU); a GPU a node does not have, a whole-GPU job's GPU and an
+        # avoided GPU all read 0 (nothing to give, nothing counted as idle).
+        self.free_milli = np.zeros((n, self.max_gpus), dtype=np.int64)
+        self.cpu_free = self.cpu_total.copy()
+        self.mem_free = self.mem_total.copy()
+        self.schedulable = np.zeros(n, dtype=bool)
+        self.generation = np.zeros(n, dtype=np.int64)  # bumps on every change of a node
+        # Per-node aggregates kept current so whole-GPU placement reads N numbers, not N x G.
+        self.free_total = np.zeros(n, dtype=np.int64)
+        self.free_whole = np.zeros(n, dtype=np.int64)
+        for i in range(n):
+            self.sync(i)
+
+    def refresh(self, rows) -> None:
+        rows = np.asarray(list(rows) if not isinstance(rows, np.ndarray) else rows, dtype=np.int64)
+        if rows.size:
+            fm = self.free_milli[rows]
+            self.free_total[rows] = fm.sum(axis=1)
+            self.free_whole[rows] = (fm == MILLI).sum(axis=1)
+
+    def sync(self, i: int) -> None:
+        ns = self.nodes[i]
+        row = self.free_milli[i]
+        row[:] = 0
+        for g in range(ns.spec.n_gpus):
+            if g in ns.used or g in ns.avoid_gpus:
+                continue
+            taken = ns.shared.get(g)
+            row[g] = MILLI - (sum(taken.values()) if taken else 0)
+        self.cpu_free[i] = self.cpu_total[i] - ns.cpu_used
+        self.mem_free[i] = self.mem_total[i] - ns.mem_used
+        self.schedulable[i] = ns.state == "up"
+        self.generation[i] += 1
+        self.free_total[i] = row.sum()
+        self.free_whole[i] = int((row == MILLI).sum())
+        object.__setattr__(ns, "dirty", False)
+
+    def copy_mutable(self) -> dict[str, np.ndarray]:
+        return {
+            "free_milli": self.free_milli.copy(),
+            "cpu_free": self.cpu_free.copy(),
+            "mem_free": self.mem_free.copy(),
+            "free_total": self.free_total.copy(),
+            "free_whole": self.free_whole.copy(),
+        }
+
+
+@dataclass
+class Plan:
+    """A tentative placement: rank → (node index, GPU index; -1 for a CPU-only task)."""
+
+    job: JobState
+    slots: list[tuple[int, int]]
+    milli: int = MILLI
+    victims: list[JobState] = field(default_factory=list)
+
+    def nodes(self) -> list[int]:
+        return sorted({n for n, _ in self.slots})
+
+
+class Statement:
+    """Tentative changes to the session's arrays, kept only if every step succeeds.
+
+    An allocation of a gang, or an eviction made to fit one, is applied here first; `discard()`
+    restores the arrays, so a gang never ends up half placed.
+    """
+
+    def __init__(self, view: ClusterView):
+        self.view = view
+        self._saved = view.copy_mutable()
+        self._rows: set[int] = set()
+
+    def _touch(self, rows) -> None:
+        # Caches keyed on a node's generation (FGD) must not read a tentative state as final.
+        rows = list(rows)
+        self._rows.update(rows)
+        self.view.generation[rows] += 1
+        self.view.refresh(rows)
+
+    def take(self, plan: Plan) -> None:
+        v, job = self.view, plan.job
+        for n, g in plan.slots:
+            if g >= 0:
+                v.free_milli[n, g] -= plan.milli if plan.milli < MILLI else MILLI
+        self._touch(plan.nodes())
+        for n in plan.nodes():
+            per_node = sum(1 for s in plan.slots if s[0] == n)
+            share = per_node / max(1, len(plan.slots))
+            v.cpu_free[n] -= int(round(job.spec.cpu_milli * share))
+            v.mem_free[n] -= int(round(job.spec.memory_mib * share))
+
+    def give_back(self, job: JobState) -> None:
+        """Tentatively release a running job's resources (a preemption candidate)."""
+        v = self.view
+        milli = job.spec.gpu_milli
+        nodes = sorted({node for node, _ in job.placement})
+        for node, g in job.placement:
+            i = v.index[node]
+            if g >= 0 and g not in v.nodes[i].avoid_gpus:
+                v.free_milli[i, g] += milli if milli < MILLI else MILLI
+        self._touch(v.index[node] for node in nodes)
+        for node in nodes:
+            i = v.index[node]
+            per_node = sum(1 for s in job.placement if s[0] == node)
+            share = per_node / max(1, len(job.placement))
+            v.cpu_free[i] += int(round(job.spec.cpu_milli * share))
+            v.mem_free[i] += int(round(job.spec.memory_mib * share))
+
+    def discard(self) -> None:
+        for key, arr in self._saved.items():
+            getattr(self.view, key)[...] = arr
+        if self._rows:
+            self.view.generation[list(self._rows)] += 1
+            self._rows.clear()
+
+
+@dataclass
+class Session:
+    """One scheduling cycle's snapshot: time, the cluster view and the jobs it considers."""
+
+    now: float
+    scheduler: Scheduler
+    view: ClusterView
+    pending: list[JobState]
+    # Requirement shapes that already failed this cycle: a later job needing at least as much
+    # (and no special constraints) cannot fit either, so it is skipped without scoring.
+    unschedulable_shapes: list[tuple[int, int, int, int]] = field(default_factory=list)
+    placed: list[Plan] = field(default_factory=list)
+    blocked: list[JobState] = field(default_factory=list)
+    version: int = 0  # bumps whenever this cycle binds or evicts (invalidates `memo`)
+    memo: dict = field(default_factory=dict)
+
+    def bump(self) -> None:
+        self.version += 1
+        self.memo.clear()
+
+    @property
+    def cfg(self):
+        return self.scheduler.config
+
+
+# -- plugin hooks ---------------------------------------------------------------------------
+
+
+@runtime_checkable
+class Plugin(Protocol):
+    name: str
+
+
+@runtime_checkable
+class OrderPlugin(Protocol):
+    name: str
+
+    def job_key(self, job: JobState, ssn: Session) -> tuple: ...
+
+
+@runtime_checkable
+class FilterPlugin(Protocol):
+    name: str
+
+    def filter(self, job: JobState, ssn: Session) -> np.ndarray: ...
+
+
+@runtime_checkable
+class ScorePlugin(Protocol):
+    name: str
+
+    def score(self, job: JobState, ssn: Session, feasible: np.ndarray) -> np.ndarray: ...
+
+
+@runtime_checkable
+class PermitPlugin(Protocol):
+    name: str
+
+    def permit(self, job: JobState, plan: Plan, ssn: Session) -> str | None: ...
+
+
+@runtime_checkable
+class PreemptPlugin(Protocol):
+    name: str
+
+    def victims(self, preemptor: JobState, ssn: Session) -> list[JobState]: ...
+
+    def grace_seconds(self, preemptor: JobState, ssn: Session) -> float: ...
+
+
+@runtime_checkable
+class GangPlanner(Protocol):
+    """Chooses nodes for a job that does not fit on one node (topology)."""
+
+    name: str
+
+    def plan_multi_node(self, job: JobState, ssn: Session, feasible: np.ndarray) -> list[tuple[int, int]] | None: ...
+
+
+class BindListener(Protocol):
+    """Told after a job's placement is committed or released (caches keyed on nodes)."""
+
+    def on_change(self, node_indices: list[int]) -> None: ...

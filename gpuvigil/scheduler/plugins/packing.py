@@ -1,0 +1,53 @@
+"""Baseline placement scores: first-fit and best-fit (bin packing). Also used by `ours` as a
+small tie-breaking term (pack tightly among placements of equal fragmentation)."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from gpuvigil.scheduler.framework import MILLI, UNTRACKED, Session
+
+
+class FirstFitScore:
+    """Lowest node index, then lowest GPU index, that fits."""
+
+    name = "first_fit"
+
+    def __init__(self, scheduler):
+        self.scheduler = scheduler
+
+    def score(self, job, ssn: Session, feasible: np.ndarray) -> np.ndarray:
+        n = feasible.shape[0]
+        s = -np.arange(n, dtype=np.float64)
+        if feasible.ndim == 2:
+            g = feasible.shape[1]
+            return s[:, None] - np.arange(g, dtype=np.float64)[None, :] / (g + 1)
+        return s
+
+
+class BestFitScore:
+    """Least resources left on the node after placing the task: 0.5 x idle CPU + 0.5 x idle
+    GPU, each normalised by the largest node's capacity (the FGD paper's best-fit baseline);
+    for a GPU-sharing task, the fullest GPU that still fits breaks ties."""
+
+    name = "best_fit"
+
+    def __init__(self, scheduler):
+        self.scheduler = scheduler
+        v = scheduler.view
+        self.max_gpu = float(max(1, int(v.n_gpus.max(initial=1)))) * MILLI
+        tracked = v.cpu_total[v.cpu_total < UNTRACKED]
+        self.max_cpu = float(tracked.max()) if tracked.size else 0.0
+
+    def score(self, job, ssn: Session, feasible: np.ndarray) -> np.ndarray:
+        v, spec = ssn.view, job.spec
+        need = spec.n_gpus * min(spec.gpu_milli, MILLI)
+        left = 0.5 * (v.free_total - need) / self.max_gpu
+        if self.max_cpu:
+            tracked = v.cpu_total < UNTRACKED
+            left = left + np.where(tracked, 0.5 * (v.cpu_free - spec.cpu_milli) / self.max_cpu, 0.0)
+        node = -left
+        if feasible.ndim == 2:
+            per_gpu = (v.free_milli - spec.gpu_milli) / MILLI
+            return node[:, None] - 1e-6 * per_gpu
+        return node

@@ -1,0 +1,253 @@
+"""`gpuvigil analyze`: format detection by content, output formats, and untrusted input.
+
+Runs on copies of the real H200 captures and public log lines in a temporary folder whose files
+get a fixed modification time (it stands for the year of year-less timestamps), so that the
+golden output does not depend on when the tests run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import pickle
+import shutil
+from pathlib import Path
+
+import pytest
+from h_logs_helpers import DATA, H200, PUBLIC, REFERENCE_TS, check_golden
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from gpuvigil import analyze
+from gpuvigil.errors import UserError
+
+JSON_KEYS = ["kind", "severity", "ts", "job", "ranks", "culprit_ranks", "node", "gpu", "xid", "action", "cause", "evidence", "summary", "source", "id"]
+MIXED = [
+    H200 / "s2_oom_ramp.log",
+    H200 / "s3_fragmentation.log",
+    H200 / "s4_fragmentation_expandable.log",
+    H200 / "s6_nccl_watchdog_timeout.log",
+    H200 / "s7_nccl_two_ranks.log",
+    H200 / "nvml_timeseries.csv",
+    PUBLIC / "kernel_dbe_syslog.log",
+    PUBLIC / "kernel_nvlink5.log",
+    PUBLIC / "nccl_watchdog_pg_id.log",
+    PUBLIC / "oom_wordings.log",
+    DATA / "dcgm" / "node07_constructed.prom",
+]
+
+
+def run(argv: list[str]) -> int:
+    """The analyze command through its own add_parser, as gpuvigil.cli wires it."""
+    parser = argparse.ArgumentParser(prog="gpuvigil")
+    sub = parser.add_subparsers()
+    analyze.add_parser(sub)
+    args = parser.parse_args(["analyze", *argv])
+    try:
+        return args.func(args)
+    except UserError as exc:  # what gpuvigil.cli.main does
+        import sys
+
+        print(f"gpuvigil: error: {exc}", file=sys.stderr)
+        return 2
+
+
+def stage(tmp_path: Path, files: list[Path], folder: str = "case") -> Path:
+    dest = tmp_path / folder
+    dest.mkdir(parents=True, exist_ok=True)
+    for f in files:
+        shutil.copy(f, dest / f.name)
+        os.utime(dest / f.name, (REFERENCE_TS, REFERENCE_TS))
+    return dest
+
+
+@pytest.fixture
+def mixed(tmp_path, monkeypatch):
+    stage(tmp_path, MIXED)
+    monkeypatch.chdir(tmp_path)
+    return tmp_path
+
+
+def test_text_output_is_golden(mixed, capsys):
+    assert run(["case"]) == 0
+    out, err = capsys.readouterr()
+    assert err == ""
+    check_golden("analyze_mixed.txt", out)
+
+
+def test_json_lines(mixed, capsys):
+    assert run(["case", "--format", "json"]) == 0
+    out, err = capsys.readouterr()
+    rows = [json.loads(line) for line in out.splitlines()]
+    for row in rows:
+        assert list(row) == JSON_KEYS
+        assert row["source"].startswith("case/")
+    assert [r["ts"] for r in rows] == sorted(r["ts"] for r in rows)
+    by_source = {r["source"].split("/")[1]: r for r in rows}
+    assert by_source["s2_oom_ramp.log:2"]["kind"] == "oom_capacity"
+    assert by_source["s3_fragmentation.log:2"]["kind"] == "oom_fragmentation"
+    assert by_source["s3_fragmentation.log:2"]["action"] == "set_alloc_conf, requeue_job"
+    nccl = by_source["s6_nccl_watchdog_timeout.log:15"]
+    assert nccl["kind"] == "nccl_timeout" and nccl["evidence"]["seq"] == 6 and nccl["evidence"]["op_type"] == "ALLREDUCE"
+    assert (nccl["evidence"]["last_enqueued"], nccl["evidence"]["last_completed"]) == (6, 5)
+    dbe = by_source["kernel_dbe_syslog.log:2"]
+    assert (dbe["kind"], dbe["xid"], dbe["action"], dbe["node"], dbe["severity"]) == ("xid", 48, "WORKFLOW_XID_48", "worker4", "page")
+    check_golden("analyze_mixed.jsonl", out)
+
+
+def test_job_node_and_pci_map_options(tmp_path, monkeypatch, capsys):
+    stage(tmp_path, [PUBLIC / "kernel_nvlink5.log", H200 / "s2_oom_ramp.log"])
+    monkeypatch.chdir(tmp_path)
+    assert run(["case", "--format", "json", "--job", "llama-7", "--node", "gpu-node-3", "--pci-map", "0019:01:00=5,0018:01:00=4"]) == 0
+    rows = [json.loads(l) for l in capsys.readouterr().out.splitlines()]
+    assert {r["job"] for r in rows} == {"llama-7"}
+    assert {r["node"] for r in rows} == {"gpu-node-3"}
+    assert {r["xid"]: r["gpu"] for r in rows if r["kind"] == "xid"} == {149: 5, 145: 4, 45: None}
+    assert next(r for r in rows if r["xid"] == 149)["action"] == "WORKFLOW_NVLINK5_ERR"
+
+
+@pytest.mark.parametrize("bad", ["0000:3b:00", "0000:3b:00=x", "=3"])
+def test_bad_pci_map_is_a_user_error(tmp_path, capsys, bad):
+    assert run([str(H200 / "s2_oom_ramp.log"), "--pci-map", bad]) == 2
+    assert "--pci-map" in capsys.readouterr().err
+
+
+class _Evil:
+    def __init__(self, marker: Path):
+        self.marker = marker
+
+    def __reduce__(self):
+        return (os.system, (f"touch {self.marker}",))
+
+
+@pytest.mark.parametrize(
+    ("make", "expect"),
+    [
+        (lambda d: pickle.dumps({"entries": [_Evil(d / "pwned")], "pg_status": {}}, protocol=4), "refused global"),
+        (lambda d: pickle.dumps(_Evil(d / "pwned"), protocol=2), "refused global"),
+        (lambda d: (H200 / "s6_fr_rank_0").read_bytes()[:300], "not a valid pickle"),
+        (lambda d: b"", "empty file"),
+        (lambda d: bytes(range(256)) * 10, "format not recognised"),
+        (lambda d: b"just some notes\nnothing to see\n", "format not recognised"),
+        (lambda d: b'DCGM_FI_DEV_FB_USED{gpu="0" 12\n', "not a Prometheus text exposition"),
+    ],
+)
+def test_unreadable_input_is_one_line_naming_the_file_and_others_still_run(tmp_path, monkeypatch, capsys, make, expect):
+    d = stage(tmp_path, [H200 / "s2_oom_ramp.log"])
+    (d / "bad.bin").write_bytes(make(tmp_path))
+    monkeypatch.chdir(tmp_path)
+    assert run(["case", "--format", "json"]) == 0
+    out, err = capsys.readouterr()
+    assert [json.loads(l)["kind"] for l in out.splitlines()] == ["oom_capacity"]
+    (line,) = err.splitlines()
+    assert line.startswith("gpuvigil analyze: case/bad.bin: ") and expect in line
+    assert not (tmp_path / "pwned").exists()
+
+
+def test_nothing_readable_exits_2(tmp_path, monkeypatch, capsys):
+    (tmp_path / "evil.pickle").write_bytes(pickle.dumps(_Evil(tmp_path / "pwned"), protocol=4))
+    monkeypatch.chdir(tmp_path)
+    assert run(["evil.pickle", "missing.log", "."]) == 2
+    out, err = capsys.readouterr()
+    assert out == ""
+    lines = err.splitlines()
+    assert lines[0].startswith("gpuvigil analyze: evil.pickle: refused global")
+    assert lines[1] == "gpuvigil analyze: missing.log: no such file or folder"
+    assert lines[-1].startswith("gpuvigil: error: nothing could be read")
+    assert not (tmp_path / "pwned").exists()
+
+
+def test_a_file_given_twice_is_read_once(tmp_path, monkeypatch, capsys):
+    d = stage(tmp_path, [H200 / "s2_oom_ramp.log"])
+    monkeypatch.chdir(tmp_path)
+    assert run(["case", "case/s2_oom_ramp.log", "--format", "json"]) == 0
+    assert len(capsys.readouterr().out.splitlines()) == 1
+    assert d.exists()
+
+
+def test_xid_beyond_the_sniffed_head_is_found(tmp_path, capsys):
+    log = tmp_path / "kern.log"
+    filler = "Nov 29 10:00:00 n1 kernel: usb 1-1: new high-speed USB device number 2 using xhci_hcd\n"
+    with open(log, "w") as fh:
+        fh.write(filler * (analyze.SNIFF_BYTES // len(filler) + 10))
+        fh.write("Nov 29 10:00:01 n1 kernel: NVRM: Xid (PCI:0000:3b:00): 79, pid=1, name=x, GPU has fallen off the bus.\n")
+    assert run([str(log), "--format", "json"]) == 0
+    (row,) = [json.loads(l) for l in capsys.readouterr().out.splitlines()]
+    assert (row["xid"], row["action"], row["node"]) == (79, "RESTART_BM", "n1")
+
+
+def test_thermal_slowdown_in_nvml_csv(tmp_path, capsys):
+    csv = tmp_path / "nvml.csv"
+    csv.write_text("t,phase,temp_c,clock_event_reasons\n1.0,a,60,0\n2.0,a,88,64\n3.0,a,90,96\n4.0,a,70,1\n")
+    assert run([str(csv), "--format", "json"]) == 0
+    (row,) = [json.loads(l) for l in capsys.readouterr().out.splitlines()]
+    assert row["kind"] == "thermal_throttle" and row["source"].endswith("nvml.csv:3")
+    assert (row["evidence"]["samples"], row["evidence"]["of_samples"], row["evidence"]["max_temperature_c"]) == (2, 4, 90)
+
+
+def test_real_nvml_series_has_no_thermal_slowdown(capsys):
+    assert run([str(H200 / "nvml_timeseries.csv"), "--format", "json"]) == 0
+    assert capsys.readouterr().out == ""
+
+
+def test_gpuvigil_own_scrape(tmp_path, capsys):
+    scrape = tmp_path / "gv.prom"
+    scrape.write_text(
+        "# HELP gpuvigil_node_findings_active Findings active now on a node.\n# TYPE gpuvigil_node_findings_active gauge\n"
+        'gpuvigil_node_findings_active{node="n1",kind="xid",severity="page"} 1\n'
+        'gpuvigil_node_findings_active{node="n2",kind="ecc",severity="page"} 0\n'
+    )
+    assert run([str(scrape), "--format", "json"]) == 0
+    (row,) = [json.loads(l) for l in capsys.readouterr().out.splitlines()]
+    assert (row["kind"], row["node"], row["severity"]) == ("xid", "n1", "page")
+
+
+def test_flight_recorder_folder_is_analysed_together(tmp_path, monkeypatch, capsys):
+    if analyze._optional("gpuvigil.collectors.flight_recorder") is None:
+        pytest.skip("gpuvigil.collectors.flight_recorder is not installed")
+    stage(tmp_path, [H200 / "s6_fr_rank_0", H200 / "s6_nccl_watchdog_timeout.log"])
+    monkeypatch.chdir(tmp_path)
+    assert run(["case", "--format", "json"]) == 0
+    out, err = capsys.readouterr()
+    assert err == ""
+    kinds = {json.loads(l)["kind"]: json.loads(l) for l in out.splitlines()}
+    assert "nccl_timeout" in kinds
+    fr = next(r for r in map(json.loads, out.splitlines()) if r["source"].startswith("case/s6_fr_rank_0"))
+    assert fr["kind"] in ("collective_hang", "collective_mismatch")
+
+
+def test_allocator_files(tmp_path, monkeypatch, capsys):
+    if analyze._optional("gpuvigil.collectors.allocator") is None:
+        pytest.skip("gpuvigil.collectors.allocator is not installed")
+    stage(tmp_path, [H200 / "s3_memory_stats_after.json", H200 / "s3_snapshot.pickle"])
+    monkeypatch.chdir(tmp_path)
+    assert run(["case", "--format", "json"]) == 0
+    out, err = capsys.readouterr()
+    assert err == ""
+    assert out.strip()
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
+@given(st.binary(max_size=2000))
+def test_random_bytes_never_crash(tmp_path, data):
+    f = tmp_path / "random.bin"
+    f.write_bytes(data)
+    report = analyze.Analyzer().run([f])
+    assert len(report.read) + len(report.errors) == 1
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
+@given(st.sampled_from(MIXED + [H200 / "s6_fr_rank_0"]), st.integers(0, 4000))
+def test_truncated_real_files_never_crash(tmp_path, src, cut):
+    data = src.read_bytes()
+    f = tmp_path / src.name
+    f.write_bytes(data[: max(0, len(data) - cut)])
+    report = analyze.Analyzer().run([f])
+    assert len(report.read) + len(report.errors) >= 1
+
+
+def test_cli_wiring():
+    from gpuvigil import cli
+
+    assert cli.main(["analyze", str(H200 / "s2_oom_ramp.log"), "--format", "json"]) == 0

@@ -1,0 +1,249 @@
+"""PyTorch / NCCL log parsing on the real H200 captures and on real lines from public threads."""
+
+from __future__ import annotations
+
+import pytest
+from h_logs_helpers import H200, PUBLIC, REFERENCE_TS, check_golden, findings_json
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from gpuvigil import schemas
+from gpuvigil.collectors import nccl_log
+from gpuvigil.config import ConfigError
+from gpuvigil.model import FindingKind, Severity
+
+GIB = 1 << 30
+MIB = 1 << 20
+
+
+def analyze(path, **kw):
+    return nccl_log.analyze_text(path.read_text(), source_file=path.name, reference_ts=REFERENCE_TS, **kw)
+
+
+# --- must-pass: the real H200 artefacts -------------------------------------------------------
+
+
+def test_real_capacity_oom_is_oom_capacity():
+    (f,) = analyze(H200 / "s2_oom_ramp.log")
+    assert f.kind == FindingKind.OOM_CAPACITY and f.severity == Severity.PAGE and f.cause == "capacity"
+    ev = f.evidence
+    assert ev["requested_bytes"] == 4 * GIB
+    assert ev["reserved_unallocated_bytes"] == 0
+    assert ev["total_bytes"] == pytest.approx(139.80 * GIB, rel=1e-4)
+    assert ev["free_bytes"] == pytest.approx(3.29 * GIB, rel=1e-3)
+    assert ev["process_used_bytes"] == pytest.approx(136.51 * GIB, rel=1e-4)
+    assert ev["allocated_bytes"] == 136 * GIB
+    assert ev["foreign_bytes"] < GIB // 10
+    assert f.gpu == 0 and f.source == "s2_oom_ramp.log:2"
+
+
+def test_real_fragmentation_oom_is_oom_fragmentation():
+    (f,) = analyze(H200 / "s3_fragmentation.log")
+    assert f.kind == FindingKind.OOM_FRAGMENTATION and f.cause == "fragmentation"
+    assert f.evidence["requested_bytes"] == 8 * GIB
+    assert f.evidence["reserved_unallocated_bytes"] == 24 * GIB
+    assert f.evidence["free_bytes"] == 2 * GIB
+
+
+def test_expandable_segments_run_has_no_oom():
+    assert analyze(H200 / "s4_fragmentation_expandable.log") == []
+
+
+def test_real_watchdog_timeout():
+    (f,) = analyze(H200 / "s6_nccl_watchdog_timeout.log")
+    assert f.kind == FindingKind.NCCL_TIMEOUT and f.severity == Severity.PAGE
+    ev = f.evidence
+    assert (ev["seq"], ev["op_type"], ev["numel_in"], ev["numel_out"]) == (6, "ALLREDUCE", 1048576, 1048576)
+    assert (ev["timeout_ms"], ev["ran_for_ms"]) == (8000, 8031)
+    assert (ev["last_enqueued"], ev["last_completed"]) == (6, 5)
+    assert ev["rank"] == 0 and ev["pg"] == "0(default_pg)" and ev["world_size"] == 1
+    assert f.ranks == [0] and f.culprit_ranks == []
+    assert f.source == "s6_nccl_watchdog_timeout.log:15"
+    # glog "[E1129 23:07:34.447300897 ...]": no year in the line, taken from the reference time
+    assert f.ts == pytest.approx(1795993654.4473, abs=1e-3)
+
+
+def test_real_nccl_warn_lines():
+    parsed = nccl_log.parse_lines((H200 / "s7_nccl_two_ranks.log").read_text().splitlines(), reference_ts=REFERENCE_TS)
+    assert [(w.host, w.pid, w.device, w.network) for w in parsed.warnings] == [("vm", 680, 0, False), ("vm", 679, 0, False)]
+    assert parsed.warnings[0].message == "Duplicate GPU detected : rank 1 and rank 0 both on CUDA device 60"
+    ev = nccl_log.events(parsed)
+    assert ev.schema == schemas.EVENTS and ev["kind"].to_list() == ["nccl_warn", "nccl_warn"] and ev["node"].to_list() == ["vm", "vm"]
+
+
+def test_nccl_info_log_has_no_findings():
+    assert analyze(H200 / "s5_nccl_flight_recorder.log") == []
+
+
+# --- other wordings, real lines from public issue threads -------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("name", "seq", "op", "ranks", "enq", "done", "pg", "timeout_ms"),
+    [
+        ("nccl_watchdog.log", 1580, "ALLREDUCE", [0, 3, 4], 1582, 1579, "1", 600000),
+        ("nccl_watchdog_reduce_scatter.log", 7753, "_REDUCE_SCATTER_BASE", [0, 4], 7755, 7752, "1", 600000),
+        ("nccl_watchdog_pg_id.log", 808, "ALLREDUCE", [0, 1, 2], 811, 807, "0(default_pg)", 600000),
+        ("nccl_watchdog_coalesced.log", 610, "COALESCED", [4], 616, 609, "2", 600000),
+        ("nccl_watchdog_old.log", 469508, "ALLREDUCE", [1, 2, 3], None, None, None, 1800000),
+    ],
+)
+def test_public_watchdog_wordings(name, seq, op, ranks, enq, done, pg, timeout_ms):
+    (f,) = analyze(PUBLIC / name)
+    ev = f.evidence
+    assert (ev["seq"], ev["op_type"], f.ranks, ev["last_enqueued"], ev["last_completed"], ev["pg"], ev["timeout_ms"]) == (
+        seq,
+        op,
+        ranks,
+        enq,
+        done,
+        pg,
+        timeout_ms,
+    )
+    check_golden(f"nccl_{PUBLIC.joinpath(name).stem}.json", findings_json([f]))
+
+
+def test_some_operations_failed_without_workncl_details_still_pages():
+    line = "[rank4]:[E318 07:39:53.792790830 ProcessGroupNCCL.cpp:630] [Rank 4] Some NCCL operations have failed or timed out. Due to the asynchronous nature of CUDA kernels, subsequent GPU operations might run on corrupted/incomplete data."
+    (f,) = nccl_log.analyze_text(line, reference_ts=REFERENCE_TS)
+    assert f.kind == FindingKind.NCCL_TIMEOUT and f.ranks == [4]
+
+
+def test_rank_that_did_not_enqueue_is_the_culprit():
+    lines = [
+        "[rank0]:[E1206 18:44:12.7 ProcessGroupNCCL.cpp:607] [Rank 0] Watchdog caught collective operation timeout: WorkNCCL(SeqNum=12, OpType=ALLREDUCE, NumelIn=8, NumelOut=8, Timeout(ms)=600000) ran for 600061 milliseconds before timing out.",
+        "[rank0]:[E1206 18:44:12.7 ProcessGroupNCCL.cpp:1664] [PG 0 Rank 0] Exception (either an error or timeout) detected by watchdog at work: 12, last enqueued NCCL work: 12, last completed NCCL work: 11.",
+        "[rank1]:[E1206 18:44:12.7 ProcessGroupNCCL.cpp:607] [Rank 1] Watchdog caught collective operation timeout: WorkNCCL(SeqNum=12, OpType=ALLREDUCE, NumelIn=8, NumelOut=8, Timeout(ms)=600000) ran for 600070 milliseconds before timing out.",
+        "[rank1]:[E1206 18:44:12.7 ProcessGroupNCCL.cpp:1664] [PG 0 Rank 1] Exception (either an error or timeout) detected by watchdog at work: 12, last enqueued NCCL work: 11, last completed NCCL work: 11.",
+    ]
+    (f,) = nccl_log.analyze_text("\n".join(lines), reference_ts=REFERENCE_TS)
+    assert f.ranks == [0, 1] and f.culprit_ranks == [1]
+    assert [r["last_enqueued"] for r in f.evidence["per_rank"]] == [12, 11]
+
+
+def test_repeated_timeout_messages_are_one_finding():
+    line = "[rank0]:[E1129 23:07:34.447300897 ProcessGroupNCCL.cpp:689] [Rank 0] Watchdog caught collective operation timeout: WorkNCCL(SeqNum=6, OpType=ALLREDUCE, NumelIn=1, NumelOut=1, Timeout(ms)=8000) ran for 8031 milliseconds before timing out."
+    what = "  what():  [PG ID 0 PG GUID 0(default_pg) Rank 0] Watchdog caught collective operation timeout: WorkNCCL(SeqNum=6, OpType=ALLREDUCE, NumelIn=1, NumelOut=1, Timeout(ms)=8000) ran for 8031 milliseconds before timing out."
+    found = nccl_log.analyze_text("\n".join([line, line, what]), reference_ts=REFERENCE_TS)
+    assert len(found) == 1 and found[0].ranks == [0]
+
+
+def test_network_warnings_are_attached_to_the_timeout():
+    text = (PUBLIC / "nccl_warn_network.log").read_text() + (H200 / "s6_nccl_watchdog_timeout.log").read_text()
+    parsed = nccl_log.parse_lines(text.splitlines(), reference_ts=REFERENCE_TS)
+    assert [w.network for w in parsed.warnings] == [True, True, True, True, True]
+    assert [w.host for w in parsed.warnings] == ["kp-ddp-worker-0", "ubuntu", "ubuntu", "a100-st-p4d24xlarge-22", "a100-st-p4d24xlarge-22"]
+    (f,) = nccl_log.findings(parsed)
+    assert f.cause == "network" and f.evidence["network_warnings"] == 5
+    assert f.evidence["first_network_warning"].startswith("NET/IB : Got completion from peer 10.216.210.236<54862> with status=12")
+
+
+@pytest.mark.parametrize(
+    ("line_no", "kind", "wording", "requested", "unallocated"),
+    [
+        (1, FindingKind.OOM_FOREIGN_PROCESS, "old", 50 * MIB, round(18.22 * MIB)),
+        (2, FindingKind.OOM_CAPACITY, "old", round(2.26 * GIB), round(1.24 * GIB) - round(781.59 * MIB)),
+        (3, FindingKind.OOM_FOREIGN_PROCESS, "capacty", 32 * MIB, round(1.90 * MIB)),
+        (4, FindingKind.OOM_CAPACITY, "capacty", 496 * MIB, round(330.42 * MIB)),
+        (5, FindingKind.OOM_FRAGMENTATION, "capacty", round(1.70 * GIB), round(2.30 * GIB)),
+        (6, FindingKind.OOM_FRAGMENTATION, "new", 226 * MIB, round(336.73 * MIB)),
+        (7, FindingKind.OOM_FRAGMENTATION, "capacty", 3 * GIB, round(4.84 * GIB)),
+    ],
+)
+def test_public_oom_wordings(line_no, kind, wording, requested, unallocated):
+    line = (PUBLIC / "oom_wordings.log").read_text().splitlines()[line_no - 1]
+    (f,) = nccl_log.analyze_text(line, reference_ts=REFERENCE_TS)
+    assert (f.kind, f.evidence["wording"], f.evidence["requested_bytes"], f.evidence["reserved_unallocated_bytes"]) == (kind, wording, requested, unallocated)
+
+
+def test_process_list_splits_ours_from_others():
+    line = (
+        "torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 2.00 GiB. GPU 0 has a total capacity of 79.15 GiB of which 1.00 GiB is free. "
+        "Process 4242 has 30.00 GiB memory in use. Process 777 has 48.10 GiB memory in use. Of the allocated memory 45.00 GiB is allocated by PyTorch, "
+        "and 2.50 GiB is reserved by PyTorch but unallocated."
+    )
+    (f,) = nccl_log.analyze_text(line, reference_ts=REFERENCE_TS)
+    assert f.kind == FindingKind.OOM_FOREIGN_PROCESS
+    assert f.evidence["process_used_bytes"] == round(48.10 * GIB)
+    assert f.evidence["other_processes"] == [{"pid": 4242, "bytes": 30 * GIB}]
+    assert f.evidence["foreign_bytes"] == 30 * GIB
+
+
+def test_this_process_line_with_another_process():
+    line = (
+        "CUDA out of memory. Tried to allocate 4.00 GiB. GPU 0 has a total capacity of 139.80 GiB of which 3.29 GiB is free. "
+        "Process 1234 has 40.00 GiB memory in use. Including non-PyTorch memory, this process has 96.51 GiB memory in use. "
+        "Of the allocated memory 96.00 GiB is allocated by PyTorch, and 0 bytes is reserved by PyTorch but unallocated."
+    )
+    (f,) = nccl_log.analyze_text(f"[rank3]:{line}", reference_ts=REFERENCE_TS)
+    assert f.kind == FindingKind.OOM_FOREIGN_PROCESS and f.ranks == [3]
+    assert f.evidence["foreign_bytes"] == 40 * GIB and f.evidence["process_used_bytes"] == round(96.51 * GIB)
+
+
+@pytest.mark.parametrize(
+    ("overrides", "kind"),
+    [
+        ({}, FindingKind.OOM_FRAGMENTATION),
+        ({"fragmentation_min_request_ratio": 4.0, "fragmentation_min_share": 0.5}, FindingKind.OOM_CAPACITY),
+        ({"fragmentation_min_request_ratio": 4.0, "fragmentation_min_share": 0.15}, FindingKind.OOM_FRAGMENTATION),
+    ],
+)
+def test_oom_thresholds_are_config(overrides, kind):
+    (f,) = analyze(H200 / "s3_fragmentation.log", cfg={"oom_classify": overrides})
+    assert f.kind == kind
+
+
+def test_bad_oom_config_is_rejected():
+    with pytest.raises(ConfigError):
+        nccl_log.load_oom_config({"oom_classify": {"foreign_min_share": 2}})
+
+
+def test_duplicate_oom_messages_are_counted_once():
+    line = (H200 / "s2_oom_ramp.log").read_text().splitlines()[1]
+    (f,) = nccl_log.analyze_text("\n".join([line, "Traceback (most recent call last):", line]), reference_ts=REFERENCE_TS)
+    assert f.evidence["occurrences"] == 2
+
+
+def test_collector_tails_a_training_log(tmp_path):
+    log = tmp_path / "train.log"
+    log.write_text("")
+    col = nccl_log.NcclLogCollector(log, node="n1", job="j1")
+    assert col.collect(0.0) == {}
+    log.write_text((H200 / "s6_nccl_watchdog_timeout.log").read_text() + (H200 / "s2_oom_ramp.log").read_text())
+    ev = col.collect(1.0)["events"]
+    assert ev.schema == schemas.EVENTS
+    assert sorted(ev["kind"].to_list()) == ["nccl_timeout", "oom"]
+    assert set(ev["job"].to_list()) == {"j1"}
+
+
+H200_LINES = [l for n in ("s2_oom_ramp.log", "s3_fragmentation.log", "s6_nccl_watchdog_timeout.log", "s7_nccl_two_ranks.log") for l in (H200 / n).read_text().splitlines()]
+PUBLIC_LINES = [l for p in sorted(PUBLIC.glob("*.log")) if not p.name.startswith("kernel_") for l in p.read_text().splitlines()]
+REAL_LINES = [l for l in H200_LINES + PUBLIC_LINES if l.strip()]
+
+
+@settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(st.lists(st.text(max_size=400), max_size=30))
+def test_random_text_never_crashes(lines):
+    parsed = nccl_log.parse_lines(lines, reference_ts=REFERENCE_TS)
+    nccl_log.findings(parsed)
+    nccl_log.events(parsed)
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.integers(0, len(REAL_LINES) - 1), st.integers(0, 600), st.text(max_size=60))
+def test_truncated_and_mangled_real_lines_never_crash(i, cut, junk):
+    parsed = nccl_log.parse_lines([REAL_LINES[i][:cut] + junk, REAL_LINES[i]], reference_ts=REFERENCE_TS)
+    nccl_log.findings(parsed)
+    nccl_log.events(parsed)
+
+
+@settings(max_examples=100, deadline=None)
+@given(st.text(alphabet="CUDA out of memory. Tried to allocate 0123456789.GiBMbytes(;) GPU has a total capacty", max_size=600))
+def test_oom_lookalike_noise_never_crashes(text):
+    nccl_log.findings(nccl_log.parse_lines([text], reference_ts=REFERENCE_TS))
+
+
+def test_pathological_line_is_fast_enough_to_finish():
+    # A huge line of near-matches must not hang the regexes (no catastrophic backtracking).
+    line = "Watchdog caught collective operation timeout: WorkNCCL(" + "a=(" * 5000 + " ran for x"
+    nccl_log.parse_lines([line, "CUDA out of memory. Tried to allocate " + "1" * 100000], reference_ts=REFERENCE_TS)

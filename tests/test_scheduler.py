@@ -1,0 +1,527 @@
+"""The built-in scheduler framework and its policy plugins, on small hand-built clusters."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from gpuvigil import config
+from gpuvigil.model import FindingKind, Hint, HintAction
+from gpuvigil.scheduler import JobSpec, NodeSpec, Scheduler
+from gpuvigil.scheduler.actions import find_plan
+from gpuvigil.scheduler.config import SchedulerConfig, load_scheduler_config
+from gpuvigil.scheduler.framework import Plan, Session
+from gpuvigil.scheduler.plugins.fragmentation import Workload, node_fragmentation
+
+GIB = 1 << 30
+
+
+def cluster(n: int = 2, gpus: int = 8, racks: int = 1, **kw) -> list[NodeSpec]:
+    return [NodeSpec(f"n{i}", rack=f"r{i * racks // n}", n_gpus=gpus, **kw) for i in range(n)]
+
+
+def sched(nodes=None, **overrides) -> Scheduler:
+    cfg = config.load(overrides={"scheduler": overrides}) if overrides else None
+    return Scheduler(nodes or cluster(), cfg)
+
+
+def hint(action: HintAction, **kw) -> Hint:
+    return Hint(action=action, ts=0.0, reason=kw.pop("reason", "test"), finding_id="f1", finding_kind=FindingKind.XID, **kw)
+
+
+def nodes_of(s: Scheduler, job: str) -> list[str]:
+    return sorted({n for n, _ in s.jobs[job].placement})
+
+
+# -- config -------------------------------------------------------------------------------------
+
+
+def test_default_config_loads_from_yaml():
+    cfg = load_scheduler_config(config.defaults())
+    assert cfg.actions == ["enqueue", "allocate", "preempt", "backfill"]
+    assert cfg.priority.preempt_grace_seconds == {"P0": 0, "P1": 300}
+    assert cfg.placement == "ours"
+
+
+@pytest.mark.parametrize(
+    "override, reason",
+    [
+        ({"actions": ["enqueue", "allocate", "shuffle"]}, "unknown action"),
+        ({"actions": ["enqueue", "preempt"]}, "'allocate' must be enabled"),
+        ({"actions": ["allocate", "enqueue"]}, "in the order"),
+        ({"plugins": ["priority", "gang", "magic"]}, "unknown plugin"),
+        ({"plugins": ["priority", "health"]}, "'gang' cannot be disabled"),
+        ({"placement": "random"}, "placement"),
+        ({"priority": {"preempt_grace_seconds": {"P1": -5}}}, "must be >= 0"),
+        ({"priority": {"preempt_grace_seconds": {"P9": 10}}}, "unknown class"),
+        ({"priority": {"classes": ["P0", "P0"]}}, "distinct"),
+        ({"quota": {"tenants": {"a": {"gpus": -1}}}}, "quota.tenants.a.gpus"),
+        ({"score_weights": {"luck": 1.0}}, "unknown score weight"),
+        ({"score_weights": {"binpack": -1.0}}, "must be >= 0"),
+        ({"backfil": {}}, "backfil"),
+    ],
+)
+def test_invalid_config_is_rejected_with_the_reason(override, reason):
+    with pytest.raises(config.ConfigError, match="scheduler") as err:
+        Scheduler(cluster(), config.load(overrides={"scheduler": override}))
+    assert reason in str(err.value)
+
+
+# -- gang ---------------------------------------------------------------------------------------
+
+
+def test_gang_is_all_or_nothing_and_starts_when_whole():
+    s = sched(cluster(2))
+    for i, n in enumerate(["n0", "n1"]):
+        s.submit(JobSpec(f"small{i}", 4), 0)
+    s.cycle(0)
+    assert {nodes_of(s, "small0")[0], nodes_of(s, "small1")[0]} == {"n0"} or len(s.placements()) == 2
+    s.submit(JobSpec("gang", 12), 1)
+    s.cycle(1)
+    free = sum(len(ns.free_gpus()) for ns in s.nodes.values())
+    assert s.jobs["gang"].state == "pending" and s.jobs["gang"].placement == []
+    assert free == 8  # nothing of the gang was bound
+    s.job_completed("small0", 2)
+    s.cycle(2)
+    assert s.jobs["gang"].state == "running" and len(s.jobs["gang"].placement) == 12
+    assert len(set(s.jobs["gang"].placement)) == 12
+
+
+@pytest.mark.parametrize(
+    "slots, per_node, ok",
+    [
+        ([(0, 0), (0, 1), (1, 0), (1, 1)], None, True),
+        ([(0, 0), (0, 1), (1, 0)], None, False),  # incomplete
+        ([(0, 0), (0, 0), (1, 0), (1, 1)], None, False),  # a GPU twice
+        ([(0, 0), (0, 1), (0, 2), (1, 0)], 2, False),  # wrong per-node shape
+        ([(0, 0), (0, 1), (1, 0), (1, 1)], 2, True),
+    ],
+)
+def test_gang_permit(slots, per_node, ok):
+    s = sched(cluster(2))
+    s.submit(JobSpec("g", 4, gpus_per_node=per_node), 0)
+    js = s.jobs["g"]
+    ssn = Session(now=0, scheduler=s, view=s.view, pending=[js])
+    reason = s.plugin("gang").permit(js, Plan(js, slots), ssn)
+    assert (reason is None) == ok
+
+
+def test_full_node_gang_shape():
+    s = sched(cluster(3))
+    s.submit(JobSpec("filler", 2), 0)
+    s.cycle(0)
+    s.submit(JobSpec("g", 16, gpus_per_node=8), 1)
+    s.cycle(1)
+    placed = s.jobs["g"].placement
+    assert len(placed) == 16 and nodes_of(s, "filler")[0] not in nodes_of(s, "g")
+
+
+# -- topology -----------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "specs, busy, want",
+    [
+        # Two NVLink domains of two nodes; domain d1 is whole: the 16-GPU gang goes there.
+        (
+            [NodeSpec("a0", rack="r0", nvlink_domain="d0"), NodeSpec("a1", rack="r1", nvlink_domain="d1"), NodeSpec("a2", rack="r0", nvlink_domain="d0"), NodeSpec("a3", rack="r1", nvlink_domain="d1")],
+            {"a0": 2},
+            ["a1", "a3"],
+        ),
+        # No domain fits, one rack does: stay in rack r1 rather than spread over both.
+        (
+            [NodeSpec("b0", rack="r0"), NodeSpec("b1", rack="r1"), NodeSpec("b2", rack="r1"), NodeSpec("b3", rack="r0")],
+            {"b0": 4, "b3": 4},
+            ["b1", "b2"],
+        ),
+        # Nothing fits in one rack: fewest nodes, fullest rack first.
+        (
+            [NodeSpec("c0", rack="r0"), NodeSpec("c1", rack="r1"), NodeSpec("c2", rack="r2")],
+            {"c0": 5, "c1": 4, "c2": 0},
+            ["c1", "c2"],
+        ),
+    ],
+)
+def test_topology_keeps_gangs_together(specs, busy, want):
+    s = sched(specs)
+    for node, k in busy.items():
+        if k:
+            name = f"busy-{node}"
+            s.submit(JobSpec(name, k), 0)
+            s.jobs[name].preferred_nodes = [node]
+    s.cycle(0)
+    for node, k in busy.items():
+        if k:
+            assert nodes_of(s, f"busy-{node}") == [node]
+    s.submit(JobSpec("gang", 12 if want == ["c1", "c2"] else 16), 1)
+    s.cycle(1)
+    assert nodes_of(s, "gang") == want
+
+
+# -- priority and preemption --------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "preemptor, victim, outcome",
+    [
+        ("P0", "P2", "now"),
+        ("P0", "P1", "now"),
+        ("P0", "P0", "never"),
+        ("P1", "P2", "grace"),
+        ("P1", "P1", "never"),
+        ("P1", "P0", "never"),
+        ("P2", "P2", "never"),
+    ],
+)
+def test_priority_preemption(preemptor, victim, outcome):
+    s = sched(cluster(1))
+    s.submit(JobSpec("victim", 8, priority=victim), 0)
+    s.cycle(0)
+    s.checkpoint("victim", 50, 40)
+    s.submit(JobSpec("boss", 8, priority=preemptor, submit_ts=100), 100)
+    s.cycle(100)
+    if outcome == "now":
+        assert s.jobs["boss"].state == "running"
+        assert s.jobs["victim"].state == "pending" and s.jobs["victim"].preemptions == 1
+        assert s.jobs["victim"].lost_gpu_seconds == pytest.approx((100 - 40) * 8)
+        assert any(a.action == "preempted" and a.job == "victim" for a in s.actions)
+    elif outcome == "never":
+        s.cycle(1000)
+        assert s.jobs["boss"].state == "pending" and s.jobs["victim"].state == "running"
+    else:
+        assert s.jobs["victim"].state == "running" and s.jobs["boss"].state == "pending"
+        assert s.jobs["victim"].preempt_deadline == pytest.approx(400)
+        assert any(a.action == "preempt_notice" and a.job == "victim" for a in s.actions)
+        s.checkpoint("victim", 60, 350)  # the notice lets it checkpoint
+        s.cycle(399)
+        assert s.jobs["victim"].state == "running"
+        s.cycle(400)
+        assert s.jobs["boss"].state == "running" and s.jobs["victim"].state == "pending"
+        assert s.jobs["victim"].lost_gpu_seconds == pytest.approx((400 - 350) * 8)
+
+
+def test_grace_period_is_configurable():
+    s = sched(cluster(1), priority={"preempt_grace_seconds": {"P0": 0, "P1": 30}})
+    s.submit(JobSpec("victim", 8, priority="P2"), 0)
+    s.cycle(0)
+    s.submit(JobSpec("boss", 8, priority="P1", submit_ts=10), 10)
+    s.cycle(10)
+    s.cycle(39)
+    assert s.jobs["boss"].state == "pending"
+    s.cycle(40)
+    assert s.jobs["boss"].state == "running"
+
+
+def test_preemption_takes_fewest_victims_on_one_node():
+    s = sched(cluster(2))
+    for i in range(4):
+        s.submit(JobSpec(f"v{i}", 4, priority="P2"), 0)
+    s.cycle(0)
+    s.submit(JobSpec("boss", 8, priority="P0", submit_ts=5), 5)
+    s.cycle(5)
+    preempted = [j for j in ("v0", "v1", "v2", "v3") if s.jobs[j].state == "pending"]
+    assert s.jobs["boss"].state == "running" and len(preempted) == 2
+    assert len({nodes_of(s, "boss")[0]}) == 1
+
+
+def test_higher_priority_is_placed_first():
+    s = sched(cluster(1))
+    s.submit(JobSpec("low", 8, priority="P2", submit_ts=0), 0)
+    s.submit(JobSpec("high", 8, priority="P1", submit_ts=5), 5)
+    s.cycle(10)
+    assert s.jobs["high"].state == "running" and s.jobs["low"].state == "pending"
+
+
+# -- quota --------------------------------------------------------------------------------------
+
+
+def quota_sched(**quota):
+    return sched(cluster(2), quota={"tenants": {"a": {"gpus": 8}, "b": {"gpus": 8}}, **quota})
+
+
+def test_quota_borrow_then_reclaim():
+    s = quota_sched()
+    s.submit(JobSpec("a1", 8, tenant="a"), 0)
+    s.submit(JobSpec("a2", 8, tenant="a", submit_ts=1), 1)
+    s.cycle(1)
+    assert s.jobs["a1"].state == s.jobs["a2"].state == "running"
+    assert not s.jobs["a1"].borrowed and s.jobs["a2"].borrowed
+    s.checkpoint("a2", 10, 50)
+    s.submit(JobSpec("b1", 8, tenant="b", submit_ts=100), 100)
+    s.cycle(100)
+    assert s.jobs["b1"].state == "running"
+    assert s.jobs["a2"].state == "pending" and s.jobs["a1"].state == "running"
+    assert s.jobs["a2"].lost_gpu_seconds == pytest.approx(50 * 8)
+
+
+def test_quota_without_borrowing_holds_the_job():
+    s = quota_sched(borrow=False)
+    s.submit(JobSpec("a1", 8, tenant="a"), 0)
+    s.submit(JobSpec("a2", 8, tenant="a"), 0)
+    s.cycle(0)
+    assert sorted(js.state for js in s.jobs.values()) == ["pending", "running"]
+
+
+def test_tenant_over_its_quota_cannot_reclaim():
+    s = quota_sched()
+    s.submit(JobSpec("b1", 8, tenant="b"), 0)
+    s.submit(JobSpec("b2", 8, tenant="b", submit_ts=1), 1)
+    s.cycle(1)
+    s.submit(JobSpec("b3", 8, tenant="b", submit_ts=2), 2)
+    s.cycle(2)
+    assert s.jobs["b3"].state == "pending" and s.jobs["b2"].state == "running"
+
+
+# -- fragmentation (FGD) ------------------------------------------------------------------------
+
+
+def wl(*classes):
+    """classes: (cpu, n_gpus, milli, weight)."""
+    return Workload.from_counts({(c, n, m): w for c, n, m, w in classes})
+
+
+@pytest.mark.parametrize(
+    "free, cpu_free, classes, want",
+    [
+        # One class needing 0.6 GPU: the 0.5-free GPU is a fragment, the idle one is not.
+        ([1000, 500], 8000, [(0, 1, 600, 1)], 500),
+        # A 2-GPU task cannot run here at all: every idle milli-GPU is a fragment.
+        ([1000, 500], 8000, [(0, 2, 1000, 1)], 1500),
+        # A CPU-only task cannot use GPUs: all idle GPU counts.
+        ([1000, 500], 8000, [(1000, 0, 0, 1)], 1500),
+        # Not enough CPU for the task: all idle GPU counts.
+        ([1000, 500], 1000, [(2000, 1, 300, 1)], 1500),
+        # Popularity-weighted sum over the target workload.
+        ([1000, 500], 8000, [(0, 1, 600, 1), (0, 2, 1000, 1)], 0.5 * 500 + 0.5 * 1500),
+        # A fully used GPU (0 free) adds nothing.
+        ([0, 1000], 8000, [(0, 1, 1000, 1)], 0),
+    ],
+)
+def test_node_fragmentation_matches_the_paper_definition(free, cpu_free, classes, want):
+    f = node_fragmentation(np.array([free]), np.array([cpu_free]), wl(*classes))
+    assert f[0] == pytest.approx(want)
+
+
+@pytest.mark.parametrize(
+    "placement, want",
+    [
+        # Worked by hand from the definitions: nA=[1000,1000] free, nB=[1000,300]; target
+        # workload half 0.5-GPU tasks, half 1-GPU tasks. A 0.3-GPU task on nB's GPU 1 fills the
+        # hole (growth -300 milli-GPU); on nA or nB's GPU 0 it grows F by +350.
+        ("fgd", ("nB", 1)),
+        ("ours", ("nB", 1)),
+        ("best_fit", ("nB", 1)),
+        ("first_fit", ("nA", 0)),
+    ],
+)
+def test_fgd_choice_hand_checked(placement, want):
+    s = sched([NodeSpec("nA", n_gpus=2), NodeSpec("nB", n_gpus=2)], placement=placement)
+    s.nodes["nB"].shared[1] = {"other": 700}
+    if s.plugin("fragmentation") is not None:
+        s.plugin("fragmentation").set_workload({(0, 1, 500): 1, (0, 1, 1000): 1})
+    s.submit(JobSpec("t", 1, gpu_milli=300), 0)
+    s.cycle(0)
+    assert tuple(s.jobs["t"].placement[0]) == want
+
+
+def test_fgd_delta_values_hand_checked():
+    s = sched([NodeSpec("nA", n_gpus=2), NodeSpec("nB", n_gpus=2)], placement="fgd")
+    s.nodes["nB"].shared[1] = {"x": 700}
+    s.sync_view()
+    frag = s.plugin("fragmentation")
+    frag.set_workload({(0, 1, 500): 1, (0, 1, 1000): 1})
+    s.submit(JobSpec("t", 1, gpu_milli=300), 0)
+    js = s.jobs["t"]
+    ssn = Session(now=0, scheduler=s, view=s.view, pending=[js])
+    feasible = np.ones((2, 2), dtype=bool)
+    score = frag.score(js, ssn, feasible) * 1000  # minus the growth, in milli-GPU
+    np.testing.assert_allclose(score, [[-350, -350], [-350, 300]])
+
+
+def test_gpu_sharing_packs_shares_onto_one_gpu():
+    s = sched(cluster(1, gpus=2))
+    s.submit(JobSpec("a", 1, gpu_milli=500), 0)
+    s.submit(JobSpec("b", 1, gpu_milli=500), 0)
+    s.cycle(0)
+    assert s.jobs["a"].placement == s.jobs["b"].placement
+    assert s.nodes["n0"].free_gpus() == [1]
+    s.submit(JobSpec("whole", 1), 1)
+    s.cycle(1)
+    assert s.jobs["whole"].placement == [("n0", 1)]
+
+
+# -- health hints -------------------------------------------------------------------------------
+
+
+def test_cordon_and_requeue_excluding_node_accounts_lost_work():
+    s = sched(cluster(2))
+    s.submit(JobSpec("j", 8), 0)
+    s.cycle(0)
+    bad = nodes_of(s, "j")[0]
+    s.checkpoint("j", 100, 60)
+    s.apply_hint(hint(HintAction.CORDON_NODE, node=bad), 90)
+    out = s.apply_hint(hint(HintAction.REQUEUE_JOB, job="j", node=bad, exclude_nodes=[bad]), 90)
+    assert [a.action for a in out] == ["requeued"] and "resumes from checkpoint step 100" in out[0].detail
+    assert s.nodes[bad].state == "cordoned"
+    assert s.jobs["j"].lost_gpu_seconds == pytest.approx((90 - 60) * 8)
+    s.cycle(91)
+    assert nodes_of(s, "j") != [bad] and s.jobs["j"].restarts == 1
+    # Even after the node comes back, the job stays off it.
+    s.uncordon(bad, 200)
+    s.job_failed("j", 300, "test")
+    s.cycle(301)
+    assert s.jobs["j"].state == "running" and nodes_of(s, "j") != [bad]
+
+
+def test_lost_work_counts_from_restart_not_from_an_older_checkpoint():
+    s = sched(cluster(1))
+    s.submit(JobSpec("j", 4), 0)
+    s.cycle(0)
+    s.checkpoint("j", 10, 100)
+    s.job_failed("j", 130, "oom")
+    s.cycle(200)
+    s.job_failed("j", 260, "oom")
+    assert s.jobs["j"].lost_gpu_seconds == pytest.approx(30 * 4 + 60 * 4)
+
+
+@pytest.mark.parametrize(
+    "action, kw, check",
+    [
+        (HintAction.AVOID_GPU, {"node": "n0", "gpu": 0}, lambda s: 0 not in {g for n, g in s.jobs["j2"].placement if n == "n0"} and 0 in s.nodes["n0"].avoid_gpus),
+        (HintAction.SET_ALLOC_CONF, {"job": "j", "params": {"alloc_conf": "expandable_segments:True"}}, lambda s: s.jobs["j"].alloc_conf == "expandable_segments:True" and s.jobs["j"].restarts == 1),
+        (HintAction.DRAIN_NODE, {"node": "n0"}, lambda s: s.nodes["n0"].state in ("draining", "drained") and "n0" not in nodes_of(s, "j2")),
+        (HintAction.RESIZE_OR_MOVE_JOB, {"job": "j"}, lambda s: nodes_of(s, "j") == ["big"] and s.jobs["j"].restarts == 1),
+    ],
+)
+def test_health_hints(action, kw, check):
+    specs = [NodeSpec("n0", gpu_memory_bytes=80 * GIB), NodeSpec("n1", gpu_memory_bytes=80 * GIB), NodeSpec("big", gpu_memory_bytes=141 * GIB)]
+    s = sched(specs)
+    s.submit(JobSpec("j", 4), 0)
+    s.jobs["j"].preferred_nodes = ["n0"]
+    s.cycle(0)
+    assert nodes_of(s, "j") == ["n0"]
+    s.apply_hint(hint(action, **kw), 10)
+    s.submit(JobSpec("j2", 4, submit_ts=11), 11)
+    s.jobs["j2"].preferred_nodes = ["n0"]
+    s.cycle(11)
+    assert check(s)
+
+
+def test_resize_without_larger_gpus_shrinks_micro_batch():
+    s = sched(cluster(2))
+    s.submit(JobSpec("j", 8), 0)
+    s.cycle(0)
+    out = s.apply_hint(hint(HintAction.RESIZE_OR_MOVE_JOB, job="j"), 5)
+    assert s.jobs["j"].memory_scale == pytest.approx(0.75)
+    assert [a.action for a in out] == ["resized", "requeued"]
+
+
+def test_compact_moves_small_job_to_free_a_node():
+    s = sched(cluster(2))
+    s.submit(JobSpec("a", 4), 0)
+    s.jobs["a"].preferred_nodes = ["n0"]
+    s.submit(JobSpec("b", 4), 0)
+    s.jobs["b"].preferred_nodes = ["n1"]
+    s.cycle(0)
+    assert nodes_of(s, "a") == ["n0"] and nodes_of(s, "b") == ["n1"]
+    out = s.apply_hint(hint(HintAction.COMPACT, params={"moves": [{"job": "b", "from_node": "n1", "to_node": "n0"}]}), 10)
+    assert [a.action for a in out][:2] == ["moved", "requeued"]
+    assert nodes_of(s, "b") == ["n0"] and len(s.nodes["n1"].free_gpus()) == 8
+
+
+def test_node_down_requeues_its_jobs():
+    s = sched(cluster(2))
+    s.submit(JobSpec("j", 16), 0)
+    s.cycle(0)
+    out = s.node_down("n1", 50, "GPU fell off the bus")
+    assert [a.action for a in out] == ["node_down", "requeued"]
+    s.cycle(51)
+    assert s.jobs["j"].state == "pending"  # 16 GPUs no longer exist
+    s.uncordon("n1", 60)
+    s.cycle(61)
+    assert s.jobs["j"].state == "running"
+
+
+# -- actions ------------------------------------------------------------------------------------
+
+
+def test_enqueue_fails_a_job_that_can_never_fit():
+    s = sched(cluster(1))
+    s.submit(JobSpec("huge", 64), 0)
+    out = s.cycle(0)
+    assert s.jobs["huge"].state == "failed" and "needs 64 GPUs" in out[0].detail
+
+
+def test_future_jobs_wait_for_their_submit_time():
+    s = sched(cluster(1))
+    s.submit(JobSpec("later", 1, submit_ts=100), 0)
+    s.cycle(50)
+    assert s.jobs["later"].state == "pending"
+    s.cycle(100)
+    assert s.jobs["later"].state == "running" and s.jobs["later"].queued_seconds == 0
+
+
+def test_reserved_p0_holds_the_queue_but_short_jobs_backfill():
+    s = sched(cluster(1))
+    s.submit(JobSpec("run", 4, priority="P0"), 0)
+    s.cycle(0)
+    s.submit(JobSpec("p0", 8, priority="P0", submit_ts=1), 1)
+    s.submit(JobSpec("long", 2, priority="P2", submit_ts=1), 1)
+    s.submit(JobSpec("short", 2, priority="P2", submit_ts=1, duration_seconds=600), 1)
+    s.cycle(2)
+    assert s.jobs["p0"].state == "pending"
+    assert s.jobs["long"].state == "pending"
+    assert s.jobs["short"].state == "running"
+
+
+def test_direct_edits_of_node_state_are_seen():
+    """The simulator pins jobs by editing NodeState.used: the next cycle must see it."""
+    s = sched(cluster(1))
+    s.submit(JobSpec("pinned", 6), 0)
+    ns = s.nodes["n0"]
+    for g in range(6):
+        ns.used[g] = "pinned"
+    js = s.jobs["pinned"]
+    js.placement, js.state, js.start_ts = [("n0", g) for g in range(6)], "running", 0.0
+    s.submit(JobSpec("next", 4), 0)
+    s.cycle(1)
+    assert s.jobs["next"].state == "pending"
+    s.submit(JobSpec("fits", 2), 1)
+    s.cycle(2)
+    assert s.jobs["fits"].placement == [("n0", 6), ("n0", 7)]
+
+
+def test_state_frames_conform_to_schemas():
+    s = sched(cluster(2))
+    s.submit(JobSpec("j", 12), 0)
+    s.cycle(0)
+    frames = s.state_frames()
+    assert frames["allocations"].height == 12
+    assert frames["nodes"]["free_gpus"].sum() == 4
+    assert frames["jobs"]["state"].to_list() == ["running"]
+
+
+def test_find_plan_changes_nothing():
+    s = sched(cluster(1))
+    s.submit(JobSpec("j", 4), 0)
+    js = s.jobs["j"]
+    before = s.view.free_milli.copy()
+    plan = find_plan(js, Session(now=0, scheduler=s, view=s.view, pending=[js]))
+    assert plan is not None and len(plan.slots) == 4
+    assert (s.view.free_milli == before).all() and js.state == "pending"
+
+
+def test_submit_validation():
+    s = sched(cluster(1))
+    with pytest.raises(ValueError, match="share"):
+        s.submit(JobSpec("x", 2, gpu_milli=500))
+    with pytest.raises(ValueError, match="multiple"):
+        s.submit(JobSpec("y", 12, gpus_per_node=8))
+    s.submit(JobSpec("z", 1))
+    with pytest.raises(ValueError, match="already"):
+        s.submit(JobSpec("z", 1))
+
+
+def test_scheduler_accepts_config_object():
+    s = Scheduler(cluster(1), SchedulerConfig(placement="first_fit"))
+    assert s.config.placement == "first_fit"
