@@ -384,7 +384,9 @@ def _fmt_ts(ts: float) -> str:
     return datetime.fromtimestamp(ts, UTC).strftime("%Y-%m-%d %H:%M:%S UTC")
 
 
-def _fmt_value(v: Any) -> str:
+def _fmt_value(v: Any, key: str = "") -> str:
+    if key.endswith("_ts") and isinstance(v, (int, float)):
+        return _fmt_ts(float(v))
     if isinstance(v, float):
         return f"{v:.6g}"
     if isinstance(v, (list, dict)):
@@ -410,7 +412,7 @@ def format_text(finding: Finding, policy: Any) -> str:
     act = action_of(finding, policy)
     if act:
         lines.append(f"  action: {act}")
-    ev = ", ".join(f"{k}={_fmt_value(v)}" for k, v in finding.evidence.items() if v is not None and v != [] and k != "message")
+    ev = ", ".join(f"{k}={_fmt_value(v, k)}" for k, v in finding.evidence.items() if v is not None and v != [] and k != "message")
     if ev:
         lines.append(f"  evidence: {ev}")
     if finding.evidence.get("message"):

@@ -11,17 +11,21 @@ from collections.abc import Sequence
 
 from gpuvigil.errors import UserError
 
-# Order here is the order in `gpuvigil --help`.
-COMMAND_MODULES = [
-    "gpuvigil.demo",  # demo
-    "gpuvigil.analyze",  # analyze
-    "gpuvigil.collectors.flight_recorder",  # fr
-    "gpuvigil.serve",  # serve
-    "gpuvigil.api.cli",  # api
-    "gpuvigil.alerts.build",  # alerts build
-    "gpuvigil.dashboards.build",  # dashboards build
-    "gpuvigil.benchcli",  # bench pipeline|scheduler|detectors|hook
-]
+# command → (module, one-line help). Only the chosen command's module is imported, so the CLI
+# starts fast and one command's heavy dependencies never slow another.
+COMMANDS: dict[str, tuple[str, str]] = {
+    "demo": ("gpuvigil.demo", "run fault scenarios end to end on the simulated cluster"),
+    "analyze": ("gpuvigil.analyze", "diagnose logs, dumps and scrapes offline"),
+    "fr": ("gpuvigil.collectors.flight_recorder", "cross-rank analysis of Flight Recorder dumps"),
+    "serve": ("gpuvigil.serve", "run collectors, pipeline, scheduler, API and /metrics"),
+    "api": ("gpuvigil.api.cli", "serve the scheduler feedback API from a hint store"),
+    "alerts": ("gpuvigil.alerts.build", "build Prometheus rules and Alertmanager config"),
+    "dashboards": ("gpuvigil.dashboards.build", "build Grafana dashboards"),
+    "bench": ("gpuvigil.benchcli", "run a benchmark and write docs/benchmarks.md"),
+}
+
+
+CURRENT_ARGV: list[str] = []  # what build_parser was given (for nested lazy subcommands)
 
 
 class OneLineErrorParser(argparse.ArgumentParser):
@@ -31,24 +35,33 @@ class OneLineErrorParser(argparse.ArgumentParser):
         self.exit(2, f"{self.prog}: error: {message}\n")
 
 
-def build_parser() -> argparse.ArgumentParser:
+def selected_command(argv: Sequence[str], names: Sequence[str]) -> str | None:
+    """The first positional argument, if it names a command."""
+    for arg in argv:
+        if not arg.startswith("-"):
+            return arg if arg in names else None
+    return None
+
+
+def build_parser(argv: Sequence[str] = ()) -> argparse.ArgumentParser:
     parser = OneLineErrorParser(prog="gpuvigil", description="Observability and anomaly detection for GPU training clusters.")
     parser.add_argument("--version", action="version", version=f"gpuvigil {__import__('gpuvigil').__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=OneLineErrorParser)
     sub.required = True
-    for name in COMMAND_MODULES:
-        try:
-            module = importlib.import_module(name)
-        except ModuleNotFoundError as exc:
-            if exc.name == name:  # not written yet
-                continue
-            raise
-        module.add_parser(sub)
+    global CURRENT_ARGV
+    CURRENT_ARGV = list(argv)
+    chosen = selected_command(argv, list(COMMANDS))
+    for name, (module_name, help_text) in COMMANDS.items():
+        if name == chosen:
+            importlib.import_module(module_name).add_parser(sub)
+        else:
+            sub.add_parser(name, help=help_text)
     return parser
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = build_parser()
+    argv = list(sys.argv[1:] if argv is None else argv)
+    parser = build_parser(argv)
     args = parser.parse_args(argv)
     try:
         return int(args.func(args) or 0)

@@ -39,6 +39,9 @@ GPU_SAMPLES = pl.Schema(
         "pcie_replay_total": I64,
         "xid_total": I64,  # XIDs seen on this GPU so far
         "last_xid": I32,  # most recent XID code (DCGM semantics), null if none
+        # Lifetime ECC counts (NVML aggregate counters, survive driver reloads); null if unknown.
+        "ecc_sbe_aggregate_total": I64,
+        "ecc_dbe_aggregate_total": I64,
     }
 )
 

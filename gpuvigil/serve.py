@@ -97,8 +97,10 @@ def _real_collectors(args: argparse.Namespace) -> list[Any] | None:
 
         return [DcgmCollector(url) for url in args.dcgm_url]
     try:
-        from gpuvigil.collectors import nvml
-    except ModuleNotFoundError:
+        import gpuvigil.collectors.nvml as nvml
+    except ModuleNotFoundError as exc:
+        if exc.name != "gpuvigil.collectors.nvml":
+            raise
         print("gpuvigil serve: NVML collector not available in this build; using the simulated cluster", file=sys.stderr)
         return None
     unavailable = getattr(nvml, "NvmlUnavailable", RuntimeError)

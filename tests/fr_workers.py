@@ -20,7 +20,9 @@ another's dump. Exit code 0 when every rank dumped.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import datetime
+import json
 import os
 import subprocess
 import sys
@@ -111,18 +113,12 @@ def _rank_main(args: argparse.Namespace) -> int:
     os._exit(0)  # skip gloo's teardown, which can block on peers stuck in the faulty collective
 
 
-def _launch(args: argparse.Namespace) -> int:
-    """Import torch once, then fork the ranks: far cheaper than N interpreters each importing it."""
+def _launch_world(args: argparse.Namespace) -> str | None:
     import multiprocessing
 
-    import torch  # noqa: F401 - imported before forking so that every rank inherits it
-    import torch.distributed  # noqa: F401
-
+    Path(args.out).mkdir(parents=True, exist_ok=True)
     ctx = multiprocessing.get_context("fork")
-    procs = []
-    for rank in range(args.world):
-        rank_args = argparse.Namespace(**{**vars(args), "rank": rank})
-        procs.append(ctx.Process(target=_rank_main, args=(rank_args,)))
+    procs = [ctx.Process(target=_rank_main, args=(argparse.Namespace(**{**vars(args), "rank": r}),)) for r in range(args.world)]
     for proc in procs:
         proc.start()
     for proc in procs:
@@ -133,45 +129,74 @@ def _launch(args: argparse.Namespace) -> int:
         print(f"launcher joined {time.time():.2f}", flush=True)
     missing = [r for r in range(args.world) if not (Path(args.out) / f"fr_rank_{r}").exists()]
     if missing:
-        print(f"ranks {missing} wrote no dump; exit codes {[p.exitcode for p in procs]}", file=sys.stderr)
-        return 1
-    return 0
+        return f"{args.scenario} world={args.world}: ranks {missing} wrote no dump; exit codes {[p.exitcode for p in procs]}"
+    return None
 
 
-def run_world(out: Path, world: int, scenario: str, culprits: list[int], *, op: str = "all_gather",
-              timeout: float = 10.0, json_form: bool = False, stacks: bool = False) -> list[Path]:
-    """Run one world in a fresh launcher process; return the dump paths in rank order."""
-    out.mkdir(parents=True, exist_ok=True)
-    cmd = [sys.executable, __file__, "--world", str(world), "--scenario", scenario, "--out", str(out),
-           "--culprits", ",".join(map(str, culprits)), "--op", op, "--timeout", str(timeout)]
-    if json_form:
-        cmd.append("--json")
-    if stacks:
-        cmd.append("--stacks")
+def _launch(worlds: list[argparse.Namespace]) -> int:
+    """Import torch once, then fork each world's ranks: far cheaper than an interpreter per rank."""
+    import torch  # noqa: F401 - imported before forking so that every rank inherits it
+    import torch.distributed  # noqa: F401
+
+    failures = [msg for msg in map(_launch_world, worlds) if msg]
+    for msg in failures:
+        print(msg, file=sys.stderr)
+    return 1 if failures else 0
+
+
+@dataclasses.dataclass
+class World:
+    out: Path
+    world: int
+    scenario: str
+    culprits: list[int]
+    op: str = "all_gather"
+    json_form: bool = False
+    stacks: bool = False
+    timeout: float = 10.0
+    hang_seconds: float = 0.5
+
+    def namespace(self) -> argparse.Namespace:
+        return argparse.Namespace(
+            out=str(self.out), world=self.world, scenario=self.scenario, culprits=",".join(map(str, self.culprits)), op=self.op,
+            json=self.json_form, stacks=self.stacks, timeout=self.timeout, hang_seconds=self.hang_seconds, rank=None,
+        )
+
+
+def run_worlds(worlds: list[World]) -> list[list[Path]]:
+    """Run the worlds one after another in one fresh launcher process; return each world's dump
+    paths in rank order."""
+    spec = json.dumps([{**dataclasses.asdict(w), "out": str(w.out)} for w in worlds])
     env = {**os.environ, "OMP_NUM_THREADS": "1", "TORCH_FR_BUFFER_SIZE": "2000"}
-    done = subprocess.run(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, timeout=180)
+    done = subprocess.run([sys.executable, __file__, "--batch", spec], env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, timeout=300)
     if done.returncode != 0:
-        raise RuntimeError(f"fr_workers {scenario} world={world} failed: {done.stdout.decode(errors='replace')[-1500:]}")
-    return [out / f"fr_rank_{r}" for r in range(world)]
+        raise RuntimeError(f"fr_workers failed: {done.stdout.decode(errors='replace')[-1500:]}")
+    return [[w.out / f"fr_rank_{r}" for r in range(w.world)] for w in worlds]
+
+
+def run_world(out: Path, world: int, scenario: str, culprits: list[int], **kw) -> list[Path]:
+    return run_worlds([World(out, world, scenario, culprits, **kw)])[0]
 
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__)
-    p.add_argument("--world", type=int, required=True)
-    p.add_argument("--scenario", required=True, choices=["missing", "wrong_op", "size", "dtype"])
+    p.add_argument("--world", type=int)
+    p.add_argument("--scenario", choices=["missing", "wrong_op", "size", "dtype"])
     p.add_argument("--culprits", default="")
     p.add_argument("--op", default="all_gather", choices=["all_gather", "broadcast"])
-    p.add_argument("--out", required=True)
+    p.add_argument("--out")
     p.add_argument("--timeout", type=float, default=10.0, help="process group timeout (rendezvous)")
     p.add_argument("--hang-seconds", type=float, default=0.5, help="how long healthy ranks wait in the hung collective")
     p.add_argument("--json", action="store_true")
     p.add_argument("--stacks", action="store_true", help="include Python stack frames in the dumps")
-    p.add_argument("--rank", type=int, help="internal: run as this rank")
+    p.add_argument("--batch", help="internal: a JSON list of worlds to run in turn")
     args = p.parse_args()
-    if args.rank is not None:
-        return _rank_main(args)
-    Path(args.out).mkdir(parents=True, exist_ok=True)
-    return _launch(args)
+    if args.batch:
+        return _launch([World(**{**w, "out": Path(w["out"])}).namespace() for w in json.loads(args.batch)])
+    if not (args.world and args.scenario and args.out):
+        p.error("--world, --scenario and --out are required")
+    args.rank = None
+    return _launch([args])
 
 
 if __name__ == "__main__":

@@ -196,6 +196,30 @@ class SlurmCluster:
         jobs = self.cmd("squeue", "-h", "-t", "all", "-o", "%i %T %r %N", check=False).stdout.strip().replace("\n", "; ")
         raise TimeoutError(f"timed out after {timeout:g}s waiting for {what} (last: {last!r}; nodes: {states}; jobs: {jobs})\n{self.logs(20)}")
 
+    def _idle(self) -> bool:
+        return all(self.node_state(n)[0] == "idle" for n in self.nodes)
+
+    def reset(self) -> None:
+        """Between tests: no jobs, every node idle. A cancelled job's completion message is now
+        and then lost on this single-host set-up and Slurm would hold the node ~60 s until it
+        re-sends the kill; cycling the node DOWN→RESUME releases it at once (an admin's remedy)."""
+        jobs = self.cmd("squeue", "-h", "-o", "%i", check=False).stdout.split()
+        if jobs:
+            self.cmd("scancel", *jobs, check=False)
+        for n in self.nodes:
+            if "drain" in self.node_state(n)[0]:
+                self.cmd("scontrol", "update", f"NodeName={n}", "State=RESUME")
+        try:
+            self.wait_for(lambda: self._idle() or None, 10, "nodes idle")
+            return
+        except TimeoutError:
+            pass
+        for n in self.nodes:
+            if self.node_state(n)[0] != "idle":
+                self.cmd("scontrol", "update", f"NodeName={n}", "State=DOWN", "Reason=test reset")
+                self.cmd("scontrol", "update", f"NodeName={n}", "State=RESUME")
+        self.wait_for(lambda: self._idle() or None, 60, "nodes idle after DOWN/RESUME")
+
     def logs(self, lines: int = 15) -> str:
         out = []
         for f in sorted((self.root / "log").glob("*")):

@@ -210,3 +210,18 @@ def test_path_type_accepted(tmp_path):
     p.write_text(SCRAPE.read_text())
     samples, _, _ = dcgm.read_scrape(p)
     assert samples.height == 2
+
+
+def test_collector_fits_the_pipeline(exporter):
+    from gpuvigil.collectors.base import Collector
+    from gpuvigil.pipeline.core import Pipeline
+
+    col = dcgm.DcgmCollector(exporter.url)
+    try:
+        assert isinstance(col, Collector)
+        pipe = Pipeline([col], [])
+        pipe.tick(TS)
+        assert pipe.window.get("gpu_samples").height == 2
+        assert pipe.window.get("gpu_workloads")["pod"].to_list() == [None, "llama-pretrain-worker-3"]
+    finally:
+        col.close()

@@ -189,11 +189,10 @@ def gloo_runs(tmp_path_factory):
     pytest.importorskip("torch", reason="torch (CPU build) is needed for real gloo ranks")
     import fr_workers
 
-    runs = {}
-    for case_id, world, scenario, culprits, op in GLOO_CASES:
-        out = tmp_path_factory.mktemp(case_id)
-        fr_workers.run_world(out, world, scenario, culprits, op=op, json_form=case_id == "4_one_missing")
-        runs[case_id] = out
+    runs = {case_id: tmp_path_factory.mktemp(case_id) for case_id, *_ in GLOO_CASES}
+    fr_workers.run_worlds(
+        [fr_workers.World(runs[case_id], world, scenario, culprits, op=op, json_form=case_id == "4_one_missing") for case_id, world, scenario, culprits, op in GLOO_CASES]
+    )
     return runs
 
 

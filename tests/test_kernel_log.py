@@ -11,7 +11,7 @@ from datetime import UTC, datetime
 
 import polars as pl
 import pytest
-from h_logs_helpers import PUBLIC, REFERENCE_TS, check_golden, findings_json
+from h_logs_helpers import H200, PUBLIC, REFERENCE_TS, check_golden, findings_json
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -156,7 +156,7 @@ def test_public_kernel_logs(name, expected):
         assert f.source.startswith(f"{name}:")
         assert f.evidence["fatal"] == (f.severity == Severity.PAGE)
         assert f.cause == ("hardware" if f.evidence["fatal"] else f.cause)
-    check_golden(f"kernel_{path.stem}.json", findings_json(found))
+    check_golden(f"{path.stem}.json", findings_json(found))
 
 
 def test_fatal_finding_matches_the_cordon_hint_rule():
@@ -187,10 +187,12 @@ def test_tail_follows_appends_partial_lines_rotation_and_truncation(tmp_path):
         fh.write("d=7, name=x, GPU has fallen off the bus.\n")
     out = col.collect(2.0)["events"]
     assert out.height == 1 and out["xid"].to_list() == [79]
-    # rotation: the old file is renamed away, a new one takes its name
+    # rotation: a last line lands in the old file, it is renamed away, a new one takes its name
+    with open(log, "a") as fh:
+        fh.write(f"Nov 29 10:04:00 n1 kernel: {LINE.replace(': 79,', ': 64,')}\n")
     os.rename(log, tmp_path / "kern.log.1")
     log.write_text(f"Nov 29 10:05:00 n1 kernel: {LINE.replace(': 79,', ': 48,')}\n")
-    assert col.collect(3.0)["events"]["xid"].to_list() == [48]
+    assert col.collect(3.0)["events"]["xid"].to_list() == [64, 48]  # nothing lost
     # truncation in place (copytruncate)
     log.write_text("")
     assert col.collect(4.0) == {}
@@ -199,10 +201,23 @@ def test_tail_follows_appends_partial_lines_rotation_and_truncation(tmp_path):
     assert col.errors == 0
 
 
-def test_tail_of_missing_file_is_quiet(tmp_path):
-    col = kernel_log.KernelLogCollector(tmp_path / "absent.log", boot_ts=0.0)
+def test_tail_of_missing_file_is_quiet_until_it_appears(tmp_path):
+    log = tmp_path / "later.log"
+    col = kernel_log.KernelLogCollector(log, boot_ts=0.0)
     assert col.collect(0.0) == {}
+    log.write_text(f"[5.0] {LINE}\n")
+    assert col.collect(1.0)["events"]["xid"].to_list() == [79]
     assert col.errors == 0
+
+
+def test_tail_can_start_at_the_end(tmp_path):
+    log = tmp_path / "kern.log"
+    log.write_text(f"[1.0] {LINE}\n")
+    col = kernel_log.KernelLogCollector(log, boot_ts=0.0, from_start=False)
+    assert col.collect(0.0) == {}
+    with open(log, "a") as fh:
+        fh.write(f"[2.0] {LINE.replace(': 79,', ': 31,')}\n")
+    assert col.collect(1.0)["events"]["xid"].to_list() == [31]
 
 
 def test_tail_survives_invalid_utf8(tmp_path):
@@ -237,3 +252,20 @@ def test_xid_lookalike_noise_never_crashes(text):
     df = kernel_log.parse_lines(text.splitlines(), reference_ts=REFERENCE_TS)
     assert df.schema == kernel_log.XID_LINES
     assert isinstance(kernel_log.incidents(df), pl.DataFrame)
+
+
+def test_collectors_fit_the_pipeline(tmp_path):
+    from gpuvigil.collectors.base import Collector
+    from gpuvigil.collectors.nccl_log import NcclLogCollector
+    from gpuvigil.pipeline.core import Pipeline
+
+    kern = tmp_path / "kern.log"
+    kern.write_text(f"2026-11-29T23:07:34+00:00 n1 kernel: {LINE}\n")
+    train = tmp_path / "train.log"
+    train.write_text((H200 / "s6_nccl_watchdog_timeout.log").read_text())
+    collectors = [kernel_log.KernelLogCollector(kern, boot_ts=0.0), NcclLogCollector(train, node="n1", job="j")]
+    assert all(isinstance(c, Collector) for c in collectors)
+    pipe = Pipeline(collectors, [])
+    result = pipe.tick(utc(2026, 11, 29, 23, 8, 0))
+    assert result.samples_ingested == 2 and result.collector_errors == {c.name: 0 for c in collectors}
+    assert sorted(pipe.window.get("events")["kind"].to_list()) == ["nccl_timeout", "xid"]

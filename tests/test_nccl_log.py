@@ -100,7 +100,7 @@ def test_public_watchdog_wordings(name, seq, op, ranks, enq, done, pg, timeout_m
         pg,
         timeout_ms,
     )
-    check_golden(f"nccl_{PUBLIC.joinpath(name).stem}.json", findings_json([f]))
+    check_golden(f"{PUBLIC.joinpath(name).stem}.json", findings_json([f]))
 
 
 def test_some_operations_failed_without_workncl_details_still_pages():

@@ -46,25 +46,7 @@ def slurm(cluster):
 def _nodes_idle_after_each_test(request):
     yield
     if "cluster" in request.fixturenames:
-        c = request.getfixturevalue("cluster")
-        jobs = c.cmd("squeue", "-h", "-o", "%i", check=False).stdout.split()
-        if jobs:
-            c.cmd("scancel", *jobs, check=False)
-        for n in c.nodes:
-            state, _ = c.node_state(n)
-            if "drain" in state:
-                c.cmd("scontrol", "update", f"NodeName={n}", "State=RESUME")
-        seen = []
-
-        def idle():
-            states = [c.node_state(n) for n in c.nodes]
-            seen.append(states)
-            return all(s == "idle" for s, _ in states)
-
-        try:
-            c.wait_for(idle, 60, "nodes idle again")
-        except TimeoutError:
-            raise AssertionError(f"{seen[:3]} ... {seen[-3:]}") from None
+        request.getfixturevalue("cluster").reset()
 
 
 def ecc_on(node: str, job: str) -> Finding:

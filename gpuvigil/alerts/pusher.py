@@ -88,8 +88,10 @@ class AlertPusher:
             self.db.execute("PRAGMA journal_mode=WAL")
             self.db.execute("PRAGMA synchronous=FULL")
             self.db.executescript(SCHEMA)
+        except OSError as exc:
+            raise UserError(f"alert outbox {self.path}: cannot create its folder: {exc.strerror or exc}") from exc
         except sqlite3.Error as exc:
-            raise UserError(f"alert outbox {self.path}: {exc}") from exc
+            raise UserError(f"alert outbox {self.path}: not a usable SQLite file: {exc}") from exc
         self._lock = threading.Lock()
         self._http = httpx.Client(timeout=timeout_seconds)
         self._next_attempt = 0.0

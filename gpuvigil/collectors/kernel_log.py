@@ -21,7 +21,6 @@ import os
 import re
 import time
 from collections.abc import Iterable, Mapping
-from dataclasses import dataclass, field
 from functools import lru_cache
 from pathlib import Path
 from typing import Any
@@ -298,48 +297,69 @@ def boot_time() -> float | None:
     return None
 
 
-@dataclass
 class FileTail:
     """Follows a growing text file like `tail -F`: survives rotation (new inode) and truncation.
 
-    Only whole lines are returned; a partial last line waits for its newline. Invalid UTF-8 is
-    replaced, never fatal.
+    The file stays open between reads, so lines appended to it just before it is rotated away are
+    still read from the old file before switching to the new one. Only whole lines are returned;
+    a partial last line waits for its newline. Invalid UTF-8 is replaced, never fatal.
     """
 
-    path: Path
-    from_start: bool = True
-    _inode: int | None = None
-    _offset: int = 0
-    _partial: bytes = b""
-    lines_read: int = 0
-    _started: bool = field(default=False, repr=False)
+    def __init__(self, path: Path, from_start: bool = True):
+        self.path = Path(path)
+        self.from_start = from_start
+        self.lines_read = 0
+        self._fh: Any = None
+        self._partial = b""
+
+    def close(self) -> None:
+        if self._fh is not None:
+            self._fh.close()
+            self._fh = None
+
+    def _open(self, *, at_end: bool) -> bool:
+        try:
+            self._fh = open(self.path, "rb")  # noqa: SIM115 (kept open on purpose)
+        except OSError:
+            self._fh = None
+            return False
+        if at_end:
+            self._fh.seek(0, os.SEEK_END)
+        return True
+
+    def _drain(self) -> bytes:
+        return self._fh.read() if self._fh is not None else b""
 
     def read_lines(self) -> list[str]:
-        try:
-            st = os.stat(self.path)
-        except OSError:
+        chunks: list[bytes] = []
+        if self._fh is None:
+            if not self._open(at_end=not self.from_start and self.lines_read == 0 and not self._partial):
+                return []
+        else:
+            try:
+                st = os.stat(self.path)
+            except OSError:
+                st = None
+            fst = os.fstat(self._fh.fileno())
+            if st is None or st.st_ino != fst.st_ino or st.st_dev != fst.st_dev:
+                # Rotated: what was appended to the old file before the rename is still ours.
+                chunks.append(self._drain())
+                self.close()
+                if st is not None and self._open(at_end=False):
+                    # the new file starts a new line whatever the old one ended with
+                    old_tail = self._partial + chunks[-1]
+                    if old_tail and not old_tail.endswith(b"\n"):
+                        chunks.append(b"\n")
+            elif fst.st_size < self._fh.tell():
+                # Truncated in place (copytruncate): start again from the top.
+                self._fh.seek(0)
+                self._partial = b""
+        chunks.append(self._drain())
+        data = self._partial + b"".join(chunks)
+        if not data:
             return []
-        if not self._started:
-            self._started = True
-            self._inode = st.st_ino
-            self._offset = 0 if self.from_start else st.st_size
-        out: list[str] = []
-        if st.st_ino != self._inode:
-            # Rotated: finish nothing more of the old file (it was renamed away); start the new one.
-            self._inode, self._offset, self._partial = st.st_ino, 0, b""
-        elif st.st_size < self._offset:
-            # Truncated in place (copytruncate): start again from the top.
-            self._offset, self._partial = 0, b""
-        if st.st_size == self._offset:
-            return out
-        with open(self.path, "rb") as fh:
-            fh.seek(self._offset)
-            chunk = fh.read(st.st_size - self._offset)
-        self._offset += len(chunk)
-        data = self._partial + chunk
         *complete, self._partial = data.split(b"\n")
-        for raw in complete:
-            out.append(raw.decode("utf-8", errors="replace"))
+        out = [raw.decode("utf-8", errors="replace") for raw in complete]
         self.lines_read += len(out)
         return out
 

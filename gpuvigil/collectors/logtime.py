@@ -8,7 +8,7 @@ optional `[rankN]:` prefix):
 - syslog / journalctl short (`Nov 29 23:07:34[.123456] host ...`): no year
 - `dmesg -T` (`[Sun Nov 29 23:07:34 2026]`)
 - `dmesg` monotonic seconds since boot (`[12345.678901]`)
-- glog, as torch's c10 logging writes it (`[E1129 23:07:34.447300897 file.cpp:689]`,
+- glog, as torch's c10 logging writes it (`[E1129 23:07:34.447300897 file.cpp:689]`, `[E626 ...]`,
   `W1129 23:08:16.619000 662 file.py:165]`): no year
 
 A timestamp without a zone is taken as UTC. A timestamp without a year gets the year that puts it
@@ -33,7 +33,8 @@ _ISO = re.compile(
 _SYSLOG = re.compile(r"^(?P<mon>[A-Z][a-z]{2})\s+(?P<day>\d{1,2})\s+(?P<time>\d{2}:\d{2}:\d{2})(?:\.(?P<frac>\d{1,9}))?\s")
 _DMESG_T = re.compile(r"^\[\s*[A-Z][a-z]{2}\s+(?P<mon>[A-Z][a-z]{2})\s+(?P<day>\d{1,2})\s+(?P<time>\d{2}:\d{2}:\d{2})\s+(?P<year>\d{4})\s*\]")
 _DMESG_MONO = re.compile(r"^\[\s*(?P<secs>\d+\.\d+)\s*\]")
-_GLOG = re.compile(r"^\[?[IWEF](?P<mon>\d{2})(?P<day>\d{2})\s+(?P<time>\d{2}:\d{2}:\d{2})(?:\.(?P<frac>\d{1,9}))?\s")
+# c10's glog-like prefix does not zero-pad the month: E626 is June 26, E1129 November 29.
+_GLOG = re.compile(r"^\[?[IWEF](?P<mon>\d{1,2}?)(?P<day>\d{2})\s+(?P<time>\d{2}:\d{2}:\d{2})(?:\.(?P<frac>\d{1,9}))?\s")
 
 
 @dataclass(frozen=True)

@@ -25,6 +25,12 @@ FaultType = Literal[
     "thermal",  # GPU overheats and throttles its SM clock; its rank slows down
     "straggler",  # the rank computes `slowdown` × slower than its peers
     "long_checkpoint",  # all ranks pause together for a checkpoint save (hard negative)
+    "foreign_process",  # another process on the rank's GPU takes more and more memory
+    "pcie_replay",  # the GPU's PCIe link replays packets at a growing rate (a failing link)
+    "remap_failure",  # HBM row remapping fails (XID 64): the GPU's memory cannot be trusted
+    "dataloader_stall",  # all ranks wait on input together, outside collectives (hard negative)
+    "restart",  # the job is preempted and restarts from its checkpoint (hard negative)
+    "uniform_slowdown",  # every rank slows down alike, e.g. a slower input pipeline (hard negative)
 ]
 
 
@@ -72,6 +78,8 @@ class FaultConfig(_Strict):
     slowdown: float = Field(1.3, ge=1.0, le=10.0)
     duration_seconds: float = Field(120.0, gt=0)
     temperature_c: float = Field(93.0, ge=0, le=150)
+    foreign_gib_per_second: float = Field(0.2, gt=0)
+    pcie_replays_per_second: float = Field(20.0, gt=0)
 
 
 class PendingGangConfig(_Strict):

@@ -84,6 +84,12 @@ class SimJob:
     leak_bytes_per_step: np.ndarray = field(default_factory=lambda: np.zeros(0))
     frag_bytes_per_step: np.ndarray = field(default_factory=lambda: np.zeros(0))
     steps_since_restart: float = 0.0
+    # Leaked / fragmented bytes so far in this run: they accrue from the fault's onset (or the
+    # restart), not retroactively from the start of the run.
+    leaked: np.ndarray = field(default_factory=lambda: np.zeros(0))
+    fragmented: np.ndarray = field(default_factory=lambda: np.zeros(0))
+    gpu_idx: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int64))
+    stall_checkpoints: bool = True  # a long pause that ends with a checkpoint (False: data-loader stall)
     retries: np.ndarray = field(default_factory=lambda: np.zeros(0))
     last_step_seconds: float = 0.0
     long_ckpt_until: float = -1.0
@@ -122,6 +128,12 @@ class SimulatedCluster:
         self.pcie_replay = np.zeros(n_gpus, dtype=np.int64)
         self.lost = np.zeros(n_gpus, dtype=bool)
         self.thermal_target = np.full(n_gpus, np.nan)
+        self.foreign_bytes = np.zeros(n_gpus)
+        self.foreign_rate = np.zeros(n_gpus)  # bytes/s taken by a foreign process
+        self.pcie_rate = np.zeros(n_gpus)  # replays/s of a failing link
+        self.remap_failed = np.zeros(n_gpus, dtype=bool)
+        # Ground truth of every CUDA OOM the simulation raised: (ts, job, rank, cause).
+        self.oom_events: list[dict] = []
         self.scheduler = scheduler or Scheduler(node_specs(scenario))
         self.jobs: dict[str, SimJob] = {}
         self.injected: list[InjectedFault] = []
@@ -229,8 +241,32 @@ class SimulatedCluster:
             job.slowdown[ranks] = f.slowdown
         elif f.type == "long_checkpoint":
             job.long_ckpt_until = self.now + f.duration_seconds
+            job.stall_checkpoints = True
             ranks = list(range(job.cfg.gpus))
             node, gpu = None, None
+        elif f.type == "dataloader_stall":
+            job.long_ckpt_until = self.now + f.duration_seconds
+            job.stall_checkpoints = False
+            ranks = list(range(job.cfg.gpus))
+            node, gpu = None, None
+        elif f.type == "uniform_slowdown":
+            job.slowdown[:] = f.slowdown
+            ranks = list(range(job.cfg.gpus))
+            node, gpu = None, None
+        elif f.type == "restart":
+            ranks = list(range(job.cfg.gpus))
+            node, gpu = None, None
+            self.scheduler.job_failed(job.cfg.name, self.now, "preempted for maintenance")
+            job.placement = []
+        elif f.type == "foreign_process":
+            self.foreign_rate[self._gpu_index(node, gpu)] = f.foreign_gib_per_second * GIB
+        elif f.type == "pcie_replay":
+            self.pcie_rate[self._gpu_index(node, gpu)] = f.pcie_replays_per_second
+        elif f.type == "remap_failure":
+            idx = self._gpu_index(node, gpu)
+            self.remap_failed[idx] = True
+            self.retired[idx] += 1
+            self._xid_event(idx, 64, "ECC page retirement or row remapper recording failure.", job.cfg.name)
         kind = {"long_checkpoint": "checkpoint_pause"}.get(f.type, f.type)
         self.injected.append(InjectedFault(kind, self.now, job.cfg.name, sorted(ranks), node, gpu))
 
@@ -289,6 +325,9 @@ class SimulatedCluster:
         job.dead_ranks = set()
         job.steps_since_restart = 0.0
         job.retries = np.zeros(n)
+        job.leaked = np.zeros(n)
+        job.fragmented = np.zeros(n)
+        job.gpu_idx = np.array([self._gpu_index(nd, g) for nd, g in placement], dtype=np.int64)
         if first_start:
             job.slowdown = np.ones(n)
             job.leak_bytes_per_step = np.zeros(n)
@@ -310,7 +349,7 @@ class SimulatedCluster:
             return
         if job.ckpt_left > 0 or self.now < job.long_ckpt_until:
             job.ckpt_left -= dt
-            if job.ckpt_left <= 0 and self.now >= job.long_ckpt_until:
+            if job.ckpt_left <= 0 and self.now >= job.long_ckpt_until and job.stall_checkpoints:
                 self.scheduler.checkpoint(job.cfg.name, int(job.phase), self.now)
             return
         thermal = self._thermal_slowdown(job)
@@ -322,6 +361,8 @@ class SimulatedCluster:
         before = job.phase
         job.phase += steps
         job.steps_since_restart += steps
+        job.leaked += job.leak_bytes_per_step * steps
+        job.fragmented += job.frag_bytes_per_step * steps
         if job.phase >= job.next_ckpt_step > before:
             job.phase = float(job.next_ckpt_step)
             job.next_ckpt_step += job.cfg.checkpoint_every_steps
@@ -329,9 +370,14 @@ class SimulatedCluster:
             if job.ckpt_left <= 0:
                 self.scheduler.checkpoint(job.cfg.name, int(job.phase), self.now)
 
+    def _request_bytes(self, job: SimJob) -> float:
+        """The largest allocation a step makes again and again (an activation block)."""
+        scale = self.scheduler.jobs[job.cfg.name].memory_scale
+        span = (job.cfg.memory_peak_gib - job.cfg.memory_base_gib) * GIB * scale
+        return float(np.clip(span / 8, 1 * GIB, 8 * GIB))
+
     def _thermal_slowdown(self, job: SimJob) -> np.ndarray:
-        idx = np.array([self._gpu_index(n, g) for n, g in job.placement])
-        clock = self._sm_clock(idx)
+        clock = self._sm_clock(job.gpu_idx)
         return SM_CLOCK_MHZ / clock
 
     def _sm_clock(self, idx: np.ndarray) -> np.ndarray:
@@ -350,8 +396,8 @@ class SimulatedCluster:
         in_step = job.startup_left <= 0 and job.ckpt_left <= 0 and not job.hang_culprits
         # Activations build up through forward and are freed through backward.
         saw = math.sin(math.pi * frac) if in_step else 0.0
-        leak = job.leak_bytes_per_step * job.steps_since_restart
-        frag = job.frag_bytes_per_step * job.steps_since_restart
+        leak = job.leaked
+        frag = job.fragmented
         jitter = 1.0 + 0.002 * self.rng.standard_normal(n)
         allocated = (base + (peak - base) * saw) * jitter + leak
         peak_alloc = np.full(n, peak) * jitter + leak
@@ -377,7 +423,9 @@ class SimulatedCluster:
         rp_cols: dict[str, list] = {k: [] for k in schemas.RANK_PROGRESS}
         al_cols: dict[str, list] = {k: [] for k in schemas.ALLOCATOR_STATS}
         n_gpus = len(self.gpu_node)
-        gpu_mem = np.zeros(n_gpus)
+        self.foreign_bytes = np.minimum(self.foreign_bytes + self.foreign_rate * dt, 0.9 * self.gpu_memory_bytes)
+        self.pcie_replay += self.rng.poisson(self.pcie_rate * dt)
+        gpu_mem = self.foreign_bytes.copy()
         gpu_busy = np.zeros(n_gpus)
         for job in list(self.jobs.values()):
             self._advance(job, dt)
@@ -397,14 +445,19 @@ class SimulatedCluster:
         cfg = job.cfg
         n = cfg.gpus
         C = cfg.collectives_per_step
-        idx = np.array([self._gpu_index(nd, g) for nd, g in job.placement])
+        idx = job.gpu_idx
         allocated, peak_alloc, reserved = self._memory(job)
         capacity = self.gpu_memory_bytes
-        over = np.nonzero(reserved + CONTEXT_BYTES > capacity)[0]
+        foreign = self.foreign_bytes[idx]
+        over = np.nonzero(reserved + CONTEXT_BYTES + foreign > capacity)[0]
         if len(over) and not job.dead_ranks:
             r = int(over[0])
-            request = int(max(peak_alloc[r] - allocated[r], 2 * GIB))
-            message = _oom_message(request, capacity, reserved[r], peak_alloc[r] - job.frag_bytes_per_step[r] * job.steps_since_restart, r)
+            request = self._request_bytes(job)
+            live = peak_alloc[r] - request  # the failing allocation is the step's next recurring one
+            message = _oom_message(request, capacity, reserved[r], live, r, foreign_bytes=foreign[r])
+            cause = "foreign_process" if foreign[r] > 0 else "fragmentation" if job.fragmented[r] > job.leaked[r] else "capacity"
+            node, gpu = job.placement[r]
+            self.oom_events.append({"ts": self.now, "job": job.cfg.name, "rank": r, "node": node, "gpu": gpu, "cause": cause})
             self._crash(job, f"CUDA out of memory on rank {r}", rank=r, oom_message=message)
             return
 
@@ -458,7 +511,7 @@ class SimulatedCluster:
 
         frag = reserved - peak_alloc
         retries = job.retries
-        retries += (frag > 4 * GIB) * (self.rng.random(n) < 0.3)
+        retries += (job.fragmented > 4 * GIB) * (self.rng.random(n) < 0.3)
         al["ts"].extend([now] * len(ranks))
         al["job"].extend([cfg.name] * len(ranks))
         al["rank"].extend(ranks.tolist())
@@ -466,14 +519,19 @@ class SimulatedCluster:
         al["gpu"].extend(gpus)
         al["allocated_bytes"].extend(allocated[alive].astype(np.int64).tolist())
         al["reserved_bytes"].extend(reserved[alive].astype(np.int64).tolist())
-        al["inactive_split_bytes"].extend((frag[alive] * 0.9).astype(np.int64).tolist())
-        largest_free = np.maximum(capacity - reserved - CONTEXT_BYTES, 0) + np.minimum(frag, 2 * GIB) * 0.1
+        al["inactive_split_bytes"].extend((job.fragmented[alive] * 0.9 + frag[alive] * 0.05).astype(np.int64).tolist())
+        # Largest block the allocator could hand out: device memory outside the pool, or a
+        # cached block. A fragmented pool's free blocks are slivers smaller than the step's
+        # recurring request; a healthy pool's slack fits it.
+        request = self._request_bytes(job)
+        cached = np.where(job.fragmented > frag * 0.5, np.minimum(frag, request * 0.3), np.minimum(frag, request * 1.5))
+        largest_free = np.maximum(np.maximum(capacity - reserved - CONTEXT_BYTES - foreign, 0), cached)
         al["largest_free_block_bytes"].extend(largest_free[alive].astype(np.int64).tolist())
         al["peak_allocated_bytes"].extend(peak_alloc[alive].astype(np.int64).tolist())
         al["alloc_retries"].extend(retries[alive].astype(np.int64).tolist())
         al["oom_count"].extend([0] * len(ranks))
         al["device_capacity_bytes"].extend([capacity] * len(ranks))
-        al["foreign_used_bytes"].extend([0] * len(ranks))
+        al["foreign_used_bytes"].extend(foreign[alive].astype(np.int64).tolist())
 
         np.add.at(gpu_mem, idx[alive], reserved[alive] + CONTEXT_BYTES)
         busy = 0.92 if running else 0.04
@@ -512,7 +570,7 @@ class SimulatedCluster:
                 "ecc_sbe_volatile_total": self.ecc_sbe,
                 "ecc_dbe_volatile_total": self.ecc_dbe,
                 "retired_pages_total": self.retired,
-                "remap_failure": np.zeros(n, dtype=bool),
+                "remap_failure": self.remap_failed,
                 "pcie_replay_total": self.pcie_replay,
                 "xid_total": self.xid_total,
                 "last_xid": self.last_xid,
@@ -532,15 +590,16 @@ def _fmt_gib(b: float) -> str:
     return f"{b / GIB:.2f} GiB"
 
 
-def _oom_message(request: float, capacity: float, reserved: float, allocated: float, rank: int) -> str:
+def _oom_message(request: float, capacity: float, reserved: float, allocated: float, rank: int, foreign_bytes: float = 0.0) -> str:
     """The CUDA OOM text exactly as PyTorch 2.x words it (see tests/data/h200/s2_oom_ramp.log)."""
     in_use = reserved + CONTEXT_BYTES
-    free = max(capacity - in_use, 0)
+    free = max(capacity - in_use - foreign_bytes, 0)
     unalloc = max(reserved - allocated, 0)
+    others = f"Process 4242 has {_fmt_gib(foreign_bytes)} memory in use. " if foreign_bytes > 0 else ""
     return (
         f"[rank{rank}]: torch.OutOfMemoryError: CUDA out of memory. Tried to allocate {_fmt_gib(request)}. "
         f"GPU 0 has a total capacity of {_fmt_gib(capacity)} of which {_fmt_gib(free)} is free. "
-        f"Including non-PyTorch memory, this process has {_fmt_gib(in_use)} memory in use. "
+        f"{others}Including non-PyTorch memory, this process has {_fmt_gib(in_use)} memory in use. "
         f"Of the allocated memory {_fmt_gib(allocated)} is allocated by PyTorch, and {_fmt_gib(unalloc)} is reserved by PyTorch but unallocated. "
         "If reserved but unallocated memory is large try setting PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True to avoid fragmentation."
     )

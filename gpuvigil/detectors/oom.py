@@ -4,7 +4,9 @@ The caching allocator's footprint is what runs out: `reserved` (segments held) m
 capacity minus the context and other processes. Its per-step *peak* is flat for a healthy job,
 however close to 100% the sawtooth goes; it rises for a leak (allocated peaks rise) and for
 fragmentation (reserved − allocated rises, alloc retries rise). A least-squares line over the
-recent window gives the growth rate and the time left; the cause is whichever component grows.
+recent window gives the growth rate and the time left; the cause is whichever component grows:
+another process's memory on the GPU (foreign process), reserved − allocated with cudaMalloc
+retries (fragmentation), or allocated peaks (a leak, or activations that keep growing).
 """
 
 from __future__ import annotations
@@ -55,7 +57,8 @@ class OomPredictor:
             return []
         df = df.with_columns(
             (pl.col("ts") - now).alias("_t"),
-            pl.max_horizontal("reserved_bytes", "peak_allocated_bytes").cast(pl.Float64).alias("_footprint"),
+            # What runs out is the device: our per-step peak footprint plus other processes.
+            (pl.max_horizontal("reserved_bytes", "peak_allocated_bytes") + pl.col("foreign_used_bytes").fill_null(0)).cast(pl.Float64).alias("_footprint"),
             (pl.col("reserved_bytes") - pl.col("peak_allocated_bytes")).cast(pl.Float64).alias("_gap"),
             pl.col("peak_allocated_bytes").cast(pl.Float64).alias("_peak"),
             pl.col("foreign_used_bytes").fill_null(0).cast(pl.Float64).alias("_foreign"),
@@ -84,7 +87,7 @@ class OomPredictor:
                 pl.col("gpu").last(),
             )
             .with_columns(
-                (pl.col("capacity") - pl.col("foreign") - c.safety_margin_bytes - pl.col("footprint")).alias("headroom"),
+                (pl.col("capacity") - c.safety_margin_bytes - pl.col("footprint")).alias("headroom"),
             )
             .with_columns((pl.col("headroom") / pl.col("slope")).alias("tto"))
             .filter(

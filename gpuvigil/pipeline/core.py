@@ -113,6 +113,14 @@ class Pipeline:
             reported.extend(detector.detect(self.window))
             det_seconds[detector.name] = time.perf_counter() - d0
 
+        # Clear what went quiet first: a cause that comes back later is a new finding.
+        cleared: list[Finding] = []
+        expired: list[Hint] = []
+        for key, finding in list(self.active.items()):
+            if now - self.last_seen[key] > self._clear_after(finding):
+                cleared.append(self.active.pop(key))
+                expired.extend(self.active_hints.pop(key, []))
+
         new: list[Finding] = []
         new_hints: list[Hint] = []
         for finding in reported:
@@ -127,13 +135,6 @@ class Pipeline:
                 self.all_hints.extend(hints)
             self.active[key] = finding
             self.last_seen[key] = now
-
-        cleared: list[Finding] = []
-        expired: list[Hint] = []
-        for key, finding in list(self.active.items()):
-            if now - self.last_seen[key] > self._clear_after(finding):
-                cleared.append(self.active.pop(key))
-                expired.extend(self.active_hints.pop(key, []))
 
         self.ticks += 1
         self.samples_ingested_total += ingested

@@ -192,6 +192,8 @@ def preempt(ssn: Session) -> None:
     plugins = sched.plugins.preempts
     if not plugins:
         return
+    prio = sched.plugin("priority")
+    rank = prio.rank if prio is not None else sched.config.priority.rank
     # A preemptor that found no victims makes equal-or-larger plain jobs of its class and tenant
     # hopeless too (their candidate victims are the same) until something changes.
     hopeless: dict[tuple[str, str], list[tuple[int, int, int, int]]] = {}
@@ -215,7 +217,7 @@ def preempt(ssn: Session) -> None:
         candidates = sorted(
             (sched.jobs[n] for n in grace),
             key=lambda v: (
-                -sched.config.priority.rank(v.spec.priority),
+                -rank(v.spec.priority),
                 not v.borrowed,
                 sched.work_since_checkpoint(v, now),
                 -(v.start_ts or 0.0),

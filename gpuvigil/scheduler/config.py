@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, field_validator, model_validator
 
 from gpuvigil import config
 
@@ -21,6 +21,7 @@ class _Strict(BaseModel):
 class PriorityConfig(_Strict):
     classes: list[str] = Field(default_factory=lambda: ["P0", "P1", "P2"], min_length=1)
     preempt_grace_seconds: dict[str, float] = Field(default_factory=lambda: {"P0": 0.0, "P1": 300.0})
+    _ranks: dict[str, int] | None = PrivateAttr(None)
 
     @model_validator(mode="after")
     def _known_classes(self) -> PriorityConfig:
@@ -36,11 +37,9 @@ class PriorityConfig(_Strict):
 
     def rank(self, cls: str) -> int:
         """0 = highest; an unknown class ranks below every configured one."""
-        ranks = self.__dict__.get("_ranks")
-        if ranks is None:
-            ranks = {c: i for i, c in enumerate(self.classes)}
-            object.__setattr__(self, "_ranks", ranks) if False else self.__dict__.__setitem__("_ranks", ranks)
-        return ranks.get(cls, len(self.classes))
+        if self._ranks is None:
+            self._ranks = {c: i for i, c in enumerate(self.classes)}
+        return self._ranks.get(cls, len(self.classes))
 
 
 class TenantQuota(_Strict):

@@ -77,17 +77,20 @@ class ClusterView:
         ns = self.nodes[i]
         row = self.free_milli[i]
         row[:] = 0
-        for g in range(ns.spec.n_gpus):
-            if g in ns.used or g in ns.avoid_gpus:
-                continue
-            taken = ns.shared.get(g)
-            row[g] = MILLI - (sum(taken.values()) if taken else 0)
+        row[: ns.spec.n_gpus] = MILLI
+        if ns.used:
+            row[list(ns.used)] = 0
+        for g, held in ns.shared.items():
+            if held:
+                row[g] = MILLI - sum(held.values())
+        if ns.avoid_gpus:
+            row[list(ns.avoid_gpus)] = 0
         self.cpu_free[i] = self.cpu_total[i] - ns.cpu_used
         self.mem_free[i] = self.mem_total[i] - ns.mem_used
         self.schedulable[i] = ns.state == "up"
         self.generation[i] += 1
-        self.free_total[i] = row.sum()
-        self.free_whole[i] = int((row == MILLI).sum())
+        self.free_total[i] = int(row.sum())
+        self.free_whole[i] = int(np.count_nonzero(row == MILLI))
         object.__setattr__(ns, "dirty", False)
 
     def copy_mutable(self) -> dict[str, np.ndarray]:

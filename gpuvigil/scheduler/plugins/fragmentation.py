@@ -79,6 +79,7 @@ class FragmentationPlugin:
         self.fixed = False
         self._since_refresh = 0
         self._cache: dict[tuple[int, int, int], tuple[np.ndarray, np.ndarray]] = {}
+        self._before: tuple[np.ndarray, np.ndarray] | None = None  # F_n(M) now, and its generations
 
     # -- target workload ------------------------------------------------------------------------
     def set_workload(self, counts: dict[tuple[int, int, int], float]) -> None:
@@ -86,6 +87,7 @@ class FragmentationPlugin:
         self.workload = Workload.from_counts(counts)
         self.fixed = True
         self._cache.clear()
+        self._before = None
 
     def on_submit(self, job) -> None:
         if self.fixed:
@@ -96,6 +98,7 @@ class FragmentationPlugin:
             self.workload = Workload.from_counts(dict(self.observed), self.cfg.max_classes)
             self._since_refresh = 0
             self._cache.clear()
+            self._before = None
 
     # -- measure --------------------------------------------------------------------------------
     def cluster_fragmentation(self) -> float:
@@ -113,7 +116,7 @@ class FragmentationPlugin:
         wl = self.workload
         free = v.free_milli[rows]
         cpu_free = v.cpu_free[rows]
-        before = node_fragmentation(free, cpu_free, wl)
+        before = self._current(v)[rows]
         if n == 1 and milli < MILLI:
             g = free.shape[1]
             after_free = np.repeat(free[:, None, :], g, axis=1)  # (R, option GPU, G)
@@ -125,10 +128,23 @@ class FragmentationPlugin:
         after = node_fragmentation(after_free, cpu_free - cpu, wl)
         return after - before
 
+    def _current(self, v) -> np.ndarray:
+        """F_n(M) of every node as it is now (shared by all task classes)."""
+        if self._before is None or len(self._before[0]) != len(v.names):
+            self._before = (node_fragmentation(v.free_milli, v.cpu_free, self.workload), v.generation.copy())
+        f, gens = self._before
+        stale = np.flatnonzero(gens != v.generation)
+        if stale.size:
+            f[stale] = node_fragmentation(v.free_milli[stale], v.cpu_free[stale], self.workload)
+            gens[stale] = v.generation[stale]
+        return f
+
     def score(self, job, ssn: Session, feasible: np.ndarray) -> np.ndarray:
         if self.workload is None:
             self.observed[task_class(job.spec)] += 1
             self.workload = Workload.from_counts(dict(self.observed), self.cfg.max_classes)
+            self._cache.clear()
+            self._before = None
         v = ssn.view
         cls = task_class(job.spec)
         cached = self._cache.get(cls)

@@ -1,0 +1,86 @@
+"""CUDA OOMs that happened, classified after the fact from PyTorch's own message.
+
+The message carries the numbers that tell the causes apart (requested size, free memory, what
+this process holds, PyTorch's reserved-but-unallocated memory, other processes): the parser and
+classifier in `gpuvigil.collectors.nccl_log` turn them into `oom_capacity`,
+`oom_fragmentation` or `oom_foreign_process`. Each OOM is reported once, on the tick it arrives.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import polars as pl
+from pydantic import BaseModel
+
+from gpuvigil.collectors.nccl_log import load_oom_config, parse_oom
+from gpuvigil.detectors.common import settings
+from gpuvigil.model import Finding, FindingKind, Severity
+from gpuvigil.pipeline.window import Window
+
+GIB = float(1 << 30)
+
+_CAUSE = {
+    FindingKind.OOM_CAPACITY: ("capacity", "the job needs more memory than the GPU has: move it to a larger-memory GPU or shrink the micro-batch"),
+    FindingKind.OOM_FRAGMENTATION: ("fragmentation", "the memory was free but in pieces: restart with PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True"),
+    FindingKind.OOM_FOREIGN_PROCESS: ("foreign_process", "another process holds the memory: find and stop it, or requeue the job elsewhere"),
+}
+
+
+class OomEventsConfig(BaseModel):
+    # On the first tick, OOMs this recent are still reported (a restarted collector).
+    report_seconds: float = 600.0
+
+
+class OomEventClassifier:
+    name = "oom_events"
+
+    def __init__(self, cfg: dict[str, Any] | None = None):
+        self.config = settings("oom_events", OomEventsConfig, cfg)
+        self.classify_config = load_oom_config(cfg)
+        self._last_now: float | None = None
+
+    def detect(self, window: Window) -> list[Finding]:
+        now = window.now
+        since = now - self.config.report_seconds if self._last_now is None else self._last_now
+        self._last_now = now
+        ev = window.get("events").filter((pl.col("kind") == "oom") & (pl.col("ts") > since) & pl.col("message").is_not_null())
+        findings = []
+        for row in ev.iter_rows(named=True):
+            report = parse_oom(row["message"], ts=float(row["ts"]), rank=row["rank"])
+            if report is None:
+                continue  # an "oom" event without PyTorch's numbers: nothing to classify
+            kind = report.classify(self.classify_config)
+            cause, advice = _CAUSE[kind]
+            foreign = report.foreign_bytes()
+            where = f"{row['job'] or 'a job'}" + (f" rank {row['rank']}" if row["rank"] is not None else "") + f" ({row['node']} GPU {row['gpu']})"
+            findings.append(
+                Finding(
+                    kind=kind,
+                    severity=Severity.PAGE,
+                    ts=float(row["ts"]),
+                    job=row["job"],
+                    ranks=[int(row["rank"])] if row["rank"] is not None else [],
+                    culprit_ranks=[int(row["rank"])] if row["rank"] is not None else [],
+                    node=row["node"],
+                    gpu=row["gpu"],
+                    cause=cause,
+                    source=self.name,
+                    evidence={
+                        "requested_bytes": report.requested_bytes,
+                        "total_bytes": report.total_bytes,
+                        "free_bytes": report.free_bytes,
+                        "process_used_bytes": report.process_used_bytes,
+                        "allocated_bytes": report.allocated_bytes,
+                        "reserved_unallocated_bytes": report.reserved_unallocated_bytes,
+                        "foreign_bytes": foreign,
+                    },
+                    summary=(
+                        f"{where} died of CUDA OOM asking for {report.requested_bytes / GIB:.2f} GiB"
+                        + (f" with {report.reserved_unallocated_bytes / GIB:.1f} GiB reserved but unallocated" if report.reserved_unallocated_bytes else "")
+                        + (f" and {foreign / GIB:.1f} GiB held by other processes" if foreign else "")
+                        + f": {advice}."
+                    ),
+                )
+            )
+        return findings
