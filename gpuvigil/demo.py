@@ -96,11 +96,13 @@ def check(expect: list[str], injected: list[dict[str, Any]], findings: list[dict
     return problems
 
 
-def run_scenario(name: str, nodes: int | None = None, seed: int = 0) -> ScenarioResult:
+def run_scenario(name: str, nodes: int | None = None, seed: int = 0, config_path: str | None = None) -> ScenarioResult:
+    from gpuvigil import config
     from gpuvigil.runtime import build_simulated
 
     sc = scenario_mod.load(name)
-    rt = build_simulated(sc, nodes=nodes, seed=seed)
+    cfg = config.load(config_path) if config_path else None
+    rt = build_simulated(sc, nodes=nodes, seed=seed, cfg=cfg)
     assert rt.cluster is not None
     rt.run(rt.cluster.scenario.duration_seconds)
     findings = [f.to_json_dict() for f in rt.pipeline.all_findings]
@@ -120,7 +122,7 @@ def run_scenario(name: str, nodes: int | None = None, seed: int = 0) -> Scenario
     )
 
 
-def _run_one(args: tuple[str, int | None, int]) -> ScenarioResult:
+def _run_one(args: tuple[str, int | None, int, str | None]) -> ScenarioResult:
     return run_scenario(*args)
 
 
@@ -186,7 +188,13 @@ def cmd_demo(args) -> int:
         scenario_mod.load(args.scenario)  # fail fast with a one-line error
     if args.nodes is not None and args.nodes < 1:
         raise UserError(f"--nodes must be >= 1, got {args.nodes}")
-    jobs = [(n, args.nodes, args.seed) for n in names]
+    if args.config:
+        from gpuvigil import config
+        from gpuvigil.runtime import build_simulated
+
+        # Build once here so a bad value is reported before any simulation starts.
+        build_simulated(names[0], nodes=args.nodes, seed=args.seed, cfg=config.load(args.config))
+    jobs = [(n, args.nodes, args.seed, args.config) for n in names]
     err = Console(stderr=True)
     workers = max(1, min(len(jobs), os.cpu_count() or 1, args.jobs or 64))
     results: dict[str, ScenarioResult] = {}
@@ -219,5 +227,6 @@ def add_parser(sub) -> None:
     p.add_argument("--nodes", type=int, default=None, help="override the scenario's node count")
     p.add_argument("--seed", type=int, default=0, help="random seed (runs are deterministic per seed)")
     p.add_argument("--json", action="store_true", help="one JSON object per scenario on stdout")
+    p.add_argument("--config", default=None, help="YAML/JSON file overriding thresholds and rules (gpuvigil/config/*.yaml)")
     p.add_argument("--jobs", type=int, default=None, help="scenarios simulated in parallel (default: one per core)")
     p.set_defaults(func=cmd_demo)

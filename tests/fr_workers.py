@@ -11,10 +11,13 @@ few healthy all_reduces, then the scenario's faulty collective:
 - `size`: the culprit ranks all_reduce a tensor of a different length;
 - `dtype`: the culprit ranks all_reduce a float64 tensor instead of float32.
 
-Every rank waits for the faulty collective at most `--timeout` seconds (gloo's own timeout),
-writes `DIR/fr_rank_<rank>` (pickle bytes from `_dump_fr_trace()`) and, with `--json`,
-`DIR/fr_rank_<rank>.json`, then waits for all ranks to have dumped so no rank's exit disturbs
-another's dump. Exit code 0 when every rank dumped.
+For `missing` and `wrong_op` the healthy ranks wait in the hung collective `--hang-seconds`, then
+each rank writes `DIR/fr_rank_<rank>` (pickle bytes from `_dump_fr_trace()`) and, with `--json`,
+`DIR/fr_rank_<rank>.json`. For `size` and `dtype` (gloo aborts the process on a size mismatch)
+every rank dumps right after enqueueing, the culprits last. All ranks then wait for every rank
+to have dumped, so that no rank's exit disturbs another's dump. The ranks are forked from one
+launcher that imported torch once; `run_worlds()` runs several worlds in one launcher. Exit code
+0 when every rank dumped.
 """
 
 from __future__ import annotations

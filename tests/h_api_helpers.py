@@ -70,8 +70,12 @@ class ScriptedDetector:
         return [f.model_copy(update={"ts": window.now}) for f in out]
 
 
-def pipeline_into(store, script: list[list[Finding]], clear_after: float = 30.0) -> Pipeline:
+def pipeline_into(store, script: list[list[Finding]], clear_after: float = 30.0, hint_cooldown: float | None = None) -> Pipeline:
+    """The real Pipeline with `store` as its sink; `hint_cooldown` None keeps the configured one."""
     from gpuvigil import config
 
-    cfg = config.load(overrides={"pipeline": {"clear_after_seconds": {"default": clear_after, "ecc": clear_after, "nccl_timeout": clear_after}}})
+    pipeline: dict = {"clear_after_seconds": {"default": clear_after, "ecc": clear_after, "nccl_timeout": clear_after}}
+    if hint_cooldown is not None:
+        pipeline["hint_cooldown_seconds"] = hint_cooldown
+    cfg = config.load(overrides={"pipeline": pipeline})
     return Pipeline([], [ScriptedDetector(script)], sinks=[store], cfg=cfg)

@@ -104,7 +104,9 @@ def tiny_runtime(findings: list[Finding] | None = None, sinks=()) -> TinyRuntime
     sched.submit(JobSpec("train", n_gpus=3, tenant="research", priority="P0", submit_ts=0.0))
     sched.submit(JobSpec("big", n_gpus=2, tenant="vision", priority="P1", submit_ts=0.0))
     detector = FixedFindings(DEFAULT_FINDINGS if findings is None else findings)
-    cfg = config.load(overrides=QUIET_HINTS)
+    # Findings clear 5 s after their last report (instead of up to an hour) to keep tests short.
+    clear = {kind: 5.0 for kind in config.defaults()["pipeline"]["clear_after_seconds"]}
+    cfg = config.load(overrides={**QUIET_HINTS, "pipeline": {"clear_after_seconds": clear}})
     pipeline = Pipeline([TinyCollector(sched), SchedulerStateCollector(sched)], [detector], sinks=[sched, *sinks], cfg=cfg)
     sched.cycle(0.0)
     return TinyRuntime(pipeline, sched, detector)

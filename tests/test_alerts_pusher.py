@@ -100,8 +100,8 @@ def test_resend_only_after_the_interval_and_resolve_on_clear(alertmanager, setti
     for _ in range(int(rt.pipeline._clear_after(rt.detector.findings[1])) + 2):
         rt.step()
     rows = outbox_rows(pusher.path)
-    assert [(st, a["labels"]["kind"]) for _, st, a in rows] == [("resolved", "oom_predicted")]
-    resolved = rows[0][2]
+    assert [(st, a["labels"]["kind"]) for _, st, a in rows] == [("resolved", "xid"), ("resolved", "oom_predicted")]
+    resolved = rows[1][2]
     assert resolved["startsAt"] < resolved["endsAt"] <= datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%S.%fZ")
     pusher.flush()
     assert am_alerts(alertmanager, alertname="GpuvigilOomPredicted", job="train") == []
@@ -149,7 +149,7 @@ def test_a_resolve_queued_during_an_outage_is_not_dropped(settings, tmp_path):
         rt.step()
     kinds = [(st, a["labels"]["kind"]) for _, st, a in outbox_rows(pusher.path)]
     # Alertmanager must still learn the OOM alert fired, then that it resolved, in that order.
-    assert kinds == [("firing", "xid"), ("firing", "oom_predicted"), ("resolved", "oom_predicted")]
+    assert kinds == [("firing", "xid"), ("firing", "oom_predicted"), ("resolved", "xid"), ("resolved", "oom_predicted")]
     pusher.close()
 
 

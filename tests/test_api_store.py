@@ -72,7 +72,8 @@ def test_duplicate_hint_for_same_cause_is_merged_not_inserted(db):
 def test_hint_expires_when_its_cause_clears_and_reopens_when_it_returns(db):
     with HintStore(db) as store:
         script = [[ecc_finding()]] * 3 + [[]] * 4 + [[ecc_finding()]]
-        pipe = pipeline_into(store, script, clear_after=20.0)
+        # No cooldown: the pipeline issues the hint again when the cause returns.
+        pipe = pipeline_into(store, script, clear_after=20.0, hint_cooldown=0.0)
         times = [100, 110, 120, 130, 140, 150, 160, 170]
         for t in times[:3]:
             pipe.tick(float(t))
@@ -95,6 +96,30 @@ def test_hint_expires_when_its_cause_clears_and_reopens_when_it_returns(db):
         [f] = store.findings()
         assert (f.active, f.cleared_ts, f.occurrences) == (True, None, 2)
         assert [e["event"] for e in store.hint_history(h.id)] == ["new", "expired", "reopened"]
+
+
+def test_cause_returning_within_the_hint_cooldown_keeps_the_hint_expired(db):
+    # The pipeline does not repeat a remedy within hint_cooldown_seconds (it escalates to people
+    # instead); the store shows the finding active again and the hint still expired.
+    with HintStore(db) as store:
+        pipe = pipeline_into(store, [[ecc_finding()], [], [ecc_finding()]], clear_after=5.0)
+        for t in (100.0, 110.0, 120.0):
+            pipe.tick(t)
+        [h] = store.hints()
+        assert (h.state, h.occurrences) == (HintState.EXPIRED, 1)
+        [f] = store.findings()
+        assert (f.active, f.occurrences, f.cleared_ts) == (True, 2, None)
+
+
+def test_cause_clearing_and_returning_in_one_tick_stays_active(db):
+    with HintStore(db) as store:
+        pipe = pipeline_into(store, [[hang_finding()], [hang_finding()]], clear_after=5.0, hint_cooldown=0.0)
+        pipe.tick(100.0)
+        pipe.tick(110.0)  # cleared (quiet > 5 s) and reported again in the same tick
+        [f] = store.findings()
+        assert (f.active, f.occurrences, f.last_seen) == (True, 2, 110.0)
+        assert {h.state for h in store.hints()} == {HintState.PENDING}
+        assert {h.occurrences for h in store.hints()} == {2}
 
 
 def test_acked_hint_also_expires_so_the_scheduler_may_undo(db):

@@ -42,6 +42,15 @@ def test_bad_scenario_file(tmp_path, fname):
 
 
 @pytest.mark.parametrize(
+    "config_text", ["pipeline: {tick_seconds: -3}\n", "no_such_section: {}\n", "detectors: {hang: {min_stall_seconds: soon}}\n", "[1, 2\n"]
+)
+def test_bad_config_file(tmp_path, config_text):
+    path = tmp_path / "cfg.yaml"
+    path.write_text(config_text)
+    assert_one_line_error(run_cli("demo", "--scenario", "healthy", "--config", str(path)))
+
+
+@pytest.mark.parametrize(
     "args",
     [
         ["demo", "--scenario", "no_such_scenario"],

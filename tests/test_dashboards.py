@@ -89,8 +89,6 @@ def exported_names() -> set[str]:
     rt = tiny_runtime(sinks=[stats])
     for _ in range(3):
         rt.step()
-    from gpuvigil.alerts.pusher import pusher_families  # noqa: F401 (its families are added by serve)
-
     names = set()
     for fam in text_string_to_metric_families(exposition(Snapshot(rt, stats)).decode()):
         names |= {s.name for s in fam.samples}

@@ -103,13 +103,19 @@ def test_bad_dumps_are_user_errors_naming_the_file(tmp_path, content, message):
     assert str(path) in str(info.value)
 
 
-def test_two_different_dumps_for_one_rank_are_refused(tmp_path):
-    (tmp_path / "a").mkdir()
-    (tmp_path / "b").mkdir()
-    shutil.copy(DATA / "s6_fr_rank_0", tmp_path / "a" / "fr_rank_0")
-    shutil.copy(DATA / "s5_fr_dump.pickle", tmp_path / "b" / "fr_rank_0")
+def test_two_different_dumps_for_one_rank_of_one_job_are_refused(tmp_path):
+    shutil.copy(DATA / "s6_fr_rank_0", tmp_path / "fr_rank_0")
+    shutil.copy(DATA / "s5_fr_dump.pickle", tmp_path / "fr_rank_0.pickle")
     with pytest.raises(UserError, match="second, different dump for rank 0"):
-        fr.analyze_paths([tmp_path / "a", tmp_path / "b"])
+        fr.analyze_paths([tmp_path])
+
+
+def test_dumps_of_different_jobs_in_one_folder_are_analysed_apart():
+    # s5 and s6 are two single-rank jobs side by side: each is its own job (file-name prefix).
+    groups = fr.load_groups([DATA])
+    assert [[Path(d.source).name for d in g] for g in groups] == [["s5_fr_dump.pickle"], ["s6_fr_rank_0"]]
+    [finding] = fr.analyze_paths([DATA])
+    assert finding.source.endswith("s6_fr_rank_0") and finding.evidence["collective_seq_id"] == 6
 
 
 def test_folder_without_dumps_and_missing_path(tmp_path):

@@ -62,6 +62,12 @@ class StaticPage:
             def log_message(self, *a):
                 pass
 
+            def handle(self):
+                try:
+                    super().handle()
+                except (BrokenPipeError, ConnectionResetError):  # the scraper went away: fine
+                    pass
+
         self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
         self.target = f"127.0.0.1:{self.server.server_address[1]}"
         threading.Thread(target=self.server.serve_forever, daemon=True).start()

@@ -525,3 +525,34 @@ def test_submit_validation():
 def test_scheduler_accepts_config_object():
     s = Scheduler(cluster(1), SchedulerConfig(placement="first_fit"))
     assert s.config.placement == "first_fit"
+
+
+def test_notice_is_cancelled_when_room_appears_elsewhere():
+    s = sched(cluster(2))
+    s.submit(JobSpec("v0", 8, priority="P2"), 0)
+    s.submit(JobSpec("v1", 8, priority="P2"), 0)
+    s.cycle(0)
+    s.submit(JobSpec("boss", 8, priority="P1", submit_ts=10), 10)
+    s.cycle(10)
+    noticed = [j for j in ("v0", "v1") if s.jobs[j].preempt_deadline is not None]
+    assert len(noticed) == 1
+    other = ({"v0", "v1"} - set(noticed)).pop()
+    s.job_completed(other, 50)
+    s.cycle(50)
+    assert s.jobs["boss"].state == "running"
+    assert s.jobs[noticed[0]].preempt_deadline is None and s.jobs[noticed[0]].state == "running"
+    s.cycle(400)
+    assert s.jobs[noticed[0]].state == "running" and s.jobs[noticed[0]].preemptions == 0
+
+
+def test_cpu_and_memory_are_respected_for_sharing_tasks():
+    s = sched([NodeSpec("small", n_gpus=2, cpu_milli=4000, memory_mib=8192), NodeSpec("big", n_gpus=2, cpu_milli=64000, memory_mib=65536)])
+    s.submit(JobSpec("t", 1, gpu_milli=200, cpu_milli=8000, memory_mib=4096), 0)
+    s.cycle(0)
+    assert nodes_of(s, "t") == ["big"]
+    s.submit(JobSpec("cpu-only", 0, cpu_milli=60000, memory_mib=1024), 1)
+    s.cycle(1)
+    assert s.jobs["cpu-only"].state == "pending"  # 56000 milli-CPU left on big, 4000 on small
+    s.job_completed("t", 2)
+    s.cycle(2)
+    assert s.jobs["cpu-only"].state == "running" and s.jobs["cpu-only"].placement == [("big", -1)]

@@ -9,7 +9,6 @@ import sqlite3
 import subprocess
 import sys
 import threading
-import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
@@ -49,7 +48,8 @@ def test_bad_arguments_are_one_line_errors(argv, message, capsys, tmp_path, monk
 
 
 def _server(*argv: str) -> Server:
-    args = build_parser().parse_args(["serve", "--port", "0", *argv])
+    full = ["serve", "--port", "0", *argv]
+    args = build_parser(full).parse_args(full)
     server = Server(args)
     server.start()
     return server
@@ -93,6 +93,12 @@ class _DcgmExporter:
 
             def log_message(self, *a):
                 pass
+
+            def handle(self):
+                try:
+                    super().handle()
+                except (BrokenPipeError, ConnectionResetError):  # the scraper went away: fine
+                    pass
 
         self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
         self.url = f"http://127.0.0.1:{self.server.server_address[1]}/metrics"
@@ -171,3 +177,21 @@ def test_sigterm_stops_serve_cleanly_and_keeps_undelivered_alerts(tmp_path):
     assert "xid" in kinds
     left = int(out.rsplit("stopped; ", 1)[1].split()[0])
     assert left == len(kinds)
+
+
+def test_otlp_endpoint_receives_the_metrics():
+    from test_otel import OtlpReceiver
+
+    receiver = OtlpReceiver()
+    server = _server("--scenario", "healthy", "--speed", "10", "--otlp-endpoint", receiver.url, "--otlp-interval", "0.5")
+    try:
+        _run_for(server, 2.0)
+        assert receiver.got.wait(30)
+    finally:
+        server.stop()
+        server.close()  # shuts the OTel provider down: a final export
+        receiver.close()
+    path, _, req = receiver.requests[-1]
+    assert path == "/v1/metrics"
+    names = {m.name for rm in req.resource_metrics for sm in rm.scope_metrics for m in sm.metrics}
+    assert {"gpuvigil_gpu_power_watts", "gpuvigil_findings", "gpuvigil_scheduler_gpus", "gpuvigil_pipeline_tick_duration_seconds"} <= names

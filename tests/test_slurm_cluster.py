@@ -139,7 +139,7 @@ def test_cordon_then_requeue_and_hold_then_resume_runs_the_job_again(cluster, sl
     assert outcome[requeue.id] == f"acked: job {job} requeued and held"
     # Cordon = drain without killing: the requeue, not the cordon, stopped the job.
     assert cluster.wait_for(lambda: cluster.job_field(job, "JobState") in ("PENDING", "REQUEUE_HOLD") and cluster.job_field(job, "Reason"), 30, "job held")
-    assert cluster.job_field(job, "Reason") in ("JobHeldAdmin", "JobHeldUser")
+    assert cluster.job_field(job, "Reason") in ("JobHeldAdmin", "job_requeued_in_held_state")
     assert SlurmStateCollector(SlurmState(slurm)).collect(0)["jobs"].filter(lambda_job(job))["state"].to_list() == ["requeued"]
 
     adapter.resume_node(node)

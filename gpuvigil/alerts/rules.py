@@ -122,7 +122,7 @@ def rules(s: AlertSettings) -> list[Rule]:
             "Thermal slowdown lowers the SM clock; a synchronous job runs at the speed of this GPU. Check cooling.",
             for_=t.gpu_temperature_for,
             kind="thermal_throttle",
-            example=Example({f'gpuvigil_gpu_clock_throttled{{node="n1",gpu="0",reason="hw_thermal_slowdown"}}': f"1x{temp_min + 5}"}, f"{temp_min + 1}m", [gpu], quiet_at="0m"),
+            example=Example({'gpuvigil_gpu_clock_throttled{node="n1",gpu="0",reason="hw_thermal_slowdown"}': f"1x{temp_min + 5}"}, f"{temp_min + 1}m", [gpu], quiet_at="0m"),
         ),
         Rule(
             "GpuvigilGpuOverheating", "gpuvigil-hardware", f"gpuvigil_gpu_temperature_celsius > {_num(t.gpu_temperature_celsius)}", "ticket", "hardware", "node",

@@ -249,31 +249,13 @@ class HintStore:
         active = list(active_findings)
         cleared = list(cleared_findings)
         with self._tx() as db:
-            if active:
-                db.executemany(
-                    """
-                    INSERT INTO findings(id, kind, severity, job, node, gpu, first_seen, last_seen, cleared_ts, active, occurrences, body)
-                    VALUES (?, ?, ?, ?, ?, ?, ?, ?, NULL, 1, 1, ?)
-                    ON CONFLICT(id) DO UPDATE SET
-                        severity = excluded.severity,
-                        last_seen = excluded.last_seen,
-                        body = excluded.body,
-                        occurrences = findings.occurrences + (1 - findings.active),
-                        active = 1,
-                        cleared_ts = NULL
-                    """,
-                    [
-                        (f.id, f.kind.value, f.severity.value, f.job, f.node, f.gpu, now, now, json.dumps(f.to_json_dict(), sort_keys=True))
-                        for f in active
-                    ],
-                )
+            # Clearing comes first: the pipeline clears a quiet cause before it looks at this
+            # tick's reports, so a cause can clear and come back in one tick.
             if cleared:
                 db.executemany(
                     "UPDATE findings SET active = 0, cleared_ts = ? WHERE id = ? AND active = 1",
                     [(now, f.id) for f in cleared],
                 )
-            for hint in new_hints:
-                self._upsert_hint(db, hint, now)
             # Expire by the pipeline's list and, for hints persisted before a restart that this
             # pipeline never issued, by the finding they came from.
             expire_ids = {h.id for h in expired_hints}
@@ -292,6 +274,26 @@ class HintStore:
                     "UPDATE hints SET state = 'expired', state_reason = ?, state_ts = ?, updated_ts = ?, seq = ? WHERE id = ?",
                     (detail, now, now, seq, hint_id),
                 )
+            if active:
+                db.executemany(
+                    """
+                    INSERT INTO findings(id, kind, severity, job, node, gpu, first_seen, last_seen, cleared_ts, active, occurrences, body)
+                    VALUES (?, ?, ?, ?, ?, ?, ?, ?, NULL, 1, 1, ?)
+                    ON CONFLICT(id) DO UPDATE SET
+                        severity = excluded.severity,
+                        last_seen = excluded.last_seen,
+                        body = excluded.body,
+                        occurrences = findings.occurrences + (1 - findings.active),
+                        active = 1,
+                        cleared_ts = NULL
+                    """,
+                    [
+                        (f.id, f.kind.value, f.severity.value, f.job, f.node, f.gpu, now, now, json.dumps(f.to_json_dict(), sort_keys=True))
+                        for f in active
+                    ],
+                )
+            for hint in new_hints:
+                self._upsert_hint(db, hint, now)
 
     @staticmethod
     def _last_seen(db: sqlite3.Connection, finding_id: str) -> str:

@@ -497,16 +497,25 @@ def _same_records(a: FRDump, b: FRDump) -> bool:
     return key(a) == key(b)
 
 
-def load_paths(paths: Sequence[str | Path]) -> list[FRDump]:
-    """Load every dump in files and folders. The pickle and JSON forms of one rank's dump may
-    sit side by side: they are one dump, kept once (pickle preferred)."""
-    dumps: dict[int | None, FRDump] = {}
-    unranked: list[FRDump] = []
+def _job_key(path: Path) -> tuple[str, str]:
+    # fr_trace's convention: one job's dumps share a folder and a file-name prefix, the rank
+    # number ending each name (fr_rank_0, fr_rank_1, ...; .json beside .pickle is the same dump).
+    name = re.sub(r"\.(json|pickle|pkl)$", "", path.name)
+    return str(path.parent), re.sub(r"\d+$", "", name)
+
+
+def load_groups(paths: Sequence[str | Path]) -> list[list[FRDump]]:
+    """Load every dump in files and folders, grouped by job (folder + file-name prefix), each
+    group in rank order. The pickle and JSON forms of one rank's dump are one dump (pickle kept)."""
+    groups: dict[tuple[str, str], dict[int | None, FRDump]] = {}
+    unranked: dict[tuple[str, str], list[FRDump]] = {}
     for path in _expand(Path(p) for p in paths):
         dump = load_dump(path)
+        key = _job_key(path)
         if dump.rank is None:
-            unranked.append(dump)
+            unranked.setdefault(key, []).append(dump)
             continue
+        dumps = groups.setdefault(key, {})
         other = dumps.get(dump.rank)
         if other is None:
             dumps[dump.rank] = dump
@@ -515,12 +524,29 @@ def load_paths(paths: Sequence[str | Path]) -> list[FRDump]:
                 dumps[dump.rank] = dump
         else:
             raise UserError(f"{dump.source}: a second, different dump for rank {dump.rank} (the first is {other.source})")
-    return [dumps[r] for r in sorted(r for r in dumps if r is not None)] + unranked
+    out = []
+    for key in sorted(set(groups) | set(unranked)):
+        dumps = groups.get(key, {})
+        out.append([dumps[r] for r in sorted(r for r in dumps if r is not None)] + unranked.get(key, []))
+    return out
+
+
+def load_paths(paths: Sequence[str | Path]) -> list[FRDump]:
+    """All dumps in files and folders as one job (see `load_groups` for several jobs)."""
+    groups = load_groups(paths)
+    if len(groups) > 1:
+        seen: dict[int | None, FRDump] = {}
+        for dump in (d for g in groups for d in g):
+            if dump.rank in seen and not _same_records(seen[dump.rank], dump):
+                raise UserError(f"{dump.source}: a second, different dump for rank {dump.rank} (the first is {seen[dump.rank].source})")
+            seen.setdefault(dump.rank, dump)
+        return list(seen.values())
+    return groups[0] if groups else []
 
 
 def analyze_paths(paths: Sequence[str | Path], *, job: str | None = None) -> list[Finding]:
-    """Load the dumps in files and folders and analyse them as one job."""
-    return analyze_dumps(load_paths(paths), job=job)
+    """Load the dumps in files and folders and analyse each job (folder + file-name prefix) apart."""
+    return [f for group in load_groups(paths) for f in analyze_dumps(group, job=job)]
 
 
 # ---------------------------------------------------------------- CLI
@@ -541,13 +567,13 @@ def _print_text(dumps: list[FRDump], findings: list[Finding]) -> None:
 
 
 def _command(args: argparse.Namespace) -> int:
-    dumps = load_paths(args.paths)
-    findings = analyze_dumps(dumps, job=args.job)
-    if args.format == "json":
-        for f in findings:
-            print(json.dumps(f.to_json_dict(), sort_keys=True))
-    else:
-        _print_text(dumps, findings)
+    for dumps in load_groups(args.paths):
+        findings = analyze_dumps(dumps, job=args.job)
+        if args.format == "json":
+            for f in findings:
+                print(json.dumps(f.to_json_dict(), sort_keys=True))
+        else:
+            _print_text(dumps, findings)
     return 0
 
 

@@ -453,8 +453,11 @@ class SimulatedCluster:
         if len(over) and not job.dead_ranks:
             r = int(over[0])
             request = self._request_bytes(job)
-            live = peak_alloc[r] - request  # the failing allocation is the step's next recurring one
-            message = _oom_message(request, capacity, reserved[r], live, r, foreign_bytes=foreign[r])
+            # The failing allocation is the step's next recurring one: PyTorch holds the live
+            # tensors plus its cached slack (and, when fragmented, the unusable slivers).
+            live = peak_alloc[r] - request
+            held = live + (reserved[r] - peak_alloc[r])
+            message = _oom_message(request, capacity, held, live, r, foreign_bytes=foreign[r])
             cause = "foreign_process" if foreign[r] > 0 else "fragmentation" if job.fragmented[r] > job.leaked[r] else "capacity"
             node, gpu = job.placement[r]
             self.oom_events.append({"ts": self.now, "job": job.cfg.name, "rank": r, "node": node, "gpu": gpu, "cause": cause})

@@ -17,10 +17,12 @@ from typing import Any, TypeVar
 import yaml
 from pydantic import BaseModel, ValidationError
 
+from gpuvigil.errors import UserError
+
 M = TypeVar("M", bound=BaseModel)
 
 
-class ConfigError(ValueError):
+class ConfigError(UserError, ValueError):
     """The configuration is invalid; the message says where and why."""
 
 

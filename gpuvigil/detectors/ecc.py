@@ -41,8 +41,15 @@ class EccDetector:
             .group_by(["node", "gpu"])
             .agg(pl.len().alias("events"), pl.col("xid").drop_nulls().unique().sort().alias("xids"), pl.col("ts").max().alias("event_ts"), pl.col("job").drop_nulls().last().alias("event_job"))
         )
-        # Counters: compare this tick's readings with the previous ones (O(GPUs) per tick).
-        gs = window.fresh("gpu_samples").select("node", "gpu", "ecc_dbe_volatile_total", "retired_pages_total", "remap_failure")
+        # Counters: compare this tick's readings with the previous ones. Only GPUs that ever had
+        # a DBE or a remap failure are kept: O(GPUs) filter per tick, tiny state.
+        gs = (
+            window.fresh("gpu_samples")
+            .filter((pl.col("ecc_dbe_volatile_total") > 0) | pl.col("remap_failure").fill_null(False))
+            .select("node", "gpu", "ecc_dbe_volatile_total", "retired_pages_total", "remap_failure")
+        )
+        if ev.height == 0 and gs.height == 0:
+            return []
         prev = self._counters
         self._counters = gs if prev is None else pl.concat([prev.join(gs.select("node", "gpu"), on=["node", "gpu"], how="anti"), gs])
         if prev is None:
@@ -52,7 +59,11 @@ class EccDetector:
             .select(
                 "node",
                 "gpu",
-                (pl.col("ecc_dbe_volatile_total") - pl.col("_dbe0").fill_null(0)).alias("dbe_delta"),
+                # A counter lower than before was reset (GPU reset): all of it is new.
+                pl.when(pl.col("ecc_dbe_volatile_total") < pl.col("_dbe0").fill_null(0))
+                .then(pl.col("ecc_dbe_volatile_total"))
+                .otherwise(pl.col("ecc_dbe_volatile_total") - pl.col("_dbe0").fill_null(0))
+                .alias("dbe_delta"),
                 pl.col("ecc_dbe_volatile_total").alias("dbe_total"),
                 pl.col("retired_pages_total").alias("remapped"),
                 pl.col("remap_failure").fill_null(False),
@@ -85,9 +96,13 @@ class EccDetector:
                         "nvidia_action": ",".join(actions) or "DRAIN_AND_RESET",
                     },
                     summary=(
-                        f"Uncorrectable ECC error on {row['node']} GPU {row['gpu']}"
+                        (
+                            f"Row remapping failed on {row['node']} GPU {row['gpu']}"
+                            if row["remap_failure"] and not (row["dbe_delta"] or 0) and not set(xids) & {48, 63, 94, 95}
+                            else f"Uncorrectable ECC error on {row['node']} GPU {row['gpu']}"
+                        )
                         + (f" (XID {', '.join(map(str, xids))})" if xids else "")
-                        + (f", killing job {job}" if job else "")
+                        + (f", under job {job}" if job else "")
                         + ": drain the node and reset the GPU before it runs anything again."
                     ),
                 )

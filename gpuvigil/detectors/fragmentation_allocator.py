@@ -33,6 +33,7 @@ class FragmentationAllocatorConfig(BaseModel):
     min_gap_share: float = 0.05  # ... and at least this share of the device
     min_inactive_split_share: float = 0.5
     min_retries: int = 1
+    every_seconds: float = 5.0  # a trend over minutes: evaluating it every tick buys nothing
 
 
 class AllocatorFragmentationDetector:
@@ -40,8 +41,18 @@ class AllocatorFragmentationDetector:
 
     def __init__(self, cfg: dict[str, Any] | None = None):
         self.config = settings("fragmentation_allocator", FragmentationAllocatorConfig, cfg)
+        self._last_run: float | None = None
+        self._last: list[Finding] = []
 
     def detect(self, window: Window) -> list[Finding]:
+        now = window.now
+        if self._last_run is not None and now - self._last_run < self.config.every_seconds - 1e-9:
+            return self._last
+        self._last_run = now
+        self._last = self._evaluate(window)
+        return self._last
+
+    def _evaluate(self, window: Window) -> list[Finding]:
         c = self.config
         now = window.now
         df = current_run(window, "allocator_stats", since=now - c.window_seconds, warmup=c.warmup_seconds)

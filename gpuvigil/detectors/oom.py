@@ -34,6 +34,9 @@ class OomConfig(BaseModel):
     page_within_seconds: float = 900.0
     safety_margin_bytes: int = 1 << 30
     fragmentation_share: float = 0.5
+    # The footprint must rise by at least this much across the fit: a few samples of jitter
+    # around a flat peak can fit a line too.
+    min_rise_bytes: int = 1 << 29
 
 
 def _slope(y: str, x: str = "_t", where: pl.Expr | None = None) -> pl.Expr:
@@ -97,6 +100,7 @@ class OomPredictor:
                 & (pl.col("slope_early") >= c.min_growth_bytes_per_second / 2)
                 & (pl.col("slope_late") >= c.min_growth_bytes_per_second / 2)
                 & (pl.col("r2") >= c.min_r2)
+                & (pl.col("slope") * pl.col("span") >= c.min_rise_bytes)
                 & (pl.col("tto") <= c.predict_horizon_seconds)
             )
             .sort("tto")

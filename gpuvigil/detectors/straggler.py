@@ -25,6 +25,9 @@ class StragglerConfig(BaseModel):
     max_wait_share: float = 0.35
     min_peer_wait_share: float = 0.1
     min_slowdown: float = 1.15
+    # A job with long steps needs a longer window: at least this many of its steps.
+    min_steps: float = 8.0
+    max_window_seconds: float = 900.0
 
 
 class StragglerDetector:
@@ -36,9 +39,13 @@ class StragglerDetector:
     def detect(self, window: Window) -> list[Finding]:
         c = self.config
         now = window.now
-        rp = current_run(window, "rank_progress", since=now - c.window_seconds).filter(pl.col("collective_wait_seconds").is_not_null())
+        rp = current_run(window, "rank_progress", since=now - max(c.window_seconds, c.max_window_seconds)).filter(pl.col("collective_wait_seconds").is_not_null())
         if rp.height == 0:
             return []
+        # Each job is judged over max(window_seconds, min_steps × its step time).
+        rp = rp.filter(
+            pl.col("ts") >= now - pl.max_horizontal(pl.lit(c.window_seconds), pl.col("step_time_seconds").median().over("job") * c.min_steps).clip(upper_bound=c.max_window_seconds)
+        )
         per_rank = rp.group_by(["job", "rank"]).agg(
             pl.len().alias("n"),
             pl.col("collective_wait_seconds").median().alias("wait"),

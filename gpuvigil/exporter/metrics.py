@@ -30,13 +30,11 @@ from gpuvigil.model import Finding, FindingKind, Severity
 MetricType = Literal["gauge", "counter", "info", "histogram"]
 Labels = tuple[tuple[str, str], ...]
 
-# NVML clock-event (throttle) reasons worth a series each; the raw bitmask is exported as well.
+# NVML clock-event (throttle) reasons that mean lost speed, a series each (idle, app-clock and
+# sync-boost reasons are normal operation); the raw bitmask is exported as well.
 THROTTLE_REASONS: dict[str, int] = {
-    "gpu_idle": 0x1,
-    "applications_clocks_setting": 0x2,
     "sw_power_cap": 0x4,
     "hw_slowdown": 0x8,
-    "sync_boost": 0x10,
     "sw_thermal_slowdown": 0x20,
     "hw_thermal_slowdown": 0x40,
     "hw_power_brake_slowdown": 0x80,
@@ -227,20 +225,21 @@ class Snapshot:
         cols = ["node", "gpu", "gpu_uuid", "remap_failure", "_fatal", *[col for _, _, col, _, _ in specs]]
         for row in _rows(latest, cols):
             node, gpu, uuid, remap_failed, last_fatal, *values = row
+            key: Labels = (("node", node), ("gpu", str(gpu)))  # built once per GPU, shared by its series
             for fam, (_, _, col, _, scale), value in zip(fams, specs, values, strict=True):
                 if value is None:
                     if col == "last_xid":
                         value = 0
                     else:
                         continue
-                fam.add(value * scale, node=node, gpu=gpu)
+                fam.samples.append((key, float(value * scale)))
             mask = values[[c for _, _, c, _, _ in specs].index("throttle_reasons")]
             if mask is not None:
                 for reason, bit in THROTTLE_REASONS.items():
-                    throttled.add(1 if mask & bit else 0, node=node, gpu=gpu, reason=reason)
-            fatal.add(1 if last_fatal else 0, node=node, gpu=gpu)
+                    throttled.samples.append(((*key, ("reason", reason)), 1.0 if mask & bit else 0.0))
+            fatal.samples.append((key, 1.0 if last_fatal else 0.0))
             if remap_failed is not None:
-                remap.add(1 if remap_failed else 0, node=node, gpu=gpu)
+                remap.samples.append((key, 1.0 if remap_failed else 0.0))
             info.add(1, node=node, gpu=gpu, gpu_uuid=uuid or "")
         return [*fams, throttled, fatal, remap, info]
 

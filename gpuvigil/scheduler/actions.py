@@ -19,18 +19,18 @@ from gpuvigil.scheduler.framework import MILLI, Plan, Session, Statement
 def _plain(job) -> bool:
     """No per-job constraint beyond its shape: its failure says the same about larger shapes."""
     s = job.spec
-    return not job.excluded_nodes and not job.preferred_nodes and s.min_gpu_memory_bytes == 0 and s.gpus_per_node is None
+    return not job.excluded_nodes and not job.preferred_nodes and s.min_gpu_memory_bytes == 0
 
 
-def _shape(job) -> tuple[int, int, int, int]:
+def _shape(job) -> tuple[int, int, int, int, int]:
     s = job.spec
-    return (s.n_gpus, s.gpu_milli, s.cpu_milli, s.memory_mib)
+    return (s.n_gpus, s.gpu_milli, s.cpu_milli, s.memory_mib, s.gpus_per_node or 0)
 
 
-def _dominated(shape: tuple[int, int, int, int], failed: list[tuple[int, int, int, int]]) -> bool:
-    n, milli, cpu, mem = shape
-    for fn, fm, fc, fmem in failed:
-        same_kind = (milli < MILLI) == (fm < MILLI) and (n == 0) == (fn == 0)
+def _dominated(shape: tuple[int, int, int, int, int], failed: list[tuple[int, int, int, int, int]]) -> bool:
+    n, milli, cpu, mem, per = shape
+    for fn, fm, fc, fmem, fper in failed:
+        same_kind = (milli < MILLI) == (fm < MILLI) and (n == 0) == (fn == 0) and per == fper
         if same_kind and n >= fn and milli >= fm and cpu >= fc and mem >= fmem:
             return True
     return False
@@ -163,9 +163,8 @@ def allocate(ssn: Session) -> None:
         if holding:
             remaining.append(js)
             continue
-        if js.awaiting_victims and js.awaiting_deadline is not None:
-            remaining.append(js)  # its victims are still under notice; preempt finishes it
-            continue
+        # A job waiting for preemption victims still takes free room if some appeared (placing
+        # it cancels the notices); otherwise preempt finishes it when the grace period ends.
         if not try_place(js, ssn):
             remaining.append(js)
             ssn.blocked.append(js)
@@ -196,7 +195,7 @@ def preempt(ssn: Session) -> None:
     rank = prio.rank if prio is not None else sched.config.priority.rank
     # A preemptor that found no victims makes equal-or-larger plain jobs of its class and tenant
     # hopeless too (their candidate victims are the same) until something changes.
-    hopeless: dict[tuple[str, str], list[tuple[int, int, int, int]]] = {}
+    hopeless: dict[tuple[str, str], list[tuple[int, int, int, int, int]]] = {}
     for js in list(ssn.blocked):
         if js.state != "pending" or js.awaiting_victims:
             continue

@@ -92,7 +92,7 @@ class SchedulerConfig(_Strict):
     gang: GangConfig = Field(default_factory=GangConfig)
     topology: TopologyConfig = Field(default_factory=TopologyConfig)
     fragmentation: FragmentationConfig = Field(default_factory=FragmentationConfig)
-    score_weights: dict[str, float] = Field(default_factory=lambda: {"fragmentation": 1.0, "binpack": 0.001, "topology": 0.01, "health": 10.0})
+    score_weights: dict[str, float] = Field(default_factory=lambda: {"fragmentation": 1.0, "binpack": 0.05, "topology": 0.01, "health": 10.0})
     allocate: AllocateConfig = Field(default_factory=AllocateConfig)
     backfill: BackfillConfig = Field(default_factory=BackfillConfig)
     health: HealthConfig = Field(default_factory=HealthConfig)

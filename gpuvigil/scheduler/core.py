@@ -285,24 +285,26 @@ class Scheduler:
 
     def _release(self, js: JobState) -> None:
         name = js.spec.name
-        touched: set[str] = set()
+        per_node: dict[str, list[int]] = {}
         for node, gpu in js.placement:
+            per_node.setdefault(node, []).append(gpu)
+        n_slots = max(1, len(js.placement))
+        for node, gpus in per_node.items():
             ns = self.nodes[node]
-            touched.add(node)
-            if ns.used.get(gpu) == name:
-                del ns.used[gpu]
-            held = ns.shared.get(gpu)
-            if held and name in held:
-                del held[name]
-                if not held:
-                    del ns.shared[gpu]
-                ns.touch()
-        for node in touched:
-            ns = self.nodes[node]
-            n_here = sum(1 for n, _ in js.placement if n == node)
-            share = n_here / max(1, len(js.placement))
+            used, shared = ns.used, ns.shared
+            for gpu in gpus:
+                # Plain dict operations, one change notice per node below.
+                if used.get(gpu) == name:
+                    dict.__delitem__(used, gpu)
+                held = shared.get(gpu)
+                if held and name in held:
+                    del held[name]
+                    if not held:
+                        dict.__delitem__(shared, gpu)
+            share = len(gpus) / n_slots
             ns.cpu_used -= int(round(js.spec.cpu_milli * share))
             ns.mem_used -= int(round(js.spec.memory_mib * share))
+            ns.touch()
             if ns.state == "draining" and not ns.jobs():
                 ns.state = "drained"
         js.placement = []
@@ -394,8 +396,7 @@ class Scheduler:
             idx = self.view.index
             changed = [idx[n] for n in self._dirty]
             self._dirty.clear()
-            for i in changed:
-                self.view.sync(i)
+            self.view.sync_many(changed)
             for listener in self.plugins.change_listeners:
                 listener.on_change(changed)
 
@@ -405,26 +406,24 @@ class Scheduler:
         name = js.spec.name
         v = self.view
         slots = [(v.names[n], g) for n, g in plan.slots]
-        per_node: dict[str, int] = {}
+        per_node: dict[str, list[int]] = {}
         for node, g in slots:
+            per_node.setdefault(node, []).append(g)
+        for node, gpus in per_node.items():
             ns = self.nodes[node]
-            per_node[node] = per_node.get(node, 0) + 1
-            if g < 0:
-                continue
             if plan.milli < MILLI:
-                held = ns.shared.get(g)
-                if held is None:
-                    ns.shared[g] = {name: plan.milli}
-                else:
-                    held[name] = plan.milli
-                    ns.touch()
-            else:
-                ns.used[g] = name
-        for node, k in per_node.items():
-            ns = self.nodes[node]
-            share = k / max(1, len(slots))
+                for g in gpus:
+                    held = ns.shared.get(g)
+                    if held is None:
+                        dict.__setitem__(ns.shared, g, {name: plan.milli})
+                    else:
+                        held[name] = plan.milli
+            elif gpus and gpus[0] >= 0:
+                dict.update(ns.used, dict.fromkeys(gpus, name))
+            share = len(gpus) / max(1, len(slots))
             ns.cpu_used += int(round(js.spec.cpu_milli * share))
             ns.mem_used += int(round(js.spec.memory_mib * share))
+            ns.touch()
         js.placement = slots
         self._set_state(js, "running")
         js.start_ts = now

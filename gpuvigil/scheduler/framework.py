@@ -63,8 +63,7 @@ class ClusterView:
         # Per-node aggregates kept current so whole-GPU placement reads N numbers, not N x G.
         self.free_total = np.zeros(n, dtype=np.int64)
         self.free_whole = np.zeros(n, dtype=np.int64)
-        for i in range(n):
-            self.sync(i)
+        self.sync_many(list(range(n)))
 
     def refresh(self, rows) -> None:
         rows = np.asarray(list(rows) if not isinstance(rows, np.ndarray) else rows, dtype=np.int64)
@@ -74,24 +73,41 @@ class ClusterView:
             self.free_whole[rows] = (fm == MILLI).sum(axis=1)
 
     def sync(self, i: int) -> None:
-        ns = self.nodes[i]
-        row = self.free_milli[i]
-        row[:] = 0
-        row[: ns.spec.n_gpus] = MILLI
-        if ns.used:
-            row[list(ns.used)] = 0
-        for g, held in ns.shared.items():
-            if held:
-                row[g] = MILLI - sum(held.values())
-        if ns.avoid_gpus:
-            row[list(ns.avoid_gpus)] = 0
-        self.cpu_free[i] = self.cpu_total[i] - ns.cpu_used
-        self.mem_free[i] = self.mem_total[i] - ns.mem_used
-        self.schedulable[i] = ns.state == "up"
-        self.generation[i] += 1
-        self.free_total[i] = int(row.sum())
-        self.free_whole[i] = int(np.count_nonzero(row == MILLI))
-        object.__setattr__(ns, "dirty", False)
+        self.sync_many([i])
+
+    def sync_many(self, rows: list[int]) -> None:
+        """Re-read these nodes from NodeState: plain Python per GPU, one numpy write per array."""
+        if not rows:
+            return
+        g_max = self.max_gpus
+        free_rows, cpu, mem, up = [], [], [], []
+        for i in rows:
+            ns = self.nodes[i]
+            n = ns.spec.n_gpus
+            row = [MILLI] * n + [0] * (g_max - n)
+            for g in ns.used:
+                if 0 <= g < n:
+                    row[g] = 0
+            for g, held in ns.shared.items():
+                if held and 0 <= g < n:
+                    row[g] = MILLI - sum(held.values())
+            for g in ns.avoid_gpus:
+                if 0 <= g < n:
+                    row[g] = 0
+            free_rows.append(row)
+            cpu.append(ns.cpu_used)
+            mem.append(ns.mem_used)
+            up.append(ns.state == "up")
+            object.__setattr__(ns, "dirty", False)
+        idx = np.asarray(rows, dtype=np.int64)
+        block = np.asarray(free_rows, dtype=np.int64).reshape(len(rows), g_max)
+        self.free_milli[idx] = block
+        self.cpu_free[idx] = self.cpu_total[idx] - np.asarray(cpu, dtype=np.int64)
+        self.mem_free[idx] = self.mem_total[idx] - np.asarray(mem, dtype=np.int64)
+        self.schedulable[idx] = up
+        self.generation[idx] += 1
+        self.free_total[idx] = block.sum(axis=1)
+        self.free_whole[idx] = (block == MILLI).sum(axis=1)
 
     def copy_mutable(self) -> dict[str, np.ndarray]:
         return {
@@ -182,7 +198,7 @@ class Session:
     pending: list[JobState]
     # Requirement shapes that already failed this cycle: a later job needing at least as much
     # (and no special constraints) cannot fit either, so it is skipped without scoring.
-    unschedulable_shapes: list[tuple[int, int, int, int]] = field(default_factory=list)
+    unschedulable_shapes: list[tuple[int, int, int, int, int]] = field(default_factory=list)
     placed: list[Plan] = field(default_factory=list)
     blocked: list[JobState] = field(default_factory=list)
     version: int = 0  # bumps whenever this cycle binds or evicts (invalidates `memo`)

@@ -37,7 +37,7 @@ import polars as pl
 from pydantic import BaseModel, Field
 
 from gpuvigil import config, schemas
-from gpuvigil.errors import UserError
+from gpuvigil.api.apply import ApplyError, Unsupported, apply_hints
 from gpuvigil.model import Hint, HintAction
 
 
@@ -54,11 +54,11 @@ def slurm_config(cfg: dict[str, Any] | None = None) -> SlurmConfig:
     return config.section("api.slurm", SlurmConfig, {"api.slurm": cfg.get("api", {}).get("slurm", {})})
 
 
-class SlurmError(UserError):
+class SlurmError(ApplyError):
     """A Slurm command failed, timed out or is missing; the message says which and why."""
 
 
-class SlurmUnsupported(SlurmError):
+class SlurmUnsupported(SlurmError, Unsupported):
     """The hint cannot be expressed with Slurm commands (the hint is nacked with this reason)."""
 
 
@@ -183,8 +183,11 @@ def _epoch(value: Any) -> float | None:
         return None
     if isinstance(value, (int, float)):
         return float(value)
+    if isinstance(value, bool):
+        return None
     if isinstance(value, dict):  # newer Slurm: {"set": true, "number": N}
-        return float(value["number"]) if value.get("set") else None
+        number = value.get("number")
+        return float(number) if value.get("set") and isinstance(number, (int, float)) and not isinstance(number, bool) else None
     try:
         return datetime.fromisoformat(str(value)).astimezone().timestamp()
     except ValueError:
@@ -266,45 +269,61 @@ class SlurmNode:
         return None
 
 
+def _s(value: Any) -> str | None:
+    """A string field of Slurm's JSON, or None (a wrong type is treated as absent)."""
+    return value if isinstance(value, str) and value else None
+
+
+def _i(value: Any, default: int = 0) -> int:
+    if isinstance(value, bool) or not isinstance(value, (int, str)):
+        return default
+    return int(value)  # ValueError for junk text: the record is dropped
+
+
 def _job_from_json(j: dict[str, Any]) -> SlurmJob:
+    job_id = j["job_id"]
+    if isinstance(job_id, bool) or not isinstance(job_id, (int, str)) or not _JOB_ID.match(str(job_id)):
+        raise ValueError(f"bad job_id {job_id!r}")
     raw_exit = j.get("exit_code")
     if isinstance(raw_exit, dict):  # newer Slurm: {"status": ..., "return_code": N, "signal": {...}}
         code = raw_exit.get("return_code")
         sig = (raw_exit.get("signal") or {}).get("signal_id")
         exit_code, exit_signal = (code if isinstance(code, int) else None), (sig if isinstance(sig, int) and sig else None)
-    elif isinstance(raw_exit, int):
+    elif isinstance(raw_exit, int) and not isinstance(raw_exit, bool):
         # 22.05 prints the raw wait(2) status: low 7 bits = signal, next byte = exit code.
         exit_signal = raw_exit & 0x7F or None
         exit_code = None if exit_signal else (raw_exit >> 8) & 0xFF
     else:
         exit_code = exit_signal = None
-    nodes = expand_hostlist(j.get("nodes"))
-    allocated = ((j.get("job_resources") or {}).get("allocated_nodes")) or []
-    alloc_nodes = [a.get("nodename") for a in allocated if a.get("nodename")] or nodes
-    detail = j.get("gres_detail") or []
-    gpus_by_node = [(n, gpu_indices(detail[i] if i < len(detail) else "")) for i, n in enumerate(alloc_nodes)]
-    n_gpus = gpu_count(j.get("tres_per_node")) * max(int(j.get("node_count") or 1), 1) or gpu_count(j.get("tres_per_job"))
+    nodes = expand_hostlist(_s(j.get("nodes")))
+    resources = j.get("job_resources")
+    allocated = resources.get("allocated_nodes") if isinstance(resources, dict) else None
+    alloc_nodes = [_s(a.get("nodename")) for a in allocated if isinstance(a, dict) and _s(a.get("nodename"))] if isinstance(allocated, list) else []
+    alloc_nodes = alloc_nodes or nodes
+    detail = j.get("gres_detail") if isinstance(j.get("gres_detail"), list) else []
+    gpus_by_node = [(n, gpu_indices(_s(detail[i]) if i < len(detail) else "")) for i, n in enumerate(alloc_nodes)]
+    n_gpus = gpu_count(_s(j.get("tres_per_node"))) * max(_i(j.get("node_count"), 1), 1) or gpu_count(_s(j.get("tres_per_job")))
     state = j.get("job_state")
     if isinstance(state, list):
-        state = state[0] if state else "UNKNOWN"
+        state = state[0] if state else None
     return SlurmJob(
-        job=str(j["job_id"]),
-        state=str(state),
-        user=j.get("user_name") or None,
-        account=j.get("account") or None,
-        qos=j.get("qos") or None,
+        job=str(job_id),
+        state=_s(state) or "UNKNOWN",
+        user=_s(j.get("user_name")),
+        account=_s(j.get("account")),
+        qos=_s(j.get("qos")),
         n_gpus=n_gpus,
         submit_ts=_epoch(j.get("submit_time")),
         start_ts=_epoch(j.get("start_time")),
         end_ts=_epoch(j.get("end_time")),
-        restarts=int(j.get("restart_cnt") or 0),
-        excluded_nodes=expand_hostlist(j.get("excluded_nodes")),
+        restarts=_i(j.get("restart_cnt")),
+        excluded_nodes=expand_hostlist(_s(j.get("excluded_nodes"))),
         nodes=nodes,
-        batch_host=j.get("batch_host") or None,
+        batch_host=_s(j.get("batch_host")),
         gpus_by_node=gpus_by_node,
         exit_code=exit_code,
         exit_signal=exit_signal,
-        state_reason=j.get("state_reason") or None,
+        state_reason=_s(j.get("state_reason")),
     )
 
 
@@ -350,21 +369,25 @@ def _job_from_scontrol(pairs: list[tuple[str, str]]) -> SlurmJob:
 
 
 def _node_from_json(n: dict[str, Any]) -> SlurmNode:
+    name = _s(n["name"])
+    if name is None:
+        raise ValueError("node without a name")
     state = n.get("state")
-    flags = [str(f).upper() for f in n.get("state_flags") or []]
+    raw_flags = n.get("state_flags") if isinstance(n.get("state_flags"), list) else []
+    flags = [f.upper() for f in raw_flags if isinstance(f, str)]
     if isinstance(state, list):  # newer Slurm: ["IDLE", "DRAIN"]
-        flags = [str(s).upper() for s in state[1:]] + flags
-        state = state[0] if state else "unknown"
-    reason = n.get("reason") or None
+        flags = [s.upper() for s in state[1:] if isinstance(s, str)] + flags
+        state = state[0] if state else None
+    partitions = n.get("partitions") if isinstance(n.get("partitions"), list) else []
     return SlurmNode(
-        node=n["name"],
-        state=str(state).lower(),
+        node=name,
+        state=(_s(state) or "unknown").lower(),
         flags=flags,
-        reason=reason,
-        n_gpus=gpu_count(n.get("gres")),
-        gpus_used=gpu_count(n.get("gres_used")),
-        features=[f for f in str(n.get("features") or "").split(",") if f],
-        partitions=list(n.get("partitions") or []),
+        reason=_s(n.get("reason")),
+        n_gpus=gpu_count(_s(n.get("gres"))),
+        gpus_used=gpu_count(_s(n.get("gres_used"))),
+        features=[f for f in (_s(n.get("features")) or "").split(",") if f],
+        partitions=[p for p in partitions if isinstance(p, str)],
     )
 
 
@@ -387,12 +410,65 @@ def _node_from_scontrol(pairs: list[tuple[str, str]]) -> SlurmNode:
 
 
 # -- reading state ----------------------------------------------------------------------------
+_RECORD_ERRORS = (KeyError, ValueError, TypeError, AttributeError, IndexError)
+
+
+def _parse_each(items: Iterable[Any], parse: Any) -> tuple[list[Any], int]:
+    """Parse records one by one: a malformed record is dropped and counted, never fatal."""
+    out, dropped = [], 0
+    for item in items:
+        try:
+            out.append(parse(item))
+        except _RECORD_ERRORS:
+            dropped += 1
+    return out, dropped
+
+
+def _load_json(text: str, what: str) -> dict[str, Any]:
+    try:
+        data = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise SlurmError(f"{what} did not print JSON: {exc}") from exc
+    if not isinstance(data, dict):
+        raise SlurmError(f"{what} printed JSON that is not an object")
+    errors = data.get("errors")
+    if isinstance(errors, list) and any(errors):
+        raise SlurmError(f"{what} reported: {next(e for e in errors if e)}")
+    return data
+
+
+def parse_squeue_json(text: str) -> tuple[list[SlurmJob], int]:
+    """`squeue --json` output → (jobs, records dropped as malformed)."""
+    jobs = _load_json(text, "squeue --json").get("jobs")
+    return _parse_each(jobs if isinstance(jobs, list) else [], _job_from_json)
+
+
+def parse_sinfo_json(text: str) -> tuple[list[SlurmNode], int]:
+    """`sinfo --json` output → (nodes, one per name: sinfo repeats a node per partition; dropped)."""
+    nodes = _load_json(text, "sinfo --json").get("nodes")
+    parsed, dropped = _parse_each(nodes if isinstance(nodes, list) else [], _node_from_json)
+    return list({n.node: n for n in parsed}.values()), dropped
+
+
+def parse_scontrol_jobs(text: str) -> tuple[list[SlurmJob], int]:
+    """`scontrol -o -d show job` output → (jobs, dropped)."""
+    lines = [line for line in text.splitlines() if line.startswith("JobId=")]
+    return _parse_each(lines, lambda line: _job_from_scontrol(parse_scontrol_record(line)))
+
+
+def parse_scontrol_nodes(text: str) -> tuple[list[SlurmNode], int]:
+    """`scontrol -o -d show node` output → (nodes, dropped)."""
+    lines = [line for line in text.splitlines() if line.startswith("NodeName=")]
+    return _parse_each(lines, lambda line: _node_from_scontrol(parse_scontrol_record(line)))
+
+
 class SlurmState:
     """Reads jobs and nodes, preferring `--json`, else `scontrol -o show`."""
 
     def __init__(self, slurm: Slurm, *, use_json: bool | None = None):
         self.slurm = slurm
         self.use_json = use_json  # None: try JSON once and remember whether it works
+        self.dropped = 0  # malformed records skipped so far
 
     def _json_ok(self, probe: Sequence[str]) -> bool:
         if self.use_json is None:
@@ -409,10 +485,12 @@ class SlurmState:
         """Jobs slurmctld still holds (pending, running, and finished within MinJobAge)."""
         if self._json_ok(["squeue", "--json", "--states=all"]):
             args = ["squeue", "--json", "--states=all"] + (["--jobs", _check_job(job)] if job else [])
-            return [_job_from_json(j) for j in self.slurm.run_json(*args).get("jobs", [])]
-        args = ["scontrol", "-o", "-d", "show", "job"] + ([_check_job(job)] if job else [])
-        out = self.slurm.run(*args)
-        return [_job_from_scontrol(parse_scontrol_record(line)) for line in out.splitlines() if line.startswith("JobId=")]
+            jobs, dropped = parse_squeue_json(self.slurm.run(*args))
+        else:
+            args = ["scontrol", "-o", "-d", "show", "job"] + ([_check_job(job)] if job else [])
+            jobs, dropped = parse_scontrol_jobs(self.slurm.run(*args))
+        self.dropped += dropped
+        return jobs
 
     def job(self, job: str) -> SlurmJob:
         found = [j for j in self.jobs(job) if j.job == job]
@@ -422,11 +500,11 @@ class SlurmState:
 
     def nodes(self) -> list[SlurmNode]:
         if self._json_ok(["sinfo", "--json"]):
-            data = self.slurm.run_json("sinfo", "--json")
-            # sinfo lists a node once per partition; keep one row per node.
-            return list({n["name"]: _node_from_json(n) for n in data.get("nodes", [])}.values())
-        out = self.slurm.run("scontrol", "-o", "-d", "show", "node")
-        return [_node_from_scontrol(parse_scontrol_record(line)) for line in out.splitlines() if line.startswith("NodeName=")]
+            nodes, dropped = parse_sinfo_json(self.slurm.run("sinfo", "--json"))
+        else:
+            nodes, dropped = parse_scontrol_nodes(self.slurm.run("scontrol", "-o", "-d", "show", "node"))
+        self.dropped += dropped
+        return nodes
 
     def node(self, node: str) -> SlurmNode:
         _check_node(node)
@@ -449,6 +527,7 @@ class SlurmStateCollector:
         self.errors = 0
         self.last_error: str | None = None
         self._oom_seen: set[tuple[str, int]] = set()
+        self._dropped_seen = 0
 
     def frames(self, jobs: list[SlurmJob], nodes: list[SlurmNode], now: float) -> dict[str, pl.DataFrame]:
         job_rows = [
@@ -518,6 +597,8 @@ class SlurmStateCollector:
             self.errors += 1
             self.last_error = str(exc)
             return {}
+        self.errors += self.state.dropped - self._dropped_seen
+        self._dropped_seen = self.state.dropped
         return self.frames(jobs, nodes, now)
 
 
@@ -622,32 +703,11 @@ class SlurmAdapter:
     def apply_pending(self, hints: Iterable[Hint] | None = None) -> dict[str, str]:
         """Apply hints (default: every pending hint in the store). Returns hint id → outcome
         (`acked: ...`, `nacked: ...`, `failed: ...`). Failures never raise here."""
-        outcome: dict[str, str] = {}
         if hints is None:
             if self.store is None:
                 raise ValueError("apply_pending() without hints needs a store")
             hints = [r.to_hint() for r in self.store.pending_hints()]
-        for hint in hints:
-            try:
-                done = self.apply(hint)
-            except SlurmUnsupported as exc:
-                outcome[hint.id] = f"nacked: {exc}"
-                if self.store is not None:
-                    self.store.nack(hint.id, str(exc))
-                self.retry.pop(hint.id, None)
-            except SlurmError as exc:
-                outcome[hint.id] = f"failed: {exc}"
-                if self.store is not None:
-                    self.store.record_attempt(hint.id, str(exc))
-                else:
-                    self.retry[hint.id] = hint
-            else:
-                outcome[hint.id] = f"acked: {done.detail}"
-                if self.store is not None:
-                    self.store.record_attempt(hint.id, None)
-                    self.store.ack(hint.id, done.detail)
-                self.retry.pop(hint.id, None)
-        return outcome
+        return apply_hints(lambda h: self.apply(h).detail, hints, store=self.store, retry=self.retry)
 
     def on_tick(self, result: Any, window: Any = None) -> None:
         """Pipeline sink. Put it after the HintStore in the sink list so the store has the hints."""

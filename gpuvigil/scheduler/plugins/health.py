@@ -27,10 +27,16 @@ class HealthPlugin:
 
     def __init__(self, scheduler):
         self.scheduler = scheduler
+        self._all: np.ndarray | None = None
 
     # -- hooks ----------------------------------------------------------------------------------
     def filter(self, job, ssn: Session) -> np.ndarray:
         v = ssn.view
+        if not job.excluded_nodes and not job.spec.min_gpu_memory_bytes:
+            if self._all is None or len(self._all) != len(v.names):
+                self._all = np.ones(len(v.names), dtype=bool)
+                self._all.flags.writeable = False
+            return self._all
         mask = np.ones(len(v.names), dtype=bool)
         if job.excluded_nodes:
             idx = [v.index[n] for n in job.excluded_nodes if n in v.index]

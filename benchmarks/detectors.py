@@ -1,0 +1,630 @@
+"""`gpuvigil bench detectors`: the detector set on a labelled suite of randomised simulated runs.
+
+Each run is one case type (a fault, or a hard negative) with randomised parameters: job size
+8–1,024 GPUs, step time 0.1–60 s (log-uniform), collectives per step, checkpoint cadence and
+length, memory footprint, telemetry noise, fault onset and magnitude, plus small background
+jobs. Hints are switched off so every fault runs its course (an OOM really happens, a hang stays
+hung): that gives the ground truth the warnings are measured against.
+
+Per finding kind: precision, recall, F1, detection latency from fault onset (p50/p90), culprit
+accuracy, cause accuracy; OOM warning lead time before the real OOM (p50/p10). Baselines
+measured in the same runs: PyTorch's NCCL watchdog (a collective in flight for 600 s) for hangs,
+and the static Prometheus rule "GPU memory used > 95% for 1 min" for OOMs. Also: the detector
+set's cost per tick on 100,000 GPUs.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import sys
+import time
+from collections import defaultdict
+from concurrent.futures import ProcessPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import polars as pl
+
+GIB = 1 << 30
+CAPACITY_GIB = 139.8
+CONTEXT_GIB = 0.6
+WATCHDOG_SECONDS = 600.0
+STATIC_RULE_SHARE = 0.95
+STATIC_RULE_FOR_SECONDS = 60.0
+
+POSITIVE = [
+    "nccl_hang",
+    "gpu_lost",
+    "memory_leak",
+    "fragmentation",
+    "foreign_process",
+    "ecc_dbe",
+    "remap_failure",
+    "thermal",
+    "straggler",
+    "pcie_replay",
+    "cluster_fragmentation",
+]
+NEGATIVE = ["healthy", "checkpoint_pause", "dataloader_stall", "high_memory", "uniform_slowdown", "restart"]
+CASE_TYPES = POSITIVE + NEGATIVE
+MEMORY_FAULTS = {"memory_leak": "leak", "fragmentation": "fragmentation", "foreign_process": "foreign_process"}
+OOM_EVENT_KIND = {"leak": "oom_capacity", "capacity": "oom_capacity", "fragmentation": "oom_fragmentation", "foreign_process": "oom_foreign_process"}
+
+# Finding kinds each case must raise about the injected target, and those it may raise too
+# (a throttled GPU is also slower than its peers and unlike them).
+MUST = {
+    "nccl_hang": ["collective_hang"],
+    "gpu_lost": ["xid", "collective_hang"],
+    "memory_leak": ["oom_predicted"],
+    "fragmentation": ["oom_predicted", "fragmentation_allocator"],
+    "foreign_process": ["oom_predicted"],
+    "ecc_dbe": ["ecc"],
+    "remap_failure": ["ecc"],
+    "thermal": ["thermal_throttle"],
+    "straggler": ["straggler"],
+    "pcie_replay": ["anomaly"],
+    "cluster_fragmentation": ["fragmentation_cluster"],
+}
+MAY = {
+    "thermal": ["straggler", "anomaly"],
+    "straggler": ["anomaly"],
+    "gpu_lost": ["anomaly"],
+    "ecc_dbe": ["anomaly"],
+    "remap_failure": ["anomaly"],
+}
+
+
+@dataclass
+class Case:
+    index: int
+    case_type: str
+    scenario: dict[str, Any]
+    tick_seconds: float
+    step_time_seconds: float
+    gpus: int
+    onset: float
+
+
+@dataclass
+class RunResult:
+    index: int
+    case_type: str
+    gpus: int
+    step_time_seconds: float
+    tick_seconds: float
+    onset: float | None
+    injected: list[dict[str, Any]]
+    findings: list[dict[str, Any]]
+    oom_events: list[dict[str, Any]]
+    watchdog_fire_ts: dict[str, float]  # job → when the 600 s watchdog fires
+    static_rule_fires: list[dict[str, Any]]  # (node, gpu, ts) of the static memory rule
+    wall_seconds: float
+    ticks: int
+    error: str | None = None
+
+
+def _log_uniform(rng: np.random.Generator, lo: float, hi: float) -> float:
+    return float(math.exp(rng.uniform(math.log(lo), math.log(hi))))
+
+
+def make_case(index: int, seed: int, max_gpus: int = 1024) -> Case:
+    """Case `index` of the suite: the type cycles through all types, parameters are random."""
+    rng = np.random.default_rng([seed, index])
+    case_type = CASE_TYPES[index % len(CASE_TYPES)]
+    gpus = 8 * max(1, int(round(_log_uniform(rng, 1, max_gpus / 8))))
+    step = _log_uniform(rng, 0.1, 60.0)
+    # Coarser ticks for slow jobs keep the suite affordable; targets are in step times there.
+    tick = 1.0 if step <= 1 else 2.0 if step <= 8 else min(5.0, step / 4)
+    peak = float(rng.uniform(40, 120))
+    base = peak * float(rng.uniform(0.3, 0.6))
+    if case_type == "high_memory":
+        peak = 0.97 * CAPACITY_GIB  # the sawtooth peaks at 97% of the GPU, and stays there
+        base = peak * float(rng.uniform(0.4, 0.7))
+    ckpt_every = max(1, int(round(rng.uniform(60, 400) / step)))
+    job = {
+        "name": "train",
+        "gpus": gpus,
+        "gpus_per_node": 8,
+        "step_time_seconds": round(step, 4),
+        "collectives_per_step": int(rng.integers(1, 9)),
+        "checkpoint_every_steps": ckpt_every,
+        "checkpoint_seconds": round(float(rng.uniform(3, 30)), 1),
+        "memory_base_gib": round(base, 2),
+        "memory_peak_gib": round(peak, 2),
+        "startup_seconds": 10.0,
+    }
+    nodes = gpus // 8 + 2
+    onset = round(10.0 + 30.0 + max(60.0, 4 * step) + float(rng.uniform(0, 60)), 1)
+    headroom_gib = CAPACITY_GIB - CONTEXT_GIB - peak * 1.01
+    after = 120.0
+    fault: dict[str, Any] | None = None
+    ranks = sorted(rng.choice(gpus, size=1, replace=False).tolist())
+    if case_type in ("nccl_hang", "gpu_lost"):
+        fault = {"type": case_type, "ranks": ranks}
+        after = max(60.0, 6 * step)
+    elif case_type in MEMORY_FAULTS:
+        t_oom = max(float(rng.uniform(120, 360)), 12 * step)
+        if case_type == "memory_leak":
+            fault = {"type": "memory_leak", "ranks": ranks, "leak_gib_per_step": headroom_gib / (t_oom / step)}
+        elif case_type == "fragmentation":
+            fault = {"type": "fragmentation", "ranks": list(range(min(gpus, 8))), "fragmentation_gib_per_step": headroom_gib / (t_oom / step)}
+        else:
+            fault = {"type": "foreign_process", "ranks": ranks, "foreign_gib_per_second": headroom_gib / t_oom}
+        after = 1.5 * t_oom + 20  # checkpoint pauses stretch a per-step leak
+    elif case_type in ("ecc_dbe", "remap_failure"):
+        fault = {"type": case_type, "ranks": ranks}
+        after = 60.0
+    elif case_type == "thermal":
+        fault = {"type": "thermal", "ranks": ranks, "temperature_c": round(float(rng.uniform(90, 97)), 1)}
+        after = 120.0
+    elif case_type in ("straggler", "uniform_slowdown"):
+        slow = round(float(rng.uniform(1.25, 2.0)), 2)
+        fault = {"type": case_type, "ranks": ranks if case_type == "straggler" else [], "slowdown": slow}
+        after = max(120.0, 12 * step)
+    elif case_type == "pcie_replay":
+        fault = {"type": "pcie_replay", "ranks": ranks, "pcie_replays_per_second": round(_log_uniform(rng, 3, 100), 1)}
+        after = 150.0
+    elif case_type in ("checkpoint_pause", "dataloader_stall"):
+        pause = round(float(rng.uniform(30, 240)), 0)
+        fault = {"type": "long_checkpoint" if case_type == "checkpoint_pause" else "dataloader_stall", "duration_seconds": pause}
+        after = pause + max(60.0, 4 * step)
+    elif case_type == "restart":
+        fault = {"type": "restart"}
+        after = 60.0 + max(60.0, 6 * step)
+    elif case_type == "high_memory" or case_type == "healthy":
+        after = max(150.0, 6 * step)
+    scenario: dict[str, Any] = {
+        "name": f"bench-{index:04d}-{case_type}",
+        "duration_seconds": round(onset + after, 1),
+        "nodes": nodes,
+        "noise": round(float(rng.uniform(0.005, 0.05)), 4),
+        "jobs": [job],
+        "background": {"jobs": int(rng.integers(0, 4)), "sizes": [1, 2, 4]},
+        "faults": [],
+    }
+    if fault is not None:
+        scenario["faults"] = [{**fault, "at": onset, "job": "train"}]
+    if case_type == "cluster_fragmentation":
+        n = int(rng.integers(4, 40))
+        scenario.update(
+            nodes=n,
+            jobs=[],
+            background={"jobs": 0},
+            duration_seconds=round(onset + 60.0, 1),
+            fragmented_cluster={
+                "small_job_gpus": [1, 2, 3],
+                "free_per_node": [2, 4],
+                "gang": {**job, "name": "gang", "gpus": 8, "submit_at": onset},
+            },
+        )
+    return Case(index, case_type, scenario, tick, step, gpus, onset)
+
+
+class BaselineSink:
+    """The two baselines, evaluated on the same telemetry as gpuvigil, tick by tick."""
+
+    def __init__(self) -> None:
+        self.mem_high_since: pl.DataFrame | None = None
+        self.static_fires: dict[tuple[str, int], float] = {}
+        self.in_flight: pl.DataFrame | None = None  # (job, rank, seq, since)
+
+    def on_tick(self, result, window) -> None:
+        now = result.now
+        gs = window.fresh("gpu_samples")
+        if gs.height:
+            high = gs.filter((pl.col("memory_used_bytes") / pl.col("memory_total_bytes")) > STATIC_RULE_SHARE).select("node", "gpu")
+            prev = self.mem_high_since
+            cur = high.with_columns(pl.lit(now).alias("since"))
+            if prev is not None:
+                cur = cur.join(prev.rename({"since": "_s"}), on=["node", "gpu"], how="left").with_columns(pl.coalesce("_s", "since").alias("since")).drop("_s")
+            self.mem_high_since = cur
+            for node, gpu, since in cur.filter(now - pl.col("since") >= STATIC_RULE_FOR_SECONDS).iter_rows():
+                self.static_fires.setdefault((node, int(gpu)), now)
+        rp = window.fresh("rank_progress")
+        if rp.height:
+            flying = rp.filter(pl.col("last_enqueued_seq") > pl.col("last_completed_seq")).select("job", "rank", pl.col("last_enqueued_seq").alias("seq"))
+            cur = flying.with_columns(pl.lit(now).alias("since"))
+            if self.in_flight is not None:
+                cur = cur.join(self.in_flight.rename({"since": "_s"}), on=["job", "rank", "seq"], how="left").with_columns(pl.coalesce("_s", "since").alias("since")).drop("_s")
+            self.in_flight = cur
+
+    def watchdog_fire_ts(self) -> dict[str, float]:
+        """When the watchdog fires per job: a collective still in flight 600 s after it began.
+        Hints are off, so a hang at the end of the run lasts for ever: extrapolate."""
+        if self.in_flight is None or self.in_flight.height == 0:
+            return {}
+        return {j: float(s) + WATCHDOG_SECONDS for j, s in self.in_flight.group_by("job").agg(pl.col("since").min()).iter_rows()}
+
+
+def run_case(case: Case) -> RunResult:
+    from gpuvigil import config
+    from gpuvigil.collectors.scenario import Scenario
+    from gpuvigil.runtime import build_simulated
+
+    t0 = time.perf_counter()
+    try:
+        sc = Scenario.model_validate(case.scenario)
+        cfg = config.load(overrides={"pipeline": {"tick_seconds": case.tick_seconds}, "hints": {"rules": []}})
+        baseline = BaselineSink()
+        rt = build_simulated(sc, seed=case.index, cfg=cfg, sinks=[baseline])
+        assert rt.cluster is not None
+        rt.run(sc.duration_seconds)
+        onset = min((f.ts for f in rt.cluster.injected), default=None)
+        wd = baseline.watchdog_fire_ts()
+        # A collective in flight at the end of a run that is not hung would complete: only
+        # count the watchdog where it would fire on a collective that never completes.
+        return RunResult(
+            index=case.index,
+            case_type=case.case_type,
+            gpus=case.gpus,
+            step_time_seconds=case.step_time_seconds,
+            tick_seconds=case.tick_seconds,
+            onset=onset,
+            injected=[f.to_json_dict() for f in rt.cluster.injected],
+            findings=[f.to_json_dict() for f in rt.pipeline.all_findings],
+            oom_events=list(rt.cluster.oom_events),
+            watchdog_fire_ts={j: t for j, t in wd.items() if t <= sc.duration_seconds or case.case_type in ("nccl_hang", "gpu_lost")},
+            static_rule_fires=[{"node": n, "gpu": g, "ts": t} for (n, g), t in baseline.static_fires.items()],
+            wall_seconds=time.perf_counter() - t0,
+            ticks=rt.pipeline.ticks,
+        )
+    except Exception as exc:  # a crashed run is reported, not hidden
+        return RunResult(case.index, case.case_type, case.gpus, case.step_time_seconds, case.tick_seconds, None, [], [], [], {}, [], time.perf_counter() - t0, 0, error=f"{type(exc).__name__}: {exc}")
+
+
+# -- scoring ------------------------------------------------------------------------------------
+def _pct(values: list[float], q: float) -> float | None:
+    return round(float(np.percentile(values, q)), 1) if values else None
+
+
+def _ratio(a: int, b: int) -> float | None:
+    return round(a / b, 4) if b else None
+
+
+@dataclass
+class KindScore:
+    expected: int = 0
+    detected: int = 0
+    false_positives: int = 0
+    latencies: list[float] = field(default_factory=list)
+    latencies_short_steps: list[float] = field(default_factory=list)  # step ≤ 2 s
+    latency_in_steps: list[float] = field(default_factory=list)  # step > 2 s, in step times
+    culprit_right: int = 0
+    culprit_checked: int = 0
+    cause_right: int = 0
+    cause_checked: int = 0
+    leads: list[float] = field(default_factory=list)
+    warned_before_oom: int = 0
+    ooms: int = 0
+
+    def to_dict(self) -> dict[str, Any]:
+        tp = self.detected
+        precision = _ratio(tp, tp + self.false_positives)
+        recall = _ratio(tp, self.expected)
+        f1 = round(2 * precision * recall / (precision + recall), 4) if precision and recall else (0.0 if precision is not None and recall is not None else None)
+        out = {
+            "expected": self.expected,
+            "detected": tp,
+            "false_positives": self.false_positives,
+            "precision": precision,
+            "recall": recall,
+            "f1": f1,
+            "latency_p50_seconds": _pct(self.latencies, 50),
+            "latency_p90_seconds": _pct(self.latencies, 90),
+            "latency_p90_seconds_step_le_2s": _pct(self.latencies_short_steps, 90),
+            "latency_p90_steps_step_gt_2s": _pct(self.latency_in_steps, 90),
+            "culprit_accuracy": _ratio(self.culprit_right, self.culprit_checked),
+            "cause_accuracy": _ratio(self.cause_right, self.cause_checked),
+        }
+        if self.ooms:
+            out.update(
+                oom_runs=self.ooms,
+                warned_before_oom=self.warned_before_oom,
+                oom_recall=_ratio(self.warned_before_oom, self.ooms),
+                lead_p50_seconds=_pct(self.leads, 50),
+                lead_p10_seconds=_pct(self.leads, 10),
+            )
+        return out
+
+
+def _target(res: RunResult) -> dict[str, Any] | None:
+    return res.injected[0] if res.injected else None
+
+
+def _matches(f: dict[str, Any], target: dict[str, Any]) -> bool:
+    if f["job"] != target["job"] and not (f["kind"] in ("xid", "ecc", "thermal_throttle", "anomaly") and target.get("node") and f["node"] == target["node"]):
+        return False
+    return f["ts"] >= target["ts"] - 1e-9
+
+
+def _culprit_right(f: dict[str, Any], target: dict[str, Any]) -> bool:
+    if f["kind"] in ("collective_hang", "straggler"):
+        return sorted(f["culprit_ranks"]) == sorted(target["ranks"])
+    if f["kind"] == "oom_predicted":
+        return set(target["ranks"]) <= set(f["ranks"])
+    if target.get("node") is not None and f["kind"] in ("xid", "ecc", "thermal_throttle", "anomaly"):
+        return f["node"] == target["node"] and f["gpu"] == target["gpu"]
+    return True
+
+
+def score(results: list[RunResult]) -> dict[str, Any]:
+    kinds: dict[str, KindScore] = defaultdict(KindScore)
+    watchdog = KindScore()
+    static = KindScore()
+    negatives = page_free = 0
+    for res in results:
+        if res.error:
+            continue
+        target = _target(res)
+        must = set(MUST.get(res.case_type, []))
+        may = set(MAY.get(res.case_type, []))
+        # What the OOM truly was (the first OOM of the faulted job).
+        oom = next((o for o in res.oom_events if target and o["job"] == target["job"]), None)
+        if res.case_type in MEMORY_FAULTS and oom is not None:
+            must.add(OOM_EVENT_KIND[oom["cause"]])
+        matched_first: dict[str, dict[str, Any]] = {}
+        for f in sorted(res.findings, key=lambda f: f["ts"]):
+            k = f["kind"]
+            if target is not None and k in must and _matches(f, target):
+                matched_first.setdefault(k, f)
+                continue
+            if k in may and target is not None and _matches(f, target):
+                continue
+            if target is not None and target["kind"] == "ecc_dbe" and k == "collective_hang":
+                continue
+            kinds[k].false_positives += 1
+        for k in must:
+            s = kinds[k]
+            s.expected += 1
+            f = matched_first.get(k)
+            if f is None:
+                continue
+            s.detected += 1
+            latency = f["ts"] - target["ts"]
+            s.latencies.append(latency)
+            if res.step_time_seconds <= 2:
+                s.latencies_short_steps.append(latency)
+            else:
+                s.latency_in_steps.append(latency / res.step_time_seconds)
+            s.culprit_checked += 1
+            s.culprit_right += _culprit_right(f, target)
+            want_cause = {"nccl_hang": "software", "gpu_lost": "hardware"}.get(res.case_type) if k == "collective_hang" else MEMORY_FAULTS.get(res.case_type) if k == "oom_predicted" else None
+            if want_cause:
+                s.cause_checked += 1
+                s.cause_right += f.get("cause") == want_cause
+        if res.case_type in MEMORY_FAULTS and oom is not None:
+            s = kinds["oom_predicted"]
+            s.ooms += 1
+            f = matched_first.get("oom_predicted")
+            if f is not None and f["ts"] < oom["ts"]:
+                s.warned_before_oom += 1
+                s.leads.append(oom["ts"] - f["ts"])
+        # Baselines.
+        if res.case_type in ("nccl_hang", "gpu_lost"):
+            watchdog.expected += 1
+            fire = res.watchdog_fire_ts.get(target["job"])
+            if fire is not None:
+                watchdog.detected += 1
+                watchdog.latencies.append(fire - target["ts"])
+                (watchdog.latencies_short_steps if res.step_time_seconds <= 2 else watchdog.latency_in_steps).append(
+                    fire - target["ts"] if res.step_time_seconds <= 2 else (fire - target["ts"]) / res.step_time_seconds
+                )
+                watchdog.culprit_checked += 1  # the watchdog reports every waiting rank, not the culprit
+        else:
+            watchdog.false_positives += len(res.watchdog_fire_ts)
+        fires = sorted(res.static_rule_fires, key=lambda r: r["ts"])
+        if res.case_type in MEMORY_FAULTS and oom is not None:
+            static.expected += 1
+            static.ooms += 1
+            hit = next((r for r in fires if r["node"] == oom["node"] and r["gpu"] == oom["gpu"] and r["ts"] >= target["ts"]), None)
+            others = [r for r in fires if r is not hit]
+            static.false_positives += len(others)
+            if hit is not None:
+                static.detected += 1
+                static.latencies.append(hit["ts"] - target["ts"])
+                if hit["ts"] < oom["ts"]:
+                    static.warned_before_oom += 1
+                    static.leads.append(oom["ts"] - hit["ts"])
+        else:
+            static.false_positives += len(fires)
+        if res.case_type in NEGATIVE:
+            negatives += 1
+            page_free += not any(f["severity"] == "page" for f in res.findings)
+    out: dict[str, Any] = {k: kinds[k].to_dict() for k in sorted(kinds)}
+    out["baseline_watchdog_600s"] = watchdog.to_dict()
+    out["baseline_static_memory_95pct_1m"] = static.to_dict()
+    out["hard_negatives"] = {"runs": negatives, "page_free_runs": page_free, "page_free_share": _ratio(page_free, negatives)}
+    return out
+
+
+# -- detector cost on a large cluster -------------------------------------------------------------
+def measure_cost(n_gpus: int = 100_000, history_seconds: float = 60.0, repeats: int = 3) -> dict[str, Any]:
+    """Wall time of each detector on a window of `n_gpus` GPUs with `history_seconds` of samples.
+
+    The window is built from one simulated tick replicated back in time (so the cost is the
+    detectors', not the simulator's); stateful detectors are warmed up first. Reports the worst
+    tick (every detector due) and the amortised tick (detectors that run every N s count 1/N).
+    """
+    from gpuvigil import config
+    from gpuvigil.collectors.scenario import Scenario
+    from gpuvigil.collectors.simulated import SimulatedCluster, node_specs
+    from gpuvigil.detectors.registry import default_detectors
+    from gpuvigil.pipeline.core import PipelineConfig
+    from gpuvigil.pipeline.window import Window
+    from gpuvigil.scheduler.core import Scheduler, SchedulerStateCollector
+
+    nodes = n_gpus // 8
+    jobs = []
+    left = n_gpus
+    i = 0
+    rng = np.random.default_rng(7)
+    while left >= 8:
+        size = min(left, 8 * int(2 ** rng.integers(0, 8)))
+        jobs.append({"name": f"j{i:05d}", "gpus": size, "gpus_per_node": 8, "step_time_seconds": float(rng.uniform(0.3, 5)), "memory_base_gib": 30, "memory_peak_gib": 90, "startup_seconds": 0})
+        left -= size
+        i += 1
+    sc = Scenario.model_validate({"name": "cost", "nodes": nodes, "jobs": jobs, "duration_seconds": 1e6})
+    sched = Scheduler(node_specs(sc))
+    cluster = SimulatedCluster(sc, sched, seed=1)
+    sched.cycle(0.0)
+    state = SchedulerStateCollector(sched)
+    frames = cluster.collect(1.0)
+    frames.update(state.collect(1.0))
+    cfg = config.defaults()
+    window = Window(config.section("pipeline", PipelineConfig, cfg).horizon_seconds)
+    n_ticks = int(history_seconds)
+    for t in range(1, n_ticks + 1):
+        for stream, df in frames.items():
+            if stream in ("events",):
+                continue
+            if "ts" in df.columns:
+                df = df.with_columns(pl.lit(float(t)).alias("ts"))
+            window.add(stream, df)
+        window.seal(float(t))
+    dets = default_detectors(cfg)
+    every = config.section("pipeline", PipelineConfig, cfg).detector_every_seconds
+    per: dict[str, float] = {}
+    for d in dets:
+        d.detect(window)  # warm state (incremental detectors)
+        times = []
+        for _ in range(repeats):
+            t0 = time.perf_counter()
+            d.detect(window)
+            times.append(time.perf_counter() - t0)
+        per[d.name] = min(times)
+    # The anomaly model evaluates every `every_seconds` itself; fitted, its evaluation is what costs.
+    worst = sum(per.values())
+    amortised = sum(v / max(1.0, every.get(k, every.get("default", 0.0)) or 1.0) for k, v in per.items())
+    return {"gpus": n_gpus, "ranks": int(sum(j["gpus"] for j in jobs)), "history_seconds": history_seconds, "per_detector_seconds": {k: round(v, 4) for k, v in per.items()}, "worst_tick_seconds": round(worst, 3), "amortised_tick_seconds": round(amortised, 3)}
+
+
+# -- report -------------------------------------------------------------------------------------
+def _fmt(v: Any, pct: bool = False) -> str:
+    if v is None:
+        return "–"
+    if pct:
+        return f"{100 * v:.1f}%"
+    return f"{v:g}" if isinstance(v, float) else str(v)
+
+
+def markdown(summary: dict[str, Any], meta: dict[str, Any], cost: dict[str, Any] | None) -> str:
+    lines = [
+        "## Detectors (`gpuvigil bench detectors`)",
+        "",
+        f"{meta['runs']} simulated runs (seed {meta['seed']}, {meta['errors']} crashed), {len(CASE_TYPES)} case types in turn "
+        f"({len(POSITIVE)} faults, {len(NEGATIVE)} hard negatives: {', '.join(NEGATIVE)}); job sizes {meta['gpus_min']}–{meta['gpus_max']} GPUs, "
+        f"step times {meta['step_min']:.2f}–{meta['step_max']:.1f} s, random onset, noise, checkpoints and background jobs; hints off so faults run their course. "
+        f"{meta['sim_seconds']:.0f} simulated s in {meta['wall_seconds']:.0f} s wall on {meta['workers']} worker(s).",
+        "",
+        "| kind | expected | detected | FP | precision | recall | F1 | latency p50 / p90 (s) | p90 step ≤ 2 s (s) | p90 step > 2 s (steps) | culprit | cause |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    rows = [k for k in summary if k not in ("hard_negatives",) and not k.startswith("baseline_")] + ["baseline_watchdog_600s", "baseline_static_memory_95pct_1m"]
+    for k in rows:
+        s = summary[k]
+        lines.append(
+            f"| {k} | {s['expected']} | {s['detected']} | {s['false_positives']} | {_fmt(s['precision'], True)} | {_fmt(s['recall'], True)} | {_fmt(s['f1'])} | "
+            f"{_fmt(s['latency_p50_seconds'])} / {_fmt(s['latency_p90_seconds'])} | {_fmt(s['latency_p90_seconds_step_le_2s'])} | {_fmt(s['latency_p90_steps_step_gt_2s'])} | "
+            f"{_fmt(s['culprit_accuracy'], True)} | {_fmt(s['cause_accuracy'], True)} |"
+        )
+    oom, st = summary.get("oom_predicted", {}), summary["baseline_static_memory_95pct_1m"]
+    lines += [
+        "",
+        "| OOM warning | OOM runs | warned before the OOM | lead p50 (s) | lead p10 (s) |",
+        "|---|---|---|---|---|",
+        f"| gpuvigil oom_predicted | {oom.get('oom_runs', 0)} | {_fmt(oom.get('oom_recall'), True)} | {_fmt(oom.get('lead_p50_seconds'))} | {_fmt(oom.get('lead_p10_seconds'))} |",
+        f"| static rule: memory > 95% for 1 min | {st.get('oom_runs', 0)} | {_fmt(st.get('oom_recall'), True)} | {_fmt(st.get('lead_p50_seconds'))} | {_fmt(st.get('lead_p10_seconds'))} |",
+        "",
+        f"Hard negatives and healthy runs without any page: {summary['hard_negatives']['page_free_runs']}/{summary['hard_negatives']['runs']} ({_fmt(summary['hard_negatives']['page_free_share'], True)}).",
+        "",
+        "Latency is from fault onset to the first finding of the kind naming the faulted job (hardware kinds: the faulted node); culprit = the exact culprit ranks "
+        "(hang, straggler), the faulted rank among the ranks at risk (OOM), the faulted node and GPU (hardware). The watchdog baseline fires when a collective has "
+        "been in flight for 600 s and names every waiting rank, not the culprit (culprit accuracy 0). FP counts distinct findings (by cause) not about the injected fault.",
+    ]
+    if cost:
+        lines += [
+            "",
+            f"Detector cost on {cost['gpus']:,} GPUs / {cost['ranks']:,} ranks ({cost['history_seconds']:.0f} s of history in the window, one core): "
+            f"worst tick (every detector due) {cost['worst_tick_seconds']:.3f} s, amortised per tick {cost['amortised_tick_seconds']:.3f} s (target < 1 s).",
+            "",
+            "| detector | seconds per run |",
+            "|---|---|",
+            *[f"| {k} | {v:.4f} |" for k, v in cost["per_detector_seconds"].items()],
+        ]
+    return "\n".join(lines)
+
+
+def run_suite(runs: int, seed: int, workers: int, max_gpus: int = 1024, progress: bool = False) -> tuple[list[RunResult], float]:
+    cases = [make_case(i, seed, max_gpus) for i in range(runs)]
+    # Biggest first so that the pool's tail is short.
+    order = sorted(cases, key=lambda c: -(c.gpus * c.scenario["duration_seconds"] / c.tick_seconds))
+    t0 = time.perf_counter()
+    results: list[RunResult] = []
+    if workers <= 1:
+        results = [run_case(c) for c in order]
+    else:
+        with ProcessPoolExecutor(max_workers=workers) as pool:
+            for i, r in enumerate(pool.map(run_case, order, chunksize=1)):
+                results.append(r)
+                if progress:
+                    sys.stderr.write(f"\r{i + 1}/{len(order)} runs")
+        if progress:
+            sys.stderr.write("\n")
+    return sorted(results, key=lambda r: r.index), time.perf_counter() - t0
+
+
+def cmd(args) -> int:
+    from gpuvigil.errors import UserError
+
+    if args.runs < 1:
+        raise UserError(f"--runs must be >= 1, got {args.runs}")
+    if args.cost_gpus < 0:
+        raise UserError(f"--cost-gpus must be >= 0, got {args.cost_gpus}")
+    runs = len(CASE_TYPES) if args.quick else args.runs
+    max_gpus = 32 if args.quick else 1024
+    workers = args.workers or max(1, os.cpu_count() or 1)
+    results, wall = run_suite(runs, args.seed, workers, max_gpus, progress=not args.json and sys.stderr.isatty())
+    summary = score(results)
+    errors = [r for r in results if r.error]
+    meta = {
+        "runs": len(results),
+        "seed": args.seed,
+        "errors": len(errors),
+        "workers": workers,
+        "wall_seconds": wall,
+        "sim_seconds": sum(r.ticks * r.tick_seconds for r in results),
+        "gpus_min": min(r.gpus for r in results),
+        "gpus_max": max(r.gpus for r in results),
+        "step_min": min(r.step_time_seconds for r in results),
+        "step_max": max(r.step_time_seconds for r in results),
+    }
+    cost = None if args.quick or args.cost_gpus == 0 else measure_cost(args.cost_gpus)
+    md = markdown(summary, meta, cost)
+    if not args.no_write:
+        from benchmarks.report import write_section
+
+        write_section("detectors", md, Path(args.output) if args.output else None)
+    if args.json:
+        sys.stdout.write(json.dumps({**summary, "meta": meta, "cost": cost, "errors": [f"run {r.index} ({r.case_type}): {r.error}" for r in errors]}, sort_keys=True) + "\n")
+    else:
+        sys.stdout.write(md + "\n")
+        for r in errors:
+            sys.stdout.write(f"run {r.index} ({r.case_type}) crashed: {r.error}\n")
+    return 1 if errors else 0
+
+
+def add_parser(sub) -> None:
+    p = sub.add_parser("detectors", help="labelled detector benchmark on randomised simulated runs, with baselines")
+    p.add_argument("--runs", type=int, default=340, help="number of simulated runs (default 340: 20 per case type)")
+    p.add_argument("--seed", type=int, default=0, help="suite seed (runs are deterministic per seed)")
+    p.add_argument("--quick", action="store_true", help="reduced suite for CI: one run per case type, at most 32 GPUs, no cost measurement")
+    p.add_argument("--workers", type=int, default=None, help="parallel worker processes (default: one per core)")
+    p.add_argument("--cost-gpus", type=int, default=100_000, help="GPUs for the detector cost measurement (0: skip)")
+    p.add_argument("--no-write", action="store_true", help="do not write docs/benchmarks.md")
+    p.add_argument("--output", default=None, help="markdown file to write the section into (default docs/benchmarks.md)")
+    p.add_argument("--json", action="store_true", help="print the figures as one JSON object")
+    p.set_defaults(func=cmd)

@@ -1,0 +1,334 @@
+"""In-process hook for PyTorch training loops.
+
+    import gpuvigil.instrument as gv
+    hook = gv.start(job="llama-70b", sink=gv.FileSink("/var/run/gpuvigil"))  # or gv.HttpSink(url)
+    for batch in data:
+        ...
+        hook.step()          # once per step; or hook.start_background(interval=1.0)
+
+About once a second (`interval`) it publishes one JSON record per rank: the step count and the
+last step's duration, the caching allocator's state (`torch.cuda.memory_stats()` and free/total
+device memory, when CUDA is in use) and the Flight Recorder's `pg_status` (last enqueued /
+started / completed collective per process group, when torch.distributed is in use). A
+`FileSink` appends JSON lines to one file per rank, which the node agent tails
+(`gpuvigil.collectors.hook.HookCollector`); an `HttpSink` POSTs them to the collector from a
+background thread so that a slow collector never slows training.
+
+Only the standard library is needed: torch is imported lazily and only if the training process
+already has it, so the package does not require torch. `step()` costs a clock read and a
+comparison; the publishing (a few dozen microseconds without collectives in flight) happens once
+per interval. See `gpuvigil bench hook` for measured overhead.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import queue
+import re
+import socket
+import sys
+import threading
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+from typing import Any, Protocol
+
+RECORD_VERSION = 1
+# The memory_stats keys the collector uses (the full dict has ~150 keys: no need to ship them).
+MEMORY_KEYS = (
+    "allocated_bytes.all.current",
+    "allocated_bytes.all.peak",
+    "reserved_bytes.all.current",
+    "inactive_split_bytes.all.current",
+    "inactive_split.all.current",
+    "num_alloc_retries",
+    "num_ooms",
+)
+
+
+class Sink(Protocol):
+    def write(self, record: dict[str, Any]) -> None: ...
+
+    def close(self) -> None: ...
+
+
+def _safe_name(text: str) -> str:
+    return re.sub(r"[^A-Za-z0-9._-]", "_", text) or "job"
+
+
+class FileSink:
+    """One JSON-lines file per rank in `directory` (created if needed): `<job>.rank<N>.jsonl`."""
+
+    def __init__(self, directory: str | Path):
+        self.directory = Path(directory)
+        self._fh = None
+        self.path: Path | None = None
+
+    def open_for(self, job: str, rank: int) -> None:
+        self.directory.mkdir(parents=True, exist_ok=True)
+        self.path = self.directory / f"{_safe_name(job)}.rank{rank}.jsonl"
+        self._fh = self.path.open("a", buffering=1, encoding="utf-8")  # line-buffered: a tailer sees whole lines
+
+    def write(self, record: dict[str, Any]) -> None:
+        if self._fh is None:
+            self.open_for(str(record.get("job")), int(record.get("rank") or 0))
+        self._fh.write(json.dumps(record, separators=(",", ":")) + "\n")
+
+    def close(self) -> None:
+        if self._fh is not None:
+            self._fh.close()
+            self._fh = None
+
+
+class HttpSink:
+    """POSTs each record as JSON to `url` from a background thread; when the collector is slow or
+    down, records queue up to `max_queue` and then the oldest are dropped (counted in `dropped`)."""
+
+    def __init__(self, url: str, *, timeout: float = 2.0, max_queue: int = 600):
+        self.url = url
+        self.timeout = timeout
+        self.sent = 0
+        self.failed = 0
+        self.dropped = 0
+        self.last_error: str | None = None
+        self._pending = 0  # written but not yet sent or failed
+        self._pending_lock = threading.Lock()
+        self._queue: queue.Queue[dict[str, Any] | None] = queue.Queue(maxsize=max_queue)
+        self._thread = threading.Thread(target=self._run, name="gpuvigil-hook-http", daemon=True)
+        self._thread.start()
+
+    def write(self, record: dict[str, Any]) -> None:
+        with self._pending_lock:
+            self._pending += 1
+        while True:
+            try:
+                self._queue.put_nowait(record)
+                return
+            except queue.Full:
+                try:
+                    self._queue.get_nowait()
+                    self.dropped += 1
+                    with self._pending_lock:
+                        self._pending -= 1
+                except queue.Empty:
+                    pass
+
+    def _run(self) -> None:
+        while True:
+            record = self._queue.get()
+            if record is None:
+                return
+            body = json.dumps(record, separators=(",", ":")).encode()
+            request = urllib.request.Request(self.url, data=body, headers={"Content-Type": "application/json"}, method="POST")
+            try:
+                with urllib.request.urlopen(request, timeout=self.timeout) as response:
+                    response.read()
+                self.sent += 1
+            except (urllib.error.URLError, OSError, ValueError) as exc:
+                self.failed += 1
+                self.last_error = str(exc)
+            finally:
+                with self._pending_lock:
+                    self._pending -= 1
+
+    def flush(self, timeout: float = 5.0) -> bool:
+        """Wait until every written record was sent or failed; True if that happened in time."""
+        deadline = time.monotonic() + timeout
+        while self._pending > 0 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        return self._pending == 0
+
+    def close(self) -> None:
+        self.flush()
+        try:
+            self._queue.put(None, timeout=1.0)
+        except queue.Full:
+            return
+        self._thread.join(timeout=self.timeout + 1)
+
+
+def _env_int(*names: str) -> int | None:
+    for name in names:
+        value = os.environ.get(name)
+        if value is not None and value.strip().lstrip("-").isdigit():
+            return int(value)
+    return None
+
+
+def _torch() -> Any:
+    # Never import torch for a process that does not use it already (the hook must stay cheap and
+    # the package must not require torch).
+    return sys.modules.get("torch")
+
+
+class Hook:
+    """Publishes one rank's progress, allocator state and collective progress to a sink."""
+
+    def __init__(self, job: str, sink: Sink, *, rank: int | None = None, node: str | None = None, gpu: int | None = None,
+                 interval: float = 1.0, clock=time.perf_counter):
+        if interval <= 0:
+            raise ValueError("interval must be positive")
+        self.job = job
+        self.sink = sink
+        self.rank = rank if rank is not None else (_env_int("RANK", "SLURM_PROCID", "OMPI_COMM_WORLD_RANK") or 0)
+        self.node = node or socket.gethostname()
+        self.gpu = gpu if gpu is not None else _env_int("LOCAL_RANK", "SLURM_LOCALID")
+        self.interval = interval
+        self.clock = clock
+        self.step_count = 0
+        self.last_step_seconds: float | None = None
+        self._last_step_at: float | None = None
+        self._next_publish = clock() + interval
+        self._steps_in_window = 0
+        self._window_step_seconds = 0.0
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._in_flight: dict[str, int] = {}  # pg → in-flight seq seen at the previous publish
+        self.published = 0
+        self.errors = 0
+        self.last_error: str | None = None
+        if hasattr(sink, "open_for"):
+            sink.open_for(job, self.rank)
+
+    # -- the training loop's side -------------------------------------------------------
+
+    def step(self) -> None:
+        """Mark the end of one training step; publishes when the interval has passed."""
+        now = self.clock()
+        with self._lock:
+            if self._last_step_at is not None:
+                self.last_step_seconds = now - self._last_step_at
+                self._steps_in_window += 1
+                self._window_step_seconds += self.last_step_seconds
+            self._last_step_at = now
+            self.step_count += 1
+            due = self._thread is None and now >= self._next_publish
+        if due:
+            self.publish()
+
+    def start_background(self, interval: float | None = None) -> Hook:
+        """Publish from a daemon thread instead of from `step()` (which then only counts)."""
+        if interval is not None:
+            if interval <= 0:
+                raise ValueError("interval must be positive")
+            self.interval = interval
+        if self._thread is None:
+            self._stop.clear()
+            self._thread = threading.Thread(target=self._background, name="gpuvigil-hook", daemon=True)
+            self._thread.start()
+        return self
+
+    def _background(self) -> None:
+        while not self._stop.wait(self.interval):
+            self.publish()
+
+    def stop(self) -> None:
+        """Publish a last record, stop the background thread and close the sink."""
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout=self.interval + 5)
+            self._thread = None
+        self.publish()
+        self.sink.close()
+
+    def __enter__(self) -> Hook:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+    # -- publishing ----------------------------------------------------------------------
+
+    def record(self) -> dict[str, Any]:
+        """The record that `publish()` sends now."""
+        with self._lock:
+            steps = self._steps_in_window
+            mean = self._window_step_seconds / steps if steps else None
+            self._steps_in_window = 0
+            self._window_step_seconds = 0.0
+            record: dict[str, Any] = {
+                "v": RECORD_VERSION,
+                "ts": time.time(),
+                "job": self.job,
+                "rank": self.rank,
+                "node": self.node,
+                "gpu": self.gpu,
+                "step": self.step_count,
+                "step_time_seconds": self.last_step_seconds,
+                "mean_step_time_seconds": mean,
+                "steps_in_interval": steps,
+            }
+        torch = _torch()
+        if torch is not None:
+            record["memory"] = self._memory(torch)
+            record["pg_status"] = self._pg_status(torch)
+        return record
+
+    def publish(self) -> None:
+        try:
+            record = self.record()
+            self.sink.write(record)
+            self.published += 1
+        except Exception as exc:  # noqa: BLE001 - monitoring must never take the training job down
+            self.errors += 1
+            self.last_error = f"{type(exc).__name__}: {exc}"
+        finally:
+            self._next_publish = self.clock() + self.interval
+
+    def _memory(self, torch: Any) -> dict[str, int] | None:
+        cuda = getattr(torch, "cuda", None)
+        if cuda is None or not cuda.is_initialized():
+            return None  # do not create a CUDA context for a process that has none
+        device = cuda.current_device()
+        stats = cuda.memory_stats(device)
+        out = {k: int(stats[k]) for k in MEMORY_KEYS if k in stats}
+        free, total = cuda.mem_get_info(device)
+        out["device_free_bytes"], out["device_total_bytes"] = int(free), int(total)
+        if self.gpu is None:
+            self.gpu = int(device)
+        return out
+
+    def _pg_status(self, torch: Any) -> dict[str, dict[str, Any]] | None:
+        distributed = getattr(torch, "distributed", None)
+        if distributed is None or not distributed.is_available() or not distributed.is_initialized():
+            return None
+        c10d = getattr(getattr(torch, "_C", None), "_distributed_c10d", None)
+        # `_dump_fr_trace` covers every backend; torch before it had the NCCL-only name.
+        _dump_fr_trace = getattr(c10d, "_dump_fr_trace", None) or getattr(c10d, "_dump_nccl_trace", None)
+        if _dump_fr_trace is None:
+            return None
+        from gpuvigil.collectors.safe_pickle import safe_load
+
+        # Without entries the dump is a few microseconds; entries (tens of ms for a full buffer)
+        # are fetched only when a collective has stayed in flight for a whole interval.
+        status = safe_load(_dump_fr_trace(includeCollectives=False)).get("pg_status", {})
+        out: dict[str, dict[str, Any]] = {}
+        stuck = []
+        for pg, st in status.items():
+            enqueued, completed = int(st.get("last_enqueued_collective", -1)), int(st.get("last_completed_collective", -1))
+            out[pg] = {"last_enqueued": enqueued, "last_started": int(st.get("last_started_collective", -1)), "last_completed": completed, "current_op": None}
+            if enqueued > completed:
+                if self._in_flight.get(pg) == enqueued:
+                    stuck.append(pg)
+                self._in_flight[pg] = enqueued
+            else:
+                self._in_flight.pop(pg, None)
+        if stuck:
+            entries = safe_load(_dump_fr_trace(includeCollectives=True, includeStackTraces=False, onlyActive=True)).get("entries", [])
+            for entry in entries:
+                pg = str((entry.get("process_group") or ("",))[0])
+                if pg in stuck and entry.get("collective_seq_id") == out[pg]["last_completed"] + 1:
+                    out[pg]["current_op"] = str(entry.get("profiling_name", "")).split(":", 1)[-1] or None
+        return out
+
+
+def start(job: str, sink: Sink | str | Path, *, rank: int | None = None, node: str | None = None, gpu: int | None = None,
+          interval: float = 1.0) -> Hook:
+    """Create a hook for this rank. `sink` may be a FileSink/HttpSink, a folder, or an http(s) URL."""
+    if isinstance(sink, (str, Path)):
+        text = str(sink)
+        sink = HttpSink(text) if text.startswith(("http://", "https://")) else FileSink(text)
+    return Hook(job, sink, rank=rank, node=node, gpu=gpu, interval=interval)

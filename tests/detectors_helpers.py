@@ -1,0 +1,62 @@
+"""Shared by the detector tests: run a scenario file on the simulated cluster, hints off, and
+return its findings in a stable, golden-file form."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+DATA = Path(__file__).parent / "data" / "detectors" / "scenarios"
+GOLDEN = Path(__file__).parent / "data" / "golden" / "findings"
+UPDATE = os.environ.get("UPDATE_GOLDEN") == "1"
+
+# Evidence keys that are stable enough for golden files (the rest are measured numbers that
+# would make every tweak of the simulator's noise a golden-file change).
+STABLE_EVIDENCE = ("xid", "xids", "fatal", "silent_ranks", "culprit_nodes", "most_unusual", "remap_failure", "reasons")
+
+
+def run(name: str, tick_seconds: float = 1.0, seed: int = 0) -> dict[str, Any]:
+    from gpuvigil import config
+    from gpuvigil.collectors import scenario as scenario_mod
+    from gpuvigil.runtime import build_simulated
+
+    sc = scenario_mod.load(DATA / f"{name}.yaml")
+    cfg = config.load(overrides={"pipeline": {"tick_seconds": tick_seconds}, "hints": {"rules": []}})
+    rt = build_simulated(sc, seed=seed, cfg=cfg)
+    assert rt.cluster is not None
+    rt.run(sc.duration_seconds)
+    findings = []
+    for f in rt.pipeline.all_findings:
+        d = f.to_json_dict()
+        findings.append(
+            {
+                "kind": d["kind"],
+                "severity": d["severity"],
+                "ts": round(d["ts"]),
+                "job": d["job"],
+                "ranks": d["ranks"],
+                "culprit_ranks": d["culprit_ranks"],
+                "node": d["node"],
+                "gpu": d["gpu"],
+                "xid": d["xid"],
+                "cause": d["cause"],
+                "evidence": {k: d["evidence"][k] for k in STABLE_EVIDENCE if k in d["evidence"]},
+            }
+        )
+    return {
+        "injected": [f.to_json_dict() for f in rt.cluster.injected],
+        "oom_events": rt.cluster.oom_events,
+        "findings": findings,
+    }
+
+
+def check_golden(name: str, result: dict[str, Any]) -> None:
+    path = GOLDEN / f"{name}.json"
+    text = json.dumps(result, indent=1, sort_keys=True) + "\n"
+    if UPDATE:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(text)
+    assert path.exists(), f"no golden file {path}: run with UPDATE_GOLDEN=1 once and review it"
+    assert json.loads(path.read_text()) == json.loads(text), f"findings differ from {path} (UPDATE_GOLDEN=1 to accept a deliberate change)"
