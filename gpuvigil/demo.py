@@ -27,7 +27,18 @@ _MUST_NAME = {
     "oom_predicted": ("job", "ranks"),
     "fragmentation_cluster": ("job",),
 }
-RECEIVER = {"page": "pager (on-call)", "ticket": "ticket queue", "info": "log only"}
+
+
+def alert_route(finding: dict[str, Any], tenant: str | None, settings) -> dict[str, str]:
+    """Where Alertmanager sends this finding with the shipped routing (alerts/alertmanager.yml)."""
+    from gpuvigil.alerts.alertmanager_config import NULL_RECEIVER, receiver_name
+    from gpuvigil.alerts.settings import HARDWARE_KINDS
+
+    severity = finding["severity"]
+    hardware = finding["kind"] in HARDWARE_KINDS or not finding["job"]
+    team = settings.hardware_team if hardware else settings.team_of_tenant(tenant)
+    receiver = receiver_name(team, severity) if severity in ("page", "ticket") else NULL_RECEIVER
+    return {"finding_id": finding["id"], "severity": severity, "team": team, "receiver": receiver}
 
 
 @dataclass
@@ -42,6 +53,7 @@ class ScenarioResult:
     findings: list[dict[str, Any]]
     hints: list[dict[str, Any]]
     actions: list[dict[str, Any]]
+    alerts: list[dict[str, Any]] = field(default_factory=list)
     problems: list[str] = field(default_factory=list)
 
     @property
@@ -57,6 +69,7 @@ class ScenarioResult:
             "problems": self.problems,
             "injected": self.injected,
             "findings": self.findings,
+            "alerts": self.alerts,
             "hints": self.hints,
             "actions": self.actions,
         }
@@ -105,8 +118,12 @@ def run_scenario(name: str, nodes: int | None = None, seed: int = 0, config_path
     rt = build_simulated(sc, nodes=nodes, seed=seed, cfg=cfg)
     assert rt.cluster is not None
     rt.run(rt.cluster.scenario.duration_seconds)
+    from gpuvigil.alerts.settings import load_settings
+
     findings = [f.to_json_dict() for f in rt.pipeline.all_findings]
     injected = [f.to_json_dict() for f in rt.cluster.injected]
+    settings = load_settings(cfg)
+    tenants = {name: js.spec.tenant for name, js in rt.scheduler.jobs.items()}
     return ScenarioResult(
         scenario=sc.name,
         description=sc.description,
@@ -118,6 +135,7 @@ def run_scenario(name: str, nodes: int | None = None, seed: int = 0, config_path
         findings=findings,
         hints=[h.to_json_dict() for h in rt.pipeline.all_hints],
         actions=[a.to_json_dict() for a in rt.scheduler.actions if a.ts > 0],
+        alerts=[alert_route(f, tenants.get(f["job"] or ""), settings) for f in findings],
         problems=check(list(sc.expect), injected, findings),
     )
 
@@ -144,7 +162,9 @@ def render_timeline(res: ScenarioResult) -> list[tuple[float, str, str, str]]:
         who = f"job={f['job']}" + (f" ranks={_fmt_ranks(f['culprit_ranks'] or f['ranks'])}" if (f["culprit_ranks"] or f["ranks"]) else "")
         who += (f" node={f['node']}" if f["node"] else "") + (f" gpu={f['gpu']}" if f["gpu"] is not None else "")
         rows.append((f["ts"], "DETECTED", "bold red" if f["severity"] == "page" else "bold magenta", f"{f['kind']} [{f['severity']}] {who}{lat}\n{f['summary']}"))
-        rows.append((f["ts"], "ALERTED", "cyan", f"{f['severity']} → {RECEIVER[f['severity']]}"))
+        route = next((a for a in res.alerts if a["finding_id"] == f["id"]), None)
+        if route:
+            rows.append((f["ts"], "ALERTED", "cyan", f"{route['severity']} → team {route['team']}, receiver {route['receiver']}"))
     faulted_jobs = {f["job"] for f in res.injected}
     for a in res.actions:
         stage = "RESUMED" if a["action"] == "placed" else "ACTION"

@@ -373,10 +373,14 @@ def _cli(args, env_extra=None, **kw):
         (["--port", "70000"], {"GPUVIGIL_API_TOKEN": TOKEN}, "--port 70000"),
     ],
 )
-def test_cli_refuses_to_start(tmp_path, args, env, message):
-    p = _cli(["--db", str(tmp_path / "h.db"), *args], env)
-    out, err = p.communicate(timeout=60)
-    assert p.returncode == 2
+def test_cli_refuses_to_start(tmp_path, monkeypatch, capsys, args, env, message):
+    from gpuvigil.cli import main
+
+    monkeypatch.delenv("GPUVIGIL_API_TOKEN", raising=False)
+    for key, value in env.items():
+        monkeypatch.setenv(key, value)
+    assert main(["api", "--db", str(tmp_path / "h.db"), *args]) == 2
+    err = capsys.readouterr().err
     assert err.count("\n") == 1 and message in err, err
     assert not (tmp_path / "h.db").exists(), "refused before creating the store"
 

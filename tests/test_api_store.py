@@ -323,3 +323,25 @@ def test_finding_filters(db):
 def test_bad_store_file_is_a_user_error(tmp_path, make_path, message):
     with pytest.raises(UserError, match=message):
         HintStore(make_path(tmp_path))
+
+
+@pytest.mark.parametrize(
+    "attempts,last_error,age,due",
+    [
+        (0, None, 0.0, True),  # never tried
+        (3, None, 0.0, True),  # last try succeeded (ack pending elsewhere)
+        (1, "boom", 4.9, False),
+        (1, "boom", 5.0, True),
+        (2, "boom", 9.9, False),  # 5 * 2
+        (2, "boom", 10.0, True),
+        (10, "boom", 299.0, False),  # capped at 300
+        (10, "boom", 300.0, True),
+    ],
+)
+def test_retry_backoff_after_failed_applies(attempts, last_error, age, due):
+    from types import SimpleNamespace
+
+    from gpuvigil.api.apply import due_for_retry
+
+    record = SimpleNamespace(attempts=attempts, last_error=last_error, updated_ts=1000.0)
+    assert due_for_retry(record, 1000.0 + age, 5.0, 300.0) is due

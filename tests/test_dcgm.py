@@ -31,7 +31,7 @@ def test_scrape_maps_onto_gpu_samples():
     samples, workloads, extra = dcgm.read_scrape(SCRAPE, ts=TS)
     assert samples.schema == schemas.GPU_SAMPLES and workloads.schema == dcgm.GPU_WORKLOADS and extra.schema == dcgm.DCGM_EXTRA
     g0, g1 = samples.sort("gpu").to_dicts()
-    assert g0 == {
+    expected = {
         "ts": TS,
         "node": "gpu-node-07",
         "gpu": 0,
@@ -52,7 +52,11 @@ def test_scrape_maps_onto_gpu_samples():
         "pcie_replay_total": 0,
         "xid_total": None,
         "last_xid": None,  # 0 means no XID since the exporter started
+        "ecc_sbe_aggregate_total": None,  # not in the default counters
+        "ecc_dbe_aggregate_total": None,
     }
+    assert {k: g0[k] for k in expected} == expected
+    assert all(g0[k] is None for k in set(g0) - set(expected))  # columns added to the schema later
     assert (g1["util_ratio"], g1["mem_util_ratio"]) == pytest.approx((0.97, 0.41))
     assert (g1["last_xid"], g1["ecc_dbe_volatile_total"], g1["retired_pages_total"], g1["throttle_reasons"]) == (48, 2, 1, 32)
     w = workloads.sort("gpu").to_dicts()

@@ -249,9 +249,12 @@ def test_blocked_eviction_keeps_the_hint_pending_with_the_reason(api, tmp_path):
         [rec] = store.hints()
         assert (rec.action, rec.state, rec.attempts) == (HintAction.REQUEUE_JOB, HintState.PENDING, 1)
         assert rec.last_error == "evict pod ml/llama-70b-0-abcde: blocked by a PodDisruptionBudget (HTTP 429); will retry"
-        # The budget frees up: the next tick applies it.
+        # The budget frees up; once the retry backoff has passed, the next tick applies it.
         fake.on("POST", "/api/v1/namespaces/ml/pods/llama-70b-0-abcde/eviction", 201, client.V1Eviction())
         pipe.tick(11.0)
+        assert store.get_hint(rec.id).attempts == 1  # not due yet: 5 s backoff after a failure
+        adapter.config = adapter.config.model_copy(update={"retry_base_seconds": 0.0})
+        pipe.tick(12.0)
         assert store.get_hint(rec.id).state == HintState.ACKED
 
 

@@ -366,11 +366,15 @@ def test_cordon_and_requeue_excluding_node_accounts_lost_work():
     assert s.jobs["j"].lost_gpu_seconds == pytest.approx((90 - 60) * 8)
     s.cycle(91)
     assert nodes_of(s, "j") != [bad] and s.jobs["j"].restarts == 1
-    # Even after the node comes back, the job stays off it.
-    s.uncordon(bad, 200)
+    # Uncordoned without a repair, the job still stays off it.
+    s.uncordon(bad, 200, "operator override", trust_again=False)
     s.job_failed("j", 300, "test")
+    s.jobs["j"].preferred_nodes = [bad]
     s.cycle(301)
     assert s.jobs["j"].state == "running" and nodes_of(s, "j") != [bad]
+    # Repaired: the exclusion was about the fault, so the node may be used again.
+    s.uncordon(bad, 400, "repaired")
+    assert bad not in s.jobs["j"].excluded_nodes
 
 
 def test_lost_work_counts_from_restart_not_from_an_older_checkpoint():

@@ -196,7 +196,13 @@ def test_failed_command_leaves_the_hint_pending_and_a_retry_applies_it(cluster, 
         assert ("timed out after 3s" in hint.last_error) or ("Unable to contact slurm controller" in hint.last_error), hint.last_error
         assert cluster.node_state("gvnode1")[0] == "idle"
 
-        live = SlurmAdapter(Slurm(timeout=20, env={"SLURM_CONF": str(cluster.conf)}), store=store)
+        # Backoff: a retry right away is not due yet (5 s after the first failure by default).
+        assert dead.apply_pending() == {}
+        assert store.get_hint(hint.id).attempts == 1
+        from gpuvigil import config
+
+        no_backoff = config.load(overrides={"api": {"slurm": {"retry_base_seconds": 0}}})
+        live = SlurmAdapter(Slurm(timeout=20, env={"SLURM_CONF": str(cluster.conf)}), store=store, cfg=no_backoff)
         live.apply_pending()
         hint = store.get_hint(hint.id)
         assert (hint.state, hint.attempts, hint.last_error) == (HintState.ACKED, 2, None)

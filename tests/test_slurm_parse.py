@@ -179,7 +179,7 @@ json_values = st.recursive(
 )
 
 
-@settings(max_examples=150, deadline=None)
+@settings(max_examples=60, deadline=None)
 @given(records=st.lists(st.dictionaries(st.sampled_from(["job_id", "job_state", "exit_code", "nodes", "gres_detail", "tres_per_node", "name", "state", "gres", "state_flags", "job_resources", "submit_time"]), json_values, max_size=8), max_size=4))
 def test_malformed_json_records_are_dropped_not_fatal(records):
     collector = SlurmStateCollector(SlurmState(Recorded()))
@@ -189,3 +189,44 @@ def test_malformed_json_records_are_dropped_not_fatal(records):
     assert len(nodes) + dropped_nodes <= len(records)
     # Whatever survives parsing makes valid frames.
     collector.frames(jobs, nodes, 0.0)
+
+
+def test_collector_fits_the_collector_protocol():
+    from gpuvigil.collectors.base import Collector
+
+    collector = SlurmStateCollector(SlurmState(Recorded()))
+    assert isinstance(collector, Collector)
+    assert set(collector.streams) == {"jobs", "nodes", "allocations", "events"}
+
+
+@pytest.mark.parametrize(
+    "overrides,where",
+    [
+        ({"api": {"port": 70000}}, "config section 'api': port"),
+        ({"api": {"stream_poll_seconds": 0}}, "config section 'api': stream_poll_seconds"),
+        ({"api": {"node_health": {"unhealthy_severities": ["fatal"]}}}, "config section 'api': node_health.unhealthy_severities.0"),
+        ({"api": {"slurm": {"command_timeout_seconds": 0}}}, "config section 'api.slurm': command_timeout_seconds"),
+        ({"api": {"kubernetes": {"taint_effect": {"ecc": "Evict"}}}}, "config section 'api.kubernetes': taint_effect.ecc"),
+    ],
+)
+def test_invalid_adapter_and_api_config_is_rejected_with_the_reason(overrides, where):
+    from gpuvigil import config
+    from gpuvigil.api.app import api_config
+    from gpuvigil.scheduler.kubernetes import kubernetes_config
+    from gpuvigil.scheduler.slurm import slurm_config
+
+    cfg = config.load(overrides=overrides)
+    with pytest.raises(config.ConfigError, match=where.replace(".", r"\.")):
+        api_config(cfg)
+        slurm_config(cfg)
+        kubernetes_config(cfg)
+
+
+def test_default_config_loads():
+    from gpuvigil.api.app import api_config
+    from gpuvigil.scheduler.kubernetes import kubernetes_config
+    from gpuvigil.scheduler.slurm import slurm_config
+
+    assert api_config().port == 8787
+    assert slurm_config().command_timeout_seconds == 20
+    assert kubernetes_config().taint_effect["ecc"] == "NoExecute"

@@ -23,6 +23,15 @@ class Unsupported(ApplyError):
     """The scheduler cannot express this hint; it is nacked with this reason."""
 
 
+def due_for_retry(record: Any, now: float, base_seconds: float, max_seconds: float) -> bool:
+    """A stored pending hint whose last apply failed waits base·2^(attempts-1) seconds (capped)
+    before the next try, so a hint Slurm/Kubernetes keeps refusing does not hammer it each tick."""
+    if not record.last_error or record.attempts < 1:
+        return True
+    wait = min(base_seconds * 2 ** (record.attempts - 1), max_seconds)
+    return now - record.updated_ts >= wait
+
+
 def apply_hints(apply: Callable[[Hint], str], hints: Iterable[Hint], *, store: Any = None, retry: dict[str, Hint] | None = None) -> dict[str, str]:
     """Apply each hint; ack/nack/record the outcome in `store` (a HintStore) if given, else keep
     failures in `retry`. Returns hint id → "acked: ...", "nacked: ..." or "failed: ..."; never raises

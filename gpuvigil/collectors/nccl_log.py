@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import re
 import time
-from collections import Counter
+from collections import Counter, deque
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from functools import lru_cache
@@ -57,8 +57,8 @@ _PROGRESS = re.compile(
 )
 _SOME_FAILED = re.compile(r"Some NCCL operations have failed or timed out")
 _INIT = re.compile(r"ProcessGroupNCCL initialization options:.*?size:\s*(?P<size>\d+),\s*global rank:\s*(?P<rank>\d+),\s*TIMEOUT\(ms\):\s*(?P<timeout>\d+)")
-_NCCL_WARN = re.compile(r"(?:^|\s|\])(?P<host>[\w.\-]+):(?P<pid>\d+):(?P<tid>\d+)\s+\[(?P<dev>\d+)\](?:\s+\S+:\d+)?\s+NCCL WARN\s+(?P<msg>.*)$")
-_NCCL_WARN_BARE = re.compile(r"NCCL WARN\s+(?P<msg>.*)$")
+_NCCL_WARN = re.compile(r"(?:^|\s|\])(?P<host>[\w.\-]+):(?P<pid>\d+):(?P<tid>\d+)\s+\[(?P<dev>\d+)\](?:\s+\S+:\d+)?\s+NCCL WARN\s*(?P<msg>.*)$")
+_NCCL_WARN_BARE = re.compile(r"NCCL WARN\s*(?P<msg>.*)$")
 _NET_WARN = re.compile(
     r"NET/|ibv_|\bIB\b|socket|Connection (?:closed|reset|refused)|Broken pipe|connect|remote peer|completion from peer|timed out|Network",
     re.IGNORECASE,
@@ -273,25 +273,31 @@ def _rank_and_pg(line: str) -> tuple[int | None, str | None]:
 def parse_lines(lines: Iterable[str], *, reference_ts: float | None = None, first_line_no: int = 1) -> ParsedLog:
     reference_ts = time.time() if reference_ts is None else reference_ts
     out = ParsedLog()
-    last_ts = reference_ts
+    # Timestamps are only parsed for lines that matter; a line without one (a traceback line,
+    # an OOM message) takes the nearest stamped line before it, looked up in this window.
+    recent: deque[str] = deque(maxlen=64)
+
+    def when(line: str) -> float:
+        for candidate in (line, *reversed(recent)):
+            t = line_time(candidate, reference_ts)
+            if t is not None and t.kind != "since_boot":
+                return t.ts
+        return reference_ts
+
     for offset, raw in enumerate(lines):
         out.lines += 1
         line = raw.rstrip("\r\n")
         if len(line) > 20000:  # a runaway line (binary junk) cannot be a log message we know
             line = line[:20000]
         no = first_line_no + offset
-        when = line_time(line, reference_ts)
-        if when is not None and when.kind != "since_boot":
-            last_ts = when.ts
-        ts = last_ts if when is None or when.kind == "since_boot" else when.ts
-        if "NCCL" in line or "Watchdog" in line or "work" in line:
-            if m := _WATCHDOG.search(line):
+        try:
+            if "Watchdog caught" in line and (m := _WATCHDOG.search(line)):
                 fields = dict(_WORK_FIELD.findall(m["body"]))
                 rank, pg = _rank_and_pg(line[: m.start()])
                 out.timeouts.append(
                     WatchdogTimeout(
                         line=no,
-                        ts=ts,
+                        ts=when(line),
                         rank=rank,
                         pg=pg,
                         seq=_int(fields.get("SeqNum")),
@@ -303,34 +309,30 @@ def parse_lines(lines: Iterable[str], *, reference_ts: float | None = None, firs
                         text=line[m.start():][:500],
                     )
                 )
-                continue
-            if m := _PROGRESS.search(line):
+            elif "ast enqueued" in line and (m := _PROGRESS.search(line)):
                 rank, pg = _rank_and_pg(line[: m.start()])
                 out.progress.append(Progress(no, rank, pg, _int(m["at"]), int(m["enq"]), int(m["done"])))
-                continue
-            if _SOME_FAILED.search(line):
-                out.some_failed.append((no, ts, _rank_and_pg(line)[0]))
-                continue
-            if m := _INIT.search(line):
+            elif "Some NCCL operations have failed" in line:
+                out.some_failed.append((no, when(line), _rank_and_pg(line)[0]))
+            elif "initialization options" in line and (m := _INIT.search(line)):
                 out.world_size = int(m["size"])
                 out.configured_timeout_ms = int(m["timeout"])
-                continue
-            if "NCCL WARN" in line:
+            elif "NCCL WARN" in line:
                 m = _NCCL_WARN.search(line)
                 rank = _rank_and_pg(line)[0]
                 if m:
                     msg = m["msg"].strip()
                     out.hosts[m["host"]] += 1
-                    warn = NcclWarn(no, ts, rank, m["host"], int(m["pid"]), int(m["dev"]), msg, bool(_NET_WARN.search(msg)))
+                    warn = NcclWarn(no, when(line), rank, m["host"], int(m["pid"]), int(m["dev"]), msg, bool(_NET_WARN.search(msg)))
                 else:
                     msg = _NCCL_WARN_BARE.search(line)["msg"].strip()  # type: ignore[index]
-                    warn = NcclWarn(no, ts, rank, None, None, None, msg, bool(_NET_WARN.search(msg)))
+                    warn = NcclWarn(no, when(line), rank, None, None, None, msg, bool(_NET_WARN.search(msg)))
                 out.warnings.append(warn)
-                continue
-        if "out of memory" in line:
-            rep = parse_oom(line, line=no, ts=ts, rank=_rank_and_pg(line)[0])
-            if rep is not None:
+            elif "out of memory" in line and (rep := parse_oom(line, line=no, rank=_rank_and_pg(line)[0])) is not None:
+                rep.ts = when(line)
                 out.ooms.append(rep)
+        finally:
+            recent.append(line)
     return out
 
 

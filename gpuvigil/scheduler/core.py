@@ -381,8 +381,13 @@ class Scheduler:
                     out.append(self._requeue(js, now, f"node {node} down: {reason}"))
         return out
 
-    def uncordon(self, node: str, now: float, reason: str = "repaired") -> list[Action]:
+    def uncordon(self, node: str, now: float, reason: str = "repaired", trust_again: bool = True) -> list[Action]:
+        """Return the node to service. After a repair (`trust_again`) jobs that were requeued
+        away from it may use it again: the exclusion was about the fault, not the node."""
         ns = self.nodes[node]
+        if trust_again:
+            for js in self.jobs.values():
+                js.excluded_nodes.discard(node)
         if ns.state == "up":
             return []
         ns.state, ns.reason = "up", ""

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import json
 import re
+import time
 from collections.abc import Iterable
 from datetime import UTC, datetime
 from typing import Any, Literal
@@ -27,7 +28,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, Field
 
 from gpuvigil import config
-from gpuvigil.api.apply import ApplyError, Unsupported, apply_hints
+from gpuvigil.api.apply import ApplyError, Unsupported, apply_hints, due_for_retry
 from gpuvigil.model import Hint, HintAction
 
 DOMAIN = "gpuvigil.io"
@@ -41,6 +42,9 @@ Effect = Literal["NoSchedule", "PreferNoSchedule", "NoExecute"]
 
 
 class KubernetesConfig(BaseModel):
+    # A hint whose apply failed is retried after retry_base_seconds, doubling up to retry_max_seconds.
+    retry_base_seconds: float = Field(5.0, ge=0)
+    retry_max_seconds: float = Field(300.0, ge=0)
     taint_effect: dict[str, Effect] = Field(default_factory=lambda: {"default": "NoSchedule", "xid": "NoExecute", "ecc": "NoExecute"})
     condition_type: str = Field("GpuvigilHealthy", pattern=r"^[A-Za-z][A-Za-z0-9]*$")
     job_label: str = Field("job-name", min_length=1)
@@ -341,7 +345,12 @@ class KubernetesAdapter:
         if hints is None:
             if self.store is None:
                 raise ValueError("apply_pending() without hints needs a store")
-            hints = [r.to_hint() for r in self.store.pending_hints()]
+            now = time.time()
+            hints = [
+                r.to_hint()
+                for r in self.store.pending_hints()
+                if due_for_retry(r, now, self.config.retry_base_seconds, self.config.retry_max_seconds)
+            ]
         return apply_hints(self.apply, hints, store=self.store, retry=self.retry)
 
     def on_tick(self, result: Any, window: Any = None) -> None:

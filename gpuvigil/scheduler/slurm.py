@@ -28,6 +28,8 @@ import os
 import re
 import signal
 import subprocess
+import time
+from collections import deque
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from datetime import datetime
@@ -37,11 +39,14 @@ import polars as pl
 from pydantic import BaseModel, Field
 
 from gpuvigil import config, schemas
-from gpuvigil.api.apply import ApplyError, Unsupported, apply_hints
+from gpuvigil.api.apply import ApplyError, Unsupported, apply_hints, due_for_retry
 from gpuvigil.model import Hint, HintAction
 
 
 class SlurmConfig(BaseModel):
+    # A hint whose apply failed is retried after retry_base_seconds, doubling up to retry_max_seconds.
+    retry_base_seconds: float = Field(5.0, ge=0)
+    retry_max_seconds: float = Field(300.0, ge=0)
     command_timeout_seconds: float = Field(20.0, gt=0)
     reason_prefix: str = Field("gpuvigil", min_length=1)
     max_reason_chars: int = Field(200, ge=40)
@@ -86,7 +91,7 @@ class Slurm:
     def __init__(self, *, timeout: float = 20.0, env: Mapping[str, str] | None = None):
         self.timeout = timeout
         self.env = None if env is None else {**os.environ, **env}
-        self.calls: list[list[str]] = []  # every command run, in order (for logs and tests)
+        self.calls: deque[list[str]] = deque(maxlen=1000)  # recent commands, in order (for logs and tests)
 
     def run(self, *argv: str) -> str:
         cmd = list(argv)
@@ -567,6 +572,8 @@ class SlurmStateCollector:
                     alloc_rows.append({"job": j.job, "rank": rank, "node": node, "gpu": gpu})
                     rank += 1
         event_rows = []
+        # Forget runs Slurm no longer lists (older than MinJobAge): they cannot be reported again.
+        self._oom_seen &= {(j.job, j.restarts) for j in jobs}
         for j in jobs:
             why = j.oom_evidence
             if why is None or (j.job, j.restarts) in self._oom_seen:
@@ -621,7 +628,7 @@ class SlurmAdapter:
         self.state = SlurmState(self.slurm)
         self.store = store
         self.retry: dict[str, Hint] = {}  # without a store: hints that failed, retried next tick
-        self.applied: list[Applied] = []
+        self.applied: deque[Applied] = deque(maxlen=1000)  # recent, for logs and tests
         self.undo_errors = 0
         self.last_error: str | None = None
 
@@ -706,7 +713,12 @@ class SlurmAdapter:
         if hints is None:
             if self.store is None:
                 raise ValueError("apply_pending() without hints needs a store")
-            hints = [r.to_hint() for r in self.store.pending_hints()]
+            now = time.time()
+            hints = [
+                r.to_hint()
+                for r in self.store.pending_hints()
+                if due_for_retry(r, now, self.config.retry_base_seconds, self.config.retry_max_seconds)
+            ]
         return apply_hints(lambda h: self.apply(h).detail, hints, store=self.store, retry=self.retry)
 
     def on_tick(self, result: Any, window: Any = None) -> None:
