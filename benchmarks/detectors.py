@@ -345,7 +345,8 @@ def _culprit_right(f: dict[str, Any], target: dict[str, Any]) -> bool:
     if f["kind"] in ("collective_hang", "straggler"):
         return sorted(f["culprit_ranks"]) == sorted(target["ranks"])
     if f["kind"] == "oom_predicted":
-        return set(target["ranks"]) <= set(f["ranks"])
+        # The rank it says runs out first is one of the faulted ranks.
+        return f["evidence"].get("rank") in target["ranks"]
     if target.get("node") is not None and f["kind"] in ("xid", "ecc", "thermal_throttle", "anomaly"):
         return f["node"] == target["node"] and f["gpu"] == target["gpu"]
     return True
@@ -367,6 +368,7 @@ def score(results: list[RunResult]) -> dict[str, Any]:
         if res.case_type in MEMORY_FAULTS and oom is not None:
             must.add(OOM_EVENT_KIND[oom["cause"]])
         matched_first: dict[str, dict[str, Any]] = {}
+        false_kinds: set[str] = set()
         for f in sorted(res.findings, key=lambda f: f["ts"]):
             k = f["kind"]
             if target is not None and k in must and _matches(f, target):
@@ -376,6 +378,9 @@ def score(results: list[RunResult]) -> dict[str, Any]:
                 continue
             if target is not None and target["kind"] == "ecc_dbe" and k == "collective_hang":
                 continue
+            false_kinds.add(k)
+        # Counted per run: a run with any false finding of a kind is one false positive of it.
+        for k in false_kinds:
             kinds[k].false_positives += 1
         for k in must:
             s = kinds[k]
@@ -415,14 +420,13 @@ def score(results: list[RunResult]) -> dict[str, Any]:
                 )
                 watchdog.culprit_checked += 1  # the watchdog reports every waiting rank, not the culprit
         else:
-            watchdog.false_positives += len(res.watchdog_fire_ts)
+            watchdog.false_positives += bool(res.watchdog_fire_ts)
         fires = sorted(res.static_rule_fires, key=lambda r: r["ts"])
         if res.case_type in MEMORY_FAULTS and oom is not None:
             static.expected += 1
             static.ooms += 1
             hit = next((r for r in fires if r["node"] == oom["node"] and r["gpu"] == oom["gpu"] and r["ts"] >= target["ts"]), None)
-            others = [r for r in fires if r is not hit]
-            static.false_positives += len(others)
+            static.false_positives += any(r is not hit for r in fires)
             if hit is not None:
                 static.detected += 1
                 static.latencies.append(hit["ts"] - target["ts"])
@@ -430,7 +434,7 @@ def score(results: list[RunResult]) -> dict[str, Any]:
                     static.warned_before_oom += 1
                     static.leads.append(oom["ts"] - hit["ts"])
         else:
-            static.false_positives += len(fires)
+            static.false_positives += bool(fires)
         if res.case_type in NEGATIVE:
             negatives += 1
             page_free += not any(f["severity"] == "page" for f in res.findings)
@@ -555,7 +559,9 @@ def markdown(summary: dict[str, Any], meta: dict[str, Any], cost: dict[str, Any]
         "",
         "Latency is from fault onset to the first finding of the kind naming the faulted job (hardware kinds: the faulted node); culprit = the exact culprit ranks "
         "(hang, straggler), the faulted rank among the ranks at risk (OOM), the faulted node and GPU (hardware). The watchdog baseline fires when a collective has "
-        "been in flight for 600 s and names every waiting rank, not the culprit (culprit accuracy 0). FP counts distinct findings (by cause) not about the injected fault.",
+        "been in flight for 600 s and names every waiting rank, not the culprit (culprit accuracy 0). FP = runs with a finding of the kind that is not about the "
+        "injected fault (the static rule: runs where it fires on any other GPU). oom_capacity/oom_fragmentation/oom_foreign_process classify the OOM after it "
+        "happened: their latency is the time from fault onset to the OOM itself.",
     ]
     if cost:
         lines += [

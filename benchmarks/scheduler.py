@@ -295,6 +295,7 @@ def fault_sim(faults: list[FaultEvent], p: FaultSimParams, hints: bool) -> dict[
     faulty: dict[str, int] = {}  # node → open faults
     strikes: dict[str, int] = {}
     hung: dict[str, float] = {}  # job → when it stopped making progress
+    hung_s: dict[str, float] = {}  # job → seconds spent hung on broken hardware
     allocated_gpu_s = 0.0
     running_since: dict[str, float] = {}
 
@@ -334,7 +335,9 @@ def fault_sim(faults: list[FaultEvent], p: FaultSimParams, hints: bool) -> dict[
         js = sched.jobs[name]
         if js.state != "running":
             return
-        progress_and_checkpoint(js, now_t, hung.pop(name, now_t))
+        stopped = hung.pop(name, now_t)
+        hung_s[name] = hung_s.get(name, 0.0) + (now_t - stopped)
+        progress_and_checkpoint(js, now_t, stopped)
         account_stop(name, now_t)
         if hint_list:
             for h in hint_list:
@@ -344,10 +347,14 @@ def fault_sim(faults: list[FaultEvent], p: FaultSimParams, hints: bool) -> dict[
         else:
             sched.job_failed(name, now_t, why)
 
+    out_of_service_node_s = 0.0
+    last_t = 0.0
     while events:
         now, _, kind, payload = heapq.heappop(events)
         if now > horizon:
             break
+        out_of_service_node_s += (now - last_t) * (p.nodes - int(sched.view.schedulable.sum()))
+        last_t = now
         if kind == "arrive":
             sched.submit(payload, now)
         elif kind == "complete":
@@ -386,6 +393,12 @@ def fault_sim(faults: list[FaultEvent], p: FaultSimParams, hints: bool) -> dict[
                 summary=f"{fault.desc if fault else 'node fault'} on {node}",
             )
             hs = policy.hints_for(finding)
+            if not faulty.get(node):
+                # Repaired before gpuvigil saw it: the finding is already clear, so no cordon;
+                # a job that hung meanwhile still restarts from its checkpoint.
+                hs = [h for h in hs if h.job is not None]
+                for h in hs:
+                    h.exclude_nodes = []
             if name is None:
                 for h in hs:
                     sched.apply_hint(h, now)
@@ -400,8 +413,10 @@ def fault_sim(faults: list[FaultEvent], p: FaultSimParams, hints: bool) -> dict[
             js = sched.jobs[name]
             if js.state == "running" and name in hung and run_gen.get(name) == gen:
                 stop_job(name, now, f"NCCL watchdog timeout ({p.watchdog_seconds:.0f} s)", None, None)
-                strikes[node] = strikes.get(node, 0) + 1
-                if strikes[node] >= p.strikes_to_drain and sched.nodes[node].state == "up":
+                # Strikes count against a node only while it is broken (once repaired, ops have
+                # returned it to service).
+                strikes[node] = strikes.get(node, 0) + (1 if faulty.get(node) else 0)
+                if faulty.get(node) and strikes[node] >= p.strikes_to_drain and sched.nodes[node].state == "up":
                     sched.nodes[node].state = "draining" if sched.nodes[node].jobs() else "drained"
                     sched.nodes[node].reason = "operator drain after repeated job failures"
         elif kind == "fault_end":
@@ -424,6 +439,11 @@ def fault_sim(faults: list[FaultEvent], p: FaultSimParams, hints: bool) -> dict[
     lost_gpu_h = sched.lost_gpu_seconds() / 3600.0
     alloc_gpu_h = allocated_gpu_s / 3600.0
     queue = np.array([js.queued_seconds + ((end - js.pending_since) if js.state == "pending" and js.pending_since is not None else 0.0) for js in jobs])
+    # Waiting as a user sees it: queued, or running on hardware that is broken (a hang).
+    for name, since in hung.items():
+        hung_s[name] = hung_s.get(name, 0.0) + (end - since)
+    wait = queue + np.array([hung_s.get(js.spec.name, 0.0) for js in jobs])
+    jct = np.array([js.end_ts - js.spec.submit_ts for js in jobs if js.state == "completed" and js.end_ts is not None])
     completed = sum(1 for js in jobs if js.state == "completed")
     return {
         "hints": hints,
@@ -434,7 +454,11 @@ def fault_sim(faults: list[FaultEvent], p: FaultSimParams, hints: bool) -> dict[
         "goodput": (alloc_gpu_h - lost_gpu_h) / alloc_gpu_h if alloc_gpu_h else 0.0,
         "queue_p50_hours": float(np.percentile(queue, 50)) / 3600 if queue.size else 0.0,
         "queue_p95_hours": float(np.percentile(queue, 95)) / 3600 if queue.size else 0.0,
+        "wait_incl_hang_p95_hours": float(np.percentile(wait, 95)) / 3600 if wait.size else 0.0,
+        "jct_p50_hours": float(np.percentile(jct, 50)) / 3600 if jct.size else 0.0,
+        "jct_p95_hours": float(np.percentile(jct, 95)) / 3600 if jct.size else 0.0,
         "restarts": int(sum(js.restarts for js in jobs)),
+        "node_hours_out_of_service": out_of_service_node_s / 3600.0,
         "faults_injected": sum(1 for f in faults if f.start and f.day * 86400 <= horizon),
     }
 
@@ -482,7 +506,9 @@ def _mean_runs(runs: list[dict[str, Any]]) -> dict[str, Any]:
         else:
             out[key] = float(np.mean([r[key] for r in runs]))
     out["seeds"] = len(runs)
-    out["per_seed"] = [{k: r[k] for k in ("gpu_hours_lost", "goodput", "queue_p50_hours", "queue_p95_hours", "jobs_completed")} for r in runs]
+    out["per_seed"] = [
+        {k: r[k] for k in ("gpu_hours_lost", "goodput", "queue_p50_hours", "queue_p95_hours", "wait_incl_hang_p95_hours", "jct_p95_hours", "jobs_completed")} for r in runs
+    ]
     return out
 
 
@@ -569,15 +595,15 @@ def markdown(res: dict[str, Any]) -> str:
         "",
         f"Mean of {w.get('seeds', 1)} workload seed(s); queue p95 per seed in brackets.",
         "",
-        "| | GPU-hours lost | goodput | queue p50 (h) | queue p95 (h) | jobs completed | restarts |",
-        "| --- | ---: | ---: | ---: | ---: | ---: | ---: |",
+        "| | GPU-hours lost | goodput | queue p50 (h) | queue p95 (h) | wait incl. hangs p95 (h) | JCT p95 (h) | jobs completed | restarts | node-hours out of service |",
+        "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
     ]
     for label, x in (("without hints", wo), ("with gpuvigil hints", w)):
         per = ", ".join(f"{r['queue_p95_hours']:.1f}" for r in x.get("per_seed", []))
         lines.append(
             f"| {label} | {x['gpu_hours_lost']:.0f} | {100 * x['goodput']:.2f}% | {x['queue_p50_hours']:.2f} | {x['queue_p95_hours']:.2f}"
             + (f" [{per}]" if per else "")
-            + f" | {x['jobs_completed']:.0f} | {x['restarts']:.0f} |"
+            + f" | {x['wait_incl_hang_p95_hours']:.2f} | {x['jct_p95_hours']:.1f} | {x['jobs_completed']:.0f} | {x['restarts']:.0f} | {x['node_hours_out_of_service']:.0f} |"
         )
     red = 1 - w["gpu_hours_lost"] / wo["gpu_hours_lost"] if wo["gpu_hours_lost"] else 0.0
     c = res["cycle"]

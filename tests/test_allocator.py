@@ -14,6 +14,7 @@ from hypothesis import strategies as st
 
 from gpuvigil import schemas
 from gpuvigil.collectors import allocator
+from gpuvigil.collectors.safe_pickle import safe_load
 from gpuvigil.config import ConfigError
 from gpuvigil.errors import UserError
 from gpuvigil.model import FindingKind, Severity
@@ -83,7 +84,7 @@ def test_s4_snapshot_expandable_segments_is_not_fragmented():
 
 
 def test_snapshot_without_oom_flags_recurring_request_that_cannot_fit():
-    raw = pickle.loads((DATA / "s3_snapshot.pickle").read_bytes())  # test-owned fixture, known plain data
+    raw = safe_load(DATA / "s3_snapshot.pickle")
     for trace in raw["device_traces"]:
         trace[:] = [e for e in trace if e["action"] != "oom"]
     snap = allocator.summarize_snapshot(raw, "no-oom")
@@ -188,3 +189,15 @@ def test_random_structures_only_raise_user_error(stats, snapshot):
             attempt()
         except UserError:
             pass
+
+
+def test_golden_s3_snapshot_summary_and_findings():
+    import dataclasses
+
+    from h_fr_helpers import check_golden
+
+    snap = allocator.summarize_snapshot(safe_load(DATA / "s3_snapshot.pickle"), "s3_snapshot.pickle")
+    summary = dataclasses.asdict(snap)
+    summary["segments"] = summary["segments"][:3]  # 61 alike segments: the first three show the shape
+    check_golden("allocator_s3_snapshot.json", summary)
+    check_golden("allocator_s3_findings.json", [f.to_json_dict() for f in allocator.findings_for_snapshot(snap, ts=0.0, job="j")])

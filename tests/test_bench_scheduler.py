@@ -154,7 +154,18 @@ def _fixed_result() -> dict:
             for p, us in unalloc.items()
         },
     }
-    arm = {"faults_injected": 584, "gpu_hours_lost": 0.0, "goodput": 0.99, "queue_p50_hours": 0.0, "queue_p95_hours": 20.0, "jobs_completed": 100, "restarts": 10}
+    arm = {
+        "faults_injected": 584,
+        "gpu_hours_lost": 0.0,
+        "goodput": 0.99,
+        "queue_p50_hours": 0.0,
+        "queue_p95_hours": 20.0,
+        "wait_incl_hang_p95_hours": 21.0,
+        "jct_p95_hours": 150.0,
+        "jobs_completed": 100,
+        "restarts": 10,
+        "node_hours_out_of_service": 5000.0,
+    }
     params = bench.FaultSimParams().__dict__
     return {
         "quick": False,

@@ -257,3 +257,14 @@ def test_fr_cli_bad_input_is_one_line_exit_2(tmp_path, capsys):
     assert cli_main(["fr", str(bad)]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and str(bad) in err
+
+
+def test_golden_normalised_s6_dump_and_findings():
+    from h_fr_helpers import check_golden
+
+    from gpuvigil.collectors.safe_pickle import safe_load
+
+    raw = safe_load(DATA / "s6_fr_rank_0")
+    dump = fr.parse_dump(raw, "s6_fr_rank_0", Path("s6_fr_rank_0"))
+    check_golden("fr_s6_dump.json", dataclasses.asdict(dump))
+    check_golden("fr_s6_findings.json", [f.to_json_dict() for f in fr.analyze_dumps([dump])])

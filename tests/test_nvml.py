@@ -348,3 +348,19 @@ def test_bad_csv_is_a_user_error(tmp_path, content, message):
     path.write_text(content)
     with pytest.raises(UserError, match=message):
         replay_csv(path)
+
+
+def test_event_handles_match_by_address_like_real_ctypes_handles():
+    import ctypes
+
+    first = ctypes.cast(ctypes.c_void_p(0x1000), pynvml.c_nvmlDevice_t)
+    same_gpu = ctypes.cast(ctypes.c_void_p(0x1000), pynvml.c_nvmlDevice_t)
+    other = ctypes.cast(ctypes.c_void_p(0x2000), pynvml.c_nvmlDevice_t)
+    assert NvmlCollector._handle_key(first) == NvmlCollector._handle_key(same_gpu) != NvmlCollector._handle_key(other)
+
+
+def test_golden_replay_rows():
+    from h_fr_helpers import check_golden
+
+    samples = replay_csv(DATA / "nvml_timeseries.csv", node="h200-0")
+    check_golden("nvml_replay_rows.json", samples.head(3).rows(named=True) + samples.tail(2).rows(named=True))

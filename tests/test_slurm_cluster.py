@@ -190,7 +190,7 @@ def test_failed_command_leaves_the_hint_pending_and_a_retry_applies_it(cluster, 
         pipe.tick(100.0)
         outcome = dead.apply_pending()
         [hint] = store.hints()
-        assert outcome[hint.id].startswith("failed: `scontrol update NodeName=gvnode1 State=DRAIN")
+        assert outcome[hint.id].startswith("failed: `sinfo --json`")  # reading the node state first
         assert hint.state == HintState.PENDING
         assert hint.attempts == 1
         assert ("timed out after 3s" in hint.last_error) or ("Unable to contact slurm controller" in hint.last_error), hint.last_error
@@ -212,7 +212,7 @@ def test_failed_command_leaves_the_hint_pending_and_a_retry_applies_it(cluster, 
 @pytest.mark.parametrize(
     "hint,error",
     [
-        (Hint(action=HintAction.DRAIN_NODE, ts=0, reason="r", finding_id="a" * 16, finding_kind=FindingKind.ECC, node="gvnode9"), "Invalid node name"),
+        (Hint(action=HintAction.DRAIN_NODE, ts=0, reason="r", finding_id="a" * 16, finding_kind=FindingKind.ECC, node="gvnode9"), "Slurm node gvnode9 not found"),
         (Hint(action=HintAction.DRAIN_NODE, ts=0, reason="r", finding_id="a" * 16, finding_kind=FindingKind.ECC, node="gv node State=RESUME"), "not a valid Slurm node name"),
         (Hint(action=HintAction.REQUEUE_JOB, ts=0, reason="r", finding_id="a" * 16, finding_kind=FindingKind.ECC, job="987654"), "job 987654 not found"),
         (Hint(action=HintAction.REQUEUE_JOB, ts=0, reason="r", finding_id="a" * 16, finding_kind=FindingKind.ECC, job="train-llama"), "not a Slurm job id"),
@@ -234,14 +234,18 @@ def test_hints_slurm_cannot_express_are_nacked_with_the_reason(cluster, slurm, t
         assert hint.state_reason.startswith("Slurm cannot take a single GPU of a node out of service")
 
 
-def test_operator_drain_is_not_undone_when_a_hint_expires(cluster, slurm):
+def test_operator_drain_is_neither_overwritten_nor_undone(cluster, slurm):
     adapter = SlurmAdapter(slurm)
     hint = Hint(action=HintAction.DRAIN_NODE, ts=0, reason="ecc", finding_id="b" * 16, finding_kind=FindingKind.ECC, node="gvnode2")
     cluster.cmd("scontrol", "update", "NodeName=gvnode2", "State=DRAIN", "Reason=bad DIMM, ticket 4711")
+    assert adapter.apply(hint).detail == "gvnode2 already drained by someone else (bad DIMM, ticket 4711): left as is"
     assert adapter.undo(hint) is None
     assert cluster.node_state("gvnode2") == ("drained", "bad DIMM, ticket 4711")
-    adapter.apply(hint)
+    # Once the operator resumed it, the hint drains it with our reason, and its expiry resumes it.
+    cluster.cmd("scontrol", "update", "NodeName=gvnode2", "State=RESUME")
+    assert adapter.apply(hint).detail.startswith("scontrol drained gvnode2: gpuvigil drain ecc bbbbbbbbbbbbbbbb: ecc")
     assert adapter.undo(hint) == f"scontrol resumed gvnode2: cause {'b' * 16} cleared"
+    cluster.wait_for(lambda: cluster.node_state("gvnode2")[0] == "idle", 30, "gvnode2 idle")
 
 
 def test_json_and_scontrol_readers_agree(cluster, slurm):

@@ -14,6 +14,7 @@ and emitted as the `gpu_processes` stream declared here.
 
 from __future__ import annotations
 
+import ctypes
 import queue
 import re
 import socket
@@ -148,15 +149,12 @@ class NvmlCollector:
 
     @staticmethod
     def _handle_key(handle: Any) -> Any:
-        value = getattr(handle, "value", None)  # ctypes pointers compare by address
-        if value is None and hasattr(handle, "contents"):
-            try:
-                import ctypes
-
-                value = ctypes.addressof(handle.contents)
-            except (ValueError, TypeError):
-                value = None
-        return value if value is not None else id(handle) if not isinstance(handle, (int, str)) else handle
+        # Real handles are ctypes pointers: the event's handle is another object for the same GPU,
+        # so compare addresses. Anything else (a test double) compares by identity.
+        try:
+            return ctypes.cast(handle, ctypes.c_void_p).value
+        except (ctypes.ArgumentError, TypeError):
+            return id(handle)
 
     def _count(self, exc: Exception, name: str) -> None:
         if getattr(exc, "value", None) == getattr(self.nvml, "NVML_ERROR_NOT_SUPPORTED", 3):

@@ -555,6 +555,8 @@ class SimulatedCluster:
         throttle = np.where(self.temp_c > 85.0, THROTTLE_SW_THERMAL | THROTTLE_HW_THERMAL, 0) | np.where(util < 0.01, 0x1, 0)
         power = IDLE_POWER_W + (MAX_POWER_W - IDLE_POWER_W) * util * (sm / SM_CLOCK_MHZ)
         lost = self.lost
+        # Counters are copied: polars may share a numpy buffer, and a frame already in the
+        # window must not change when the simulation moves on.
         df = pl.DataFrame(
             {
                 "ts": np.full(n, now),
@@ -570,13 +572,13 @@ class SimulatedCluster:
                 "sm_clock_mhz": np.round(sm),
                 "mem_clock_mhz": np.full(n, MEM_CLOCK_MHZ),
                 "throttle_reasons": throttle.astype(np.int64),
-                "ecc_sbe_volatile_total": self.ecc_sbe,
-                "ecc_dbe_volatile_total": self.ecc_dbe,
-                "retired_pages_total": self.retired,
-                "remap_failure": self.remap_failed,
-                "pcie_replay_total": self.pcie_replay,
-                "xid_total": self.xid_total,
-                "last_xid": self.last_xid,
+                "ecc_sbe_volatile_total": self.ecc_sbe.copy(),
+                "ecc_dbe_volatile_total": self.ecc_dbe.copy(),
+                "retired_pages_total": self.retired.copy(),
+                "remap_failure": self.remap_failed.copy(),
+                "pcie_replay_total": self.pcie_replay.copy(),
+                "xid_total": self.xid_total.copy(),
+                "last_xid": self.last_xid.copy(),
             },
             schema_overrides={"node": pl.Utf8},
         )

@@ -39,13 +39,6 @@ class OomConfig(BaseModel):
     min_rise_bytes: int = 1 << 29
 
 
-def _slope(y: str, x: str = "_t", where: pl.Expr | None = None) -> pl.Expr:
-    xs, ys = pl.col(x), pl.col(y)
-    if where is not None:
-        xs, ys = xs.filter(where), ys.filter(where)
-    return pl.cov(xs, ys) / xs.var()
-
-
 class OomPredictor:
     name = "oom"
 
@@ -58,36 +51,78 @@ class OomPredictor:
         df = current_run(window, "allocator_stats", since=now - c.fit_window_seconds, warmup=c.warmup_seconds)
         if df.height == 0:
             return []
-        df = df.with_columns(
-            (pl.col("ts") - now).alias("_t"),
+        # Least squares from sums (one pass, no per-group sort): y in GiB keeps the sums of
+        # squares well conditioned. The window's two halves are fitted too: growth must hold
+        # in both the last min_span/2 seconds and before them (a one-off step, warm-up or a new
+        # phase of training, is not a trend).
+        half = -c.min_span_seconds / 2
+        df = df.select(
+            "job",
+            "rank",
+            "node",
+            "gpu",
+            "device_capacity_bytes",
+            (pl.col("ts") - now).alias("t"),
             # What runs out is the device: our per-step peak footprint plus other processes.
-            (pl.max_horizontal("reserved_bytes", "peak_allocated_bytes") + pl.col("foreign_used_bytes").fill_null(0)).cast(pl.Float64).alias("_footprint"),
-            (pl.col("reserved_bytes") - pl.col("peak_allocated_bytes")).cast(pl.Float64).alias("_gap"),
-            pl.col("peak_allocated_bytes").cast(pl.Float64).alias("_peak"),
-            pl.col("foreign_used_bytes").fill_null(0).cast(pl.Float64).alias("_foreign"),
-            pl.col("alloc_retries").fill_null(0).cast(pl.Float64).alias("_retries"),
+            ((pl.max_horizontal("reserved_bytes", "peak_allocated_bytes") + pl.col("foreign_used_bytes").fill_null(0)) / GIB).alias("y"),
+            ((pl.col("reserved_bytes") - pl.col("peak_allocated_bytes")) / GIB).alias("gap"),
+            (pl.col("peak_allocated_bytes") / GIB).alias("peak"),
+            (pl.col("foreign_used_bytes").fill_null(0) / GIB).alias("foreign"),
+            pl.col("alloc_retries").fill_null(0).cast(pl.Float64).alias("retries"),
+        ).with_columns((pl.col("t") < half).cast(pl.Float64).alias("e"))
+        t, y, e = pl.col("t"), pl.col("y"), pl.col("e")
+        sums = df.group_by(["job", "rank"]).agg(
+            pl.len().cast(pl.Float64).alias("n"),
+            t.min().alias("t_min"),
+            t.max().alias("t_max"),
+            t.sum().alias("st"),
+            (t * t).sum().alias("stt"),
+            y.sum().alias("sy"),
+            (t * y).sum().alias("sty"),
+            (y * y).sum().alias("syy"),
+            e.sum().alias("ne"),
+            (e * t).sum().alias("ste"),
+            (e * t * t).sum().alias("stte"),
+            (e * y).sum().alias("sye"),
+            (e * t * y).sum().alias("stye"),
+            pl.col("gap").sum().alias("sg"),
+            (t * pl.col("gap")).sum().alias("stg"),
+            pl.col("peak").sum().alias("sp"),
+            (t * pl.col("peak")).sum().alias("stp"),
+            pl.col("foreign").sum().alias("sf"),
+            (t * pl.col("foreign")).sum().alias("stf"),
+            y.last().alias("footprint_gib"),
+            pl.col("gap").last().alias("gap_gib"),
+            pl.col("foreign").last().alias("foreign_gib"),
+            (pl.col("retries").last() - pl.col("retries").first()).alias("retries_delta"),
+            pl.col("device_capacity_bytes").last().alias("capacity"),
+            pl.col("node").last(),
+            pl.col("gpu").last(),
         )
+
+        def slope(n: pl.Expr, st: pl.Expr, stt: pl.Expr, sy: pl.Expr, sty: pl.Expr) -> pl.Expr:
+            den = n * stt - st * st
+            # Fewer than 3 samples (e.g. a half with no data) is no fit: null fails every filter.
+            return pl.when((n >= 3) & (den > 0)).then((n * sty - st * sy) / den)
+
+        n, st, stt = pl.col("n"), pl.col("st"), pl.col("stt")
+        nl, stl, sttl = n - pl.col("ne"), st - pl.col("ste"), stt - pl.col("stte")
+        sxy = n * pl.col("sty") - st * pl.col("sy")
         fits = (
-            df.group_by(["job", "rank"])
-            .agg(
-                pl.len().alias("n"),
-                (pl.col("_t").max() - pl.col("_t").min()).alias("span"),
-                _slope("_footprint").alias("slope"),
-                # Growth must hold in both halves of the window: a one-off step (warm-up, a new
-                # phase of training) is not a trend.
-                _slope("_footprint", where=pl.col("_t") < (pl.col("_t").min() + pl.col("_t").max()) / 2).alias("slope_early"),
-                _slope("_footprint", where=pl.col("_t") >= (pl.col("_t").min() + pl.col("_t").max()) / 2).alias("slope_late"),
-                _slope("_gap").alias("gap_slope"),
-                _slope("_peak").alias("peak_slope"),
-                _slope("_foreign").alias("foreign_slope"),
-                (pl.corr("_t", "_footprint") ** 2).alias("r2"),
-                pl.col("_footprint").last().alias("footprint"),
-                pl.col("_gap").last().alias("gap"),
-                pl.col("_foreign").last().alias("foreign"),
-                (pl.col("_retries").last() - pl.col("_retries").first()).alias("retries_delta"),
-                pl.col("device_capacity_bytes").last().alias("capacity"),
-                pl.col("node").last(),
-                pl.col("gpu").last(),
+            sums.with_columns(
+                (pl.col("t_max") - pl.col("t_min")).alias("span"),
+                (slope(n, st, stt, pl.col("sy"), pl.col("sty")) * GIB).alias("slope"),
+                (slope(pl.col("ne"), pl.col("ste"), pl.col("stte"), pl.col("sye"), pl.col("stye")) * GIB).alias("slope_early"),
+                (slope(nl, stl, sttl, pl.col("sy") - pl.col("sye"), pl.col("sty") - pl.col("stye")) * GIB).alias("slope_late"),
+                (slope(n, st, stt, pl.col("sg"), pl.col("stg")) * GIB).alias("gap_slope"),
+                (slope(n, st, stt, pl.col("sp"), pl.col("stp")) * GIB).alias("peak_slope"),
+                (slope(n, st, stt, pl.col("sf"), pl.col("stf")) * GIB).alias("foreign_slope"),
+                pl.when((n * pl.col("syy") - pl.col("sy") * pl.col("sy")) > 0)
+                .then(sxy * sxy / ((n * stt - st * st) * (n * pl.col("syy") - pl.col("sy") * pl.col("sy"))))
+                .alias("r2"),
+                (pl.col("footprint_gib") * GIB).alias("footprint"),
+                (pl.col("gap_gib") * GIB).alias("gap"),
+                (pl.col("foreign_gib") * GIB).alias("foreign"),
             )
             .with_columns(
                 (pl.col("capacity") - c.safety_margin_bytes - pl.col("footprint")).alias("headroom"),

@@ -677,9 +677,14 @@ class SlurmAdapter:
         """Apply one hint; raises SlurmError (SlurmUnsupported if Slurm cannot express it)."""
         act = hint.action
         if act in (HintAction.DRAIN_NODE, HintAction.CORDON_NODE):
-            reason = self.node_reason(hint)
-            self.drain_node(hint.node or "", reason)
-            detail = f"scontrol drained {hint.node}: {reason}"
+            current = self.state.node(hint.node or "")
+            if "DRAIN" in current.flags and not (current.reason or "").startswith(f"{self.config.reason_prefix} "):
+                # An operator's drain stays as it is (and is never resumed by us).
+                detail = f"{current.node} already drained by someone else ({current.reason or 'no reason'}): left as is"
+            else:
+                reason = self.node_reason(hint)
+                self.drain_node(current.node, reason)
+                detail = f"scontrol drained {current.node}: {reason}"
         elif act == HintAction.REQUEUE_JOB:
             detail = self.requeue_job(hint.job or "", hold=bool(hint.params.get("hold")), exclude_nodes=hint.exclude_nodes)
         else:
