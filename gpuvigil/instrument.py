@@ -191,7 +191,11 @@ class Hook:
         self.errors = 0
         self.last_error: str | None = None
         if hasattr(sink, "open_for"):
-            sink.open_for(job, self.rank)
+            try:
+                sink.open_for(job, self.rank)
+            except OSError as exc:  # e.g. a read-only folder: keep training, retry on each publish
+                self.errors += 1
+                self.last_error = f"{type(exc).__name__}: {exc}"
 
     # -- the training loop's side -------------------------------------------------------
 

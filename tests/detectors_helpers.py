@@ -45,6 +45,8 @@ def run(name: str, tick_seconds: float = 1.0, seed: int = 0) -> dict[str, Any]:
                 "evidence": {k: d["evidence"][k] for k in STABLE_EVIDENCE if k in d["evidence"]},
             }
         )
+    # Findings raised on the same tick come in no particular order.
+    findings.sort(key=lambda f: (f["ts"], f["kind"], f["job"] or "", f["node"] or "", f["gpu"] if f["gpu"] is not None else -1))
     return {
         "injected": [f.to_json_dict() for f in rt.cluster.injected],
         "oom_events": rt.cluster.oom_events,

@@ -170,7 +170,7 @@ def test_evicted_entries_are_not_taken_for_a_missing_rank():
     rank1 = dataclasses.replace(dump, rank=1, source="r1", entries=dump.entries[-10:])
     assert fr.analyze_dumps([rank0, rank1]) == []
     # Rank 1 stopped at #40: ranks 0 and 1 disagree from #41 on, and rank 1 is the culprit.
-    rank1 = dataclasses.replace(dump, rank=1, source="r1", entries=dump.entries[:40])
+    rank1 = dataclasses.replace(dump, rank=1, source="r1", entries=dump.entries[:40], pg_status={"0": fr.PGStatus(40, -1, 40)})
     [finding] = fr.analyze_dumps([rank0, rank1])
     assert finding.kind == FindingKind.COLLECTIVE_HANG and finding.culprit_ranks == [1]
     assert finding.evidence["collective_seq_id"] == 41 and finding.evidence["culprit_last_seq"] == [40]
@@ -268,3 +268,16 @@ def test_golden_normalised_s6_dump_and_findings():
     dump = fr.parse_dump(raw, "s6_fr_rank_0", Path("s6_fr_rank_0"))
     check_golden("fr_s6_dump.json", dataclasses.asdict(dump))
     check_golden("fr_s6_findings.json", [f.to_json_dict() for f in fr.analyze_dumps([dump])])
+
+
+def test_entries_evicted_by_another_group_are_not_a_missing_rank():
+    """The ring buffer is shared by all groups: a rank whose busy second group pushed out every
+    entry of the first still says, in pg_status, how far it got there."""
+    one_rank = fr.load_dump(DATA / "s5_fr_dump.pickle")
+    dump = dataclasses.replace(one_rank, pg_config={"0": fr.PGConfig("0", "default_pg", (0, 1))})
+    rank0 = dataclasses.replace(dump, rank=0, source="r0")
+    rank1 = dataclasses.replace(dump, rank=1, source="r1", entries=[], pg_status={"0": fr.PGStatus(44, -1, 44)})
+    assert fr.analyze_dumps([rank0, rank1]) == []
+    rank1 = dataclasses.replace(rank1, pg_status={"0": fr.PGStatus(30, -1, 30)})
+    [finding] = fr.analyze_dumps([rank0, rank1])
+    assert finding.culprit_ranks == [1] and finding.evidence["collective_seq_id"] == 31 and finding.evidence["culprit_last_seq"] == [30]

@@ -221,3 +221,12 @@ def test_benchmark_pieces_and_its_report(tmp_path):
 
     doc = write_section("hook", text, doc=tmp_path / "benchmarks.md")
     assert "<!-- bench:hook:start -->" in doc.read_text()
+
+
+def test_an_unwritable_folder_does_not_stop_training(tmp_path):
+    blocker = tmp_path / "not-a-folder"
+    blocker.write_text("a file where the sink's folder should be")
+    clock = FakeClock()
+    hook = gv.Hook("j", gv.FileSink(blocker / "hook"), rank=0, interval=1.0, clock=clock)
+    run_steps(hook, clock, 16, 0.125)
+    assert hook.published == 0 and hook.errors == 3 and "NotADirectoryError" in hook.last_error

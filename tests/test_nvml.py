@@ -364,3 +364,31 @@ def test_golden_replay_rows():
 
     samples = replay_csv(DATA / "nvml_timeseries.csv", node="h200-0")
     check_golden("nvml_replay_rows.json", samples.head(3).rows(named=True) + samples.tail(2).rows(named=True))
+
+
+def test_fake_seeded_from_the_real_h200_inventory():
+    """The real H200's static NVML readings (tests/data/h200/nvml_inventory.json): remapped rows
+    supported and zero, retired pages NotSupported (Hopper remaps rows instead), and the
+    supported event mask 65439 covering XID, SBE and DBE events."""
+    import ast
+    import json
+
+    inv = json.loads((DATA / "nvml_inventory.json").read_text())
+    c, u, v, a = pynvml.NVML_MEMORY_ERROR_TYPE_CORRECTED, pynvml.NVML_MEMORY_ERROR_TYPE_UNCORRECTED, pynvml.NVML_VOLATILE_ECC, pynvml.NVML_AGGREGATE_ECC
+    gpu = h200(
+        inv["uuid"],
+        total=int(inv["memory"]["total"]), reserved=0, used=int(inv["memory"]["used"]),
+        remapped=ast.literal_eval(inv["remapped_rows"]), replay=int(inv["pcie_replay"]), procs=[],
+        ecc={(c, v): 0, (u, v): int(inv["ecc_volatile_uncorrected"]), (c, a): int(inv["ecc_aggregate_corrected"]), (u, a): 0},
+        event_types=int(inv["supported_event_types"]),
+    )
+    assert inv["retired_pages_dbe"].startswith("ERR:NVMLError_NotSupported")
+    fake = FakeNvml([gpu], errors={(0, "retired"): pynvml.NVML_ERROR_NOT_SUPPORTED}, memory_v2=False)
+    with NvmlCollector(node="h200", nvml=fake) as collector:
+        row = collector.collect(1.0)["gpu_samples"].row(0, named=True)
+        xid, sbe, dbe = pynvml.nvmlEventTypeXidCriticalError, pynvml.nvmlEventTypeSingleBitEccError, pynvml.nvmlEventTypeDoubleBitEccError
+        assert collector.event_types_registered == [xid | sbe | dbe]
+        assert collector.errors == 0 and collector.not_supported == {}  # remapped rows answered: retired pages never asked
+    assert row["gpu_uuid"] == "GPU-34d3dfff-b746-63b5-0224-9f470d7475f1"
+    assert (row["memory_used_bytes"], row["memory_total_bytes"]) == (644939776, 150754820096)
+    assert (row["retired_pages_total"], row["remap_failure"], row["pcie_replay_total"], row["ecc_dbe_volatile_total"]) == (0, False, 0, 0)

@@ -320,8 +320,12 @@ def _describe(kind: str, value: Any) -> str:
     if kind == "op":
         return str(value)
     if kind == "size":
-        return f"in {[list(s) for s in value[0]]} out {[list(s) for s in value[1]]}"
-    return f"in {list(value[0])} out {list(value[1])}"
+        return f"sizes in {[list(s) for s in value[0]]} out {[list(s) for s in value[1]]}"
+    return f"dtypes in {list(value[0])} out {list(value[1])}"
+
+
+def _call(kind: str, op: str, value: Any) -> str:
+    return _describe(kind, value) if kind == "op" else f"{op} with {_describe(kind, value)}"
 
 
 def _analyze_group(pg_name: str, pg_desc: str, dumps: Sequence[FRDump], job: str | None) -> Finding | None:
@@ -333,9 +337,15 @@ def _analyze_group(pg_name: str, pg_desc: str, dumps: Sequence[FRDump], job: str
     expected = [r for r in expected if r in per_rank]
     if not expected:
         return None
-    # A rank's buffer is a ring: sequence ids below its oldest kept entry were evicted, not missed.
+    # A rank's buffer is a ring shared by all its groups: sequence ids below its oldest kept entry,
+    # or up to the last one its pg_status says it enqueued, were evicted, not missed.
     oldest = {r: min(per_rank[r], default=None) for r in expected}
-    newest = {r: max(per_rank[r], default=0) for r in expected}
+    enqueued = {r: by_rank[r].pg_status[pg_name].last_enqueued if pg_name in by_rank[r].pg_status else None for r in expected}
+    newest = {r: max(max(per_rank[r], default=0), enqueued[r] or 0) for r in expected}
+
+    def evicted(r: int, seq: int) -> bool:
+        return (oldest[r] is not None and seq < oldest[r]) or (enqueued[r] is not None and seq <= enqueued[r])
+
     pg_label = pg_name if not pg_desc else f"{pg_name} ({pg_desc})"
     common = {
         "pg": pg_name,
@@ -343,10 +353,10 @@ def _analyze_group(pg_name: str, pg_desc: str, dumps: Sequence[FRDump], job: str
         "pg_size": len(members) if members else len(expected),
         "ranks_without_dump": without_dump,
     }
-    for seq in sorted({s for c in per_rank.values() for s in c}):
+    for seq in sorted({s for r in expected for s in per_rank[r]}):
         present = {r: per_rank[r][seq] for r in expected if seq in per_rank[r]}
-        absent = [r for r in expected if seq not in per_rank[r] and not (oldest[r] is not None and seq < oldest[r])]
-        source = by_rank[min(present)].source if present else None
+        absent = [r for r in expected if seq not in per_rank[r] and not evicted(r, seq)]
+        source = by_rank[min(present)].source
         if absent:
             op = _majority({r: e.op for r, e in present.items()})
             node, hosts = _node_of(absent, by_rank)
@@ -374,12 +384,13 @@ def _analyze_group(pg_name: str, pg_desc: str, dumps: Sequence[FRDump], job: str
                 ),
                 source=source,
             )
-        mismatch = _signature_mismatch(present)
+        mismatch = _signature_mismatch(present) if len(present) > 1 else None
         if mismatch:
             mtype, values = mismatch
             expected_value = _majority(values)
             culprits = sorted(r for r, v in values.items() if v != expected_value)
             odd = sorted({_describe(mtype, values[r]) for r in culprits})
+            agreeing = min(r for r in present if r not in culprits)
             node, hosts = _node_of(culprits, by_rank)
             return Finding(
                 kind=FindingKind.COLLECTIVE_MISMATCH,
@@ -393,7 +404,7 @@ def _analyze_group(pg_name: str, pg_desc: str, dumps: Sequence[FRDump], job: str
                     **common,
                     "collective_seq_id": seq,
                     "mismatch_type": mtype,
-                    "op": present[min(r for r in present if r not in culprits)].op,
+                    "op": present[agreeing].op,
                     "expected": _describe(mtype, expected_value),
                     "found": odd,
                     "culprit_ops": [present[r].op for r in culprits],
@@ -401,8 +412,8 @@ def _analyze_group(pg_name: str, pg_desc: str, dumps: Sequence[FRDump], job: str
                 },
                 summary=(
                     f"collective #{seq} on process group {pg_label}: rank(s) {_ranks_str(culprits)} called "
-                    f"{'; '.join(odd)} where the other {len(present) - len(culprits)} rank(s) called "
-                    f"{_describe(mtype, expected_value)} ({mtype} mismatch)"
+                    f"{'; '.join(sorted({_call(mtype, present[r].op, values[r]) for r in culprits}))} where the other "
+                    f"{len(present) - len(culprits)} rank(s) called {_call(mtype, present[agreeing].op, expected_value)} ({mtype} mismatch)"
                 ),
                 source=by_rank[culprits[0]].source,
             )

@@ -82,7 +82,7 @@ class AllocatorFragmentationDetector:
                 & (pl.col("split") >= c.min_inactive_split_share * pl.col("gap"))
                 & (pl.col("retries") >= c.min_retries)
             )
-            .sort(["job", "gap"], descending=[False, True])
+            .sort(["job", "gap", "rank"], descending=[False, True, False])  # rank breaks ties: same input, same finding
         )
         findings = []
         for rows in per_rank.partition_by("job", maintain_order=True):

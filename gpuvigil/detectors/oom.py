@@ -138,7 +138,7 @@ class OomPredictor:
                 & (pl.col("slope") * pl.col("span") >= c.min_rise_bytes)
                 & (pl.col("tto") <= c.predict_horizon_seconds)
             )
-            .sort("tto")
+            .sort(["tto", "job", "rank"])  # job, rank break ties: same input, same finding
         )
         findings = []
         for rows in fits.partition_by("job", maintain_order=True):

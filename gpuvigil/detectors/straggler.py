@@ -66,7 +66,7 @@ class StragglerDetector:
                 & (pl.col("wait") <= c.max_wait_share * pl.col("peer_wait"))
                 & (pl.col("slowdown") >= c.min_slowdown)
             )
-            .sort(["job", "slowdown"], descending=[False, True])
+            .sort(["job", "slowdown", "rank"], descending=[False, True, False])
         )
         findings = []
         for rows in slow.partition_by("job", maintain_order=True):

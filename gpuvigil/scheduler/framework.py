@@ -133,10 +133,11 @@ class Plan:
 
 
 class Statement:
-    """Tentative changes to the session's arrays, kept only if every step succeeds.
+    """Tentative changes to the session's arrays, undone by `discard()`.
 
-    An allocation of a gang, or an eviction made to fit one, is applied here first; `discard()`
-    restores the arrays, so a gang never ends up half placed.
+    Preemption releases candidate victims here first and plans the preemptor against the
+    result; only if that plan is complete are the victims really evicted, so neither the
+    victims nor the gang end up half handled.
     """
 
     def __init__(self, view: ClusterView):
@@ -150,18 +151,6 @@ class Statement:
         self._rows.update(rows)
         self.view.generation[rows] += 1
         self.view.refresh(rows)
-
-    def take(self, plan: Plan) -> None:
-        v, job = self.view, plan.job
-        for n, g in plan.slots:
-            if g >= 0:
-                v.free_milli[n, g] -= plan.milli if plan.milli < MILLI else MILLI
-        self._touch(plan.nodes())
-        for n in plan.nodes():
-            per_node = sum(1 for s in plan.slots if s[0] == n)
-            share = per_node / max(1, len(plan.slots))
-            v.cpu_free[n] -= int(round(job.spec.cpu_milli * share))
-            v.mem_free[n] -= int(round(job.spec.memory_mib * share))
 
     def give_back(self, job: JobState) -> None:
         """Tentatively release a running job's resources (a preemption candidate)."""
@@ -267,7 +256,19 @@ class GangPlanner(Protocol):
     def plan_multi_node(self, job: JobState, ssn: Session, feasible: np.ndarray) -> list[tuple[int, int]] | None: ...
 
 
+class SubmitListener(Protocol):
+    """Told of every submitted job (e.g. to learn the target workload)."""
+
+    def on_submit(self, job: JobState) -> None: ...
+
+
 class BindListener(Protocol):
-    """Told after a job's placement is committed or released (caches keyed on nodes)."""
+    """Told after a job's placement is committed (e.g. to mark borrowed quota)."""
+
+    def on_bind(self, job: JobState, plan: Plan) -> None: ...
+
+
+class ChangeListener(Protocol):
+    """Told which nodes changed when the view is refreshed (caches keyed on nodes)."""
 
     def on_change(self, node_indices: list[int]) -> None: ...
