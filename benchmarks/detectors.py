@@ -111,12 +111,14 @@ def _log_uniform(rng: np.random.Generator, lo: float, hi: float) -> float:
     return float(math.exp(rng.uniform(math.log(lo), math.log(hi))))
 
 
-def make_case(index: int, seed: int, max_gpus: int = 1024) -> Case:
-    """Case `index` of the suite: the type cycles through all types, parameters are random."""
+def make_case(index: int, seed: int, max_gpus: int = 1024, quick: bool = False) -> Case:
+    """Case `index` of the suite: the type cycles through all types, parameters are random.
+
+    `quick` (CI): steps of at most 4 s and faults that play out within a few minutes."""
     rng = np.random.default_rng([seed, index])
     case_type = CASE_TYPES[index % len(CASE_TYPES)]
     gpus = 8 * max(1, int(round(_log_uniform(rng, 1, max_gpus / 8))))
-    step = _log_uniform(rng, 0.1, 60.0)
+    step = _log_uniform(rng, 0.1, 4.0 if quick else 60.0)
     # Coarser ticks for slow jobs keep the suite affordable; targets are in step times there.
     tick = 1.0 if step <= 1 else 2.0 if step <= 8 else min(5.0, step / 4)
     peak = float(rng.uniform(40, 120))
@@ -147,7 +149,7 @@ def make_case(index: int, seed: int, max_gpus: int = 1024) -> Case:
         fault = {"type": case_type, "ranks": ranks}
         after = max(60.0, 6 * step)
     elif case_type in MEMORY_FAULTS:
-        t_oom = max(float(rng.uniform(120, 360)), 12 * step)
+        t_oom = max(float(rng.uniform(100, 140) if quick else rng.uniform(120, 360)), 12 * step)
         if case_type == "memory_leak":
             fault = {"type": "memory_leak", "ranks": ranks, "leak_gib_per_step": headroom_gib / (t_oom / step)}
         elif case_type == "fragmentation":
@@ -169,14 +171,14 @@ def make_case(index: int, seed: int, max_gpus: int = 1024) -> Case:
         fault = {"type": "pcie_replay", "ranks": ranks, "pcie_replays_per_second": round(_log_uniform(rng, 3, 100), 1)}
         after = 150.0
     elif case_type in ("checkpoint_pause", "dataloader_stall"):
-        pause = round(float(rng.uniform(30, 240)), 0)
+        pause = round(float(rng.uniform(30, 60 if quick else 240)), 0)
         fault = {"type": "long_checkpoint" if case_type == "checkpoint_pause" else "dataloader_stall", "duration_seconds": pause}
         after = pause + max(60.0, 4 * step)
     elif case_type == "restart":
         fault = {"type": "restart"}
         after = 60.0 + max(60.0, 6 * step)
     elif case_type == "high_memory" or case_type == "healthy":
-        after = max(150.0, 6 * step)
+        after = 90.0 if quick else max(150.0, 6 * step)
     scenario: dict[str, Any] = {
         "name": f"bench-{index:04d}-{case_type}",
         "duration_seconds": round(onset + after, 1),
@@ -576,8 +578,8 @@ def markdown(summary: dict[str, Any], meta: dict[str, Any], cost: dict[str, Any]
     return "\n".join(lines)
 
 
-def run_suite(runs: int, seed: int, workers: int, max_gpus: int = 1024, progress: bool = False) -> tuple[list[RunResult], float]:
-    cases = [make_case(i, seed, max_gpus) for i in range(runs)]
+def run_suite(runs: int, seed: int, workers: int, max_gpus: int = 1024, progress: bool = False, quick: bool = False) -> tuple[list[RunResult], float]:
+    cases = [make_case(i, seed, max_gpus, quick) for i in range(runs)]
     # Biggest first so that the pool's tail is short.
     order = sorted(cases, key=lambda c: -(c.gpus * c.scenario["duration_seconds"] / c.tick_seconds))
     t0 = time.perf_counter()
@@ -605,7 +607,7 @@ def cmd(args) -> int:
     runs = len(CASE_TYPES) if args.quick else args.runs
     max_gpus = 32 if args.quick else 1024
     workers = args.workers or max(1, os.cpu_count() or 1)
-    results, wall = run_suite(runs, args.seed, workers, max_gpus, progress=not args.json and sys.stderr.isatty())
+    results, wall = run_suite(runs, args.seed, workers, max_gpus, progress=not args.json and sys.stderr.isatty(), quick=args.quick)
     summary = score(results)
     errors = [r for r in results if r.error]
     meta = {
@@ -639,7 +641,7 @@ def add_parser(sub) -> None:
     p = sub.add_parser("detectors", help="labelled detector benchmark on randomised simulated runs, with baselines")
     p.add_argument("--runs", type=int, default=340, help="number of simulated runs (default 340: 20 per case type)")
     p.add_argument("--seed", type=int, default=0, help="suite seed (runs are deterministic per seed)")
-    p.add_argument("--quick", action="store_true", help="reduced suite for CI: one run per case type, at most 32 GPUs, no cost measurement")
+    p.add_argument("--quick", action="store_true", help="reduced suite for CI: one run per case type, at most 32 GPUs and 4 s steps, short faults, no cost measurement")
     p.add_argument("--workers", type=int, default=None, help="parallel worker processes (default: one per core)")
     p.add_argument("--cost-gpus", type=int, default=100_000, help="GPUs for the detector cost measurement (0: skip)")
     p.add_argument("--no-write", action="store_true", help="do not write docs/benchmarks.md")

@@ -230,3 +230,26 @@ def test_default_config_loads():
     assert api_config().port == 8787
     assert slurm_config().command_timeout_seconds == 20
     assert kubernetes_config().taint_effect["ecc"] == "NoExecute"
+
+
+@pytest.mark.parametrize(
+    "state,exit_code,evidence",
+    [
+        ("OUT_OF_MEMORY", 0, "job state OUT_OF_MEMORY"),  # cgroup OOM (needs memory enforcement, not on the test cluster)
+        ("FAILED", 9, "killed by signal 9 (SIGKILL, what the OOM killer sends)"),
+        ("FAILED", 137 << 8, "exit code 137 (128 + SIGKILL: a child was OOM-killed)"),
+        ("FAILED", 1 << 8, None),
+        ("CANCELLED", 15, None),  # SIGTERM from scancel is not OOM evidence
+        ("COMPLETED", 0, None),
+    ],
+)
+def test_oom_evidence_from_job_state_and_wait_status(state, exit_code, evidence):
+    data = json.loads(RECORDED["squeue.json"])
+    record = next(j for j in data["jobs"] if j["job_id"] == 5)
+    record.update(job_state=state, exit_code=exit_code)
+    [job], dropped = parse_squeue_json(json.dumps({"jobs": [record]}))
+    assert (job.oom_evidence, dropped) == (evidence, 0)
+    events = SlurmStateCollector(SlurmState(Recorded())).frames([job], [], 0.0)["events"]
+    assert events.height == (1 if evidence else 0)
+    if evidence:
+        assert events.row(0, named=True)["message"] == f"slurm job 5 ended {state}: {evidence}"
