@@ -585,7 +585,7 @@ def markdown(res: dict[str, Any]) -> str:
     prm = f["params"]
     w, wo = f["with_hints"], f["without_hints"]
     lines += [
-        f"Faults: {w['faults_injected']} real node fault arrivals and repairs (InfiniteHBD trace) injected into "
+        f"Faults: {w['faults_injected']:.0f} real node fault arrivals and repairs (InfiniteHBD trace) injected into "
         f"{prm['nodes']} nodes x {prm['gpus_per_node']} GPUs over {prm['days']:.0f} days, training gangs of "
         f"{min(prm['sizes'])}-{max(prm['sizes'])} GPUs at {100 * prm['load']:.0f}% offered load, checkpoint every "
         f"{prm['checkpoint_minutes']:.0f} min. Without hints a hang lasts until the {prm['watchdog_seconds']:.0f} s watchdog, the job "
@@ -606,8 +606,21 @@ def markdown(res: dict[str, Any]) -> str:
             + f" | {x['wait_incl_hang_p95_hours']:.2f} | {x['jct_p95_hours']:.1f} | {x['jobs_completed']:.0f} | {x['restarts']:.0f} | {x['node_hours_out_of_service']:.0f} |"
         )
     red = 1 - w["gpu_hours_lost"] / wo["gpu_hours_lost"] if wo["gpu_hours_lost"] else 0.0
+    dq = w["queue_p95_hours"] / wo["queue_p95_hours"] - 1 if wo["queue_p95_hours"] else 0.0
+    queue_note = (
+        f"Queue p95 with hints: {100 * dq:+.0f}% versus without."
+        + (
+            " gpuvigil takes a broken node out of service at once until its repair (node-hours out of service above), "
+            "while without hints a broken node stays schedulable until it has failed two jobs: the jobs hung there "
+            "count as running (lost GPU-hours), not as queued."
+            if dq > 0
+            else ""
+        )
+    )
     c = res["cycle"]
     lines += [
+        "",
+        queue_note,
         "",
         f"GPU-hours lost with hints: {100 * red:.0f}% fewer than without. Lost = GPU time between a job's last "
         "checkpoint and its restart (including the hang); goodput = (allocated - lost) / allocated GPU-hours; queue "

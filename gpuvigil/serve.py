@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import signal
 import socket
 import sys
@@ -69,8 +70,8 @@ def _check_args(args: argparse.Namespace) -> None:
         raise UserError(f"--duration {args.duration}: must be >= 0")
     if args.source == "dcgm" and not args.dcgm_url:
         raise UserError("--source dcgm needs --dcgm-url URL (a dcgm-exporter /metrics endpoint)")
-    if args.api_port is not None and args.api_token_file is None and not args.insecure_local:
-        raise UserError("--api-port needs --api-token-file FILE (or --insecure-local for a token-less API on 127.0.0.1)")
+    if args.api_port is not None and args.api_token_file is None and not args.insecure_local and "GPUVIGIL_API_TOKEN" not in os.environ:
+        raise UserError("--api-port needs a token: --api-token-file FILE or $GPUVIGIL_API_TOKEN (or --insecure-local for a token-less API on 127.0.0.1)")
     if args.alertmanager and not args.alertmanager.startswith(("http://", "https://")):
         raise UserError(f"--alertmanager {args.alertmanager!r}: expected an http(s):// URL")
 
@@ -193,7 +194,7 @@ class Server:
         from gpuvigil.api.auth import resolve_token
 
         args = self.args
-        token = resolve_token(args.api_token_file) if args.api_token_file else None
+        token = resolve_token(args.api_token_file)  # the file, else $GPUVIGIL_API_TOKEN
         store = HintStore(args.hint_db)
         self._stack.callback(store.close)
         app = create_app(store, token, insecure_local=args.insecure_local and token is None, cfg=self.cfg)
