@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import json
 import math
+import multiprocessing
 import os
 import sys
 import time
@@ -587,7 +588,8 @@ def run_suite(runs: int, seed: int, workers: int, max_gpus: int = 1024, progress
     if workers <= 1:
         results = [run_case(c) for c in order]
     else:
-        with ProcessPoolExecutor(max_workers=workers) as pool:
+        # spawn, not fork: a forked child of a process whose polars thread pool ran can deadlock.
+        with ProcessPoolExecutor(max_workers=workers, mp_context=multiprocessing.get_context("spawn")) as pool:
             for i, r in enumerate(pool.map(run_case, order, chunksize=1)):
                 results.append(r)
                 if progress:

@@ -61,7 +61,7 @@ def build_simulated(
             raise UserError(f"scenario {sc.name} with --nodes {nodes}: {msg[2].strip() if len(msg) > 2 else msg[0]}") from None
     cfg = config.defaults() if cfg is None else cfg
     # The scheduler is built from the cluster's node list; the cluster reads its placements.
-    scheduler = Scheduler(node_specs(sc))
+    scheduler = Scheduler(node_specs(sc), cfg)
     cluster = SimulatedCluster(sc, scheduler, seed=seed)
     collectors: list[Collector] = [cluster, SchedulerStateCollector(scheduler)]
     pipeline = Pipeline(collectors, default_detectors(cfg), sinks=[scheduler, *sinks], cfg=cfg)
@@ -78,6 +78,6 @@ def build_real(
 ) -> Runtime:
     """A runtime over real collectors (NVML, DCGM, logs); the built-in scheduler mirrors hints."""
     cfg = config.defaults() if cfg is None else cfg
-    scheduler = Scheduler(list(nodes))
+    scheduler = Scheduler(list(nodes), cfg)
     pipeline = Pipeline([*collectors, SchedulerStateCollector(scheduler)], default_detectors(cfg), sinks=[scheduler, *sinks], cfg=cfg)
     return Runtime(pipeline, scheduler, None, now=now)

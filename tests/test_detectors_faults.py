@@ -7,6 +7,7 @@ and cause, within the latency target) and then compares every finding with its g
 
 from __future__ import annotations
 
+import multiprocessing
 from concurrent.futures import ProcessPoolExecutor
 
 import pytest
@@ -35,7 +36,8 @@ OOM_KIND = {"memory_leak": "oom_capacity", "fragmentation": "oom_fragmentation",
 @pytest.fixture(scope="module")
 def results():
     names = sorted(CASES)
-    with ProcessPoolExecutor(max_workers=2) as pool:
+    # spawn, not fork: forking a process whose polars thread pool is running can deadlock.
+    with ProcessPoolExecutor(max_workers=2, mp_context=multiprocessing.get_context("spawn")) as pool:
         return dict(zip(names, pool.map(run, names, [CASES[n][0] for n in names])))
 
 

@@ -5,6 +5,7 @@ healthy run. Golden files hold the (empty) findings and the injected ground trut
 
 from __future__ import annotations
 
+import multiprocessing
 from concurrent.futures import ProcessPoolExecutor
 
 import pytest
@@ -16,7 +17,8 @@ NEGATIVES = ["healthy", "checkpoint_pause", "dataloader_stall", "high_memory", "
 
 @pytest.fixture(scope="module")
 def results():
-    with ProcessPoolExecutor(max_workers=2) as pool:
+    # spawn, not fork: forking a process whose polars thread pool is running can deadlock.
+    with ProcessPoolExecutor(max_workers=2, mp_context=multiprocessing.get_context("spawn")) as pool:
         return dict(zip(NEGATIVES, pool.map(run, NEGATIVES)))
 
 
