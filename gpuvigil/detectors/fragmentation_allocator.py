@@ -58,9 +58,9 @@ class AllocatorFragmentationDetector:
         df = current_run(window, "allocator_stats", since=now - c.window_seconds, warmup=c.warmup_seconds)
         if df.height == 0:
             return []
+        # The window is in arrival (time) order, so first/last below are oldest/newest.
         per_rank = (
-            df.sort("ts")
-            .group_by(["job", "rank"])
+            df.group_by(["job", "rank"])
             .agg(
                 pl.len().alias("n"),
                 (pl.col("reserved_bytes") - pl.col("peak_allocated_bytes")).last().alias("gap"),

@@ -545,9 +545,23 @@ class SchedulerStateCollector:
     name = "scheduler"
     streams = {"jobs": schemas.JOBS, "nodes": schemas.NODES, "allocations": schemas.ALLOCATIONS}
 
-    def __init__(self, scheduler: Scheduler):
+    def __init__(self, scheduler: Scheduler, refresh_seconds: float = 30.0):
         self.scheduler = scheduler
         self.errors = 0
+        self.refresh_seconds = refresh_seconds
+        self._signature: tuple | None = None
+        self._emitted_at = float("-inf")
+
+    def _state_signature(self) -> tuple:
+        # Placements, cordons and requeues all leave an action; checkpoints move a job's step.
+        sched = self.scheduler
+        return (len(sched.actions), len(sched.jobs), sum(js.last_checkpoint_step for js in sched.jobs.values()))
 
     def collect(self, now: float) -> dict[str, pl.DataFrame]:
+        """Snapshots only when the state changed (or every `refresh_seconds`): rebuilding them
+        for 100,000 GPUs on every tick would cost more than the detectors."""
+        signature = self._state_signature()
+        if signature == self._signature and now - self._emitted_at < self.refresh_seconds:
+            return {}
+        self._signature, self._emitted_at = signature, now
         return self.scheduler.state_frames()
