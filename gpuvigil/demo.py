@@ -8,6 +8,7 @@ names the injected job, rank(s) and node, and that hard negatives raise nothing.
 from __future__ import annotations
 
 import json
+import multiprocessing
 import os
 import sys
 from concurrent.futures import ProcessPoolExecutor
@@ -225,7 +226,8 @@ def cmd_demo(args) -> int:
                 results[job[0]] = _run_one(job)
                 progress.advance(task)
         else:
-            with ProcessPoolExecutor(max_workers=workers) as pool:
+            # spawn, not fork: a forked child can deadlock on locks polars' threads held.
+            with ProcessPoolExecutor(max_workers=workers, mp_context=multiprocessing.get_context("spawn")) as pool:
                 for job, res in zip(jobs, pool.map(_run_one, jobs)):
                     results[job[0]] = res
                     progress.advance(task)

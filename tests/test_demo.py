@@ -5,6 +5,7 @@ nothing. This is what `make demo` shows."""
 from __future__ import annotations
 
 import json
+import multiprocessing
 import subprocess
 import sys
 from concurrent.futures import ProcessPoolExecutor
@@ -32,7 +33,7 @@ EXPECTED = {
 @pytest.fixture(scope="module")
 def results() -> dict[str, ScenarioResult]:
     names = builtin_names()
-    with ProcessPoolExecutor(max_workers=2) as pool:
+    with ProcessPoolExecutor(max_workers=2, mp_context=multiprocessing.get_context("spawn")) as pool:
         return dict(zip(names, pool.map(run_scenario, names)))
 
 

@@ -36,6 +36,10 @@ class HangDetector:
     def __init__(self, cfg: dict[str, Any] | None = None):
         self.config = settings("hang", HangConfig, cfg)
         self._state: pl.DataFrame | None = None
+        # Per job: the last tick on which nobody waited in a collective. A stall is timed from
+        # the later of this and the last completion, so a checkpoint or data-loader pause (all
+        # ranks outside collectives) does not count towards the next collective's wait.
+        self._idle: pl.DataFrame = pl.DataFrame(schema={"job": pl.Utf8, "idle_ts": pl.Float64})
 
     def _update_state(self, window: Window) -> pl.DataFrame:
         """Per (job, rank): the latest report and when its completed counter last moved.
@@ -81,9 +85,14 @@ class HangDetector:
                 pl.len().alias("n_ranks"),
                 pl.col("step_time_seconds").median().alias("step_time"),
             )
+        )
+        idle_now = per_job.filter(pl.col("max_enq") <= pl.col("min_comp")).select("job", pl.lit(now).alias("idle_ts"))
+        self._idle = pl.concat([self._idle.join(per_job.select("job"), on="job", how="semi").join(idle_now, on="job", how="anti"), idle_now])
+        per_job = (
+            per_job.join(self._idle, on="job", how="left")
             .with_columns(
                 pl.max_horizontal(pl.lit(c.min_stall_seconds), pl.col("step_time") * c.step_time_factor).alias("threshold"),
-                (pl.lit(now) - pl.col("progress_ts")).alias("stalled_seconds"),
+                (pl.lit(now) - pl.max_horizontal("progress_ts", "idle_ts")).alias("stalled_seconds"),
             )
             .filter(
                 (pl.col("max_enq") > pl.col("min_comp"))
