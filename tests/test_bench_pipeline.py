@@ -1,0 +1,35 @@
+"""`gpuvigil bench pipeline` in reduced form: it runs and reports well-formed figures and a table.
+(Speed targets are stated by the benchmark itself, never asserted here.)"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+from benchmarks.pipeline import markdown
+
+
+def test_bench_pipeline_reduced_run_reports_every_size():
+    out = subprocess.run(
+        [sys.executable, "-m", "gpuvigil", "bench", "pipeline", "--gpus", "64,128", "--ticks", "2", "--warmup", "3", "--json", "--no-write"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert out.returncode == 0, out.stderr
+    result = json.loads(out.stdout.strip().splitlines()[-1])
+    assert [r["gpus"] for r in result["sizes"]] == [64, 128]
+    for row in result["sizes"]:
+        assert row["gpu_metric_samples_per_second"] > 0
+        assert row["tick_seconds_mean"] > 0 and row["peak_rss_bytes"] > 0
+        assert row["ranks"] > 0, "rank streams flow in the benchmark cluster"
+        assert abs(row["collect_seconds_per_tick"] + row["window_seconds_per_tick"] + row["detect_seconds_per_tick"] - row["tick_seconds_mean"]) < 1e-6
+    table = markdown(result["sizes"])
+    assert table.count("\n| 64 |") == 1 and "| 128 |" in table
+    assert "samples/s" in table
+
+
+def test_bench_pipeline_rejects_bad_sizes():
+    out = subprocess.run([sys.executable, "-m", "gpuvigil", "bench", "pipeline", "--gpus", "lots"], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 2 and len(out.stderr.strip().splitlines()) == 1
