@@ -247,3 +247,9 @@ def test_pathological_line_is_fast_enough_to_finish():
     # A huge line of near-matches must not hang the regexes (no catastrophic backtracking).
     line = "Watchdog caught collective operation timeout: WorkNCCL(" + "a=(" * 5000 + " ran for x"
     nccl_log.parse_lines([line, "CUDA out of memory. Tried to allocate " + "1" * 100000], reference_ts=REFERENCE_TS)
+
+
+def test_nccl_warn_with_an_embedded_newline_is_still_a_warning():
+    """Found by hypothesis: a mangled WARN line once crashed the parser."""
+    parsed = nccl_log.parse_lines(["ubuntu:39964:40075 [0] misc/socket.cc:483 NCCL WARN s\n0"], reference_ts=REFERENCE_TS)
+    assert [w.message for w in parsed.warnings] == ["s\n0"]

@@ -58,7 +58,8 @@ _PROGRESS = re.compile(
 _SOME_FAILED = re.compile(r"Some NCCL operations have failed or timed out")
 _INIT = re.compile(r"ProcessGroupNCCL initialization options:.*?size:\s*(?P<size>\d+),\s*global rank:\s*(?P<rank>\d+),\s*TIMEOUT\(ms\):\s*(?P<timeout>\d+)")
 _NCCL_WARN = re.compile(r"(?:^|\s|\])(?P<host>[\w.\-]+):(?P<pid>\d+):(?P<tid>\d+)\s+\[(?P<dev>\d+)\](?:\s+\S+:\d+)?\s+NCCL WARN\s*(?P<msg>.*)$")
-_NCCL_WARN_BARE = re.compile(r"NCCL WARN\s*(?P<msg>.*)$")
+# Always matches a line containing "NCCL WARN", whatever follows (even embedded newlines).
+_NCCL_WARN_BARE = re.compile(r"NCCL WARN\s*(?P<msg>.*)", re.S)
 _NET_WARN = re.compile(
     r"NET/|ibv_|\bIB\b|socket|Connection (?:closed|reset|refused)|Broken pipe|connect|remote peer|completion from peer|timed out|Network",
     re.IGNORECASE,
