@@ -19,9 +19,7 @@ import math
 import os
 import subprocess
 import sys
-import threading
 import time
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 import httpx
@@ -38,7 +36,7 @@ from gpuvigil.model import Finding, FindingKind, Severity
 from gpuvigil.pipeline.core import TickResult
 from gpuvigil.pipeline.window import Window
 from obs_helpers import alert_settings_for_tests
-from services import WebhookSink, binary, free_port, start_alertmanager, start_prometheus, wait_for
+from services import StaticPage, WebhookSink, binary, free_port, start_alertmanager, start_prometheus, wait_for
 
 pytestmark = [pytest.mark.services, pytest.mark.timeout(300)]
 
@@ -46,35 +44,6 @@ REPO = Path(__file__).resolve().parents[1]
 DCGM_PAGE = Path(__file__).parent / "data" / "obs" / "dcgm_node07.prom"
 SCENARIO, JOB, TEAM = "leak_to_oom", "llm-pretrain", "ml-research"  # llm-pretrain's tenant is research
 CLUSTER = "it"
-
-
-class StaticPage:
-    """Serves a fixed dcgm-exporter page for Prometheus to scrape (the DCGM dashboard variant)."""
-
-    def __init__(self, body: bytes):
-        class Handler(BaseHTTPRequestHandler):
-            def do_GET(self):  # noqa: N802
-                self.send_response(200)
-                self.send_header("Content-Type", "text/plain; version=0.0.4")
-                self.end_headers()
-                self.wfile.write(body)
-
-            def log_message(self, *a):
-                pass
-
-            def handle(self):
-                try:
-                    super().handle()
-                except (BrokenPipeError, ConnectionResetError):  # the scraper went away: fine
-                    pass
-
-        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        self.target = f"127.0.0.1:{self.server.server_address[1]}"
-        threading.Thread(target=self.server.serve_forever, daemon=True).start()
-
-    def close(self):
-        self.server.shutdown()
-        self.server.server_close()
 
 
 def metric(text: str, name: str) -> list[tuple[dict, float]]:

@@ -9,7 +9,6 @@ import sqlite3
 import subprocess
 import sys
 import threading
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 import httpx
@@ -18,7 +17,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from gpuvigil.cli import build_parser, main
 from gpuvigil.serve import Server
-from services import free_port, wait_for
+from services import StaticPage, free_port, wait_for
 
 REPO = Path(__file__).resolve().parents[1]
 DCGM_PAGE = Path(__file__).parent / "data" / "obs" / "dcgm_node07.prom"
@@ -80,37 +79,8 @@ def test_in_process_server_serves_metrics_and_the_feedback_api(tmp_path):
         server.close()
 
 
-class _DcgmExporter:
-    """Serves a dcgm-exporter page (a constructed fixture in dcgm-exporter's exact format)."""
-
-    def __init__(self, body: bytes):
-        class Handler(BaseHTTPRequestHandler):
-            def do_GET(self):  # noqa: N802
-                self.send_response(200)
-                self.send_header("Content-Type", "text/plain; version=0.0.4")
-                self.end_headers()
-                self.wfile.write(body)
-
-            def log_message(self, *a):
-                pass
-
-            def handle(self):
-                try:
-                    super().handle()
-                except (BrokenPipeError, ConnectionResetError):  # the scraper went away: fine
-                    pass
-
-        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        self.url = f"http://127.0.0.1:{self.server.server_address[1]}/metrics"
-        threading.Thread(target=self.server.serve_forever, daemon=True).start()
-
-    def close(self):
-        self.server.shutdown()
-        self.server.server_close()
-
-
 def test_dcgm_source_exports_the_exporter_s_gpus():
-    exporter = _DcgmExporter(DCGM_PAGE.read_bytes())
+    exporter = StaticPage(DCGM_PAGE.read_bytes())
     server = _server("--source", "dcgm", "--dcgm-url", exporter.url)
     try:
         _run_for(server, 1.5)
