@@ -364,10 +364,40 @@ class FileTail:
         return out
 
 
-class KernelLogCollector:
-    """Tails a kernel log file and emits `events` for each XID line appended to it."""
+class TailingLogCollector:
+    """Base of the collectors that tail a log file: new lines each tick → `events`.
+
+    Subclasses say how lines become events (`events_from`); reading, rotation and error counting
+    are here once. A line that cannot be parsed is counted in `errors`, never raised.
+    """
 
     streams: Mapping[str, pl.Schema] = {"events": schemas.EVENTS}
+    name: str
+    errors: int
+    tail: FileTail
+
+    def events_from(self, lines: list[str], first_line_no: int) -> pl.DataFrame:
+        raise NotImplementedError
+
+    def collect(self, now: float) -> dict[str, pl.DataFrame]:
+        first = self.tail.lines_read + 1
+        try:
+            lines = self.tail.read_lines()
+        except OSError:
+            self.errors += 1
+            return {}
+        if not lines:
+            return {}
+        try:
+            ev = self.events_from(lines, first)
+        except (ValueError, OverflowError, schemas.SchemaError):
+            self.errors += 1
+            return {}
+        return {"events": ev} if ev.height else {}
+
+
+class KernelLogCollector(TailingLogCollector):
+    """Tails a kernel log file and emits `events` for each XID line appended to it."""
 
     def __init__(
         self,
@@ -385,20 +415,8 @@ class KernelLogCollector:
         self.boot_ts = boot_time() if boot_ts is None else boot_ts
         self.tail = FileTail(Path(path), from_start=from_start)
 
-    def collect(self, now: float) -> dict[str, pl.DataFrame]:
-        first = self.tail.lines_read + 1
-        try:
-            lines = self.tail.read_lines()
-        except OSError:
-            self.errors += 1
-            return {}
-        if not lines:
-            return {}
-        try:
-            parsed = parse_lines(
-                lines, node=self.node, pci_to_gpu=self.pci_to_gpu, reference_ts=time.time(), boot_ts=self.boot_ts, first_line_no=first
-            )
-        except (ValueError, OverflowError, schemas.SchemaError):
-            self.errors += 1
-            return {}
-        return {"events": events(parsed)} if parsed.height else {}
+    def events_from(self, lines: list[str], first_line_no: int) -> pl.DataFrame:
+        parsed = parse_lines(
+            lines, node=self.node, pci_to_gpu=self.pci_to_gpu, reference_ts=time.time(), boot_ts=self.boot_ts, first_line_no=first_line_no
+        )
+        return events(parsed) if parsed.height else schemas.empty("events")

@@ -40,6 +40,7 @@ from pydantic import BaseModel, Field
 
 from gpuvigil import config, schemas
 from gpuvigil.collectors.logtime import line_time
+from gpuvigil.collectors.kernel_log import FileTail, TailingLogCollector  # one tail implementation for all logs
 from gpuvigil.model import Finding, FindingKind, Severity
 
 _UNITS = {"b": 1, "bytes": 1, "byte": 1, "kib": 1 << 10, "mib": 1 << 20, "gib": 1 << 30, "tib": 1 << 40, "kb": 1 << 10, "mb": 1 << 20, "gb": 1 << 30}
@@ -551,33 +552,16 @@ def looks_like_training_log(sample: str) -> bool:
     return _SNIFF.search(sample) is not None
 
 
-class NcclLogCollector:
+class NcclLogCollector(TailingLogCollector):
     """Tails a training log (one rank's, or torchrun's merged output) and emits `events`."""
 
-    streams = {"events": schemas.EVENTS}
-
     def __init__(self, path: str | Path, *, node: str | None = None, job: str | None = None, from_start: bool = True):
-        from gpuvigil.collectors.kernel_log import FileTail  # one tail implementation for all logs
-
         self.name = f"nccl_log:{path}"
         self.errors = 0
         self.node = node
         self.job = job
         self.tail = FileTail(Path(path), from_start=from_start)
 
-    def collect(self, now: float) -> dict[str, pl.DataFrame]:
-        first = self.tail.lines_read + 1
-        try:
-            lines = self.tail.read_lines()
-        except OSError:
-            self.errors += 1
-            return {}
-        if not lines:
-            return {}
-        try:
-            parsed = parse_lines(lines, reference_ts=time.time(), first_line_no=first)
-            ev = events(parsed, node=self.node, job=self.job)
-        except (ValueError, OverflowError, schemas.SchemaError):
-            self.errors += 1
-            return {}
-        return {"events": ev} if ev.height else {}
+    def events_from(self, lines: list[str], first_line_no: int) -> pl.DataFrame:
+        parsed = parse_lines(lines, reference_ts=time.time(), first_line_no=first_line_no)
+        return events(parsed, node=self.node, job=self.job)
