@@ -8,6 +8,7 @@ is tried again). Nothing is lost on failure.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Iterable
 from typing import Any
 
@@ -60,3 +61,55 @@ def apply_hints(apply: Callable[[Hint], str], hints: Iterable[Hint], *, store: A
             if retry is not None:
                 retry.pop(hint.id, None)
     return outcome
+
+
+class HintApplier:
+    """What the Slurm and Kubernetes adapters share: applying the store's pending hints (those
+    due for a retry) and, as a pipeline sink, undoing what they did when a hint expires.
+
+    A subclass provides `outcome(hint) -> str` (apply it, return what was done), `undo(hint)`,
+    and the attributes `store`, `retry`, `config` (retry_base_seconds, retry_max_seconds),
+    `undo_errors` and `last_error`.
+    """
+
+    store: Any
+    retry: dict[str, Hint]
+    config: Any
+    undo_errors: int
+    last_error: str | None
+
+    def outcome(self, hint: Hint) -> str:
+        raise NotImplementedError
+
+    def undo(self, hint: Hint) -> str | None:
+        raise NotImplementedError
+
+    def apply_pending(self, hints: Iterable[Hint] | None = None) -> dict[str, str]:
+        """Apply hints (default: every pending hint in the store that is due). Returns hint id →
+        `acked: ...`, `nacked: ...` or `failed: ...`; failures never raise here."""
+        if hints is None:
+            if self.store is None:
+                raise ValueError("apply_pending() without hints needs a store")
+            now = time.time()
+            hints = [
+                r.to_hint()
+                for r in self.store.pending_hints()
+                if due_for_retry(r, now, self.config.retry_base_seconds, self.config.retry_max_seconds)
+            ]
+        return apply_hints(self.outcome, hints, store=self.store, retry=self.retry)
+
+    def on_tick(self, result: Any, window: Any = None) -> None:
+        """Pipeline sink. Put it after the HintStore in the sink list so the store has the hints."""
+        for hint in result.expired_hints:
+            self.retry.pop(hint.id, None)
+            try:
+                self.undo(hint)
+            except ApplyError as exc:
+                # Counted, not raised into the loop: the node keeps its drain/taint (the safe
+                # side) until an operator looks.
+                self.undo_errors += 1
+                self.last_error = str(exc)
+        if self.store is not None:
+            self.apply_pending()
+        else:
+            self.apply_pending(list(self.retry.values()) + list(result.new_hints))

@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import json
 import re
-import time
 from collections.abc import Iterable
 from datetime import UTC, datetime
 from typing import Any, Literal
@@ -28,7 +27,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, Field
 
 from gpuvigil import config
-from gpuvigil.api.apply import ApplyError, Unsupported, apply_hints, due_for_retry
+from gpuvigil.api.apply import ApplyError, HintApplier, Unsupported
 from gpuvigil.model import Hint, HintAction
 
 DOMAIN = "gpuvigil.io"
@@ -74,7 +73,7 @@ def _camel(kind: str) -> str:
     return "".join(part.capitalize() for part in kind.split("_"))
 
 
-class KubernetesAdapter:
+class KubernetesAdapter(HintApplier):
     """Applies hints to a Kubernetes cluster; as a pipeline sink, like the Slurm adapter."""
 
     def __init__(self, api_client: Any = None, *, store: Any = None, cfg: dict[str, Any] | None = None):
@@ -341,28 +340,5 @@ class KubernetesAdapter:
             return f"node {node}: GPU {hint.gpu} no longer avoided"
         return None
 
-    def apply_pending(self, hints: Iterable[Hint] | None = None) -> dict[str, str]:
-        if hints is None:
-            if self.store is None:
-                raise ValueError("apply_pending() without hints needs a store")
-            now = time.time()
-            hints = [
-                r.to_hint()
-                for r in self.store.pending_hints()
-                if due_for_retry(r, now, self.config.retry_base_seconds, self.config.retry_max_seconds)
-            ]
-        return apply_hints(self.apply, hints, store=self.store, retry=self.retry)
-
-    def on_tick(self, result: Any, window: Any = None) -> None:
-        """Pipeline sink; put it after the HintStore in the sink list."""
-        for hint in result.expired_hints:
-            self.retry.pop(hint.id, None)
-            try:
-                self.undo(hint)
-            except KubernetesError as exc:
-                self.undo_errors += 1  # the node keeps its taint (the safe side) until an operator looks
-                self.last_error = str(exc)
-        if self.store is not None:
-            self.apply_pending()
-        else:
-            self.apply_pending(list(self.retry.values()) + list(result.new_hints))
+    def outcome(self, hint: Hint) -> str:
+        return self.apply(hint)

@@ -28,7 +28,6 @@ import os
 import re
 import signal
 import subprocess
-import time
 from collections import deque
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
@@ -39,7 +38,7 @@ import polars as pl
 from pydantic import BaseModel, Field
 
 from gpuvigil import config, schemas
-from gpuvigil.api.apply import ApplyError, Unsupported, apply_hints, due_for_retry
+from gpuvigil.api.apply import ApplyError, HintApplier, Unsupported
 from gpuvigil.model import Hint, HintAction
 
 
@@ -617,7 +616,7 @@ class Applied:
     detail: str
 
 
-class SlurmAdapter:
+class SlurmAdapter(HintApplier):
     """Applies hints to a Slurm cluster. As a pipeline sink it applies new hints each tick (or,
     with a store, every pending hint), acks what it applied, nacks what Slurm cannot express,
     leaves failures pending with the error, and resumes nodes whose drain cause cleared."""
@@ -712,31 +711,5 @@ class SlurmAdapter:
         self.resume_node(hint.node)
         return f"scontrol resumed {hint.node}: cause {hint.finding_id} cleared"
 
-    def apply_pending(self, hints: Iterable[Hint] | None = None) -> dict[str, str]:
-        """Apply hints (default: every pending hint in the store). Returns hint id → outcome
-        (`acked: ...`, `nacked: ...`, `failed: ...`). Failures never raise here."""
-        if hints is None:
-            if self.store is None:
-                raise ValueError("apply_pending() without hints needs a store")
-            now = time.time()
-            hints = [
-                r.to_hint()
-                for r in self.store.pending_hints()
-                if due_for_retry(r, now, self.config.retry_base_seconds, self.config.retry_max_seconds)
-            ]
-        return apply_hints(lambda h: self.apply(h).detail, hints, store=self.store, retry=self.retry)
-
-    def on_tick(self, result: Any, window: Any = None) -> None:
-        """Pipeline sink. Put it after the HintStore in the sink list so the store has the hints."""
-        for hint in result.expired_hints:
-            self.retry.pop(hint.id, None)
-            try:
-                self.undo(hint)
-            except SlurmError as exc:
-                # Counted, not raised into the loop: the node stays drained (the safe side) for an operator.
-                self.undo_errors += 1
-                self.last_error = str(exc)
-        if self.store is not None:
-            self.apply_pending()
-        else:
-            self.apply_pending(list(self.retry.values()) + list(result.new_hints))
+    def outcome(self, hint: Hint) -> str:
+        return self.apply(hint).detail
