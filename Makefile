@@ -1,12 +1,13 @@
 # Two commands do all set-up on a fresh Debian machine:
 #   make demo   creates .venv, installs gpuvigil, runs the demo on the simulated cluster
 #               (or on real GPUs through NVML where a driver exists)
-#   make test   installs the dev/test dependencies and runs the whole suite
+#   make test   installs the dev/test dependencies and runs the whole suite, then the unit tests
+#               again on the lowest dependency versions pyproject.toml allows (test-lowest)
 PY ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
 
-.PHONY: demo test install install-dev system-deps clean
+.PHONY: demo test test-lowest mutate install install-dev system-deps clean
 
 $(BIN)/python:
 	$(PY) -m venv $(VENV)
@@ -23,7 +24,7 @@ install-dev: install
 # Debian packages the integration tests start for real (needs root; CI runs as root).
 system-deps:
 	@if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null; then \
-	  missing=""; for p in prometheus prometheus-alertmanager slurm-wlm slurm-client munge; do \
+	  missing=""; for p in prometheus prometheus-alertmanager slurm-wlm slurm-client munge chromium; do \
 	    dpkg -s $$p >/dev/null 2>&1 || missing="$$missing $$p"; done; \
 	  if [ -n "$$missing" ]; then apt-get update -q && DEBIAN_FRONTEND=noninteractive apt-get install -y -q $$missing; fi; \
 	else echo "not root or no apt-get: integration tests needing Prometheus/Alertmanager/Slurm will be skipped"; fi
@@ -33,6 +34,40 @@ demo: install
 
 test: system-deps install-dev
 	$(BIN)/python -m pytest -q -ra
+	$(MAKE) test-lowest
+
+# The floors in pyproject.toml are true: a second venv gets the lowest version of every direct
+# dependency (uv --resolution lowest-direct) and the unit tests that exercise each library's API
+# run there (not the service or torch tests; ~5 min). The kubernetes extra comes second: its
+# floor (37) needs pydantic >= 2.13.5 and would otherwise hide pydantic's. docs/dependencies.md.
+LOW_VENV ?= .venv-lowest
+LOW_UV = VIRTUAL_ENV="$(CURDIR)/$(LOW_VENV)" $(BIN)/uv pip
+LOW_PYTEST = $(LOW_VENV)/bin/python -m pytest -q -p no:cacheprovider -m "not services and not torch"
+LOW_SHOW = grep -iE '^(polars|numpy|pydantic|fastapi|anyio|uvicorn|httpx|prometheus-client|opentelemetry-sdk|nvidia-ml-py|pyyaml|rich|python-hostlist|kubernetes|grafanalib)=='
+LOWEST_TESTS ?= tests/test_dcgm.py tests/test_config_whole.py tests/test_hostlist.py tests/test_backoff.py \
+	tests/test_instrument_stdlib.py tests/test_dashboards.py tests/test_detectors_units.py tests/test_exporter.py \
+	tests/test_otel.py tests/test_nvml.py tests/test_slurm_parse.py tests/test_api_app.py \
+	tests/test_extras.py tests/test_alerts.py
+test-lowest: install-dev
+	$(BIN)/pip install -q 'uv>=0.5'
+	rm -rf $(LOW_VENV)
+	$(BIN)/uv venv -q --python "$$(command -v $(PY))" $(LOW_VENV)
+	$(LOW_UV) install -q --resolution lowest-direct -e '.[build,test]'
+	$(LOW_UV) freeze | $(LOW_SHOW)
+	$(LOW_PYTEST) $(LOWEST_TESTS)
+	$(LOW_UV) install -q --resolution lowest-direct -e '.[build,test,kubernetes]'
+	$(LOW_UV) freeze | $(LOW_SHOW)
+	$(LOW_PYTEST) tests/test_kubernetes_adapter.py
+
+# Mutation testing of gpuvigil/detectors/ and gpuvigil/pipeline/ (mutmut 3, config [tool.mutmut] in
+# pyproject.toml): each mutant runs only the fast tests that cover it. CPU-heavy (docs/testing.md
+# has the measured score and every survivor); MUTATE_JOBS sets the parallel workers.
+MUTATE_JOBS ?= 2
+mutate: install-dev
+	$(BIN)/pip install -q -e '.[mutate]'
+	rm -rf mutants
+	$(BIN)/mutmut run --max-children $(MUTATE_JOBS)
+	$(BIN)/mutmut results
 
 clean:
-	rm -rf $(VENV) .pytest_cache .hypothesis
+	rm -rf $(VENV) $(LOW_VENV) .pytest_cache .hypothesis mutants

@@ -9,7 +9,10 @@ Measured on this machine's CPU:
 3. End to end: N steps of exactly 100 ms of busy work (a spin, so that the hook's cost cannot hide
    in a sleep), with and without the hook publishing every second; overhead = extra wall time.
 
-The target is < 1% of a 100 ms step.
+4. Import cost: `import gpuvigil.instrument` in fresh interpreters (median wall time and RSS
+   added), and which heavy modules it loaded (none may be: the hook is stdlib-only).
+
+The targets are < 1% of a 100 ms step, and < 50 ms and < 5 MB RSS for the import.
 """
 
 from __future__ import annotations
@@ -19,6 +22,7 @@ import datetime
 import json
 import os
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
@@ -30,6 +34,45 @@ import gpuvigil.instrument as gv
 STEP_SECONDS = 0.100
 # What scripts/device_check.py measured on a real GPU, quoted in the report when present.
 DEVICE_RESULT = Path(__file__).resolve().parent.parent / "scripts" / "device_check_h200_result.json"
+
+
+IMPORT_TARGET_MS = 50.0
+IMPORT_TARGET_MB = 5.0
+HEAVY_MODULES = ("polars", "numpy", "pydantic", "sklearn", "yaml", "torch")
+
+# Run in a fresh interpreter: RSS from /proc (Linux) before and after one import.
+_IMPORT_PROBE = """
+import json, sys, time
+def rss():
+    try:
+        with open("/proc/self/status") as f:
+            return next(int(l.split()[1]) * 1024 for l in f if l.startswith("VmRSS"))
+    except (OSError, StopIteration):
+        return 0
+r0 = rss(); c0 = time.process_time(); t0 = time.perf_counter()
+__import__(sys.argv[1])
+t = time.perf_counter() - t0; c = time.process_time() - c0
+print(json.dumps({"seconds": t, "cpu_seconds": c, "rss_added_bytes": rss() - r0, "heavy": [m for m in sys.argv[2:] if m in sys.modules]}))
+"""
+
+
+def bench_import(module: str = "gpuvigil.instrument", runs: int = 7) -> dict[str, Any]:
+    """Median wall time and RSS added by importing `module` in `runs` fresh interpreters."""
+    samples = []
+    for _ in range(runs):
+        out = subprocess.run([sys.executable, "-c", _IMPORT_PROBE, module, *HEAVY_MODULES], capture_output=True, text=True, timeout=120, check=True)
+        samples.append(json.loads(out.stdout))
+    return {
+        "module": module,
+        "runs": runs,
+        "median_ms": statistics.median(s["seconds"] for s in samples) * 1e3,
+        "min_ms": min(s["seconds"] for s in samples) * 1e3,  # the least preempted run
+        # CPU time of the import: what it costs the rank, whatever else the machine is doing.
+        "median_cpu_ms": statistics.median(s["cpu_seconds"] for s in samples) * 1e3,
+        "load_average": os.getloadavg()[0] if hasattr(os, "getloadavg") else None,
+        "median_rss_added_mb": statistics.median(s["rss_added_bytes"] for s in samples) / 2**20,
+        "heavy_modules_loaded": sorted({m for s in samples for m in s["heavy"]}),
+    }
 
 
 def _percentile(values: list[float], q: float) -> float:
@@ -126,7 +169,8 @@ def run(quick: bool = False) -> dict[str, Any]:
     n_calls = 100_000 if quick else 1_000_000
     n_publish = 200 if quick else 1000
     steps = 20 if quick else 60
-    res: dict[str, Any] = {"python": sys.version.split()[0], "step_call_ns": bench_step_calls(n_calls) * 1e9}
+    res: dict[str, Any] = {"python": sys.version.split()[0], "import": bench_import(runs=3 if quick else 11)}
+    res["step_call_ns"] = bench_step_calls(n_calls) * 1e9
     res["publish_no_torch"] = bench_publish(n_publish) if "torch" not in sys.modules else None
     try:
         import torch
@@ -181,6 +225,16 @@ def markdown(res: dict[str, Any]) -> str:
         f"{e2e['with_s']:.3f} s with it ({e2e['publishes']} publishes): {e2e['overhead_pct']:+.3f}% "
         "(at this size the difference is within run-to-run noise; the modelled figure is the bound).",
     ]
+    imp = res.get("import")
+    if imp:
+        heavy = ", ".join(imp["heavy_modules_loaded"]) or "none"
+        lines += [
+            "",
+            f"Import: `import gpuvigil.instrument` in a fresh interpreter takes **{imp['median_ms']:.1f} ms** wall (fastest run "
+            f"{imp.get('min_ms', imp['median_ms']):.1f} ms; {imp.get('median_cpu_ms', imp['median_ms']):.1f} ms of CPU) and adds **{imp['median_rss_added_mb']:.1f} MB** RSS (median of {imp['runs']} runs; "
+            f"targets < {IMPORT_TARGET_MS:.0f} ms and < {IMPORT_TARGET_MB:.0f} MB); heavy modules loaded: {heavy}."
+            + (f" Load average {imp['load_average']:.1f} while measuring (a loaded machine slows every import alike)." if imp.get("load_average") is not None else ""),
+        ]
     lines += _device_lines()
     return "\n".join(lines)
 

@@ -3,8 +3,13 @@
 Each cluster size runs in its own process with polars limited to one thread (one core), so the
 figures and the peak memory are those of one pipeline. The cluster is the simulated one, 80% of
 GPUs busy with 64-GPU jobs, so rank-progress and allocator streams flow too. Windows are warmed
-with 90 s of history (the longest detector look-back) before timing. Targets (issue 2): at least
-1,000,000 GPU-metric samples/s, and a tick for 100,000 GPUs in under 1 s.
+with 90 s of history (the longest detector look-back) before timing. Targets (issue 11): at least
+3,000,000 GPU-metric samples/s; a tick for 100,000 GPUs under 1 s, both the mean and the worst
+tick on which every detector is due at once; peak memory under 2 GB.
+
+Both wall and CPU time are reported: on a shared machine the wall clock also counts time the
+process waited for a core, CPU time (process/thread time) does not. The simulator's own cost
+(`collect`) is reported apart from gpuvigil's (window, detectors, findings, hints).
 """
 
 from __future__ import annotations
@@ -18,13 +23,14 @@ import sys
 import time
 from typing import Any
 
-TARGET_SAMPLES_PER_SECOND = 1_000_000
+TARGET_SAMPLES_PER_SECOND = 3_000_000
+TARGET_PEAK_RSS_BYTES = 2 * 10**9
 TARGET_TICK_SECONDS_AT_100K = 1.0
 WARMUP_SECONDS = 90.0
 
 
 def _scenario(gpus: int):
-    from gpuvigil.collectors.scenario import Scenario
+    from gpuvigil.sim.scenario import Scenario
 
     nodes = max(1, gpus // 8)
     job_gpus = 64 if gpus >= 640 else 8
@@ -59,16 +65,17 @@ def measure(gpus: int, ticks: int, warmup_ticks: int | None = None) -> dict[str,
 
         def __init__(self, inner):
             self.inner, self.name, self.streams = inner, inner.name, inner.streams
-            self.seconds, self.gpu_rows, self.other_rows = 0.0, 0, 0
+            self.seconds, self.cpu_seconds, self.gpu_rows, self.other_rows = 0.0, 0.0, 0, 0
 
         @property
         def errors(self) -> int:
             return self.inner.errors
 
         def collect(self, now: float) -> dict[str, pl.DataFrame]:
-            t0 = time.perf_counter()
+            t0, c0 = time.perf_counter(), time.process_time()
             frames = self.inner.collect(now)
             self.seconds += time.perf_counter() - t0
+            self.cpu_seconds += time.process_time() - c0
             for stream, df in frames.items():
                 if stream == "gpu_samples":
                     self.gpu_rows += df.height
@@ -78,22 +85,63 @@ def measure(gpus: int, ticks: int, warmup_ticks: int | None = None) -> dict[str,
 
     timed = [Timed(c) for c in pipe.collectors]
     pipe.collectors = timed
-    tick_times, detector_totals = [], {d.name: 0.0 for d in pipe.detectors}
+    # CPU time per detector (detect and, on ticks it is not due, ingest), measured in place so
+    # the pipeline still sees the detector itself (its level, streams, ingest).
+    detector_cpu = {d.name: 0.0 for d in pipe.detectors}
+    tick_detector_cpu: dict[str, float] = {}
+
+    def cpu_timed(name, fn):
+        def run(window):
+            c0 = time.process_time()
+            try:
+                return fn(window)
+            finally:
+                spent = time.process_time() - c0
+                detector_cpu[name] += spent
+                tick_detector_cpu[name] = tick_detector_cpu.get(name, 0.0) + spent
+
+        return run
+
+    for d in pipe.detectors:
+        d.detect = cpu_timed(d.name, d.detect)
+        if getattr(d, "ingest", None) is not None:
+            d.ingest = cpu_timed(d.name, d.ingest)
+    tick_times, tick_cpu, all_due_wall, all_due_cpu = [], [], [], []
+    all_due_detectors: dict[str, float] = {}
+    detector_totals = {d.name: 0.0 for d in pipe.detectors}
+    collect_cpu_before = 0.0
     for _ in range(ticks):
         # The production tick: detectors run at their configured periods
         # (config pipeline.detector_every_seconds), findings merged, hints issued.
+        tick_detector_cpu.clear()
+        c0 = time.process_time()
         result = rt.step()
+        cpu = time.process_time() - c0
+        collect_cpu_now = sum(t.cpu_seconds for t in timed)
+        gpuvigil_cpu = cpu - (collect_cpu_now - collect_cpu_before)  # the simulator's collect apart
+        collect_cpu_before = collect_cpu_now
         tick_times.append(result.duration_seconds)
+        tick_cpu.append(gpuvigil_cpu)
         for name, sec in result.detector_seconds.items():
             detector_totals[name] += sec
+        ran = {n for n, t in pipe._detector_last_run.items() if t == result.now}
+        if ran and ran >= set(pipe._detector_last_run):
+            # Every detector that runs at all was due on this tick: the worst case.
+            all_due_wall.append(result.duration_seconds)
+            all_due_cpu.append(gpuvigil_cpu)
+            if gpuvigil_cpu >= max(all_due_cpu):
+                all_due_detectors = dict(tick_detector_cpu)
     collect_s = sum(t.seconds for t in timed)
+    collect_cpu = sum(t.cpu_seconds for t in timed)
     gpu_rows = sum(t.gpu_rows for t in timed)
     other_rows = sum(t.other_rows for t in timed)
     detect_s = sum(detector_totals.values())
     window_s = sum(tick_times) - collect_s - detect_s  # window seal, findings lifecycle, hints, sinks
     total = collect_s + window_s + detect_s
     window_rows = {s: pipe.window.get(s).height for s in pipe.window.streams()}
+    window_bytes = sum(pipe.window.get(s).estimated_size() for s in pipe.window.streams())
     samples = gpu_rows * len(metric_cols)
+    gv_cpu = sum(tick_cpu)
     return {
         "gpus": gpus,
         "ticks": ticks,
@@ -101,6 +149,18 @@ def measure(gpus: int, ticks: int, warmup_ticks: int | None = None) -> dict[str,
         "ranks": sum(j.cfg.gpus for j in rt.cluster.jobs.values()) if rt.cluster else 0,
         "metrics_per_gpu_sample": len(metric_cols),
         "gpu_metric_samples_per_second": samples / total,
+        # One core's worth: samples over gpuvigil's own CPU time (the simulator's collect apart).
+        "gpu_metric_samples_per_cpu_second": samples / gv_cpu if gv_cpu > 0 else 0.0,
+        "tick_cpu_seconds_mean": gv_cpu / ticks,
+        "tick_cpu_seconds_max": max(tick_cpu),
+        "all_due_ticks": len(all_due_cpu),
+        "all_due_tick_cpu_seconds_max": max(all_due_cpu) if all_due_cpu else None,
+        "all_due_tick_seconds_max": max(all_due_wall) if all_due_wall else None,
+        "all_due_detector_cpu_seconds": {k: v for k, v in sorted(all_due_detectors.items())},
+        "collect_cpu_seconds_per_tick": collect_cpu / ticks,
+        "detector_cpu_seconds_per_tick": {k: v / ticks for k, v in sorted(detector_cpu.items())},
+        "window_bytes": window_bytes,
+        "window_bytes_by_stream": {s: pipe.window.get(s).estimated_size() for s in pipe.window.streams()},
         "gpu_rows_per_second": gpu_rows / total,
         "all_rows_per_second": (gpu_rows + other_rows) / total,
         "tick_seconds_mean": total / ticks,
@@ -127,29 +187,50 @@ def run_worker(gpus: int, ticks: int, warmup: int | None) -> dict[str, Any]:
 def markdown(rows: list[dict[str, Any]]) -> str:
     head = (
         "## Pipeline throughput (`gpuvigil bench pipeline`)\n\n"
-        f"The production tick (`Pipeline.tick`: detectors at their configured periods, findings merged, hints to the scheduler), one core (polars single-threaded), simulated cluster with 80% of GPUs in 64-GPU jobs, windows warmed with 90 s of history (the longest detector look-back). "
-        f"Machine: {platform.machine()}, {os.cpu_count()} cores, Python {platform.python_version()}. "
-        f"Targets: ≥ {TARGET_SAMPLES_PER_SECOND:,} GPU-metric samples/s; a tick for 100,000 GPUs < {TARGET_TICK_SECONDS_AT_100K:.0f} s.\n\n"
-        "| GPUs | ranks | GPU-metric samples/s | rows/s (all streams) | tick mean (s) | tick max (s) | collect (s) | window + rest (s) | detect (s) | window rows | peak RSS (MiB) |\n"
+        "The production tick (`Pipeline.tick`: detectors at their configured periods, findings merged, hints to the scheduler), one core (polars single-threaded), "
+        "**simulated** cluster (gpuvigil's simulator, no real GPUs) with 80% of GPUs in 64-GPU jobs, windows warmed with 90 s of history (the longest detector look-back). "
+        f"Machine: {platform.machine()}, {os.cpu_count()} cores, Python {platform.python_version()}; **loaded by other work** while measured (2 cores shared with about 8 other processes), "
+        "so wall times are pessimistic: CPU time (process time, which does not count waiting for a core) is the figure to read. "
+        "`gpuvigil` columns exclude the simulator's own `collect`, which is reported apart (a real NVML/DCGM collector is I/O-bound instead). "
+        f"Targets: ≥ {TARGET_SAMPLES_PER_SECOND:,} GPU-metric samples/s per core; a 100,000-GPU tick < {TARGET_TICK_SECONDS_AT_100K:.0f} s mean and on the worst tick (every detector due at once); "
+        f"peak memory < {TARGET_PEAK_RSS_BYTES / 1e9:.0f} GB.\n\n"
+        "| GPUs | ranks | gpuvigil tick CPU mean (s) | worst tick CPU, all detectors due (s) | same, wall (s) | simulator collect CPU (s) | GPU-metric samples/s per gpuvigil CPU-second | GPU-metric samples/s, wall, incl. simulator | tick wall mean (s) | window rows | peak RSS (MiB) |\n"
         "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|\n"
     )
+
+    def num(x: float | None, fmt: str) -> str:
+        return "n/a" if x is None else format(x, fmt)
+
     body = "".join(
-        f"| {r['gpus']:,} | {r['ranks']:,} | {r['gpu_metric_samples_per_second']:,.0f} | {r['all_rows_per_second']:,.0f} | "
-        f"{r['tick_seconds_mean']:.3f} | {r['tick_seconds_max']:.3f} | {r['collect_seconds_per_tick']:.3f} | {r['window_seconds_per_tick']:.3f} | "
-        f"{r['detect_seconds_per_tick']:.3f} | {r['window_rows']:,} | {r['peak_rss_bytes'] / 2**20:,.0f} |\n"
+        f"| {r['gpus']:,} | {r['ranks']:,} | {r['tick_cpu_seconds_mean']:.3f} | {num(r['all_due_tick_cpu_seconds_max'], '.3f')} | {num(r['all_due_tick_seconds_max'], '.3f')} | "
+        f"{r['collect_cpu_seconds_per_tick']:.3f} | {r['gpu_metric_samples_per_cpu_second']:,.0f} | {r['gpu_metric_samples_per_second']:,.0f} | "
+        f"{r['tick_seconds_mean']:.3f} | {r['window_rows']:,} | {r['peak_rss_bytes'] / 2**20:,.0f} |\n"
         for r in rows
     )
     notes = []
     for r in rows:
         if r["gpus"] >= 100_000:
-            ok = r["tick_seconds_mean"] < TARGET_TICK_SECONDS_AT_100K
-            notes.append(f"- 100,000-GPU tick: {r['tick_seconds_mean']:.3f} s mean — target {'met' if ok else 'NOT met'}.")
-    best = max(r["gpu_metric_samples_per_second"] for r in rows)
-    notes.append(f"- Best throughput: {best:,.0f} GPU-metric samples/s — target {'met' if best >= TARGET_SAMPLES_PER_SECOND else 'NOT met'}.")
-    notes.append("- `collect` is the simulator generating the frames (and the scheduler's state snapshots); a real NVML/DCGM collector is I/O-bound instead.")
+            worst = r["all_due_tick_cpu_seconds_max"]
+            ok = r["tick_cpu_seconds_mean"] < TARGET_TICK_SECONDS_AT_100K and worst is not None and worst < TARGET_TICK_SECONDS_AT_100K
+            notes.append(
+                f"- {r['gpus']:,}-GPU tick (gpuvigil CPU): {r['tick_cpu_seconds_mean']:.3f} s mean, {num(worst, '.3f')} s worst (all due) — target {'met' if ok else 'NOT met'}; "
+                f"peak RSS {r['peak_rss_bytes'] / 1e9:.2f} GB — target {'met' if r['peak_rss_bytes'] < TARGET_PEAK_RSS_BYTES else 'NOT met'}."
+            )
+    best = max(r["gpu_metric_samples_per_cpu_second"] for r in rows)
+    notes.append(f"- Best throughput: {best:,.0f} GPU-metric samples per gpuvigil CPU-second — target {'met' if best >= TARGET_SAMPLES_PER_SECOND else 'NOT met'}.")
+    if len(rows) > 1 and rows[0]["tick_cpu_seconds_mean"] > 0:
+        a, b = rows[0], rows[-1]
+        notes.append(
+            f"- Cost growth {a['gpus']:,} → {b['gpus']:,} GPUs ({b['gpus'] / a['gpus']:.0f}×): gpuvigil tick CPU ×{b['tick_cpu_seconds_mean'] / a['tick_cpu_seconds_mean']:.0f} mean, "
+            + (f"×{b['all_due_tick_cpu_seconds_max'] / a['all_due_tick_cpu_seconds_max']:.0f} worst; " if a["all_due_tick_cpu_seconds_max"] and b["all_due_tick_cpu_seconds_max"] else "")
+            + f"simulator collect ×{b['collect_cpu_seconds_per_tick'] / max(a['collect_cpu_seconds_per_tick'], 1e-9):.0f}."
+        )
     big = rows[-1]
-    costly = sorted(big["detector_seconds_per_tick"].items(), key=lambda kv: -kv[1])[:4]
-    notes.append(f"- Detector cost per tick at {big['gpus']:,} GPUs (mean over the timed ticks): " + ", ".join(f"{k} {v:.3f} s" for k, v in costly) + ".")
+    costly = sorted(big["all_due_detector_cpu_seconds"].items(), key=lambda kv: -kv[1])[:6]
+    if costly:
+        notes.append(f"- Detector CPU on the worst tick at {big['gpus']:,} GPUs: " + ", ".join(f"{k} {v:.3f} s" for k, v in costly) + ".")
+    mean = sorted(big["detector_cpu_seconds_per_tick"].items(), key=lambda kv: -kv[1])[:6]
+    notes.append(f"- Detector CPU per tick at {big['gpus']:,} GPUs (mean over the timed ticks): " + ", ".join(f"{k} {v:.3f} s" for k, v in mean) + ".")
     return head + body + "\n" + "\n".join(notes) + "\n"
 
 
@@ -167,7 +248,11 @@ def cmd_bench_pipeline(args) -> int:
         row = run_worker(gpus, args.ticks, args.warmup)
         rows.append(row)
         if not args.json:
-            print(f"{gpus:>8,} GPUs: {row['gpu_metric_samples_per_second']:>14,.0f} GPU-metric samples/s, tick {row['tick_seconds_mean']:.3f} s, peak {row['peak_rss_bytes'] / 2**20:,.0f} MiB", file=sys.stderr)
+            print(
+                f"{gpus:>8,} GPUs: {row['gpu_metric_samples_per_cpu_second']:>14,.0f} GPU-metric samples/CPU-s, tick CPU {row['tick_cpu_seconds_mean']:.3f} s "
+                f"(worst, all due: {row['all_due_tick_cpu_seconds_max'] or 0:.3f} s), simulator {row['collect_cpu_seconds_per_tick']:.3f} s, peak {row['peak_rss_bytes'] / 2**20:,.0f} MiB",
+                file=sys.stderr,
+            )
     if not args.no_write:
         from benchmarks.report import write_section
 

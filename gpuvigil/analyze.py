@@ -17,8 +17,9 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 import sys
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from pathlib import Path
@@ -26,15 +27,25 @@ from typing import Any
 
 import polars as pl
 
-from gpuvigil import config
+from gpuvigil import config, throttle
+from gpuvigil.collectors.safe_pickle import looks_like_pickle
 from gpuvigil.errors import UserError
 from gpuvigil.model import Finding, FindingKind, Severity
+from gpuvigil.textsafe import printable
 
 SNIFF_BYTES = 256 * 1024
 SEVERITY_ORDER = {Severity.PAGE: 0, Severity.TICKET: 1, Severity.INFO: 2}
 # NVML clock-event reasons that mean the GPU slowed itself down for heat (NVML's
 # nvmlClocksEventReasonSwThermalSlowdown 0x20, HwThermalSlowdown 0x40, HwSlowdown 0x08).
-THERMAL_REASONS_MASK = 0x20 | 0x40 | 0x08
+THERMAL_REASONS_MASK = throttle.THERMAL_MASK
+# Bounds on untrusted input, checked before anything is loaded. Text logs are streamed line by
+# line, each line cut at MAX_LINE_CHARS (the rest of a runaway line is skipped, never held);
+# whole-file readers refuse files over their size limit from the file's size alone.
+MAX_LINE_CHARS = 64 * 1024
+MAX_TABLE_BYTES = 256 * 1024 * 1024  # NVML CSV (polars reads it whole)
+MAX_SCRAPE_BYTES = 64 * 1024 * 1024  # a saved /metrics page
+# What is printed of one message (`message` evidence); the JSON output carries the same cut text.
+MAX_MESSAGE_CHARS = 2000
 
 
 @dataclass
@@ -84,19 +95,72 @@ def _head(path: Path) -> bytes:
         return fh.read(SNIFF_BYTES)
 
 
-def _is_pickle(head: bytes) -> bool:
-    # Protocol 2+ starts with PROTO (0x80) and a protocol number; torch writes protocol 2+.
-    return len(head) >= 2 and head[0] == 0x80 and 2 <= head[1] <= 5
-
-
 def _is_json(head: bytes) -> bool:
     stripped = head.lstrip()
     return stripped[:1] in (b"{", b"[")
 
 
 def _text_lines(path: Path) -> Iterable[str]:
+    """The file's lines (universal newlines), each at most MAX_LINE_CHARS long: a 200 MB line is
+    read in bounded pieces, its head kept and the rest skipped, so memory stays small."""
     with open(path, encoding="utf-8", errors="replace", newline=None) as fh:
-        yield from fh
+        while line := fh.readline(MAX_LINE_CHARS):
+            if len(line) == MAX_LINE_CHARS and not line.endswith("\n"):
+                while (rest := fh.readline(MAX_LINE_CHARS)) and not rest.endswith("\n"):
+                    pass
+                line += "\n"
+            yield line
+
+
+# Log-line structure. Offline analysis pages from text, so a message only counts when it reads as
+# a line a program logged, not as prose quoting one (a README, a runbook, a ticket). Real logs
+# come with every prefix imaginable (loggers, launchers, syslog host names, pasted indented), so
+# the test is what prose has and logs lack: plain words running into the message ("If you see
+# `NVRM: Xid ...`", "the log then shows Watchdog caught ..."); a logger's prefix ends in a stamp,
+# a bracket or a `tag:` instead. Lines inside Markdown code fences are quotations, and a Markdown
+# document (a heading and lines of prose) is not a log at all.
+_PLAIN_WORD = re.compile(r"[A-Za-z][a-z]{0,15},?")
+_FENCE = re.compile(r"^\s{0,3}(?:```|~~~)")
+_HEADING = re.compile(r"^#{1,6}\s+\S")
+_LOGGED = re.compile(r"^\s*(?:\[|\d|[^\W\d]{2,12}\.?\s+\d{1,2}\s+\d{2}:|[\w.\-]+:\d+:\d+)")  # a stamp or tag first
+_NEEDLES = ("Xid", "Watchdog caught", "out of memory", "NCCL", "enqueued", "ProcessGroupNCCL", "Traceback")
+
+
+def _quoted_in_prose(line: str, phrase: re.Pattern[str]) -> bool:
+    m = phrase.search(line)
+    if m is None:
+        return False
+    run = 0
+    for token in reversed(line[: m.start()].rstrip(" \t`'\"*_(<").split()):
+        if not _PLAIN_WORD.fullmatch(token):
+            break
+        run += 1
+    return run >= 2
+
+
+def is_prose_document(lines: list[str]) -> bool:
+    """A Markdown document: a heading and at least three lines of prose (eight plain words or
+    more, not starting with a time stamp or a logger's tag)."""
+    if not any(_HEADING.match(ln) for ln in lines):
+        return False
+    prose = sum(1 for ln in lines if not _LOGGED.match(ln) and sum(1 for w in ln.split() if _PLAIN_WORD.fullmatch(w.rstrip(".;:"))) >= 8)
+    return prose >= 3
+
+
+def log_lines(lines: Iterable[str], phrase: re.Pattern[str]) -> Iterator[str]:
+    """`lines` with those that only quote a log message blanked (numbering kept): inside a
+    Markdown code fence, or right after two or more plain words of prose."""
+    fenced = False
+    for line in lines:
+        if _FENCE.match(line):
+            fenced = not fenced
+            yield "\n"
+        elif not any(n in line for n in _NEEDLES):
+            yield line
+        elif fenced or _quoted_in_prose(line, phrase):
+            yield "\n"
+        else:
+            yield line
 
 
 def _mtime(path: Path) -> float:
@@ -226,6 +290,12 @@ class Analyzer:
             except (OSError, UnicodeError, ValueError, pl.exceptions.PolarsError) as exc:
                 report.errors.append(f"{name}: unreadable: {_first_line(exc)}")
                 continue
+            except (MemoryError, RecursionError) as exc:
+                report.errors.append(f"{name}: too large or too deeply nested to analyse ({type(exc).__name__})")
+                continue
+            except Exception as exc:  # noqa: BLE001 - one bad file gets one line; the others are still analysed
+                report.errors.append(f"{name}: could not be analysed: {type(exc).__name__}: {_first_line(exc)}")
+                continue
             if kind is None:
                 report.errors.append(f"{name}: format not recognised (not a kernel, training or NCCL log, dump, memory stats, scrape or NVML CSV)")
                 continue
@@ -234,11 +304,19 @@ class Analyzer:
                 report.formats[name] = kind
         for folder, dumps in fr_groups.items():
             names = [display(d) for d in dumps]
+            bad: list[str] = []
             try:
-                found = self.fr.analyze_paths(dumps)  # type: ignore[union-attr]
+                # A dump that cannot be loaded is named in `bad` and left out; the folder's other
+                # ranks are still analysed together.
+                found = self.fr.analyze_paths(dumps, errors=bad)  # type: ignore[union-attr]
             except UserError as exc:
                 report.errors.append(_one_line(str(exc), ", ".join(names)))
                 continue
+            except Exception as exc:  # noqa: BLE001 - as for single files: one line, the rest goes on
+                report.errors.append(f"{', '.join(names)}: could not be analysed: {type(exc).__name__}: {_first_line(exc)}")
+                continue
+            report.errors.extend(bad)
+            names = [n for n, d in zip(names, dumps, strict=True) if not any(str(d) in b or n in b for b in bad)]
             for f in found:
                 if f.job is None and self.job:
                     f.job = self.job
@@ -251,11 +329,13 @@ class Analyzer:
 
     def _analyze_file(self, path: Path, name: str, report: Report, fr_groups: dict[Path, list[Path]]) -> str | None:
         from gpuvigil.collectors import dcgm, kernel_log, nccl_log
+        from gpuvigil.parsers import nccl as nccl_text
+        from gpuvigil.parsers import xid_line
 
         head = _head(path)
         if not head:
             raise UserError(f"{name}: empty file")
-        if _is_pickle(head) or _is_json(head):
+        if looks_like_pickle(head) or _is_json(head):
             if self._is_fr(path):
                 fr_groups.setdefault(path.parent, []).append(path)
                 return "flight_recorder"
@@ -263,7 +343,7 @@ class Analyzer:
                 kind = "memory_stats" if self.alloc.is_memory_stats(path) else "memory_snapshot"
                 report.findings.extend(self._tag(self.alloc.analyze_path(path), name))
                 return kind
-            if _is_pickle(head):
+            if looks_like_pickle(head):
                 from gpuvigil.collectors.safe_pickle import safe_load
 
                 try:
@@ -280,28 +360,46 @@ class Analyzer:
         text_head = head.decode("utf-8", errors="replace")
         ref = _mtime(path)
         kinds: list[str] = []
-        if kernel_log.looks_like_kernel_log(text_head) or (len(head) == SNIFF_BYTES and _grep(path, b"NVRM: Xid")):
+        # Line by line: the XID pattern ends in `$`, which (without MULTILINE) only matched when
+        # the XID line was the last line of the sample; dmesg has other lines after it.
+        head_lines = text_head.splitlines(keepends=True)
+        if len(head) == SNIFF_BYTES and head_lines:
+            head_lines = head_lines[:-1]  # the last line may be cut by the sniff
+        if is_prose_document(head_lines):
+            return None  # a README or runbook quoting messages is not a log
+        xid_head = [ln for ln in log_lines(head_lines, xid_line.XID_LINE) if "Xid" in ln]
+        # any XID wording, incl. the lost-GPU driver message without an Xid line (parsers.xid_line)
+        if (
+            any(xid_line.XID_LINE.search(ln.rstrip("\r\n")) for ln in xid_head)
+            or xid_line.looks_like_kernel_log("".join(log_lines(head_lines, xid_line.XID_LINE)))
+            or (len(head) == SNIFF_BYTES and _grep(path, b"NVRM: Xid", b"fallen off the bus"))
+        ):
             cfg = kernel_log.load_config(self.cfg)
-            lines = kernel_log.parse_lines(_text_lines(path), node=self.node, pci_to_gpu=self.pci_to_gpu, reference_ts=ref)
+            lines = kernel_log.parse_lines(log_lines(_text_lines(path), xid_line.XID_LINE), node=self.node, pci_to_gpu=self.pci_to_gpu, reference_ts=ref)
             found = kernel_log.findings(
                 kernel_log.incidents(lines, cfg.burst_gap_seconds), source_file=name, job=self.job, companion_window_seconds=cfg.burst_gap_seconds
             )
             report.findings.extend(found)
             kinds.append("kernel_log")
-        if nccl_log.looks_like_training_log(text_head) or (len(head) == SNIFF_BYTES and _grep(path, b"Watchdog caught", b"CUDA out of memory", b"NCCL WARN")):
-            parsed = nccl_log.parse_lines(_text_lines(path), reference_ts=ref)
+        if nccl_text.looks_like_training_log("".join(log_lines(head_lines, nccl_text._SNIFF))) or (
+            len(head) == SNIFF_BYTES and _grep(path, b"Watchdog caught", b"CUDA out of memory", b"NCCL WARN")
+        ):
+            parsed = nccl_text.parse_lines(log_lines(_text_lines(path), nccl_text._SNIFF), reference_ts=ref)
             report.findings.extend(nccl_log.findings(parsed, source_file=name, job=self.job, node=self.node, cfg=self.cfg))
             kinds.append("training_log")
         if kinds:
             return "+".join(kinds)
         if _is_nvml_csv(text_head):
+            _check_size(path, name, MAX_TABLE_BYTES, "an NVML CSV")
             report.findings.extend(self._tag(analyze_nvml_csv(path, name), name))
             return "nvml_csv"
         if _is_prometheus(text_head):
+            _check_size(path, name, MAX_SCRAPE_BYTES, "a saved /metrics scrape")
             text = path.read_text(errors="replace")
             if dcgm.looks_like_dcgm_scrape(text):
                 samples, _w, _e = dcgm.read_scrape(path, ts=ref, default_node=self.node)
                 report.findings.extend(dcgm.findings_from_scrape(samples, source_file=name, ts=ref))
+                report.findings.extend(_xid_counter_findings(text, name, ref, self.node))
                 return "dcgm_scrape"
             if "gpuvigil_" in text:
                 try:
@@ -309,6 +407,12 @@ class Analyzer:
                 except ValueError as exc:
                     raise UserError(f"{name}: not a Prometheus text exposition: {_first_line(exc)}") from exc
                 return "gpuvigil_scrape"
+        from gpuvigil.parsers import nvidia_smi
+
+        if nvidia_smi.looks_like_nvidia_smi_q(text_head):
+            text = path.read_text(errors="replace")
+            report.findings.extend(nvidia_smi.findings(nvidia_smi.parse(text), source_file=name, ts=ref, node=self.node))
+            return "nvidia_smi_q"
         return None
 
     def _tag(self, found: list[Finding], name: str) -> list[Finding]:
@@ -322,6 +426,40 @@ class Analyzer:
         return found
 
 
+def _xid_counter_findings(text: str, display: str, ts: float, node: str | None) -> list[Finding]:
+    """XIDs from dcgm-exporter's XID counters that label the code (`xid="42"`), one per GPU and code."""
+    from gpuvigil import xid as xid_table
+    from gpuvigil.parsers.nvidia_smi import xid_counter_samples
+
+    out: list[Finding] = []
+    seen: set[tuple] = set()
+    for s in xid_counter_samples(text):
+        labels = s["labels"]
+        gpu = int(labels["gpu"]) if labels.get("gpu", "").isdigit() else None
+        host = labels.get("Hostname") or labels.get("hostname") or node
+        key = (host, gpu, s["xid"])
+        if key in seen:
+            continue
+        seen.add(key)
+        info = xid_table.xid_info(s["xid"])
+        fatal = xid_table.is_fatal(s["xid"])
+        out.append(
+            Finding(
+                kind=FindingKind.XID,
+                severity=Severity.PAGE if fatal else (Severity.INFO if info and info.action == "IGNORE" else Severity.TICKET),
+                ts=ts,
+                node=host,
+                gpu=gpu,
+                xid=s["xid"],
+                evidence={"fatal": fatal, "action": info.action if info else None, "name": info.name if info else "unknown XID", "metric": s["metric"], "value": s["value"], "gpu_uuid": labels.get("UUID")},
+                summary=f"{s['metric']} counts XID {s['xid']} ({info.name if info else 'unknown'}) on GPU {gpu} of {host or 'this node'}",
+                source=f"{display}:gpu={gpu}",
+                cause="hardware" if fatal else None,
+            )
+        )
+    return out
+
+
 def _grep(path: Path, *needles: bytes) -> bool:
     """Whether a large file contains any of `needles` beyond its sniffed head (streamed)."""
     keep = max(len(n) for n in needles)
@@ -333,6 +471,12 @@ def _grep(path: Path, *needles: bytes) -> bool:
                 return True
             tail = buf[-keep:]
     return False
+
+
+def _check_size(path: Path, name: str, limit: int, what: str) -> None:
+    size = path.stat().st_size
+    if size > limit:
+        raise UserError(f"{name}: {size} bytes is more than the {limit}-byte limit for {what}; not loaded")
 
 
 def _first_line(exc: BaseException) -> str:
@@ -370,11 +514,18 @@ def to_json_line(finding: Finding, policy: Any) -> dict[str, Any]:
         "xid": d["xid"],
         "action": action_of(finding, policy),
         "cause": d["cause"],
-        "evidence": d["evidence"],
-        "summary": d["summary"],
+        "evidence": {k: _cut(v) for k, v in d["evidence"].items()},
+        "summary": _cut(d["summary"]),
         "source": d["source"],
         "id": d["id"],
     }
+
+
+def _cut(value: Any) -> Any:
+    """Long text from a file (a runaway log message) cut to MAX_MESSAGE_CHARS, saying so."""
+    if isinstance(value, str) and len(value) > MAX_MESSAGE_CHARS:
+        return value[:MAX_MESSAGE_CHARS] + f"… ({len(value) - MAX_MESSAGE_CHARS} more characters not shown)"
+    return value
 
 
 def _fmt_ts(ts: float) -> str:
@@ -395,28 +546,32 @@ def _fmt_value(v: Any, key: str = "") -> str:
 
 
 def format_text(finding: Finding, policy: Any) -> str:
-    lines = [f"[{finding.severity.value.upper()}] {finding.kind.value}  {_fmt_ts(finding.ts)}  {finding.source or ''}".rstrip()]
-    lines.append(f"  {finding.summary}")
+    """A readable block. Everything that came from a file goes through `printable`: escape
+    sequences are removed and control characters shown as escapes, so a log line cannot drive the
+    reader's terminal."""
+    t = printable
+    lines = [f"[{finding.severity.value.upper()}] {finding.kind.value}  {_fmt_ts(finding.ts)}  {t(finding.source or '', 300)}".rstrip()]
+    lines.append(f"  {t(finding.summary, MAX_MESSAGE_CHARS)}")
     where = []
     for label, value in (("job", finding.job), ("node", finding.node), ("gpu", finding.gpu), ("xid", finding.xid)):
         if value is not None:
-            where.append(f"{label} {value}")
+            where.append(f"{label} {t(value, 200)}")
     if finding.ranks:
         where.append(f"ranks {','.join(map(str, finding.ranks))}")
     if finding.culprit_ranks:
         where.append(f"culprit ranks {','.join(map(str, finding.culprit_ranks))}")
     if finding.cause:
-        where.append(f"cause {finding.cause}")
+        where.append(f"cause {t(finding.cause, 200)}")
     if where:
         lines.append("  " + "; ".join(where))
     act = action_of(finding, policy)
     if act:
-        lines.append(f"  action: {act}")
-    ev = ", ".join(f"{k}={_fmt_value(v, k)}" for k, v in finding.evidence.items() if v is not None and v != [] and k != "message")
+        lines.append(f"  action: {t(act, 500)}")
+    ev = ", ".join(f"{t(k, 100)}={t(_fmt_value(v, k), 500)}" for k, v in finding.evidence.items() if v is not None and v != [] and k != "message")
     if ev:
         lines.append(f"  evidence: {ev}")
     if finding.evidence.get("message"):
-        lines.append(f"  message: {finding.evidence['message']}")
+        lines.append(f"  message: {t(finding.evidence['message'], MAX_MESSAGE_CHARS)}")
     return "\n".join(lines)
 
 
@@ -444,7 +599,7 @@ def handler(args: argparse.Namespace) -> int:
 
     policy = HintPolicy(cfg)
     for err in report.errors:
-        print(f"gpuvigil analyze: {err}", file=sys.stderr)
+        print(f"gpuvigil analyze: {printable(err, 1000)}", file=sys.stderr)
     if not report.read:
         raise UserError("nothing could be read" + (f" ({len(report.errors)} error(s) above)" if report.errors else ""))
     out = sys.stdout
@@ -462,6 +617,11 @@ def handler(args: argparse.Namespace) -> int:
             + "\n"
         )
     out.flush()
+    if getattr(args, "report", None):
+        from gpuvigil import report as html_report
+
+        html_report.write_analyze_report(report, [Path(p) for p in args.paths], Path(args.report), cfg)
+        print(f"gpuvigil analyze: report written to {args.report}", file=sys.stderr)
     return 0
 
 
@@ -477,6 +637,7 @@ def add_parser(sub: Any) -> None:
     p.add_argument("--node", help="node name for logs that do not name their host")
     p.add_argument("--pci-map", action="append", metavar="BUS=GPU", help="map PCI bus ids in XID lines to GPU indices, e.g. 0000:3b:00=3 (repeatable, comma separated)")
     p.add_argument("--config", help="YAML/JSON config overriding thresholds (e.g. oom_classify)")
+    p.add_argument("--report", metavar="FILE.html", help="also write a self-contained HTML incident report with plots (needs gpuvigil[report])")
     p.set_defaults(func=handler)
 
 

@@ -10,11 +10,15 @@ BENCHMARKS: dict[str, tuple[str, str]] = {
     "scheduler": ("benchmarks.scheduler", "trace-driven placement and fault study on the Alibaba trace"),
     "detectors": ("benchmarks.detectors", "labelled detector suite: precision, recall, latency vs baselines"),
     "hook": ("benchmarks.hook", "in-process hook overhead per training step"),
+    "api": ("benchmarks.api", "feedback API read latency and throughput at 20k findings"),
+    "replay": ("benchmarks.replay", "replay of a month of 1,000 GPUs at 30 s (scaled slice, extrapolated)"),
+    "soak": ("benchmarks.soak", "serve at 10k simulated GPUs for minutes with faults, restarts and a full disk"),
 }
 
 
 def add_parser(sub) -> None:
-    from gpuvigil.cli import CURRENT_ARGV, OneLineErrorParser, selected_command
+    from gpuvigil.errors import OneLineErrorParser
+    from gpuvigil.subcommands import CURRENT_ARGV, selected_command
 
     p = sub.add_parser("bench", help="run a benchmark and write its table to docs/benchmarks.md")
     bsub = p.add_subparsers(dest="bench", metavar="KIND", parser_class=OneLineErrorParser)

@@ -9,38 +9,23 @@ import importlib
 import sys
 from collections.abc import Sequence
 
-from gpuvigil.errors import UserError
+from gpuvigil.errors import OneLineErrorParser, UserError
+from gpuvigil.subcommands import CURRENT_ARGV, selected_command
 
 # command → (module, one-line help). Only the chosen command's module is imported, so the CLI
 # starts fast and one command's heavy dependencies never slow another.
 COMMANDS: dict[str, tuple[str, str]] = {
     "demo": ("gpuvigil.demo", "run fault scenarios end to end on the simulated cluster"),
     "analyze": ("gpuvigil.analyze", "diagnose logs, dumps and scrapes offline"),
+    "replay": ("gpuvigil.replay", "replay recorded history (Prometheus, files) through every detector: what would have fired"),
     "fr": ("gpuvigil.collectors.flight_recorder", "cross-rank analysis of Flight Recorder dumps"),
     "serve": ("gpuvigil.serve", "run collectors, pipeline, scheduler, API and /metrics"),
     "api": ("gpuvigil.api.cli", "serve the scheduler feedback API from a hint store"),
+    "why": ("gpuvigil.api.whycli", "why the scheduler placed a job where it is, or why it waits (asks a running API)"),
     "alerts": ("gpuvigil.alerts.build", "build Prometheus rules and Alertmanager config"),
     "dashboards": ("gpuvigil.dashboards.build", "build Grafana dashboards"),
     "bench": ("gpuvigil.benchcli", "run a benchmark and write docs/benchmarks.md"),
 }
-
-
-CURRENT_ARGV: list[str] = []  # what build_parser was given (for nested lazy subcommands)
-
-
-class OneLineErrorParser(argparse.ArgumentParser):
-    """argparse, but a usage error is one line on stderr and exit code 2."""
-
-    def error(self, message: str) -> None:  # type: ignore[override]
-        self.exit(2, f"{self.prog}: error: {message}\n")
-
-
-def selected_command(argv: Sequence[str], names: Sequence[str]) -> str | None:
-    """The first positional argument, if it names a command."""
-    for arg in argv:
-        if not arg.startswith("-"):
-            return arg if arg in names else None
-    return None
 
 
 def build_parser(argv: Sequence[str] = ()) -> argparse.ArgumentParser:
@@ -48,8 +33,7 @@ def build_parser(argv: Sequence[str] = ()) -> argparse.ArgumentParser:
     parser.add_argument("--version", action="version", version=f"gpuvigil {__import__('gpuvigil').__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=OneLineErrorParser)
     sub.required = True
-    global CURRENT_ARGV
-    CURRENT_ARGV = list(argv)
+    CURRENT_ARGV[:] = list(argv)
     chosen = selected_command(argv, list(COMMANDS))
     for name, (module_name, help_text) in COMMANDS.items():
         if name == chosen:
@@ -66,7 +50,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         return int(args.func(args) or 0)
     except UserError as exc:
-        print(f"gpuvigil: error: {exc}", file=sys.stderr)
+        from gpuvigil.textsafe import printable  # messages quote file names and contents
+
+        print(f"gpuvigil: error: {printable(str(exc), 2000, multiline=True)}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         return 130

@@ -11,11 +11,12 @@ import json
 import multiprocessing
 import os
 import sys
-from concurrent.futures import ProcessPoolExecutor
+import time
+from concurrent.futures import ProcessPoolExecutor, as_completed
 from dataclasses import dataclass, field
 from typing import Any
 
-from gpuvigil.collectors import scenario as scenario_mod
+from gpuvigil.sim import scenario as scenario_mod
 from gpuvigil.errors import UserError
 
 # Which fields of the injected fault a finding of each kind must name.
@@ -209,6 +210,9 @@ def cmd_demo(args) -> int:
         scenario_mod.load(args.scenario)  # fail fast with a one-line error
     if args.nodes is not None and args.nodes < 1:
         raise UserError(f"--nodes must be >= 1, got {args.nodes}")
+    if args.nodes is not None:
+        for name in names:  # a size the scenario does not fit fails before any simulation starts
+            scenario_mod.with_nodes(scenario_mod.load(name), args.nodes)
     if args.config:
         from gpuvigil import config
         from gpuvigil.runtime import build_simulated
@@ -219,18 +223,30 @@ def cmd_demo(args) -> int:
     err = Console(stderr=True)
     workers = max(1, min(len(jobs), os.cpu_count() or 1, args.jobs or 64))
     results: dict[str, ScenarioResult] = {}
-    with Progress(TextColumn("[progress.description]{task.description}"), BarColumn(), TextColumn("{task.completed}/{task.total}"), TimeElapsedColumn(), console=err, transient=True, disable=args.json or not err.is_terminal) as progress:
+    # On a terminal a progress bar; otherwise (CI logs, `make demo | tee`) one plain line per
+    # scenario on stderr, so a minute of simulation is never a minute of silence.
+    plain = not err.is_terminal
+    started = time.monotonic()
+
+    def done(name: str, res: ScenarioResult) -> None:
+        results[name] = res
+        progress.advance(task)
+        if plain:
+            print(f"gpuvigil demo: [{len(results)}/{len(jobs)}] {name} {'ok' if res.ok else 'UNEXPECTED'} ({time.monotonic() - started:.0f} s)", file=sys.stderr, flush=True)
+
+    with Progress(TextColumn("[progress.description]{task.description}"), BarColumn(), TextColumn("{task.completed}/{task.total}"), TimeElapsedColumn(), console=err, transient=True, disable=args.json or plain) as progress:
         task = progress.add_task("simulating scenarios", total=len(jobs))
+        if plain:
+            print(f"gpuvigil demo: simulating {len(jobs)} scenario(s) on {workers} worker(s)...", file=sys.stderr, flush=True)
         if workers == 1:
             for job in jobs:
-                results[job[0]] = _run_one(job)
-                progress.advance(task)
+                done(job[0], _run_one(job))
         else:
             # spawn, not fork: a forked child can deadlock on locks polars' threads held.
             with ProcessPoolExecutor(max_workers=workers, mp_context=multiprocessing.get_context("spawn")) as pool:
-                for job, res in zip(jobs, pool.map(_run_one, jobs)):
-                    results[job[0]] = res
-                    progress.advance(task)
+                futures = {pool.submit(_run_one, job): job[0] for job in jobs}
+                for fut in as_completed(futures):
+                    done(futures[fut], fut.result())
     ordered = [results[n] for n in names]
     if args.json:
         for res in ordered:

@@ -14,24 +14,26 @@ started / completed collective per process group, when torch.distributed is in u
 (`gpuvigil.collectors.hook.HookCollector`); an `HttpSink` POSTs them to the collector from a
 background thread so that a slow collector never slows training.
 
-Only the standard library is needed: torch is imported lazily and only if the training process
-already has it, so the package does not require torch. `step()` costs a clock read and a
+Only the standard library is imported, on every path (tested: no polars, numpy, pydantic or
+scikit-learn in `sys.modules` after publishing Flight Recorder state): torch is used only if the
+training process already imported it, so the package does not require torch, and the Flight
+Recorder is read through torch's JSON dump. `step()` costs a clock read and a
 comparison; the publishing (a few dozen microseconds without collectives in flight) happens once
 per interval. See `gpuvigil bench hook` for measured overhead.
 """
 
 from __future__ import annotations
 
+import io
 import json
 import os
+import pickle
 import queue
 import re
 import socket
 import sys
 import threading
 import time
-import urllib.error
-import urllib.request
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -116,6 +118,11 @@ class HttpSink:
                     pass
 
     def _run(self) -> None:
+        # Imported here, not at module level: urllib.request pulls in http.client, email and ssl
+        # (~10 MB, ~15 ms), which a FileSink hook never needs.
+        import urllib.error
+        import urllib.request
+
         while True:
             record = self._queue.get()
             if record is None:
@@ -299,16 +306,12 @@ class Hook:
         distributed = getattr(torch, "distributed", None)
         if distributed is None or not distributed.is_available() or not distributed.is_initialized():
             return None
-        c10d = getattr(getattr(torch, "_C", None), "_distributed_c10d", None)
-        # `_dump_fr_trace` covers every backend; torch before it had the NCCL-only name.
-        _dump_fr_trace = getattr(c10d, "_dump_fr_trace", None) or getattr(c10d, "_dump_nccl_trace", None)
-        if _dump_fr_trace is None:
+        dump = _fr_dumper(getattr(getattr(torch, "_C", None), "_distributed_c10d", None))
+        if dump is None:
             return None
-        from gpuvigil.collectors.safe_pickle import safe_load
-
         # Without entries the dump is a few microseconds; entries (tens of ms for a full buffer)
         # are fetched only when a collective has stayed in flight for a whole interval.
-        status = safe_load(_dump_fr_trace(includeCollectives=False)).get("pg_status", {})
+        status = dump(False).get("pg_status") or {}
         out: dict[str, dict[str, Any]] = {}
         stuck = []
         for pg, st in status.items():
@@ -321,12 +324,48 @@ class Hook:
             else:
                 self._in_flight.pop(pg, None)
         if stuck:
-            entries = safe_load(_dump_fr_trace(includeCollectives=True, includeStackTraces=False, onlyActive=True)).get("entries", [])
-            for entry in entries:
+            for entry in dump(True).get("entries") or []:
                 pg = str((entry.get("process_group") or ("",))[0])
-                if pg in stuck and entry.get("collective_seq_id") == out[pg]["last_completed"] + 1:
+                if pg in stuck and int(entry.get("collective_seq_id", -1)) == out[pg]["last_completed"] + 1:
                     out[pg]["current_op"] = str(entry.get("profiling_name", "")).split(":", 1)[-1] or None
         return out
+
+
+class _NoGlobalsUnpickler(pickle.Unpickler):
+    """The Flight Recorder's pickle is plain containers and scalars; anything naming a global is
+    refused. (The full restricted unpickler, `gpuvigil.collectors.safe_pickle`, is for dumps read
+    from disk; importing it here would load the collectors package, and polars with it.)"""
+
+    def find_class(self, module: str, name: str) -> Any:
+        raise pickle.UnpicklingError(f"global {module}.{name} refused")
+
+
+def _fr_dumper(c10d: Any):
+    """`dump(with_entries) -> dict` over the Flight Recorder of this process, or None.
+
+    torch's JSON dump is preferred (json is already loaded; no pickle at all); torch releases
+    without it have the pickle dump, under `_dump_fr_trace` (every backend) or the older
+    NCCL-only `_dump_nccl_trace`."""
+    if c10d is None:
+        return None
+    as_json = getattr(c10d, "_dump_fr_trace_json", None) or getattr(c10d, "_dump_nccl_trace_json", None)
+    if as_json is not None:
+        def dump(with_entries: bool) -> dict[str, Any]:
+            kwargs = {"includeCollectives": True, "onlyActive": True} if with_entries else {"includeCollectives": False}
+            data = json.loads(as_json(**kwargs))
+            return data if isinstance(data, dict) else {}
+
+        return dump
+    as_pickle = getattr(c10d, "_dump_fr_trace", None) or getattr(c10d, "_dump_nccl_trace", None)
+    if as_pickle is None:
+        return None
+
+    def dump_pickle(with_entries: bool) -> dict[str, Any]:
+        kwargs = {"includeCollectives": True, "includeStackTraces": False, "onlyActive": True} if with_entries else {"includeCollectives": False}
+        data = _NoGlobalsUnpickler(io.BytesIO(as_pickle(**kwargs))).load()
+        return data if isinstance(data, dict) else {}
+
+    return dump_pickle
 
 
 def start(job: str, sink: Sink | str | Path, *, rank: int | None = None, node: str | None = None, gpu: int | None = None,

@@ -29,6 +29,7 @@ class FindingKind(StrEnum):
     OOM_CAPACITY = "oom_capacity"
     OOM_FRAGMENTATION = "oom_fragmentation"
     OOM_FOREIGN_PROCESS = "oom_foreign_process"
+    OOM_UNEXPLAINED = "oom_unexplained"  # the message's own figures say the room was free
     NCCL_TIMEOUT = "nccl_timeout"
     COLLECTIVE_HANG = "collective_hang"
     COLLECTIVE_MISMATCH = "collective_mismatch"
@@ -39,6 +40,7 @@ class FindingKind(StrEnum):
     FRAGMENTATION_ALLOCATOR = "fragmentation_allocator"
     FRAGMENTATION_CLUSTER = "fragmentation_cluster"
     ANOMALY = "anomaly"  # unknown anomaly from the learned model: never pages on its own
+    COLLECTOR_DOWN = "collector_down"  # a collector failed N times in a row (pipeline/health.py)
 
 
 JOB_LEVEL_KINDS = frozenset(
@@ -47,6 +49,7 @@ JOB_LEVEL_KINDS = frozenset(
         FindingKind.OOM_CAPACITY,
         FindingKind.OOM_FRAGMENTATION,
         FindingKind.OOM_FOREIGN_PROCESS,
+        FindingKind.OOM_UNEXPLAINED,
         FindingKind.NCCL_TIMEOUT,
         FindingKind.COLLECTIVE_HANG,
         FindingKind.COLLECTIVE_MISMATCH,
@@ -101,6 +104,8 @@ class Finding(BaseModel):
         """
         if self.kind in JOB_LEVEL_KINDS and self.job:
             return _digest(self.kind.value, self.job)
+        if self.kind == FindingKind.COLLECTOR_DOWN:  # one per collector target (URL, device, file)
+            return _digest(self.kind.value, self.evidence.get("collector"), self.evidence.get("target"))
         return _digest(self.kind.value, self.job, self.node, self.gpu, self.xid if self.kind == FindingKind.XID else None)
 
     @property

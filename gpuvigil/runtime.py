@@ -7,12 +7,13 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from gpuvigil import config
-from gpuvigil.collectors import scenario as scenario_mod
 from gpuvigil.collectors.base import Collector
-from gpuvigil.collectors.simulated import SimulatedCluster, node_specs
+from gpuvigil.collectors.simulated import SimulatedCollector
 from gpuvigil.detectors.registry import default_detectors
 from gpuvigil.pipeline.core import Pipeline, Sink, TickResult
 from gpuvigil.scheduler.core import NodeSpec, Scheduler, SchedulerStateCollector
+from gpuvigil.sim import scenario as scenario_mod
+from gpuvigil.sim.cluster import SimulatedCluster, node_specs
 
 
 @dataclass
@@ -52,18 +53,13 @@ def build_simulated(
 ) -> Runtime:
     sc = scenario if isinstance(scenario, scenario_mod.Scenario) else scenario_mod.load(scenario)
     if nodes is not None:
-        try:
-            sc = scenario_mod.Scenario.model_validate({**sc.model_dump(), "nodes": nodes})
-        except Exception as exc:  # pydantic ValidationError: report as a user error
-            from gpuvigil.errors import UserError
-
-            msg = str(exc).splitlines()
-            raise UserError(f"scenario {sc.name} with --nodes {nodes}: {msg[2].strip() if len(msg) > 2 else msg[0]}") from None
+        sc = scenario_mod.with_nodes(sc, nodes)
     cfg = config.defaults() if cfg is None else cfg
-    # The scheduler is built from the cluster's node list; the cluster reads its placements.
+    # The world: the scheduler is built from the cluster's node list; the cluster reads its
+    # placements. The simulated collector only reads the world.
     scheduler = Scheduler(node_specs(sc), cfg)
     cluster = SimulatedCluster(sc, scheduler, seed=seed)
-    collectors: list[Collector] = [cluster, SchedulerStateCollector(scheduler)]
+    collectors: list[Collector] = [SimulatedCollector(cluster), SchedulerStateCollector(scheduler)]
     pipeline = Pipeline(collectors, default_detectors(cfg), sinks=[scheduler, *sinks], cfg=cfg)
     scheduler.cycle(0.0)
     return Runtime(pipeline, scheduler, cluster)

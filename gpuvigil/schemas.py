@@ -42,6 +42,76 @@ GPU_SAMPLES = pl.Schema(
         # Lifetime ECC counts (NVML aggregate counters, survive driver reloads); null if unknown.
         "ecc_sbe_aggregate_total": I64,
         "ecc_dbe_aggregate_total": I64,
+        # L0 activity signals (null where the source lacks them). Interconnect throughput in
+        # bytes/s: NVML PCIe throughput, DCGM_FI_PROF_PCIE_*/NVLINK_* bytes.
+        "pcie_tx_bytes_per_second": F64,
+        "pcie_rx_bytes_per_second": F64,
+        "nvlink_tx_bytes_per_second": F64,
+        "nvlink_rx_bytes_per_second": F64,
+        # DCGM profiling ratios 0..1 (DCGM_FI_PROF_SM_ACTIVE, PIPE_TENSOR_ACTIVE, DRAM_ACTIVE):
+        # unlike util_ratio they fall when a spinning NCCL kernel is all that runs.
+        "sm_active_ratio": F64,
+        "tensor_active_ratio": F64,
+        "dram_active_ratio": F64,
+        # Driver-reserved framebuffer (FB_RESERVED): capacity usable by processes = total − this.
+        "memory_reserved_bytes": I64,
+    }
+)
+
+# One row per compute process on a GPU per sample (NVML running processes; per-process used
+# memory), attributed to a job and rank where the scheduler's map or the process says so.
+GPU_PROCESSES = pl.Schema(
+    {
+        "ts": F64,
+        "node": STR,
+        "gpu": I32,
+        "gpu_uuid": STR,
+        "pid": I64,
+        "used_memory_bytes": I64,  # null when the driver does not say (e.g. in a container)
+        "slurm_job": STR,
+        "pod_uid": STR,
+        "container_id": STR,
+        "job": STR,  # attributed job (null: not a job's process, i.e. foreign)
+        "rank": I32,
+    }
+)
+
+# NCCL Inspector (L1, profiler plugin, no code change): one row per completed collective per
+# rank and communicator, as the plugin dumps it (JSON lines or Prometheus textfile).
+COLLECTIVE_PROGRESS = pl.Schema(
+    {
+        "ts": F64,  # dump time
+        "job": STR,
+        "rank": I32,
+        "node": STR,
+        "gpu": I32,
+        "comm_id": STR,
+        "n_ranks": I32,
+        "coll": STR,  # AllReduce, AllGather, ...
+        "coll_sn": I64,  # the communicator's collective sequence number
+        "msg_size_bytes": I64,
+        "exec_time_us": F64,  # start → completion on this rank: the last rank to arrive waits least
+        "busbw_gbs": F64,
+    }
+)
+
+# Flight Recorder (L1): debug-info pipes found per rank, and cross-rank analyses of dumps.
+FR_PIPES = pl.Schema({"ts": F64, "job": STR, "rank": I32, "node": STR, "path": STR})
+FR_ANALYSIS = pl.Schema(
+    {
+        "ts": F64,  # when the dumps were analysed
+        "job": STR,
+        "trigger": STR,  # on_demand | periodic | timeout (dumps written by the watchdog)
+        "kind": STR,  # collective_hang | collective_mismatch | none
+        "culprit_ranks": pl.List(I32),
+        "ranks": pl.List(I32),
+        "pg": STR,
+        "seq": I64,
+        "op": STR,
+        "node": STR,
+        "summary": STR,
+        "dump_ts": F64,  # newest dump file's modification time
+        "n_dumps": I32,
     }
 )
 
@@ -167,7 +237,29 @@ HINTS = pl.Schema(
     }
 )
 
+# Which job (and rank) uses which GPU on a node, from the node itself (collectors/jobmap.py):
+# dcgm-exporter's HPC job-mapping files, the kubelet PodResources API, `scontrol pidinfo`, and the
+# environment / cgroup of the processes NVML lists on the GPU. One row per GPU and job. The
+# pipeline keeps the latest as a snapshot, fills job/rank of per-GPU rows from it and adds it to
+# `allocations` where the scheduler placed nothing (pipeline/jobjoin.py).
+GPU_JOBS = pl.Schema(
+    {
+        "ts": F64,
+        "node": STR,
+        "gpu": I32,
+        "gpu_uuid": STR,
+        "job": STR,
+        "rank": I32,  # global rank of the job's process on this GPU (RANK / SLURM_PROCID)
+        "local_rank": I32,
+        "pod": STR,
+        "namespace": STR,
+        "pid": I64,
+        "source": STR,  # hpc_job_mapping | slurm_pidinfo | proc_environ | proc_cgroup | podresources | dcgm_hpc_job | dcgm_pod
+    }
+)
+
 STREAMS: Mapping[str, pl.Schema] = {
+    "gpu_jobs": GPU_JOBS,
     "gpu_samples": GPU_SAMPLES,
     "rank_progress": RANK_PROGRESS,
     "allocator_stats": ALLOCATOR_STATS,
@@ -175,6 +267,10 @@ STREAMS: Mapping[str, pl.Schema] = {
     "jobs": JOBS,
     "nodes": NODES,
     "allocations": ALLOCATIONS,
+    "gpu_processes": GPU_PROCESSES,
+    "collective_progress": COLLECTIVE_PROGRESS,
+    "fr_pipes": FR_PIPES,
+    "fr_analysis": FR_ANALYSIS,
     "findings": FINDINGS,
     "hints": HINTS,
 }

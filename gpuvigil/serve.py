@@ -2,6 +2,14 @@
 expose what they see: Prometheus `/metrics`, OTLP push, alerts to Alertmanager (through the
 durable outbox) and the scheduler feedback API.
 
+What it reads and what it may do come from the `sources:` section of `--config` (see
+`gpuvigil.deployconfig` and deploy/deploy.yaml) or the matching flags: NVML or DCGM, the kernel
+log, torch/NCCL logs, Flight Recorder dumps, the in-process hook's receiver, the scheduler's job
+map, and `--act off|dry-run|on` for the Slurm/Kubernetes adapters. With nothing configured it
+runs the simulated cluster (`--source sim`, the demo); a real source that cannot start is an
+error naming it, never a silent switch to simulated data. At start it logs one line per source;
+`/metrics` exports `gpuvigil_source_up` per source.
+
 The tick loop and metric scrapes share one lock, so a scrape never sees half a tick. SIGTERM or
 SIGINT stops the loop, flushes the alert outbox and the OTLP exporter, stops every thread and
 exits 0.
@@ -13,7 +21,6 @@ import argparse
 import logging
 import os
 import signal
-import socket
 import sys
 import threading
 import time
@@ -35,13 +42,25 @@ NAME = "serve"
 
 def add_parser(sub) -> None:
     p = sub.add_parser(NAME, help="run gpuvigil continuously: /metrics, alerts, OTLP, feedback API")
-    src = p.add_argument_group("source")
-    src.add_argument("--source", choices=["sim", "nvml", "dcgm"], default="sim", help="where samples come from (default: the simulated cluster)")
-    src.add_argument("--scenario", default="healthy", help="simulator scenario name or file (default: healthy)")
-    src.add_argument("--nodes", type=int, default=None, help="simulated nodes (default: the scenario's)")
-    src.add_argument("--seed", type=int, default=0, help="simulator seed")
-    src.add_argument("--speed", type=float, default=1.0, help="simulated seconds per wall second (default 1)")
+    src = p.add_argument_group("sources (each overrides the same key of the config's `sources:` section)")
+    src.add_argument("--source", action="append", choices=["sim", "nvml", "dcgm"], default=None,
+                     help="sim (the simulated cluster: the default when nothing else is configured), nvml, dcgm; repeatable")
     src.add_argument("--dcgm-url", action="append", default=[], help="dcgm-exporter /metrics URL (repeat for several nodes)")
+    src.add_argument("--kernel-log", help="kernel log: kmsg, journald, or a file path (sources.kernel_log)")
+    src.add_argument("--log", action="append", default=[], metavar="PATTERN",
+                     help="torch/NCCL log path pattern, e.g. '/logs/{job}/rank{rank}.log' (repeatable; sources.logs)")
+    src.add_argument("--fr-dump-dir", help="folder of Flight Recorder dumps to analyse as they appear (sources.flight_recorder)")
+    src.add_argument("--nccl-inspector-dir", help="folder of NCCL Inspector output, <job>/ per job (sources.nccl_inspector)")
+    src.add_argument("--hook-listen", metavar="HOST:PORT", help="receive the in-process hook's records here (sources.hook)")
+    src.add_argument("--scheduler", choices=["slurm", "kubernetes", "none"], help="job map and acting (sources.scheduler)")
+    src.add_argument("--act", choices=["off", "dry-run", "on"], help="what to do with hints on the scheduler (default dry-run)")
+    src.add_argument("--job-map-dir", help="GPU → job mapping files, as dcgm-exporter's --hpc-job-mapping-dir (sources.job_map_dir)")
+    src.add_argument("--node", help="this node's name as the scheduler knows it (default: the hostname)")
+    sim = p.add_argument_group("simulated cluster (--source sim)")
+    sim.add_argument("--scenario", default="healthy", help="simulator scenario name or file (default: healthy)")
+    sim.add_argument("--nodes", type=int, default=None, help="simulated nodes (default: the scenario's)")
+    sim.add_argument("--seed", type=int, default=0, help="simulator seed")
+    sim.add_argument("--speed", type=float, default=1.0, help="simulated seconds per wall second (default 1)")
     out = p.add_argument_group("outputs")
     out.add_argument("--host", default="127.0.0.1", help="address for /metrics (default 127.0.0.1)")
     out.add_argument("--port", type=int, default=9400, help="port for /metrics (default 9400; 0 picks a free one)")
@@ -54,8 +73,8 @@ def add_parser(sub) -> None:
     api.add_argument("--api-host", default="127.0.0.1", help="address of the feedback API (default 127.0.0.1)")
     api.add_argument("--api-token-file", type=Path, help="bearer token file of the feedback API")
     api.add_argument("--insecure-local", action="store_true", help="feedback API without a token, on 127.0.0.1 only")
-    api.add_argument("--hint-db", default="gpuvigil-hints.sqlite", help="hint store of the feedback API (default ./gpuvigil-hints.sqlite)")
-    p.add_argument("--config", help="user config file (YAML/JSON)")
+    api.add_argument("--hint-db", default="gpuvigil-hints.sqlite", help="hint store of the feedback API and of --act (default ./gpuvigil-hints.sqlite)")
+    p.add_argument("--config", help="config file (YAML/JSON): thresholds, rules and the `sources:` section (see deploy/deploy.yaml)")
     p.add_argument("--duration", type=float, default=0.0, help="stop after this many wall seconds (default: run until SIGTERM)")
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     p.set_defaults(func=run)
@@ -68,54 +87,33 @@ def _check_args(args: argparse.Namespace) -> None:
         raise UserError(f"--speed {args.speed}: must be > 0")
     if args.duration < 0:
         raise UserError(f"--duration {args.duration}: must be >= 0")
-    if args.source == "dcgm" and not args.dcgm_url:
-        raise UserError("--source dcgm needs --dcgm-url URL (a dcgm-exporter /metrics endpoint)")
     if args.api_port is not None and args.api_token_file is None and not args.insecure_local and "GPUVIGIL_API_TOKEN" not in os.environ:
         raise UserError("--api-port needs a token: --api-token-file FILE or $GPUVIGIL_API_TOKEN (or --insecure-local for a token-less API on 127.0.0.1)")
     if args.alertmanager and not args.alertmanager.startswith(("http://", "https://")):
         raise UserError(f"--alertmanager {args.alertmanager!r}: expected an http(s):// URL")
 
 
-def _nodes_from_probe(collectors: list[Any]) -> list[NodeSpec]:
-    """Real sources: learn nodes and GPU counts from one first collect."""
+def _nodes_from_probe(collectors: list[Any], node: str) -> list[NodeSpec]:
+    """GPU sources: learn nodes and GPU counts from one first collect."""
     frames = [c.collect(time.time()).get("gpu_samples") for c in collectors]
     frames = [f for f in frames if f is not None and f.height]
     if not frames:
-        return [NodeSpec(socket.gethostname(), n_gpus=0)]
+        return [NodeSpec(node, n_gpus=0)]
     per_node = (
         pl.concat(frames, how="vertical_relaxed")
         .group_by("node")
         .agg(pl.col("gpu").n_unique().alias("n"), pl.col("memory_total_bytes").max().alias("mem"))
         .sort("node")
     )
-    return [NodeSpec(str(node), n_gpus=int(n), gpu_memory_bytes=int(mem or 0)) for node, n, mem in per_node.iter_rows()]
-
-
-def _real_collectors(args: argparse.Namespace) -> list[Any] | None:
-    """Collectors for --source nvml/dcgm; None to fall back to the simulator."""
-    if args.source == "dcgm":
-        from gpuvigil.collectors.dcgm import DcgmCollector
-
-        return [DcgmCollector(url) for url in args.dcgm_url]
-    try:
-        import gpuvigil.collectors.nvml as nvml
-    except ModuleNotFoundError as exc:
-        if exc.name != "gpuvigil.collectors.nvml":
-            raise
-        print("gpuvigil serve: NVML collector not available in this build; using the simulated cluster", file=sys.stderr)
-        return None
-    unavailable = getattr(nvml, "NvmlUnavailable", RuntimeError)
-    try:
-        return [nvml.NvmlCollector()]
-    except unavailable as exc:
-        print(f"gpuvigil serve: NVML unavailable ({exc}); using the simulated cluster", file=sys.stderr)
-        return None
+    return [NodeSpec(str(n), n_gpus=int(k), gpu_memory_bytes=int(mem or 0)) for n, k, mem in per_node.iter_rows()]
 
 
 class Server:
     """Everything `serve` runs, startable and stoppable from tests without a subprocess."""
 
     def __init__(self, args: argparse.Namespace):
+        from gpuvigil import deployconfig
+
         _check_args(args)
         self.args = args
         try:
@@ -123,6 +121,8 @@ class Server:
             self.alert_settings: AlertSettings = load_settings(self.cfg)
         except config.ConfigError as exc:
             raise UserError(str(exc)) from exc
+        self.sources_cfg = deployconfig.from_config(self.cfg, args, where=args.config or "config")
+        self.simulated = not self.sources_cfg.real
         self.lock = threading.RLock()
         self.stop_event = threading.Event()
         self.stats = TickStats()
@@ -132,7 +132,9 @@ class Server:
         self.api_server = None
         self.otel = None
         self.metrics_server = None
-        self.simulated = True
+        self.store = None
+        self.acting = None
+        self.sources: list[Any] = []
         self.left_in_outbox = 0
 
     def start(self) -> None:
@@ -143,8 +145,6 @@ class Server:
             raise
 
     def _start(self) -> None:
-        from gpuvigil import runtime as runtime_mod
-
         args = self.args
         sinks: list[Any] = [self.stats]
         if args.alertmanager:
@@ -156,21 +156,26 @@ class Server:
             sinks.append(self.pusher)
             self.delivery = DeliveryLoop(self.pusher).start()
             self._stack.callback(self.delivery.stop)
-        store = None
+        src = self.sources_cfg
+        acting_wanted = not self.simulated and src.scheduler != "none" and src.act != "off"
+        if args.api_port is not None or acting_wanted:
+            self.store = self._open_store()
+            sinks.append(self.store)
         if args.api_port is not None:
-            store = self._start_api()
-            sinks.append(store)
-        collectors = None if args.source == "sim" else _real_collectors(args)
-        if collectors is None:
+            self._start_api(self.store)
+        if self.simulated:
+            from gpuvigil import runtime as runtime_mod
+
             self.runtime = runtime_mod.build_simulated(args.scenario, nodes=args.nodes, seed=args.seed, cfg=self.cfg, sinks=sinks)
         else:
-            self.simulated = False
-            self.runtime = runtime_mod.build_real(collectors, _nodes_from_probe(collectors), cfg=self.cfg, sinks=sinks, now=time.time())
-        extra = []
+            self._start_real(sinks)
+        extra = [self._source_families]
         if self.pusher is not None:
             from gpuvigil.alerts.pusher import pusher_families
 
             extra.append(lambda: pusher_families(self.pusher))
+        if self.acting is not None:
+            extra.append(self.acting.families)
         self.snapshot = Snapshot(self.runtime, self.stats, team_of_tenant=self.alert_settings.team_of_tenant, extra=extra, lock=self.lock)
         from gpuvigil.exporter.prometheus import serve_metrics
 
@@ -188,19 +193,96 @@ class Server:
             self.otel = otlp_exporter(self.snapshot, args.otlp_endpoint, interval_seconds=args.otlp_interval)
             self._stack.callback(self.otel.shutdown)
 
-    def _start_api(self):
+    def _start_real(self, sinks: list[Any]) -> None:
+        from gpuvigil import deploysources
+        from gpuvigil.detectors.registry import default_detectors
+        from gpuvigil.pipeline.core import Pipeline
+        from gpuvigil.runtime import Runtime
+        from gpuvigil.scheduler.core import Scheduler, SchedulerStateCollector
+
+        src = self.sources_cfg
+        self.sources = deploysources.build(src, self.cfg)
+        for s in self.sources:
+            self._stack.callback(s.close)
+        collectors = [s.collector for s in self.sources if s.collector is not None]
+        gpu_sources = [s.collector for s in self.sources if s.kind in ("nvml", "dcgm")]
+        nodes = _nodes_from_probe(gpu_sources, src.node_name())
+        scheduler = Scheduler(nodes, self.cfg)
+        if src.scheduler == "none":
+            # No real scheduler: the built-in one's view is the only job/node map there is.
+            collectors.append(SchedulerStateCollector(scheduler))
+        detectors = default_detectors(self.cfg)
+        sinks.extend(s.sink for s in self.sources if getattr(s, "sink", None) is not None)
+        if src.scheduler != "none":
+            self.acting = self._make_acting(src)
+            sinks.append(self.acting)
+        pipeline = Pipeline(collectors, detectors, sinks=[scheduler, *sinks], cfg=self.cfg)
+        self.runtime = Runtime(pipeline, scheduler, None, now=time.time())
+
+    def _make_acting(self, src: Any):
+        from gpuvigil.acting import Acting, describe_kubernetes, describe_slurm
+
+        if src.scheduler == "slurm":
+            from gpuvigil.scheduler.slurm import SlurmAdapter
+
+            adapter = SlurmAdapter(store=self.store, cfg=self.cfg)
+            return Acting("slurm", src.act, store=self.store, adapter=adapter, describe=lambda h: describe_slurm(h, adapter))
+        from gpuvigil.scheduler.kubernetes import KubernetesAdapter, KubernetesError, kubernetes_config
+
+        kcfg = kubernetes_config(self.cfg)
+        adapter = None
+        if src.act == "on":
+            try:
+                adapter = KubernetesAdapter(store=self.store, cfg=self.cfg)
+            except (KubernetesError, ImportError) as exc:
+                raise UserError(f"source scheduler kubernetes: cannot act: {exc}") from exc
+        return Acting("kubernetes", src.act, store=self.store, adapter=adapter, describe=lambda h: describe_kubernetes(h, kcfg))
+
+    def _open_store(self):
         from gpuvigil.api import HintStore
+
+        store = HintStore(self.args.hint_db)
+        self._stack.callback(store.close)
+        return store
+
+    def _start_api(self, store) -> None:
         from gpuvigil.api.app import create_app, serve_api_in_thread
         from gpuvigil.api.auth import resolve_token
 
         args = self.args
         token = resolve_token(args.api_token_file)  # the file, else $GPUVIGIL_API_TOKEN
-        store = HintStore(args.hint_db)
-        self._stack.callback(store.close)
-        app = create_app(store, token, insecure_local=args.insecure_local and token is None, cfg=self.cfg)
+        app = create_app(store, token, insecure_local=args.insecure_local and token is None, cfg=self.cfg, why=self._why)
         self.api_server = serve_api_in_thread(app, args.api_host, args.api_port)
         self._stack.callback(self.api_server.stop)
-        return store
+
+    def _why(self, job: str) -> dict[str, Any] | None:
+        """GET /v1/jobs/{job}/why: the built-in scheduler's decision records, read under the tick lock."""
+        with self.lock:
+            runtime = getattr(self, "runtime", None)
+            return None if runtime is None else runtime.scheduler.why(job)
+
+    def _source_families(self) -> list[Any]:
+        from gpuvigil.exporter.metrics import Family
+
+        up = Family("gpuvigil_source_up", "gauge", "1 if the source's last read worked, 0 if it is down (see serve's log for why).")
+        errors = Family("gpuvigil_source_errors", "counter", "Failed reads and dropped records per source.")
+        if self.simulated:
+            up.add(1, source="sim", where=self.args.scenario)
+        for s in self.sources:
+            up.add(1 if s.up else 0, source=s.kind, where=s.where)
+            if s.collector is not None:
+                errors.add(s.collector.errors, source=s.kind, where=s.where)
+        return [up, errors]
+
+    def describe(self) -> list[str]:
+        """One line per source, for the start-up log."""
+        if self.simulated:
+            return [f"source sim: scenario {self.args.scenario} x{self.args.speed:g} (simulated data; nothing real is read): up"]
+        lines = [s.line() for s in self.sources]
+        src = self.sources_cfg
+        if src.scheduler != "none":
+            lines.append(f"act: {src.act} on {src.scheduler}" + {"off": " (hints are only stored and served)", "dry-run": " (logs and counts what it would do; changes nothing)", "on": " (drains/requeues for real)"}[src.act])
+        return lines
 
     def _count_left_in_outbox(self) -> None:
         self.left_in_outbox = self.pusher.pending() if self.pusher is not None else 0
@@ -219,6 +301,7 @@ class Server:
                 result = rt.step()
             for finding in result.new_findings:
                 log.info("finding %s %s: %s", finding.severity.value, finding.kind.value, finding.summary)
+            self._log_levels(result)
             next_tick += period
             if deadline is not None and time.monotonic() >= deadline:
                 break
@@ -227,6 +310,15 @@ class Server:
                 next_tick = time.monotonic()
                 delay = 0
             self.stop_event.wait(delay)
+
+    def _log_levels(self, result) -> None:
+        """Log each job's observation level (docs/levels.md) when first seen and when it changes."""
+        levels = getattr(result, "job_levels", None) or {}
+        seen = self.__dict__.setdefault("_levels_logged", {})
+        changed = {j: lvl for j, lvl in levels.items() if seen.get(j) != lvl}
+        if changed:
+            log.info("observation level: %s", ", ".join(f"{j} {lvl}" for j, lvl in sorted(changed.items())))
+            seen.update(changed)
 
     def stop(self) -> None:
         self.stop_event.set()
@@ -242,6 +334,8 @@ def run(args: argparse.Namespace) -> int:
     server.start()
     previous = {sig: signal.signal(sig, lambda signum, frame: server.stop()) for sig in (signal.SIGTERM, signal.SIGINT)}
     try:
+        for line in server.describe():
+            log.warning(line) if "DOWN" in line else log.info(line)
         where = f"http://{args.host}:{server.metrics_port}/metrics"
         extras = []
         if server.pusher is not None:
@@ -250,7 +344,12 @@ def run(args: argparse.Namespace) -> int:
             extras.append(f"feedback API {server.api_server.url}")
         if server.otel is not None:
             extras.append(f"OTLP → {args.otlp_endpoint}")
-        source = f"scenario {args.scenario} x{args.speed:g}" if server.simulated else args.source
+        if server.simulated:
+            source = f"scenario {args.scenario} x{args.speed:g}"
+        else:
+            source = ", ".join(dict.fromkeys(s.kind for s in server.sources)) or "no source"
+            if server.acting is not None:
+                source += f"; act {server.acting.mode} on {server.acting.scheduler}"
         print(f"gpuvigil serve: {source}; metrics {where}" + "".join(f"; {e}" for e in extras), flush=True)
         server.loop()
     finally:

@@ -3,14 +3,11 @@ return its findings in a stable, golden-file form."""
 
 from __future__ import annotations
 
-import json
-import os
 from pathlib import Path
 from typing import Any
 
 DATA = Path(__file__).parent / "data" / "detectors" / "scenarios"
 GOLDEN = Path(__file__).parent / "data" / "golden" / "findings"
-UPDATE = os.environ.get("UPDATE_GOLDEN") == "1"
 
 # Evidence keys that are stable enough for golden files (the rest are measured numbers that
 # would make every tweak of the simulator's noise a golden-file change).
@@ -19,7 +16,7 @@ STABLE_EVIDENCE = ("xid", "xids", "fatal", "silent_ranks", "culprit_nodes", "mos
 
 def run(name: str, tick_seconds: float = 1.0, seed: int = 0) -> dict[str, Any]:
     from gpuvigil import config
-    from gpuvigil.collectors import scenario as scenario_mod
+    from gpuvigil.sim import scenario as scenario_mod
     from gpuvigil.runtime import build_simulated
 
     sc = scenario_mod.load(DATA / f"{name}.yaml")
@@ -55,10 +52,6 @@ def run(name: str, tick_seconds: float = 1.0, seed: int = 0) -> dict[str, Any]:
 
 
 def check_golden(name: str, result: dict[str, Any]) -> None:
-    path = GOLDEN / f"{name}.json"
-    text = json.dumps(result, indent=1, sort_keys=True) + "\n"
-    if UPDATE:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(text)
-    assert path.exists(), f"no golden file {path}: run with UPDATE_GOLDEN=1 once and review it"
-    assert json.loads(path.read_text()) == json.loads(text), f"findings differ from {path} (UPDATE_GOLDEN=1 to accept a deliberate change)"
+    from golden import check_json
+
+    check_json(GOLDEN / f"{name}.json", result)

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import os
 from pathlib import Path
 from typing import Any
 
@@ -16,15 +15,10 @@ REFERENCE_TS = 1796000000.0
 
 
 def check_golden(name: str, actual: Any) -> None:
-    """Compare with tests/data/golden/NAME; GPUVIGIL_UPDATE_GOLDEN=1 rewrites it instead."""
-    path = GOLDEN / name
-    text = actual if isinstance(actual, str) else json.dumps(actual, indent=1, sort_keys=True) + "\n"
-    if os.environ.get("GPUVIGIL_UPDATE_GOLDEN") == "1" or not path.exists():
-        if os.environ.get("GPUVIGIL_UPDATE_GOLDEN") != "1":
-            raise AssertionError(f"golden file {path} is missing; run with GPUVIGIL_UPDATE_GOLDEN=1 to create it, then review it")
-        path.write_text(text)
-        return
-    assert text == path.read_text(), f"output differs from golden file {path} (GPUVIGIL_UPDATE_GOLDEN=1 rewrites it)"
+    """Compare with tests/data/golden/NAME (`pytest --update-goldens` rewrites it)."""
+    from golden import check_text
+
+    check_text(GOLDEN / name, actual if isinstance(actual, str) else json.dumps(actual, indent=1, sort_keys=True) + "\n")
 
 
 def findings_json(findings: list) -> list[dict]:

@@ -133,7 +133,10 @@ def test_settings_overrides_flow_into_the_config():
     ],
 )
 def test_bad_settings_are_rejected_with_the_reason(override, message):
-    cfg = config.load(overrides={"alerts": override})
+    # Rejected at load (the whole config is validated there) and by the section's own loader.
+    with pytest.raises(config.ConfigError, match=re.escape(message)):
+        config.load(overrides={"alerts": override})
+    cfg = config.load(overrides={"alerts": override}, validate=False)
     with pytest.raises(config.ConfigError, match=re.escape(message)):
         load_settings(cfg)
 

@@ -28,7 +28,8 @@ AUTH = {"Authorization": f"Bearer {TOKEN}"}
 
 @pytest.fixture
 def store(tmp_path):
-    s = HintStore(tmp_path / "hints.db")
+    # Wall clock 100 for the tick's writes, like the pipeline clock (`since` filters hints on the wall clock).
+    s = HintStore(tmp_path / "hints.db", wall_clock=lambda: 100.0)
     pipe = pipeline_into(s, [[ecc_finding(), hang_finding(), straggler_finding()]], clear_after=1e9)
     pipe.tick(100.0)
     yield s
@@ -145,7 +146,6 @@ def test_ack_and_nack_over_http(client, store):
     [
         ("node-a", "unhealthy", ["ecc"]),  # page
         ("node-c", "degraded", ["straggler"]),  # ticket
-        ("node-z", "healthy", []),
     ],
 )
 def test_node_health_from_active_findings(client, node, status, kinds):
@@ -176,8 +176,31 @@ def test_job_verdict_names_culprits_and_actions(client):
     assert sorted(h["action"] for h in body["recommended_actions"]) == ["cordon_node", "requeue_job"]
     requeue = next(h for h in body["recommended_actions"] if h["action"] == "requeue_job")
     assert requeue["exclude_nodes"] == ["node-b"]
-    healthy = client.get("/v1/jobs/job-unknown/verdict", headers=AUTH).json()
-    assert (healthy["status"], healthy["summary"], healthy["recommended_actions"]) == ("healthy", "no active findings", [])
+
+
+def test_unknown_node_and_job_are_404_not_healthy(client):
+    for path in ("/v1/nodes/node-z/health", "/v1/jobs/job-unknown/verdict"):
+        r = client.get(path, headers=AUTH)
+        assert r.status_code == 404, path
+        assert "never seen" in r.json()["detail"]
+
+
+def test_known_node_and_job_without_findings_are_healthy(tmp_path):
+    """The pipeline's node and job snapshots make a name known, findings or not."""
+    import polars as pl
+
+    from gpuvigil.pipeline.window import Window
+
+    with HintStore(tmp_path / "h.db") as store, TestClient(create_app(store, TOKEN)) as c:
+        window = Window()
+        window.add("nodes", pl.DataFrame({"ts": [1.0], "node": ["node-q"]}))
+        window.add("jobs", pl.DataFrame({"ts": [1.0], "job": ["job-q"]}))
+        store.on_tick(type("R", (), {"now": 1.0, "active_findings": [], "cleared_findings": [], "new_hints": [], "expired_hints": []})(), window)
+        node = c.get("/v1/nodes/node-q/health", headers=AUTH).json()
+        assert (node["status"], node["findings"], node["hints"]) == ("healthy", [], [])
+        job = c.get("/v1/jobs/job-q/verdict", headers=AUTH).json()
+        assert (job["status"], job["summary"], job["recommended_actions"]) == ("healthy", "no active findings", [])
+        assert c.get("/v1/nodes/node-r/health", headers=AUTH).status_code == 404
 
 
 def test_findings_endpoint_filters(client):
@@ -274,25 +297,36 @@ def test_stop_returns_while_a_stream_is_open(tmp_path):
     store = HintStore(tmp_path / "hints.db")
     server = serve_api_in_thread(create_app(store, TOKEN))
     got: list[int] = []
+    errors: list[BaseException] = []
+    connected = threading.Event()
 
     def listen():
         try:
             with httpx.stream("GET", f"{server.url}/v1/hints/stream", headers=AUTH, timeout=30) as r:
                 got.append(r.status_code)
+                connected.set()
                 for _ in r.iter_lines():
                     pass
-        except httpx.HTTPError:
-            pass
+        except BaseException as exc:  # noqa: BLE001 - reported to the test below, not swallowed
+            errors.append(exc)
+        finally:
+            connected.set()
 
     th = threading.Thread(target=listen, daemon=True)
     th.start()
-    while not got:
-        time.sleep(0.05)
-    server.stop(timeout=15)
-    assert not server._thread.is_alive()
-    th.join(15)
-    assert not th.is_alive()
-    store.close()
+    try:
+        assert connected.wait(15), "the stream never answered"
+        assert got == [200], errors
+        server.stop(timeout=15)
+        assert not server._thread.is_alive()
+        th.join(15)
+        assert not th.is_alive()
+        # The stream ends with the server: cleanly, or cut (the server is gone), never any
+        # other error (a timeout would mean stop() left the stream hanging).
+        assert all(isinstance(e, (httpx.RemoteProtocolError, httpx.ReadError)) for e in errors), errors
+    finally:
+        server.stop(timeout=5)
+        store.close()
 
 
 # -- starting rules -------------------------------------------------------------------------

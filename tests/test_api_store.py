@@ -14,7 +14,7 @@ import threading
 
 import pytest
 
-from gpuvigil.api.store import HintNotFound, HintState, HintStateConflict, HintStore
+from gpuvigil.api.store import BlankReason, HintNotFound, HintState, HintStateConflict, HintStore
 from gpuvigil.errors import UserError
 from gpuvigil.model import HintAction
 from h_api_helpers import ecc_finding, hang_finding, pipeline_into, straggler_finding
@@ -70,7 +70,7 @@ def test_duplicate_hint_for_same_cause_is_merged_not_inserted(db):
 
 
 def test_hint_expires_when_its_cause_clears_and_reopens_when_it_returns(db):
-    with HintStore(db) as store:
+    with HintStore(db, wall_clock=lambda: 5000.0) as store:
         script = [[ecc_finding()]] * 3 + [[]] * 4 + [[ecc_finding()]]
         # No cooldown: the pipeline issues the hint again when the cause returns.
         pipe = pipeline_into(store, script, clear_after=20.0, hint_cooldown=0.0)
@@ -85,7 +85,8 @@ def test_hint_expires_when_its_cause_clears_and_reopens_when_it_returns(db):
         pipe.tick(150.0)
         expired = store.get_hint(h.id)
         assert expired.state == HintState.EXPIRED
-        assert expired.state_ts == 150.0
+        # The pipeline clock says when the cause cleared; the state change is stamped by the wall clock.
+        assert expired.state_wall == 5000.0
         assert expired.state_reason.startswith(f"cause cleared: ecc finding {h.finding_id}")
         [f] = store.findings()
         assert (f.active, f.cleared_ts) == (False, 150.0)
@@ -143,7 +144,7 @@ STATE_MACHINE = [
     ([("nack", "busy")], ("nack", "other reason"), HintStateConflict),
     ([("expire", None)], ("ack", None), HintStateConflict),
     ([("expire", None)], ("nack", "late"), HintStateConflict),
-    ([], ("nack", "   "), ValueError),
+    ([], ("nack", "   "), BlankReason),
 ]
 
 
@@ -293,7 +294,8 @@ FILTERS = [
 
 @pytest.mark.parametrize("filters,actions", FILTERS)
 def test_hint_filters(db, filters, actions):
-    with HintStore(db) as store:
+    # `since` is on the wall clock (the tick's hints were written at wall time 100, the ack at 200).
+    with HintStore(db, wall_clock=lambda: 100.0) as store:
         pipeline_into(store, [[ecc_finding(), hang_finding(), straggler_finding()]]).tick(100.0)
         avoid = store.hints(action="avoid_gpu")[0]
         store.ack(avoid.id, now=200.0)
@@ -326,22 +328,31 @@ def test_bad_store_file_is_a_user_error(tmp_path, make_path, message):
 
 
 @pytest.mark.parametrize(
-    "attempts,last_error,age,due",
+    "attempts,last_error,full_wait",
     [
-        (0, None, 0.0, True),  # never tried
-        (3, None, 0.0, True),  # last try succeeded (ack pending elsewhere)
-        (1, "boom", 4.9, False),
-        (1, "boom", 5.0, True),
-        (2, "boom", 9.9, False),  # 5 * 2
-        (2, "boom", 10.0, True),
-        (10, "boom", 299.0, False),  # capped at 300
-        (10, "boom", 300.0, True),
+        (0, None, 0.0),  # never tried
+        (3, None, 0.0),  # last try succeeded (ack pending elsewhere)
+        (1, "boom", 5.0),
+        (2, "boom", 10.0),  # 5 * 2
+        (5, "boom", 80.0),
+        (10, "boom", 300.0),  # capped at 300
+        (5000, "boom", 300.0),  # no float overflow
     ],
 )
-def test_retry_backoff_after_failed_applies(attempts, last_error, age, due):
+def test_retry_backoff_after_failed_applies(attempts, last_error, full_wait):
     from types import SimpleNamespace
 
-    from gpuvigil.api.apply import due_for_retry
+    from gpuvigil.scheduler.apply import due_for_retry
 
-    record = SimpleNamespace(attempts=attempts, last_error=last_error, updated_ts=1000.0)
-    assert due_for_retry(record, 1000.0 + age, 5.0, 300.0) is due
+    # Jittered (gpuvigil.backoff): the wait is within [full/2, full], fixed per hint and attempt.
+    waits = []
+    for hint_id in ("h1", "h2", "h3", "h4"):
+        record = SimpleNamespace(id=hint_id, attempts=attempts, last_error=last_error, updated_wall=1000.0)
+        wait = next(w / 100 for w in range(0, 30001) if due_for_retry(record, 1000.0 + w / 100, 5.0, 300.0))
+        assert full_wait / 2 - 0.01 <= wait <= full_wait
+        assert all(due_for_retry(record, 1000.0 + wait + extra, 5.0, 300.0) for extra in (0.0, 1.0, 1e6))
+        if wait > 0:
+            assert not due_for_retry(record, 1000.0 + wait - 0.01, 5.0, 300.0)
+        waits.append(wait)
+    # Hints that failed together do not retry together.
+    assert full_wait == 0.0 or len(set(waits)) == len(waits)

@@ -54,6 +54,7 @@ def test_scrape_maps_onto_gpu_samples():
         "last_xid": None,  # 0 means no XID since the exporter started
         "ecc_sbe_aggregate_total": None,  # not in the default counters
         "ecc_dbe_aggregate_total": None,
+        "memory_reserved_bytes": 615 * MIB,  # FB_RESERVED: total usable by processes = total − this
     }
     assert {k: g0[k] for k in expected} == expected
     assert all(g0[k] is None for k in set(g0) - set(expected))  # columns added to the schema later

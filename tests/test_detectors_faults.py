@@ -3,7 +3,7 @@ end to end on the simulated cluster with hints off so each fault runs its course
 
 Each case asserts the behaviour (the right kind names the right job, culprit ranks, node, GPU
 and cause, within the latency target) and then compares every finding with its golden file
-(tests/data/golden/findings/<scenario>.json; UPDATE_GOLDEN=1 rewrites them after review)."""
+(tests/data/golden/findings/<scenario>.json; `pytest --update-goldens` rewrites them for review)."""
 
 from __future__ import annotations
 

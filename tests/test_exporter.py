@@ -124,7 +124,7 @@ ALLOWED_LABELS = {
     "gpuvigil_scheduler_": {"state", "priority", "tenant", "action", "le"},
     "gpuvigil_pipeline_": {"stream", "le"},
     "gpuvigil_detector_": {"detector", "le"},
-    "gpuvigil_collector_": {"collector"},
+    "gpuvigil_collector_": {"collector", "target"},  # target: a configured endpoint, device or file (bounded)
     "gpuvigil_build": {"version"},
 }
 

@@ -225,7 +225,8 @@ def test_gloo_hangs_and_mismatches_name_the_culprit_ranks(gloo_runs, case_id, wo
         assert finding.evidence["mismatch_type"] == expected_type
         if scenario == "wrong_op":
             assert finding.evidence["culprit_ops"] == [op] and finding.evidence["expected"] == "all_reduce"
-    assert finding.source.endswith(f"fr_rank_{culprits[0]}") or scenario == "missing"
+        # A mismatch is shown in the culprit's own record.
+        assert finding.source.endswith(f"fr_rank_{culprits[0]}")
 
 
 @pytest.mark.torch
@@ -266,8 +267,13 @@ def test_golden_normalised_s6_dump_and_findings():
 
     raw = safe_load(DATA / "s6_fr_rank_0")
     dump = fr.parse_dump(raw, "s6_fr_rank_0", Path("s6_fr_rank_0"))
+    # The real dump on timeout: collective #6 enqueued, #5 the last completed.
+    assert (dump.pg_status["0"].last_enqueued, dump.pg_status["0"].last_completed) == (6, 5)
+    found = fr.analyze_dumps([dump])
+    [f] = found
+    assert (f.kind.value, f.severity.value, f.culprit_ranks, f.evidence["collective_seq_id"], f.evidence["op"]) == ("collective_hang", "page", [0], 6, "all_reduce")
     check_golden("fr_s6_dump.json", dataclasses.asdict(dump))
-    check_golden("fr_s6_findings.json", [f.to_json_dict() for f in fr.analyze_dumps([dump])])
+    check_golden("fr_s6_findings.json", [f.to_json_dict() for f in found])
 
 
 def test_entries_evicted_by_another_group_are_not_a_missing_rank():

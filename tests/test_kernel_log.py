@@ -63,19 +63,35 @@ def test_timestamp_and_host_formats(line, ts, ts_kind, node):
         ("NVRM: Xid (PCI:0000:2b:00): 79, GPU has fallen off the bus.", 79, "0000:2b:00", None, None, "GPU has fallen off the bus."),
         ("NVRM: Xid (0000:01:00): 3, C 00000005 SC 00000007 M 00001ffc Data ffffffff", 3, "0000:01:00", None, None, "C 00000005 SC 00000007 M 00001ffc Data ffffffff"),
         ("NVRM: Xid (PCI:0019:01:00): 149, NETIR Fatal XC0 i0 Link -1 (0x000fe406 0x00000000)", 149, "0019:01:00", None, None, "NETIR Fatal XC0 i0 Link -1 (0x000fe406 0x00000000)"),
-        ("NVRM: Xid (PCI:0000:dc:00): 45, pid=1818990, name=python3, Ch 00000001 caused by previous Xid 149", 45, "0000:dc:00", 1818990, "python3", "Ch 00000001 caused by previous Xid 149"),
+        # attributed to the XID it names as its cause (issue 10); the line's own code is reported_xid
+        ("NVRM: Xid (PCI:0000:dc:00): 45, pid=1818990, name=python3, Ch 00000001 caused by previous Xid 149", 149, "0000:dc:00", 1818990, "python3", "Ch 00000001 caused by previous Xid 149"),
     ],
 )
 def test_xid_line_fields(line, code, pci, pid, process, message):
     row = kernel_log.parse_lines([line], reference_ts=REFERENCE_TS).row(0, named=True)
     assert (row["xid"], row["pci_bus_id"], row["pid"], row["process"], row["message"]) == (code, pci, pid, process, message)
+    assert row["reported_xid"] == int(line.split("): ", 1)[1].split(",", 1)[0])
+
+
+def test_lost_gpu_message_without_xid_line_is_xid_79():
+    # NVIDIA/NVSentinel#155: drivers report a lost GPU this way without an Xid line (issue 10)
+    lines = [
+        "[ 1843.308145] NVRM: The NVIDIA GPU 0000:b3:00.0",
+        "               NVRM: (PCI ID: 10de:26b5) installed in this system has",
+        "               NVRM: fallen off the bus and is not responding to commands.",
+    ]
+    (row,) = kernel_log.parse_lines(lines, reference_ts=REFERENCE_TS).to_dicts()
+    assert (row["xid"], row["pci_bus_id"], row["line"]) == (79, "0000:b3:00", 1)
+    # and its one-line echo right after a real Xid 79 line is the same event, not a second one
+    echo = ["NVRM: Xid (PCI:0000:2b:00): 79, GPU has fallen off the bus.", "NVRM: GPU 0000:2b:00.0: GPU has fallen off the bus."]
+    assert kernel_log.parse_lines(echo, reference_ts=REFERENCE_TS).height == 1
+    assert kernel_log.parse_lines(echo[1:], reference_ts=REFERENCE_TS)["xid"].to_list() == [79]
 
 
 @pytest.mark.parametrize(
     "line",
     [
         "NVRM: GPU at PCI:0000:2b:00: GPU-0b11d014-1685-04bd-26ed-5fc0bc1c44ae",
-        "NVRM: GPU 0000:2b:00.0: GPU has fallen off the bus.",
         "nvidia-peermem nv_get_p2p_free_callback:127 ERROR detected invalid context",
         "Xid",
         "",
@@ -143,7 +159,8 @@ def test_burst_gap_comes_from_config():
         # (xid, severity, count, with_xids)
         ("kernel_xids.log", [(13, Severity.TICKET, 3, [109]), (109, Severity.PAGE, 1, [13])]),
         ("kernel_dbe_syslog.log", [(48, Severity.PAGE, 1, [64]), (64, Severity.PAGE, 1, [48])]),
-        ("kernel_nvlink5.log", [(149, Severity.PAGE, 1, []), (145, Severity.TICKET, 1, []), (45, Severity.TICKET, 1, []), (45, Severity.TICKET, 1, [])]),
+        # "45 caused by previous Xid 149/145" on other GPUs: one node-level finding per cascade
+        ("kernel_nvlink5.log", [(149, Severity.PAGE, 2, []), (145, Severity.PAGE, 2, [])]),
         ("kernel_fallen_off_bus.log", [(32, Severity.TICKET, 1, [31]), (31, Severity.TICKET, 1, [32]), (3, Severity.TICKET, 1, []), (79, Severity.PAGE, 1, [])]),
     ],
 )
@@ -179,7 +196,7 @@ def test_events_frame_has_the_events_schema():
 def test_tail_follows_appends_partial_lines_rotation_and_truncation(tmp_path):
     log = tmp_path / "kern.log"
     log.write_text(f"Nov 29 10:00:00 n1 kernel: {LINE}\nNov 29 10:00:01 n1 kernel: NVRM: Xid (PCI:0000:3b:00): 79, pi")
-    col = kernel_log.KernelLogCollector(log, node="n1", boot_ts=0.0)
+    col = kernel_log.KernelLogCollector(log, node="n1", boot_ts=0.0, from_start=True)
     out = col.collect(0.0)["events"]
     assert out.height == 1 and out.schema == schemas.EVENTS
     assert col.collect(1.0) == {}  # nothing new, partial line still pending
@@ -223,7 +240,7 @@ def test_tail_can_start_at_the_end(tmp_path):
 def test_tail_survives_invalid_utf8(tmp_path):
     log = tmp_path / "kern.log"
     log.write_bytes(b"\xff\xfe garbage \x00\n" + f"[1.0] {LINE}\n".encode())
-    col = kernel_log.KernelLogCollector(log, boot_ts=0.0)
+    col = kernel_log.KernelLogCollector(log, boot_ts=0.0, from_start=True)
     assert col.collect(0.0)["events"]["xid"].to_list() == [79]
 
 
@@ -263,7 +280,7 @@ def test_collectors_fit_the_pipeline(tmp_path):
     kern.write_text(f"2026-11-29T23:07:34+00:00 n1 kernel: {LINE}\n")
     train = tmp_path / "train.log"
     train.write_text((H200 / "s6_nccl_watchdog_timeout.log").read_text())
-    collectors = [kernel_log.KernelLogCollector(kern, boot_ts=0.0), NcclLogCollector(train, node="n1", job="j")]
+    collectors = [kernel_log.KernelLogCollector(kern, boot_ts=0.0, from_start=True), NcclLogCollector(train, node="n1", job="j")]
     assert all(isinstance(c, Collector) for c in collectors)
     pipe = Pipeline(collectors, [])
     result = pipe.tick(utc(2026, 11, 29, 23, 8, 0))

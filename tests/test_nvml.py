@@ -363,6 +363,10 @@ def test_golden_replay_rows():
     from h_fr_helpers import check_golden
 
     samples = replay_csv(DATA / "nvml_timeseries.csv", node="h200-0")
+    # Units converted, not copied: mW → W, bytes kept; the idle start reads 125 W, 35 °C.
+    first = samples.row(0, named=True)
+    assert (first["power_w"], first["temperature_c"], first["memory_total_bytes"]) == (125.147, 35.0, 150754820096)
+    assert samples.height == 802 and samples["ts"].is_sorted()
     check_golden("nvml_replay_rows.json", samples.head(3).rows(named=True) + samples.tail(2).rows(named=True))
 
 

@@ -95,7 +95,8 @@ def test_dcgm_source_exports_the_exporter_s_gpus():
         exporter.close()
 
 
-def test_nvml_source_without_a_driver_falls_back_to_the_simulator(capsys):
+def test_nvml_source_without_a_driver_is_an_error_never_the_simulator(capsys, tmp_path, monkeypatch):
+    """Issue 17: an explicit source that cannot start exits non-zero naming it (no fallback)."""
     try:
         import pynvml
 
@@ -104,12 +105,11 @@ def test_nvml_source_without_a_driver_falls_back_to_the_simulator(capsys):
         pytest.skip("this machine has a working NVML driver")
     except Exception:
         pass
-    server = _server("--source", "nvml", "--scenario", "healthy")
-    try:
-        assert server.simulated
-        assert "using the simulated cluster" in capsys.readouterr().err
-    finally:
-        server.close()
+    monkeypatch.chdir(tmp_path)
+    assert main(["serve", "--source", "nvml", "--port", "0"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "source nvml: cannot start" in err[0], err
+    assert "simulat" not in err[0]
 
 
 def test_sigterm_stops_serve_cleanly_and_keeps_undelivered_alerts(tmp_path):

@@ -2,19 +2,19 @@
 test cluster in tests/slurm_cluster.py: a running 3-GPU job, a job killed by signal 9, a job that
 exited 137, a plain failure, a requeued-and-held job, a held job, a node drained with a reason).
 
-Golden files hold the frames gpuvigil makes of it; set GPUVIGIL_UPDATE_GOLDEN=1 to rewrite them
-after a deliberate change (and review the diff). Hypothesis feeds random and truncated output:
+Golden files hold the frames gpuvigil makes of it; `pytest --update-goldens` rewrites them after a
+deliberate change (review the diff). Hypothesis feeds random and truncated output:
 the parsers never crash or hang, they drop malformed records and count them.
 """
 
 from __future__ import annotations
 
 import json
-import os
 import time
 from pathlib import Path
 
 import pytest
+from golden import check_json
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -33,7 +33,6 @@ from gpuvigil.scheduler.slurm import (
 )
 
 DATA = Path(__file__).parent / "data" / "slurm"
-UPDATE = os.environ.get("GPUVIGIL_UPDATE_GOLDEN") == "1"
 
 
 @pytest.fixture(autouse=True)
@@ -69,10 +68,10 @@ def frames_as_json(frames) -> dict:
 def test_frames_from_recorded_output_match_golden(use_json):
     collector = SlurmStateCollector(SlurmState(Recorded(), use_json=use_json))
     got = frames_as_json(collector.collect(1800000000.0))
-    golden = DATA / "expected_frames.json"
-    if UPDATE and use_json:
-        golden.write_text(json.dumps(got, indent=1, sort_keys=True) + "\n")
-    assert got == json.loads(golden.read_text())
+    if use_json:
+        check_json(DATA / "expected_frames.json", got)
+    else:  # the scontrol text path must make the same frames as the JSON path
+        assert got == json.loads((DATA / "expected_frames.json").read_text())
     assert collector.errors == 0
 
 
@@ -215,7 +214,11 @@ def test_invalid_adapter_and_api_config_is_rejected_with_the_reason(overrides, w
     from gpuvigil.scheduler.kubernetes import kubernetes_config
     from gpuvigil.scheduler.slurm import slurm_config
 
-    cfg = config.load(overrides=overrides)
+    # The whole config is validated at load ...
+    with pytest.raises(config.ConfigError, match=where.replace(".", r"\.")):
+        config.load(overrides=overrides)
+    # ... and each owner's loader rejects it too.
+    cfg = config.load(overrides=overrides, validate=False)
     with pytest.raises(config.ConfigError, match=where.replace(".", r"\.")):
         api_config(cfg)
         slurm_config(cfg)

@@ -6,7 +6,7 @@ import pytest
 
 from gpuvigil import xid
 
-REQUIRED = [8, 13, 31, 32, 38, 43, 45, 48, 61, 62, 63, 64, 68, 69, 74, 79, 92, 94, 95, 109, 119, 120, 121, 140, 143, *range(144, 151)]
+REQUIRED = [8, 13, 31, 32, 38, 43, 45, 48, 61, 62, 63, 64, 68, 69, 74, 79, 92, 94, 95, 109, 119, 120, 121, 140, 143, *range(144, 151), *range(151, 173)]
 ACTIONS = {
     "RESTART_APP",
     "IGNORE",
@@ -17,6 +17,10 @@ ACTIONS = {
     "WORKFLOW_NVLINK_ERR",
     "WORKFLOW_NVLINK5_ERR",
     "CONTACT_SUPPORT",
+    "RESTART_VM",
+    "CHECK_MECHANICALS",
+    "UPDATE_SWFW",
+    "CHECK_UVM",
 }
 
 
@@ -48,6 +52,11 @@ def test_required_codes_are_in_the_table(code):
         (119, True, False, "RESET_GPU"),
         (120, True, False, "RESET_GPU"),
         (140, True, False, "RESET_GPU"),
+        # newest rows of the catalog (NVLink5 SW-defined, C2C, resource retirement, CHI)
+        (121, False, False, "IGNORE"),
+        (155, True, False, "RESET_GPU"),
+        (156, True, False, "RESET_GPU"),
+        (159, False, False, "CHECK_UVM"),
     ],
 )
 def test_catalogue_actions(code, fatal, app_level, action):

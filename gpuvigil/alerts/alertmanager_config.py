@@ -72,6 +72,12 @@ def alertmanager_document(s: AlertSettings) -> dict[str, Any]:
                 "equal": ["kind", "job"],
             },
             {
+                # And for a collector target that is down (finding: with its reason).
+                "source_matchers": ['origin="finding"', 'kind="collector_down"'],
+                "target_matchers": ['origin="rule"', 'kind="collector_down"'],
+                "equal": ["collector", "target"],
+            },
+            {
                 # A page already covers the ticket about the same thing.
                 "source_matchers": ['severity="page"'],
                 "target_matchers": ['severity="ticket"'],

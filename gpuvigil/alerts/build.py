@@ -7,9 +7,6 @@ would write (CI keeps the copies current with it)."""
 from __future__ import annotations
 
 import argparse
-import difflib
-import sys
-from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -18,7 +15,8 @@ import yaml
 from gpuvigil import config
 from gpuvigil.alerts import alertmanager_config, rules
 from gpuvigil.alerts.settings import AlertSettings, load_settings
-from gpuvigil.errors import UserError
+from gpuvigil.errors import OneLineErrorParser, UserError
+from gpuvigil.generated import write_or_check
 
 RULES_FILE = "gpuvigil-rules.yml"
 RULES_TEST_FILE = "gpuvigil-rules.test.yml"
@@ -51,34 +49,6 @@ def artefacts(s: AlertSettings) -> dict[str, str]:
     }
 
 
-def write_or_check(files: Mapping[str, str], out: Path, *, check: bool, what: str) -> int:
-    """Write generated files into `out`, or with `check` report those that differ (exit 1)."""
-    if check:
-        stale = []
-        for name, text in files.items():
-            path = out / name
-            current = path.read_text() if path.exists() else None
-            if current != text:
-                stale.append(name)
-                diff = difflib.unified_diff((current or "").splitlines(True), text.splitlines(True), f"{path} (checked in)", f"{path} (generated)", n=1)
-                sys.stdout.writelines(list(diff)[:40])
-        if stale:
-            print(f"{what}: {len(stale)} file(s) out of date in {out}: {', '.join(stale)} (run without --check to regenerate)", file=sys.stderr)
-            return 1
-        print(f"{what}: {len(files)} file(s) in {out} are current")
-        return 0
-    try:
-        out.mkdir(parents=True, exist_ok=True)
-        for name, text in files.items():
-            tmp = out / f".{name}.tmp"
-            tmp.write_text(text)
-            tmp.replace(out / name)
-    except OSError as exc:
-        raise UserError(f"cannot write {what} into {out}: {exc.strerror or exc}") from exc
-    print(f"{what}: wrote {len(files)} file(s) into {out}")
-    return 0
-
-
 def load_cfg(path: str | None) -> dict[str, Any]:
     try:
         return config.load(path)
@@ -96,8 +66,6 @@ def _run(args: argparse.Namespace) -> int:
 
 
 def add_parser(sub) -> None:
-    from gpuvigil.cli import OneLineErrorParser
-
     p = sub.add_parser("alerts", help="generate Prometheus alert rules and the Alertmanager config")
     asub = p.add_subparsers(dest="alerts_command", metavar="ACTION", parser_class=OneLineErrorParser)
     asub.required = True

@@ -27,6 +27,8 @@ from typing import Any
 import httpx
 import polars as pl
 
+from gpuvigil import sqlitedb
+from gpuvigil.backoff import backoff_seconds
 from gpuvigil.alerts.settings import HARDWARE_KINDS, AlertSettings
 from gpuvigil.errors import UserError
 from gpuvigil.model import Finding, FindingKind
@@ -57,6 +59,11 @@ CREATE TABLE IF NOT EXISTS dead_letter (
 );
 """
 
+# Migrations by PRAGMA user_version (gpuvigil.sqlitedb); version 1 is the schema above, which
+# files written before user_version was used already have (CREATE IF NOT EXISTS adopts them).
+MIGRATIONS: list[sqlitedb.Migration] = [SCHEMA]
+
+
 def alert_name(kind: str) -> str:
     """`oom_predicted` → `GpuvigilOomPredicted`."""
     return "Gpuvigil" + "".join(part.capitalize() for part in kind.split("_"))
@@ -84,10 +91,8 @@ class AlertPusher:
         self.path = Path(outbox_path)
         try:
             self.path.parent.mkdir(parents=True, exist_ok=True)
-            self.db = sqlite3.connect(self.path, check_same_thread=False, isolation_level=None)
-            self.db.execute("PRAGMA journal_mode=WAL")
-            self.db.execute("PRAGMA synchronous=FULL")
-            self.db.executescript(SCHEMA)
+            self.db = sqlitedb.connect(self.path, what="alert outbox", synchronous="FULL")
+            sqlitedb.migrate(self.db, MIGRATIONS, what=f"alert outbox {self.path}")
         except OSError as exc:
             raise UserError(f"alert outbox {self.path}: cannot create its folder: {exc.strerror or exc}") from exc
         except sqlite3.Error as exc:
@@ -99,41 +104,46 @@ class AlertPusher:
         self.delivered_total = 0
         self.delivery_failures_total = 0
         self.enqueued_total = 0
+        self.write_failures_total = 0
 
     # -- enqueue (pipeline thread) -----------------------------------------------------------
     def on_tick(self, result: Any, window: Any) -> None:
+        """Enqueue this tick's alerts. A write that fails (disk full, I/O error) is logged and
+        counted, never raised into the pipeline: every active finding not yet in `sent` is
+        enqueued again by the next tick that can write, so no page is lost to a full disk."""
+        try:
+            self._enqueue_tick(result, window)
+        except sqlite3.Error as exc:
+            self.write_failures_total += 1
+            log.warning("alert outbox %s: cannot write this tick's alerts (%s); the next tick retries", self.path, exc)
+
+    def _enqueue_tick(self, result: Any, window: Any) -> None:
         tenants = self._tenants(window)
         pushed = set(self.settings.push_severities)
         now = self.clock()
-        with self._lock:
+        with sqlitedb.transaction(self.db, self._lock):
             cur = self.db.cursor()
-            cur.execute("BEGIN IMMEDIATE")
-            try:
-                for finding in result.active_findings:
-                    if finding.severity.value not in pushed:
-                        continue
-                    row = cur.execute("SELECT starts_at, last_enqueued_at FROM sent WHERE fingerprint = ?", (finding.id,)).fetchone()
-                    if row is not None and now - row[1] < self.settings.resend_seconds:
-                        continue
-                    starts_at = row[0] if row is not None else now
-                    alert = self.alert_for(finding, tenants, starts_at=starts_at, ends_at=now + self.settings.end_after_seconds)
-                    self._enqueue(cur, finding.id, "firing", alert, now)
-                    cur.execute(
-                        "INSERT INTO sent (fingerprint, starts_at, last_enqueued_at) VALUES (?, ?, ?) "
-                        "ON CONFLICT (fingerprint) DO UPDATE SET last_enqueued_at = excluded.last_enqueued_at",
-                        (finding.id, starts_at, now),
-                    )
-                for finding in result.cleared_findings:
-                    row = cur.execute("SELECT starts_at FROM sent WHERE fingerprint = ?", (finding.id,)).fetchone()
-                    if row is None:
-                        continue
-                    alert = self.alert_for(finding, tenants, starts_at=row[0], ends_at=now)
-                    self._enqueue(cur, finding.id, "resolved", alert, now)
-                    cur.execute("DELETE FROM sent WHERE fingerprint = ?", (finding.id,))
-                cur.execute("COMMIT")
-            except BaseException:
-                cur.execute("ROLLBACK")
-                raise
+            for finding in result.active_findings:
+                if finding.severity.value not in pushed:
+                    continue
+                row = cur.execute("SELECT starts_at, last_enqueued_at FROM sent WHERE fingerprint = ?", (finding.id,)).fetchone()
+                if row is not None and now - row[1] < self.settings.resend_seconds:
+                    continue
+                starts_at = row[0] if row is not None else now
+                alert = self.alert_for(finding, tenants, starts_at=starts_at, ends_at=now + self.settings.end_after_seconds)
+                self._enqueue(cur, finding.id, "firing", alert, now)
+                cur.execute(
+                    "INSERT INTO sent (fingerprint, starts_at, last_enqueued_at) VALUES (?, ?, ?) "
+                    "ON CONFLICT (fingerprint) DO UPDATE SET last_enqueued_at = excluded.last_enqueued_at",
+                    (finding.id, starts_at, now),
+                )
+            for finding in result.cleared_findings:
+                row = cur.execute("SELECT starts_at FROM sent WHERE fingerprint = ?", (finding.id,)).fetchone()
+                if row is None:
+                    continue
+                alert = self.alert_for(finding, tenants, starts_at=row[0], ends_at=now)
+                self._enqueue(cur, finding.id, "resolved", alert, now)
+                cur.execute("DELETE FROM sent WHERE fingerprint = ?", (finding.id,))
 
     def _enqueue(self, cur: sqlite3.Cursor, fingerprint: str, status: str, alert: dict[str, Any], now: float) -> None:
         if status == "firing":
@@ -180,6 +190,9 @@ class AlertPusher:
             labels["hardware"] = "fatal"
         if f.kind == FindingKind.XID and f.xid is not None:
             labels["xid"] = str(f.xid)
+        if f.kind == FindingKind.COLLECTOR_DOWN:
+            # gpuvigil's own plumbing: the platform team's, one alert per collector target.
+            labels.update(team=s.default_team, scope="cluster", collector=str(f.evidence.get("collector") or ""), target=str(f.evidence.get("target") or ""))
         labels = {k: v for k, v in labels.items() if v != ""}
         return {
             "labels": labels,
@@ -261,20 +274,18 @@ class AlertPusher:
 
     def _dead_letter(self, row: tuple, error: str) -> None:
         log.error("Alertmanager rejected alert %s: %s", row[1], error)
-        with self._lock:
-            self.db.execute("BEGIN IMMEDIATE")
+        with sqlitedb.transaction(self.db, self._lock):
             self.db.execute(
                 "INSERT INTO dead_letter (id, fingerprint, alert_json, error, failed_at) VALUES (?, ?, ?, ?, ?)",
                 (row[0], row[1], row[2], error, self.clock()),
             )
             self.db.execute("DELETE FROM outbox WHERE id = ?", (row[0],))
-            self.db.execute("COMMIT")
 
     def _backoff(self, rows: list[tuple], error: str) -> None:
         self.delivery_failures_total += 1
         self._failures_in_a_row += 1
         s = self.settings
-        delay = min(s.retry_max_seconds, s.retry_min_seconds * 2 ** (self._failures_in_a_row - 1))
+        delay = backoff_seconds(self._failures_in_a_row, s.retry_min_seconds, s.retry_max_seconds)  # jittered: replicas do not retry in lockstep
         self._next_attempt = self.clock() + delay
         with self._lock:
             self.db.executemany("UPDATE outbox SET attempts = attempts + 1 WHERE id = ?", [(r[0],) for r in rows])

@@ -77,6 +77,7 @@ def rules(s: AlertSettings) -> list[Rule]:
     head_min = _minutes(t.memory_headroom_for)
     frag_min = _minutes(t.fragmentation_for)
     stall_pipe_min = _minutes(t.pipeline_stall_for)
+    down_min = _minutes(t.collector_down_for)
     queue_or = " or ".join(
         f'gpuvigil_scheduler_queue_oldest_wait_seconds{{priority="{p}"}} > {_num(v)}' for p, v in sorted(t.queue_wait_seconds.items())
     )
@@ -193,6 +194,18 @@ def rules(s: AlertSettings) -> list[Rule]:
             "Collector {{ $labels.collector }} drops samples",
             "A collector could not parse or read some of its input (malformed lines, unreachable endpoint): detectors see less than they should.",
             example=Example({'gpuvigil_collector_errors_total{collector="dcgm"}': "0 0 3 3"}, "3m", [{"collector": "dcgm"}], quiet_at="1m"),
+        ),
+        Rule(
+            "GpuvigilCollectorDown", "gpuvigil-self", "gpuvigil_collector_up == 0", "ticket", "platform", "cluster",
+            "Collector {{ $labels.collector }} cannot read {{ $labels.target }}",
+            "The collector failed several collects in a row (the reason is in gpuvigil's log and in the collector_down finding): "
+            "what it watches (GPUs, kernel log, training logs) is not seen. Check the endpoint, device or file it names.",
+            for_=t.collector_down_for,
+            kind="collector_down",
+            example=Example(
+                {'gpuvigil_collector_up{collector="dcgm",target="http://n1:9400/metrics"}': f"1 0x{down_min + 5}"},
+                f"{down_min + 2}m", [{"collector": "dcgm", "target": "http://n1:9400/metrics"}], quiet_at="0m",
+            ),
         ),
         Rule(
             "GpuvigilAlertOutboxBacklog", "gpuvigil-self", "gpuvigil_alert_outbox_pending > 0", "ticket", "platform", "cluster",

@@ -32,9 +32,10 @@ class RuleThresholds(BaseModel):
     fragmentation_ratio: float = Field(0.5, ge=0, le=1)
     fragmentation_for: str = "30m"
     pipeline_stall_for: str = "2m"
+    collector_down_for: str = "2m"
     sbe_per_hour: float = Field(100, ge=0)
 
-    @field_validator("gpu_temperature_for", "memory_headroom_for", "collective_stall_for", "fragmentation_for", "pipeline_stall_for")
+    @field_validator("gpu_temperature_for", "memory_headroom_for", "collective_stall_for", "fragmentation_for", "pipeline_stall_for", "collector_down_for")
     @classmethod
     def _duration(cls, v: str) -> str:
         return _check_duration(v)

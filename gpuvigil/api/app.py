@@ -8,45 +8,31 @@ uvicorn in a background thread (used by `gpuvigil serve` and the tests).
 from __future__ import annotations
 
 import asyncio
+import hmac
 import json
+import re
 import socket
 import threading
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
 import anyio
 import uvicorn
 from fastapi import APIRouter, Body, Depends, FastAPI, Header, HTTPException, Path, Query, Request
-from fastapi.responses import StreamingResponse
-from pydantic import BaseModel, Field
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from pydantic import BaseModel, Field, field_validator
 
-from gpuvigil import config
 from gpuvigil.api.auth import bearer_auth, check_bind, is_loopback
-from gpuvigil.api.store import FindingRecord, HintNotFound, HintRecord, HintState, HintStateConflict, HintStore
+from gpuvigil.api.config import ApiConfig, NodeHealthRules, api_config  # noqa: F401 - re-exported
+from gpuvigil.api.store import BlankReason, FindingRecord, HintNotFound, HintRecord, HintState, HintStateConflict, HintStore
+from gpuvigil.api.why import WhyProvider, add_why_route
 from gpuvigil.errors import UserError
 from gpuvigil.model import FindingKind, HintAction, Severity
 
 
-# -- config ---------------------------------------------------------------------------------
-class NodeHealthRules(BaseModel):
-    unhealthy_severities: list[Severity] = [Severity.PAGE]
-    degraded_severities: list[Severity] = [Severity.TICKET]
-
-
-class ApiConfig(BaseModel):
-    host: str = "127.0.0.1"
-    port: int = Field(8787, ge=0, le=65535)
-    max_page: int = Field(5000, ge=1)
-    stream_poll_seconds: float = Field(0.25, gt=0, le=10)
-    stream_keepalive_seconds: float = Field(15.0, gt=0)
-    node_health: NodeHealthRules = NodeHealthRules()
-    slurm: dict[str, Any] = Field(default_factory=dict)  # validated by gpuvigil.scheduler.slurm
-    kubernetes: dict[str, Any] = Field(default_factory=dict)  # validated by gpuvigil.scheduler.kubernetes
-
-
-def api_config(cfg: dict[str, Any] | None = None) -> ApiConfig:
-    return config.section("api", ApiConfig, cfg)
+# -- config: gpuvigil/api/config.py (re-exported here) ---------------------------------------
 
 
 # -- response models ------------------------------------------------------------------------
@@ -61,12 +47,32 @@ class FindingList(BaseModel):
     count: int
 
 
+def _storable_text(value: str | None) -> str | None:
+    # A lone surrogate parses from JSON ("\\ud800") but cannot be stored or sent back as UTF-8.
+    if value is not None:
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError:
+            raise ValueError("text must be valid Unicode (it holds a lone surrogate)") from None
+    return value
+
+
 class AckRequest(BaseModel):
     note: str | None = Field(None, max_length=2000, description="what the scheduler did, e.g. 'drained node-7'")
 
+    _text = field_validator("note")(_storable_text)
+
 
 class NackRequest(BaseModel):
-    reason: str = Field(min_length=1, max_length=2000, description="why the scheduler refuses the hint")
+    reason: str = Field(min_length=1, max_length=2000, description="why the scheduler refuses the hint (not blank)")
+
+    @field_validator("reason")
+    @classmethod
+    def _not_blank(cls, value: str) -> str:
+        _storable_text(value)
+        if not value.strip():
+            raise ValueError("a nack needs a reason that is not blank")
+        return value
 
 
 class NodeHealth(BaseModel):
@@ -91,25 +97,119 @@ class Healthz(BaseModel):
     ok: bool
 
 
-_SEVERITY_RANK = {Severity.PAGE: 0, Severity.TICKET: 1, Severity.INFO: 2}
-_LIVE_STATES = (HintState.PENDING, HintState.ACKED)
-
-
-def _status(findings: list[FindingRecord], rules: NodeHealthRules) -> str:
-    severities = {f.severity for f in findings}
-    if severities & set(rules.unhealthy_severities):
-        return "unhealthy"
-    if severities & set(rules.degraded_severities):
-        return "degraded"
-    return "healthy"
+# The SSE grammar ends a line at CR, LF or CRLF only; str.splitlines() also splits at U+2028,
+# U+0085, FF, VT and others, which would cut a JSON string in two `data:` lines.
+_SSE_EOL = re.compile(r"\r\n|\r|\n")
+MAX_SEQ = 2**63 - 1  # SQLite INTEGER
+_LAST_EVENT_ID = re.compile(r"[0-9]{1,19}")  # ASCII digits only: "²".isdigit() is true
 
 
 def _sse(event: str, data: str, event_id: int | None = None) -> bytes:
     lines = [f"event: {event}"]
     if event_id is not None:
         lines.append(f"id: {event_id}")
-    lines.extend(f"data: {line}" for line in data.splitlines() or [""])
+    lines.extend(f"data: {line}" for line in _SSE_EOL.split(data))
     return ("\n".join(lines) + "\n\n").encode()
+
+
+def _json_response(parts: dict[str, Any], raw: dict[str, list[str]]) -> Response:
+    """A JSON object from plain values (`parts`) and lists of JSON texts the store built (`raw`),
+    without parsing and re-serialising every record."""
+    body = json.dumps(parts, separators=(",", ":"))[:-1]
+    for key, texts in raw.items():
+        body += f',"{key}":[' + ",".join(texts) + "]"
+    if not parts:
+        body = "{" + body[2:]
+    return Response(content=(body + "}").encode(), media_type="application/json")
+
+
+def _safe_errors(exc: RequestValidationError) -> list[dict[str, Any]]:
+    """Validation errors without the offending input: a 50 MB body is not echoed back, and input
+    that JSON cannot encode (NaN, lone surrogates) cannot turn a 422 into a 500."""
+    out = []
+    for err in exc.errors():
+        loc = [part if isinstance(part, int) else str(part).encode("utf-8", "replace").decode()[:100] for part in err.get("loc", ())]
+        out.append({"loc": loc, "msg": str(err.get("msg", "")).encode("utf-8", "replace").decode()[:300], "type": str(err.get("type", ""))})
+    return out
+
+
+# -- admission: token, then body size, before any route reads the body ------------------------
+class BodyTooLarge(HTTPException):
+    def __init__(self, limit: int):
+        super().__init__(413, f"request body larger than {limit} bytes")
+
+
+class Admission:
+    """Pure ASGI middleware in front of the app: a /v1 request without the right bearer token is
+    answered 401 before a byte of its body is read, and a body over `max_body_bytes` gets 413 as
+    soon as its Content-Length or its streamed size says so (never buffered whole)."""
+
+    def __init__(self, app: Callable[..., Awaitable[None]], *, token: str | None, max_body_bytes: int, prefix: str = "/v1"):
+        self.app = app
+        self.expected = None if token is None else token.encode()
+        self.max_body = max_body_bytes
+        self.prefix = prefix
+
+    def _auth_error(self, headers: list[tuple[bytes, bytes]]) -> str | None:
+        if self.expected is None:
+            return None
+        value = next((v for k, v in headers if k.lower() == b"authorization"), b"")
+        scheme, _, credentials = value.partition(b" ")
+        # What fastapi.security.HTTPBearer (the OpenAPI-declared scheme) treats as "no token".
+        if not value or not credentials or scheme.lower() != b"bearer":
+            return "missing bearer token"
+        # compare_digest takes time independent of where the first difference is.
+        return None if hmac.compare_digest(credentials, self.expected) else "wrong bearer token"
+
+    @staticmethod
+    async def _reply(send: Callable[..., Awaitable[None]], status: int, detail: str, extra: list[tuple[bytes, bytes]] = ()) -> None:
+        body = json.dumps({"detail": detail}).encode()
+        headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()), (b"connection", b"close"), *extra]
+        await send({"type": "http.response.start", "status": status, "headers": headers})
+        await send({"type": "http.response.body", "body": body})
+
+    async def __call__(self, scope: dict[str, Any], receive: Callable[..., Awaitable[dict]], send: Callable[..., Awaitable[None]]) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        headers = scope.get("headers", [])
+        path = scope.get("path", "")
+        if path == self.prefix or path.startswith(self.prefix + "/"):
+            if (why := self._auth_error(headers)) is not None:
+                await self._reply(send, 401, why, [(b"www-authenticate", b"Bearer")])
+                return
+        length = next((v for k, v in headers if k.lower() == b"content-length"), None)
+        if length is not None:
+            if not length.isdigit() or len(length) > 18:
+                await self._reply(send, 400, "bad Content-Length")
+                return
+            if int(length) > self.max_body:
+                await self._reply(send, 413, f"request body larger than {self.max_body} bytes")
+                return
+        received = 0
+        started = False
+
+        async def limited_receive() -> dict:
+            nonlocal received
+            message = await receive()
+            if message["type"] == "http.request":
+                received += len(message.get("body", b""))
+                if received > self.max_body:
+                    raise BodyTooLarge(self.max_body)
+            return message
+
+        async def tracking_send(message: dict) -> None:
+            nonlocal started
+            if message["type"] == "http.response.start":
+                started = True
+            await send(message)
+
+        try:
+            await self.app(scope, limited_receive, tracking_send)
+        except BodyTooLarge:
+            if started:
+                raise
+            await self._reply(send, 413, f"request body larger than {self.max_body} bytes")
 
 
 # -- app ------------------------------------------------------------------------------------
@@ -119,6 +219,7 @@ def create_app(
     *,
     insecure_local: bool = False,
     cfg: dict[str, Any] | None = None,
+    why: WhyProvider | None = None,
 ) -> FastAPI:
     """The feedback API over `store`. Every /v1 route needs `Authorization: Bearer <token>`.
 
@@ -139,6 +240,13 @@ def create_app(
     app.state.store = store
     app.state.insecure_local = token is None
     app.state.stopping = threading.Event()
+    # The token is checked twice: by the Admission middleware before the body is read, and by the
+    # route dependency, which also declares the scheme in the OpenAPI document.
+    app.add_middleware(Admission, token=token, max_body_bytes=settings.max_body_bytes)
+
+    @app.exception_handler(RequestValidationError)
+    async def _validation_error(request: Request, exc: RequestValidationError) -> JSONResponse:
+        return JSONResponse(status_code=422, content={"detail": _safe_errors(exc)})
     router = APIRouter(prefix="/v1", dependencies=[Depends(bearer_auth(token))])
     page = Query(None, ge=1, le=settings.max_page, description="at most this many results")
 
@@ -146,25 +254,57 @@ def create_app(
     def healthz() -> Healthz:
         return Healthz(ok=True)
 
+    finite = {"allow_inf_nan": False}
+
+    # Read answers are cached until the store changes (a pipeline tick, an ack, or another
+    # process writing the file): between ticks every poller of a 400-finding verdict gets the
+    # same bytes without another query.
+    cache: dict[str, bytes] = {}
+    cache_gen: list[Any] = [None]
+    cache_lock = threading.Lock()
+
+    async def cached(key: str, build: Callable[[], Response]) -> Response:
+        """A hit is answered on the event loop; a miss is built on a worker thread (SQLite). The
+        event loop never waits for the store: while a tick is being written, a worker thread does."""
+        gen = store.generation(blocking=False)
+        if gen is None:
+            gen = await anyio.to_thread.run_sync(store.generation)
+        with cache_lock:
+            if cache_gen[0] != gen:
+                cache.clear()
+                cache_gen[0] = gen
+            body = cache.get(key)
+        if body is not None:
+            return Response(content=body, media_type="application/json")
+        response = await anyio.to_thread.run_sync(build)
+        if store.generation() == gen and response.status_code == 200:
+            with cache_lock:
+                if cache_gen[0] == gen and len(cache) < 4096:
+                    cache[key] = bytes(response.body)
+        return response
+
     @router.get("/hints", response_model=HintList, tags=["hints"])
-    def list_hints(
-        since: float | None = Query(None, description="only hints changed at or after this time (epoch seconds)"),
+    async def list_hints(
+        since: float | None = Query(None, **finite, description="only hints changed at or after this wall-clock time (epoch seconds; `updated_wall`)"),
         node: str | None = None,
         job: str | None = None,
         action: HintAction | None = None,
         state: HintState | None = None,
         limit: int | None = page,
-    ) -> HintList:
-        seq = store.latest_seq()
-        hints = store.hints(
-            since=since,
-            node=node,
-            job=job,
-            action=None if action is None else action.value,
-            state=None if state is None else state.value,
-            limit=limit or settings.max_page,
-        )
-        return HintList(hints=hints, count=len(hints), latest_seq=seq)
+    ) -> Response:
+        def build() -> Response:
+            seq = store.latest_seq()
+            hints = store.hints_json(
+                since=since,
+                node=node,
+                job=job,
+                action=None if action is None else action.value,
+                state=None if state is None else state.value,
+                limit=limit or settings.max_page,
+            )
+            return _json_response({"count": len(hints), "latest_seq": seq}, {"hints": hints})
+
+        return await cached(json.dumps(["hints", since, node, job, action, state, limit]), build)
 
     def _transition(fn, hint_id: str, arg: str | None) -> HintRecord:
         try:
@@ -173,15 +313,17 @@ def create_app(
             raise HTTPException(404, f"no hint {hint_id}") from None
         except HintStateConflict as exc:
             raise HTTPException(409, str(exc)) from None
+        except BlankReason as exc:
+            raise HTTPException(422, str(exc)) from None
 
     hint_id_path = Path(min_length=1, max_length=128, pattern=r"^[0-9A-Za-z_-]+$")
 
-    @router.post("/hints/{hint_id}/ack", response_model=HintRecord, tags=["hints"], responses={404: {}, 409: {}})
+    @router.post("/hints/{hint_id}/ack", response_model=HintRecord, tags=["hints"], responses={404: {}, 409: {}, 413: {}})
     def ack_hint(hint_id: str = hint_id_path, body: AckRequest | None = Body(None)) -> HintRecord:
         """The scheduler applied the hint. Acking an acked hint again is a no-op."""
         return _transition(store.ack, hint_id, None if body is None else body.note)
 
-    @router.post("/hints/{hint_id}/nack", response_model=HintRecord, tags=["hints"], responses={404: {}, 409: {}})
+    @router.post("/hints/{hint_id}/nack", response_model=HintRecord, tags=["hints"], responses={404: {}, 409: {}, 413: {}})
     def nack_hint(body: NackRequest, hint_id: str = hint_id_path) -> HintRecord:
         """The scheduler refuses the hint, with the reason."""
         return _transition(store.nack, hint_id, body.reason)
@@ -190,11 +332,14 @@ def create_app(
         "/hints/stream",
         tags=["hints"],
         response_class=StreamingResponse,
-        responses={200: {"content": {"text/event-stream": {}}, "description": "server-sent events: `hint` events, JSON HintRecord each"}},
+        responses={
+            200: {"content": {"text/event-stream": {}}, "description": "server-sent events: `hint` events, JSON HintRecord each"},
+            400: {"description": "Last-Event-ID is not a change-log position"},
+        },
     )
     async def stream_hints(
         request: Request,
-        after_seq: int | None = Query(None, ge=0, description="replay changes after this change-log position (default: only new ones)"),
+        after_seq: int | None = Query(None, ge=0, le=MAX_SEQ, description="replay changes after this change-log position (default: only new ones)"),
         node: str | None = None,
         job: str | None = None,
         action: HintAction | None = None,
@@ -204,7 +349,9 @@ def create_app(
         """New and changed hints as they arrive (server-sent events, event `hint`, id = change-log seq).
 
         Reconnecting with `Last-Event-ID` resumes exactly where the stream left off."""
-        if last_event_id is not None and last_event_id.isdigit():
+        if last_event_id is not None and last_event_id.strip():
+            if not _LAST_EVENT_ID.fullmatch(last_event_id.strip()) or int(last_event_id) > MAX_SEQ:
+                raise HTTPException(400, "Last-Event-ID must be a change-log position (a decimal integer this server sent)")
             cursor = int(last_event_id)
         elif after_seq is not None:
             cursor = after_seq
@@ -241,69 +388,82 @@ def create_app(
         return StreamingResponse(events(), media_type="text/event-stream", headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
 
     @router.get("/findings", response_model=FindingList, tags=["findings"])
-    def list_findings(
-        since: float | None = Query(None, description="only findings seen at or after this time (epoch seconds)"),
+    async def list_findings(
+        since: float | None = Query(None, **finite, description="only findings seen at or after this time (pipeline clock, epoch seconds)"),
         node: str | None = None,
         job: str | None = None,
         kind: FindingKind | None = None,
         severity: Severity | None = None,
         active: bool | None = Query(None, description="true: only findings whose cause is still present"),
         limit: int | None = page,
-    ) -> FindingList:
-        found = store.findings(
-            since=since,
-            node=node,
-            job=job,
-            kind=None if kind is None else kind.value,
-            severity=None if severity is None else severity.value,
-            active=active,
-            limit=limit or settings.max_page,
+    ) -> Response:
+        def build() -> Response:
+            found = store.findings_json(
+                since=since,
+                node=node,
+                job=job,
+                kind=None if kind is None else kind.value,
+                severity=None if severity is None else severity.value,
+                active=active,
+                limit=limit or settings.max_page,
+            )
+            return _json_response({"count": len(found)}, {"findings": found})
+
+        key = json.dumps(["findings", since, node, job, kind, severity, active, limit])
+        return await cached(key, build)
+
+    unhealthy = {s.value for s in settings.node_health.unhealthy_severities}
+    degraded = {s.value for s in settings.node_health.degraded_severities}
+
+    def _status_of(severities: list[str]) -> str:
+        present = set(severities)
+        return "unhealthy" if present & unhealthy else "degraded" if present & degraded else "healthy"
+
+    @router.get("/nodes/{node}/health", response_model=NodeHealth, tags=["health"], responses={404: {"description": "gpuvigil never saw this node"}})
+    async def node_health(node: str) -> Response:
+        """Derived from the node's active findings: any page-severity one → unhealthy, ticket → degraded.
+        A node gpuvigil never saw is 404, not healthy."""
+        return await cached(json.dumps(["node", node]), lambda: _node_health(node))
+
+    def _node_health(node: str) -> Response:
+        got = store.node_summary(node)
+        if not got["findings"] and not store.knows(node=node):
+            raise HTTPException(404, f"gpuvigil has never seen node {node!r}")
+        rows = got["rows"]
+        reasons = [f"{sev} {kind}: {summary}" for sev, kind, summary in rows if sev in unhealthy | degraded]
+        return _json_response(
+            {"node": node, "status": _status_of([r[0] for r in rows]), "reasons": reasons},
+            {"findings": got["findings"], "hints": got["hints"]},
         )
-        return FindingList(findings=found, count=len(found))
 
-    def _live_hints(**filters: Any) -> list[HintRecord]:
-        return [h for h in store.hints(**filters) if h.state in _LIVE_STATES]
-
-    @router.get("/nodes/{node}/health", response_model=NodeHealth, tags=["health"])
-    def node_health(node: str) -> NodeHealth:
-        """Derived from the node's active findings: any page-severity one → unhealthy, ticket → degraded."""
-        active = sorted(store.findings(node=node, active=True), key=lambda f: (_SEVERITY_RANK[f.severity], -f.last_seen))
-        status = _status(active, settings.node_health)
-        counted = set(settings.node_health.unhealthy_severities) | set(settings.node_health.degraded_severities)
-        reasons = [f"{f.severity.value} {f.kind.value}: {f.summary}" for f in active if f.severity in counted]
-        return NodeHealth(node=node, status=status, reasons=reasons, findings=active, hints=_live_hints(node=node))
-
-    @router.get("/jobs/{job}/verdict", response_model=JobVerdict, tags=["health"])
-    def job_verdict(job: str) -> JobVerdict:
+    @router.get("/jobs/{job}/verdict", response_model=JobVerdict, tags=["health"], responses={404: {"description": "gpuvigil never saw this job"}})
+    async def job_verdict(job: str) -> Response:
         """What is wrong with the job (worst active finding first), the culprit ranks and nodes,
-        and what gpuvigil recommends the scheduler do."""
-        active = sorted(store.findings(job=job, active=True), key=lambda f: (_SEVERITY_RANK[f.severity], -f.last_seen))
-        ranks = sorted({r for f in active for r in f.culprit_ranks})
-        nodes: set[str] = set()
-        for f in active:
-            evidence_nodes = f.evidence.get("culprit_nodes")
-            if isinstance(evidence_nodes, list):
-                nodes.update(str(n) for n in evidence_nodes)
-            elif f.node:
-                nodes.add(f.node)
-        finding_ids = {f.id for f in active}
-        actions = [h for h in _live_hints(job=job) if h.finding_id in finding_ids]
-        actions += [h for fid in sorted(finding_ids) for h in _live_hints(finding_id=fid) if h.job != job]
-        if active:
-            worst = active[0]
-            summary = f"{worst.kind.value}: {worst.summary}" + (f" (+{len(active) - 1} more finding(s))" if len(active) > 1 else "")
+        and what gpuvigil recommends the scheduler do. A job gpuvigil never saw is 404."""
+        return await cached(json.dumps(["job", job]), lambda: _job_verdict(job))
+
+    def _job_verdict(job: str) -> Response:
+        got = store.job_summary(job)
+        if not got["findings"] and not store.knows(job=job):
+            raise HTTPException(404, f"gpuvigil has never seen job {job!r}")
+        n = len(got["findings"])
+        if got["worst"] is not None:
+            kind, text = got["worst"]
+            summary = f"{kind}: {text}" + (f" (+{n - 1} more finding(s))" if n > 1 else "")
         else:
             summary = "no active findings"
-        return JobVerdict(
-            job=job,
-            status=_status(active, settings.node_health),
-            summary=summary,
-            culprit_ranks=ranks,
-            culprit_nodes=sorted(nodes),
-            recommended_actions=actions,
-            findings=active,
+        return _json_response(
+            {
+                "job": job,
+                "status": _status_of(got["severities"]),
+                "summary": summary,
+                "culprit_ranks": got["culprit_ranks"],
+                "culprit_nodes": got["culprit_nodes"],
+            },
+            {"recommended_actions": got["hints"], "findings": got["findings"]},
         )
 
+    add_why_route(router, why)  # GET /v1/jobs/{job}/why (gpuvigil/api/why.py)
     app.include_router(router)
     return app
 
@@ -311,8 +471,12 @@ def create_app(
 # -- serving --------------------------------------------------------------------------------
 def bind_socket(host: str, port: int) -> socket.socket:
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    sock = socket.socket(family, socket.SOCK_STREAM)
+    # Protocol IPPROTO_TCP, not 0: asyncio sets TCP_NODELAY on accepted connections only for a
+    # socket whose `proto` says TCP; without it Nagle's algorithm and delayed ACKs add ~40 ms to
+    # every response on a reused connection. Set on the listener too (Linux copies it on accept).
+    sock = socket.socket(family, socket.SOCK_STREAM, socket.IPPROTO_TCP)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
     try:
         sock.bind((host, port))
     except OSError as exc:

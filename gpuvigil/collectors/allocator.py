@@ -32,7 +32,7 @@ from gpuvigil.errors import UserError
 from gpuvigil.model import Finding, FindingKind, Severity
 
 MAX_STATS_BYTES = 16 * 1024 * 1024
-MAX_SNAPSHOT_BYTES = 1024 * 1024 * 1024
+MAX_SNAPSHOT_BYTES = 256 * 1024 * 1024  # real snapshots of a full 141 GB device are tens of MB; bounded before reading (safe_pickle)
 _SNIFF_BYTES = 64 * 1024
 GIB = 1 << 30
 

@@ -15,7 +15,9 @@ GPU; declared here) plus `dcgm_extra` (fields with no `gpu_samples` column, e.g.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+import asyncio
+import threading
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -111,6 +113,15 @@ FIELDS_USED = (
     "DCGM_FI_DEV_PCIE_TX_THROUGHPUT",
     "DCGM_FI_DEV_PCIE_RX_THROUGHPUT",
     "DCGM_FI_DEV_NVLINK_BANDWIDTH_TOTAL",
+    # Profiling (DCP) fields, where dcgm-exporter publishes them: what a hang or a straggler
+    # looks like once util is pinned by a spinning NCCL kernel (docs/detectors.md).
+    "DCGM_FI_PROF_SM_ACTIVE",
+    "DCGM_FI_PROF_PIPE_TENSOR_ACTIVE",
+    "DCGM_FI_PROF_DRAM_ACTIVE",
+    "DCGM_FI_PROF_PCIE_TX_BYTES",
+    "DCGM_FI_PROF_PCIE_RX_BYTES",
+    "DCGM_FI_PROF_NVLINK_TX_BYTES",
+    "DCGM_FI_PROF_NVLINK_RX_BYTES",
 )
 _FIELD_SET = frozenset(FIELDS_USED)
 
@@ -213,6 +224,14 @@ def parse_text(text: str, *, ts: float, default_node: str | None = None) -> tupl
         _f("DCGM_FI_DEV_ECC_SBE_AGG_TOTAL").cast(pl.Int64).alias("ecc_sbe_aggregate_total"),
         _f("DCGM_FI_DEV_ECC_DBE_AGG_TOTAL").cast(pl.Int64).alias("ecc_dbe_aggregate_total"),
         pl.when(last_xid > 0).then(last_xid).cast(pl.Int32).alias("last_xid"),
+        _f("DCGM_FI_PROF_PCIE_TX_BYTES").alias("pcie_tx_bytes_per_second"),  # bytes/s
+        _f("DCGM_FI_PROF_PCIE_RX_BYTES").alias("pcie_rx_bytes_per_second"),
+        _f("DCGM_FI_PROF_NVLINK_TX_BYTES").alias("nvlink_tx_bytes_per_second"),
+        _f("DCGM_FI_PROF_NVLINK_RX_BYTES").alias("nvlink_rx_bytes_per_second"),
+        _f("DCGM_FI_PROF_SM_ACTIVE").alias("sm_active_ratio"),  # ratios 0..1
+        _f("DCGM_FI_PROF_PIPE_TENSOR_ACTIVE").alias("tensor_active_ratio"),
+        _f("DCGM_FI_PROF_DRAM_ACTIVE").alias("dram_active_ratio"),
+        (_f("DCGM_FI_DEV_FB_RESERVED") * MIB).round(0).cast(pl.Int64).alias("memory_reserved_bytes"),
     )
     workloads = attribution.select(pl.lit(ts, pl.Float64).alias("ts"), *[pl.col(c) for c in GPU_WORKLOADS if c != "ts"])
     extra = wide.select(
@@ -294,56 +313,151 @@ def findings_from_scrape(samples: pl.DataFrame, *, source_file: str | None = Non
 
 
 class DcgmCollector:
-    """Scrapes one dcgm-exporter endpoint per `collect`. Failures are counted, never raised."""
+    """Scrapes every dcgm-exporter endpoint (one per node) on each `collect`, concurrently.
+
+    One shared `httpx.AsyncClient` on a background event loop serves all endpoints (connections
+    are kept alive between ticks); each scrape has its own deadline (`timeout_seconds`, for the
+    whole request), so a dead or slow node costs the tick at most that long, not that long per
+    node. At most `max_concurrency` scrapes are in flight; bodies over `max_bytes` are refused.
+    Failures are counted and reported per endpoint by `health()`, never raised.
+    """
 
     streams: Mapping[str, pl.Schema] = STREAMS
 
-    def __init__(self, url: str, *, node: str | None = None, timeout_seconds: float = 2.0, client: httpx.Client | None = None):
-        self.url = url
-        self.name = f"dcgm:{url}"
+    def __init__(
+        self,
+        urls: str | Sequence[str],
+        *,
+        node: str | None = None,
+        timeout_seconds: float = 2.0,
+        max_concurrency: int = 64,
+        max_bytes: int = 64 << 20,
+    ):
+        self.urls = [urls] if isinstance(urls, str) else list(dict.fromkeys(urls))
+        if not self.urls:
+            raise ValueError("DcgmCollector needs at least one dcgm-exporter URL")
+        self.url = self.urls[0]
+        self.name = f"dcgm:{self.url}" if len(self.urls) == 1 else "dcgm"
         self.errors = 0
         self.node = node
-        self._client = client or httpx.Client(timeout=timeout_seconds)
-        self._last_xid: pl.DataFrame | None = None  # node, gpu_uuid, gpu, last_xid, xid_total
-        self.last_error: str | None = None
+        self.timeout_seconds = timeout_seconds
+        self.max_concurrency = max_concurrency
+        self.max_bytes = max_bytes
+        self.last_errors: dict[str, str | None] = {u: None for u in self.urls}
+        self._last_xid: dict[str, pl.DataFrame] = {}  # per endpoint: node, gpu_uuid, prev_xid, xid_total
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._thread: threading.Thread | None = None
+        self._client: httpx.AsyncClient | None = None
+        self._sem: asyncio.Semaphore | None = None
+
+    @property
+    def last_error(self) -> str | None:
+        """The latest failure of any endpoint this tick (None when all answered)."""
+        return next((e for e in self.last_errors.values() if e), None)
+
+    def health(self) -> dict[str, str | None]:
+        return dict(self.last_errors)
+
+    def describe(self) -> str:
+        return f"dcgm-exporter: {len(self.urls)} endpoint(s) ({', '.join(self.urls[:3])}{', ...' if len(self.urls) > 3 else ''}), {self.timeout_seconds:g} s each"
+
+    # -- the event loop ---------------------------------------------------------------------
+
+    def _ensure_loop(self) -> asyncio.AbstractEventLoop:
+        if self._loop is not None:
+            return self._loop
+        loop = asyncio.new_event_loop()
+        thread = threading.Thread(target=loop.run_forever, name="gpuvigil-dcgm", daemon=True)
+        thread.start()
+
+        async def setup() -> None:
+            limits = httpx.Limits(max_connections=self.max_concurrency, max_keepalive_connections=self.max_concurrency)
+            self._client = httpx.AsyncClient(timeout=httpx.Timeout(self.timeout_seconds), limits=limits)
+            self._sem = asyncio.Semaphore(self.max_concurrency)
+
+        asyncio.run_coroutine_threadsafe(setup(), loop).result()
+        self._loop, self._thread = loop, thread
+        return loop
 
     def close(self) -> None:
-        self._client.close()
+        loop, self._loop = self._loop, None
+        if loop is None:
+            return
+        if self._client is not None:
+            try:
+                asyncio.run_coroutine_threadsafe(self._client.aclose(), loop).result(timeout=5)
+            except Exception:  # noqa: BLE001 - closing: nothing useful to do
+                pass
+        loop.call_soon_threadsafe(loop.stop)
+        if self._thread is not None:
+            self._thread.join(timeout=5)
+        loop.close()
 
-    def _fetch(self) -> str | None:
-        try:
-            resp = self._client.get(self.url)
+    async def _get(self, url: str) -> str:
+        assert self._client is not None
+        async with self._client.stream("GET", url) as resp:
             resp.raise_for_status()
-            return resp.text
-        except httpx.HTTPError as exc:
-            self.errors += 1
-            self.last_error = f"{type(exc).__name__}: {exc}"
-            return None
+            chunks, size = [], 0
+            async for chunk in resp.aiter_bytes():
+                size += len(chunk)
+                if size > self.max_bytes:
+                    raise ValueError(f"scrape larger than {self.max_bytes} bytes")
+                chunks.append(chunk)
+            return b"".join(chunks).decode(resp.encoding or "utf-8", errors="replace")
+
+    async def _fetch(self, url: str) -> tuple[str | None, str | None]:
+        assert self._sem is not None
+        async with self._sem:  # the deadline starts when the scrape does, not while it queues
+            try:
+                return await asyncio.wait_for(self._get(url), self.timeout_seconds), None
+            except TimeoutError:
+                return None, f"no complete answer within {self.timeout_seconds:g} s"
+            except httpx.HTTPStatusError as exc:
+                return None, f"HTTP {exc.response.status_code} from {url}"
+            except (httpx.HTTPError, ValueError, OSError) as exc:
+                return None, f"{type(exc).__name__}: {exc}"
+
+    async def _fetch_all(self) -> list[tuple[str | None, str | None]]:
+        return await asyncio.gather(*(self._fetch(u) for u in self.urls))
+
+    def _scrape_all(self) -> list[tuple[str | None, str | None]]:
+        loop = self._ensure_loop()
+        rounds = -(-len(self.urls) // self.max_concurrency)
+        fut = asyncio.run_coroutine_threadsafe(self._fetch_all(), loop)
+        return fut.result(timeout=rounds * self.timeout_seconds + 10)
+
+    # -- Collector protocol -----------------------------------------------------------------
 
     def collect(self, now: float) -> dict[str, pl.DataFrame]:
-        text = self._fetch()
-        if text is None:
-            return {}
-        try:
-            samples, workloads, extra = parse_text(text, ts=now, default_node=self.node)
-        except (ValueError, TypeError, schemas.SchemaError, pl.exceptions.PolarsError) as exc:
-            self.errors += 1
-            self.last_error = f"unparseable scrape: {exc}"
-            return {}
-        samples, new_xids = self._track_xids(samples, now)
-        out = {"gpu_samples": samples, "gpu_workloads": workloads, "dcgm_extra": extra}
-        if new_xids.height:
-            out["events"] = new_xids
-        return out
+        parts: dict[str, list[pl.DataFrame]] = {k: [] for k in STREAMS}
+        for url, (text, error) in zip(self.urls, self._scrape_all(), strict=True):
+            if text is not None:
+                try:
+                    samples, workloads, extra = parse_text(text, ts=now, default_node=self.node)
+                except (ValueError, TypeError, schemas.SchemaError, pl.exceptions.PolarsError) as exc:
+                    error = f"unparseable scrape: {str(exc).splitlines()[0] if str(exc) else type(exc).__name__}"
+                else:
+                    samples, new_xids = self._track_xids(url, samples, now)
+                    parts["gpu_samples"].append(samples)
+                    parts["gpu_workloads"].append(workloads)
+                    parts["dcgm_extra"].append(extra)
+                    if new_xids.height:
+                        parts["events"].append(new_xids)
+            if error is not None:
+                self.errors += 1
+            self.last_errors[url] = error
+        return {k: (v[0] if len(v) == 1 else pl.concat(v, how="vertical_relaxed")) for k, v in parts.items() if v}
 
-    def _track_xids(self, samples: pl.DataFrame, now: float) -> tuple[pl.DataFrame, pl.DataFrame]:
+    def _track_xids(self, url: str, samples: pl.DataFrame, now: float) -> tuple[pl.DataFrame, pl.DataFrame]:
         """Count a new XID whenever a GPU's last XID changes (including from none to one)."""
         cur = samples.select("node", "gpu_uuid", "gpu", "last_xid")
-        prev = self._last_xid if self._last_xid is not None else pl.DataFrame(schema={"node": pl.Utf8, "gpu_uuid": pl.Utf8, "prev_xid": pl.Int32, "xid_total": pl.Int64})
+        prev = self._last_xid.get(url)
+        if prev is None:
+            prev = pl.DataFrame(schema={"node": pl.Utf8, "gpu_uuid": pl.Utf8, "prev_xid": pl.Int32, "xid_total": pl.Int64})
         joined = cur.join(prev.select("node", "gpu_uuid", "prev_xid", "xid_total"), on=["node", "gpu_uuid"], how="left", nulls_equal=True)
         changed = pl.col("last_xid").is_not_null() & (pl.col("prev_xid").is_null() | (pl.col("last_xid") != pl.col("prev_xid")))
         joined = joined.with_columns(changed.alias("new"), (pl.col("xid_total").fill_null(0) + changed.cast(pl.Int64)).alias("xid_total"))
-        self._last_xid = joined.select("node", "gpu_uuid", pl.col("last_xid").alias("prev_xid"), "xid_total")
+        self._last_xid[url] = joined.select("node", "gpu_uuid", pl.col("last_xid").alias("prev_xid"), "xid_total")
         samples = samples.drop("xid_total").join(joined.select("node", "gpu_uuid", "xid_total"), on=["node", "gpu_uuid"], how="left", nulls_equal=True)
         samples = schemas.conform(samples, schemas.GPU_SAMPLES, stream="gpu_samples")
         events = joined.filter(pl.col("new")).select(

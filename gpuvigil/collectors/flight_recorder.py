@@ -32,7 +32,16 @@ from gpuvigil.errors import UserError
 from gpuvigil.model import Finding, FindingKind, Severity
 
 MAX_DUMP_BYTES = 256 * 1024 * 1024
+# Work bounds on one dump, before it is parsed: torch keeps at most TORCH_NCCL_TRACE_BUFFER_SIZE
+# entries (2,000 by default); a pickle's items are counted with shared parts each time they are
+# reached (collectors.safe_pickle), so 2 million references to one entry are 2 million entries.
+MAX_DUMP_ENTRIES = 200_000
+MAX_DUMP_ITEMS = 10_000_000
 _SNIFF_BYTES = 64 * 1024
+# A collective all ranks joined but none finished is a hang only once it has been pending this
+# long at dump time: healthy steps finish their collectives in well under a second to a few
+# seconds, and a watchdog-timeout dump comes after TORCH_NCCL's timeout (10 min by default).
+STUCK_AFTER_SECONDS = 10.0
 # `fr_trace` takes the rank from the digits that end the file name (prefix + rank).
 _RANK_IN_NAME = re.compile(r"(\d+)(?:\.(?:json|pickle|pkl))?$")
 
@@ -82,6 +91,9 @@ class FRDump:
     pg_config: dict[str, PGConfig]
     pg_status: dict[str, PGStatus]
     entries: list[FREntry] = field(default_factory=list)
+    # When the dump was written (the file's mtime; None for a dump decoded from memory): torch's
+    # dump carries no time of its own, and without one an in-flight collective looks stuck.
+    written_ns: int | None = None
 
     def collectives(self, pg_name: str) -> dict[int, FREntry]:
         return {e.collective_seq_id: e for e in self.entries if e.pg_name == pg_name and not e.is_p2p}
@@ -100,8 +112,9 @@ def _as_int(value: Any, what: str, source: str) -> int | None:
         raise UserError(f"{source}: Flight Recorder field {what} is a boolean, expected an integer")
     try:
         return int(value)
-    except (TypeError, ValueError):
-        raise UserError(f"{source}: Flight Recorder field {what} is {value!r}, expected an integer") from None
+    except (TypeError, ValueError, OverflowError):  # OverflowError: int(float("inf"))
+        shown = repr(value) if not isinstance(value, str) or len(value) <= 40 else f"a {len(value)}-character string"
+        raise UserError(f"{source}: Flight Recorder field {what} is {shown[:60]}, expected an integer") from None
 
 
 def _as_ns(value: Any, what: str, source: str) -> int | None:
@@ -190,6 +203,11 @@ def parse_dump(raw: Any, source: str, path: Path | None = None) -> FRDump:
     """Normalise a decoded dump (pickle or JSON form)."""
     if not isinstance(raw, dict) or not isinstance(raw.get("entries"), list) or not ({"pg_status", "pg_config", "version"} & raw.keys()):
         raise UserError(f"{source}: not a Flight Recorder dump (expected a mapping with 'entries' and 'pg_status')")
+    for section in ("pg_config", "pg_status"):
+        if raw.get(section) is not None and not isinstance(raw[section], dict):
+            raise UserError(f"{source}: Flight Recorder field {section} is a {type(raw[section]).__name__}, expected a mapping")
+    if len(raw["entries"]) > MAX_DUMP_ENTRIES:
+        raise UserError(f"{source}: {len(raw['entries'])} Flight Recorder entries, more than the {MAX_DUMP_ENTRIES} limit; not analysed")
     pg_config: dict[str, PGConfig] = {}
     for key, cfg in (raw.get("pg_config") or {}).items():
         if isinstance(cfg, dict):
@@ -223,13 +241,13 @@ def _decode(path: Path) -> Any:
     except OSError as exc:
         raise UserError(f"{path}: cannot read: {exc.strerror or exc}") from exc
     if looks_like_pickle(head):
-        return safe_load(path, max_bytes=MAX_DUMP_BYTES)
+        return safe_load(path, max_bytes=MAX_DUMP_BYTES, max_items=MAX_DUMP_ITEMS)
     if head.lstrip()[:1] == b"{":
         if path.stat().st_size > MAX_DUMP_BYTES:
             raise UserError(f"{path}: larger than the {MAX_DUMP_BYTES}-byte limit for a Flight Recorder dump")
         try:
             return json.loads(path.read_bytes())
-        except (json.JSONDecodeError, UnicodeDecodeError, RecursionError) as exc:
+        except (ValueError, RecursionError) as exc:  # ValueError: bad JSON, bad UTF-8, a 5000-digit integer
             raise UserError(f"{path}: not valid JSON: {str(exc).splitlines()[0][:120]}") from None
     raise UserError(f"{path}: not a Flight Recorder dump (neither a pickle nor JSON)")
 
@@ -237,7 +255,16 @@ def _decode(path: Path) -> Any:
 def load_dump(path: str | Path) -> FRDump:
     """Read one rank's dump (pickle or JSON form); `UserError` naming the file if it is not one."""
     p = Path(path)
-    return parse_dump(_decode(p), str(p), p)
+    try:
+        dump = parse_dump(_decode(p), str(p), p)
+        try:
+            dump.written_ns = p.stat().st_mtime_ns
+        except OSError:
+            pass
+        return dump
+    except (ValueError, TypeError, AttributeError, OverflowError, RecursionError) as exc:
+        # Fields of a shape no torch writes (str() of a 5000-digit integer raises ValueError).
+        raise UserError(f"{p}: malformed Flight Recorder dump ({type(exc).__name__}: {str(exc).splitlines()[0][:120] if str(exc) else ''})") from None
 
 
 def is_flight_recorder_dump(path: str | Path) -> bool:
@@ -252,7 +279,7 @@ def is_flight_recorder_dump(path: str | Path) -> bool:
         return False
     if looks_like_pickle(head):
         try:
-            raw = safe_load(p, max_bytes=MAX_DUMP_BYTES)
+            raw = safe_load(p, max_bytes=MAX_DUMP_BYTES, max_items=MAX_DUMP_ITEMS)
         except UserError:
             return False
         return isinstance(raw, dict) and isinstance(raw.get("entries"), list) and bool({"pg_status", "pg_config"} & raw.keys())
@@ -328,7 +355,7 @@ def _call(kind: str, op: str, value: Any) -> str:
     return _describe(kind, value) if kind == "op" else f"{op} with {_describe(kind, value)}"
 
 
-def _analyze_group(pg_name: str, pg_desc: str, dumps: Sequence[FRDump], job: str | None) -> Finding | None:
+def _analyze_group(pg_name: str, pg_desc: str, dumps: Sequence[FRDump], job: str | None, stuck_after_seconds: float) -> Finding | None:
     by_rank = {d.rank: d for d in dumps if d.rank is not None}
     per_rank = {r: d.collectives(pg_name) for r, d in by_rank.items()}
     members = _members(pg_name, pg_desc, dumps)
@@ -432,6 +459,13 @@ def _analyze_group(pg_name: str, pg_desc: str, dumps: Sequence[FRDump], job: str
             not_done.append(r)
     if not not_done:
         return None
+    # A dump taken while the job runs (on demand, or racing the completion of the last collective,
+    # as gloo's real dumps do) shows its newest collective in flight. Only one that was pending
+    # for a while before the dump was written is stuck; with no write time, trust the states.
+    created = max((per_rank[r][last].time_created_ns or 0) for r in expected)
+    written = max((by_rank[r].written_ns or 0) for r in expected)
+    if created and written and 0 <= written - created < stuck_after_seconds * 1e9:
+        return None
     # When every rank is stuck the dump cannot say whose fault it is, unless there is only one.
     culprits = not_done if len(not_done) < len(expected) or len(expected) == 1 else []
     entry = per_rank[not_done[0]][last]
@@ -463,8 +497,11 @@ def _analyze_group(pg_name: str, pg_desc: str, dumps: Sequence[FRDump], job: str
     )
 
 
-def analyze_dumps(dumps: Sequence[FRDump], *, job: str | None = None) -> list[Finding]:
-    """Cross-rank analysis of one job's dumps (one per rank): at most one finding per group."""
+def analyze_dumps(dumps: Sequence[FRDump], *, job: str | None = None, stuck_after_seconds: float = STUCK_AFTER_SECONDS) -> list[Finding]:
+    """Cross-rank analysis of one job's dumps (one per rank): at most one finding per group.
+
+    A collective every rank joined counts as stuck only when it had been pending for
+    `stuck_after_seconds` when the dumps were written (see `FRDump.written_ns`)."""
     if not dumps:
         return []
     seen: dict[int, str] = {}
@@ -482,7 +519,7 @@ def analyze_dumps(dumps: Sequence[FRDump], *, job: str | None = None) -> list[Fi
             groups.setdefault(e.pg_name, e.pg_desc)
     findings = []
     for pg_name, pg_desc in sorted(groups.items()):
-        finding = _analyze_group(pg_name, pg_desc, dumps, job)
+        finding = _analyze_group(pg_name, pg_desc, dumps, job, stuck_after_seconds)
         if finding is not None:
             findings.append(finding)
     return findings
@@ -515,13 +552,22 @@ def _job_key(path: Path) -> tuple[str, str]:
     return str(path.parent), re.sub(r"\d+$", "", name)
 
 
-def load_groups(paths: Sequence[str | Path]) -> list[list[FRDump]]:
+def load_groups(paths: Sequence[str | Path], errors: list[str] | None = None) -> list[list[FRDump]]:
     """Load every dump in files and folders, grouped by job (folder + file-name prefix), each
-    group in rank order. The pickle and JSON forms of one rank's dump are one dump (pickle kept)."""
+    group in rank order. The pickle and JSON forms of one rank's dump are one dump (pickle kept).
+
+    With `errors` (a list), a dump that cannot be loaded adds one line there and is left out, and
+    the others are still loaded; without it the first such dump raises its `UserError`."""
     groups: dict[tuple[str, str], dict[int | None, FRDump]] = {}
     unranked: dict[tuple[str, str], list[FRDump]] = {}
     for path in _expand(Path(p) for p in paths):
-        dump = load_dump(path)
+        try:
+            dump = load_dump(path)
+        except UserError as exc:
+            if errors is None:
+                raise
+            errors.append(str(exc).splitlines()[0] if str(exc) else f"{path}: unreadable")
+            continue
         key = _job_key(path)
         if dump.rank is None:
             unranked.setdefault(key, []).append(dump)
@@ -555,9 +601,10 @@ def load_paths(paths: Sequence[str | Path]) -> list[FRDump]:
     return groups[0] if groups else []
 
 
-def analyze_paths(paths: Sequence[str | Path], *, job: str | None = None) -> list[Finding]:
-    """Load the dumps in files and folders and analyse each job (folder + file-name prefix) apart."""
-    return [f for group in load_groups(paths) for f in analyze_dumps(group, job=job)]
+def analyze_paths(paths: Sequence[str | Path], *, job: str | None = None, errors: list[str] | None = None) -> list[Finding]:
+    """Load the dumps in files and folders and analyse each job (folder + file-name prefix) apart
+    (`errors`: see `load_groups`)."""
+    return [f for group in load_groups(paths, errors) for f in analyze_dumps(group, job=job)]
 
 
 # ---------------------------------------------------------------- CLI

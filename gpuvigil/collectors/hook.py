@@ -18,6 +18,7 @@ from typing import Any
 import polars as pl
 
 from gpuvigil import schemas
+from gpuvigil.collectors.tail import TailSet
 
 STREAMS: Mapping[str, pl.Schema] = {"rank_progress": schemas.RANK_PROGRESS, "allocator_stats": schemas.ALLOCATOR_STATS}
 MAX_LINE_BYTES = 1 << 20
@@ -95,13 +96,15 @@ class HookCollector:
     name = "hook"
     streams = STREAMS
 
-    def __init__(self, paths: Iterable[str | Path] = (), *, from_start: bool = True):
+    def __init__(self, paths: Iterable[str | Path] = (), *, from_start: bool = True, max_read_bytes: int = MAX_READ_BYTES):
         self.paths = [Path(p) for p in paths]
         self.from_start = from_start
         self.errors = 0
         self.records = 0
-        self._offsets: dict[Path, int] = {}
-        self._partial: dict[Path, bytes] = {}
+        # The shared tail (collectors/tail.py): follows rotation and replacement of a rank's file.
+        self._tails = TailSet(self.paths, from_start=from_start, suffixes=(".jsonl",), max_read_bytes=max_read_bytes, max_line_bytes=MAX_LINE_BYTES)
+        self._dropped_seen = 0
+        self.last_error: str | None = None
         self._pushed: list[Any] = []
         self._lock = threading.Lock()
 
@@ -113,51 +116,30 @@ class HookCollector:
             else:
                 self._pushed.append(record)
 
-    def _files(self) -> list[Path]:
-        files: list[Path] = []
-        for p in self.paths:
-            if p.is_dir():
-                files.extend(sorted(p.glob("*.jsonl")))
-            elif p.is_file():
-                files.append(p)
-        return files
+    def health(self) -> dict[str, str | None]:
+        """One target, the hook's files: the latest read's first unreadable file, if any."""
+        return {self.name: self.last_error}
 
-    def _read_new(self, path: Path) -> list[bytes]:
+    def _read_new(self) -> list[bytes]:
         try:
-            size = path.stat().st_size
-        except OSError:
-            return []
-        if path not in self._offsets:
-            self._offsets[path] = 0 if self.from_start else size
-        offset = self._offsets[path]
-        if size < offset:  # truncated or replaced: start over
-            offset, self._partial[path] = 0, b""
-        if size == offset:
-            return []
-        try:
-            with path.open("rb") as fh:
-                fh.seek(offset)
-                chunk = fh.read(min(size - offset, MAX_READ_BYTES))
+            lines = [line for _path, chunk in self._tails.read() for line in chunk if line.strip()]
         except OSError:
             self.errors += 1
             return []
-        self._offsets[path] = offset + len(chunk)
-        data = self._partial.get(path, b"") + chunk
-        lines = data.split(b"\n")
-        self._partial[path] = lines.pop()  # an unfinished last line waits for its newline
-        if len(self._partial[path]) > MAX_LINE_BYTES:
-            self.errors += 1
-            self._partial[path] = b""
-        return [line for line in lines if line.strip()]
+        self.errors += len(self._tails.failures)
+        self.last_error = next(iter(self._tails.failures.values()), None)
+        dropped = self._tails.dropped_lines
+        self.errors += max(0, dropped - self._dropped_seen)  # over-long lines were dropped
+        self._dropped_seen = dropped
+        return lines
 
     def collect(self, now: float) -> dict[str, pl.DataFrame]:
         records: list[Any] = []
-        for path in self._files():
-            for line in self._read_new(path):
-                try:
-                    records.append(json.loads(line))
-                except (json.JSONDecodeError, UnicodeDecodeError, RecursionError):
-                    self.errors += 1
+        for line in self._read_new():
+            try:
+                records.append(json.loads(line))
+            except (json.JSONDecodeError, UnicodeDecodeError, RecursionError):
+                self.errors += 1
         with self._lock:
             records.extend(self._pushed)
             self._pushed = []

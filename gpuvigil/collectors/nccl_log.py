@@ -22,320 +22,26 @@ Recognised (with or without torchrun's `[rankN]:` prefix and glog `[E1129 23:07:
 Each OOM is classified (`gpuvigil/config/oom_classify.yaml`): `oom_foreign_process` when other
 processes hold a large share of the device, `oom_fragmentation` when PyTorch's reserved but
 unallocated memory could have held the request had it been contiguous, else `oom_capacity`.
+
+The line parsing itself (text -> typed records, no I/O) is in `gpuvigil.parsers.nccl` and
+`gpuvigil.parsers.oom`; this module turns parsed logs into findings and `events`, and tails files.
 """
 
 from __future__ import annotations
 
-import re
 import time
-from collections import Counter, deque
-from collections.abc import Iterable
-from dataclasses import dataclass, field
-from functools import lru_cache
 from pathlib import Path
 from typing import Any
 
 import polars as pl
-from pydantic import BaseModel, Field
 
-from gpuvigil import config, schemas
-from gpuvigil.collectors.logtime import line_time
-from gpuvigil.collectors.kernel_log import FileTail, TailingLogCollector  # one tail implementation for all logs
+from gpuvigil import schemas
+from gpuvigil.collectors.tail import FileTail, TailingLogCollector  # one tail implementation for all logs
 from gpuvigil.model import Finding, FindingKind, Severity
 
-_UNITS = {"b": 1, "bytes": 1, "byte": 1, "kib": 1 << 10, "mib": 1 << 20, "gib": 1 << 30, "tib": 1 << 40, "kb": 1 << 10, "mb": 1 << 20, "gb": 1 << 30}
-_SIZE = r"(\d+(?:\.\d+)?)\s*(bytes?|[KMGT]iB|[KMGT]B|B)"
-
-_RANK_PREFIX = re.compile(r"\[rank(?P<rank>\d+)\]:")
-_RANK_TAG = re.compile(r"\[(?:PG (?:ID )?(?P<pg>[^\]]*?)\s+)?Rank (?P<rank>\d+)\]")
-_PG_NAME = re.compile(r"PG GUID \S+?\((?P<name>[^)]*)\)|PG \d+ \((?P<name2>[^)]*)\)")
-_WATCHDOG = re.compile(r"Watchdog caught collective operation timeout: WorkNCCL\((?P<body>[^)]*(?:\([^)]*\)[^)]*)*)\) ran for (?P<ran>\d+) milliseconds")
-_WORK_FIELD = re.compile(r"(\w+(?:\(ms\))?)=([^,]+)")
-_PROGRESS = re.compile(
-    r"(?:(?:at work(?: sequence id)?|Timeout at NCCL work):\s*(?P<at>-?\d+).{0,40}?)?"
-    r"last enqueued (?:NCCL )?work:\s*(?P<enq>-?\d+),\s*last completed (?:NCCL )?work:\s*(?P<done>-?\d+)",
-    re.IGNORECASE,
-)
-_SOME_FAILED = re.compile(r"Some NCCL operations have failed or timed out")
-_INIT = re.compile(r"ProcessGroupNCCL initialization options:.*?size:\s*(?P<size>\d+),\s*global rank:\s*(?P<rank>\d+),\s*TIMEOUT\(ms\):\s*(?P<timeout>\d+)")
-_NCCL_WARN = re.compile(r"(?:^|\s|\])(?P<host>[\w.\-]+):(?P<pid>\d+):(?P<tid>\d+)\s+\[(?P<dev>\d+)\](?:\s+\S+:\d+)?\s+NCCL WARN\s*(?P<msg>.*)$")
-# Always matches a line containing "NCCL WARN", whatever follows (even embedded newlines).
-_NCCL_WARN_BARE = re.compile(r"NCCL WARN\s*(?P<msg>.*)", re.S)
-_NET_WARN = re.compile(
-    r"NET/|ibv_|\bIB\b|socket|Connection (?:closed|reset|refused)|Broken pipe|connect|remote peer|completion from peer|timed out|Network",
-    re.IGNORECASE,
-)
-
-_OOM_HEAD = re.compile(r"CUDA out of memory\. Tried to allocate " + _SIZE, re.IGNORECASE)
-_OOM_OLD = re.compile(
-    r"\(GPU (?P<gpu>\d+); " + _SIZE + r" total capacity; " + _SIZE + r" already allocated; " + _SIZE + r" free;"
-    # torch ≤1.3 said "cached" for what later releases call "reserved in total by PyTorch"
-    r"(?: " + _SIZE + r" (?P<what>reserved in total by PyTorch|cached))?"
-)
-_OOM_NEW = re.compile(r"GPU (?P<gpu>\d+) has a total capac(?:i)?ty of " + _SIZE + r" of which " + _SIZE + r" is free\.")
-_OOM_THIS_PROC = re.compile(r"this process has " + _SIZE + r" memory in use")
-_OOM_PROC = re.compile(r"Process (?P<pid>\d+) has " + _SIZE + r" memory in use")
-_OOM_SPLIT = re.compile(r"Of the allocated memory " + _SIZE + r" is allocated by PyTorch, and " + _SIZE + r" is reserved by PyTorch but unallocated")
-
-
-def _bytes(value: str, unit: str) -> int:
-    return int(round(float(value) * _UNITS[unit.lower()]))
-
-
-class OomClassifyConfig(BaseModel):
-    # Other processes hold at least this share of the device: the OOM is theirs, not ours.
-    foreign_min_share: float = Field(0.10, ge=0, le=1)
-    # ... and at least this many times the failed request (else freeing them would not help).
-    foreign_min_request_ratio: float = Field(1.0, ge=0)
-    # PyTorch's reserved-but-unallocated memory is at least this many times the request: the
-    # memory was there but in pieces too small (fragmentation).
-    fragmentation_min_request_ratio: float = Field(1.0, ge=0)
-    # ... or at least this share of the device, whatever the request.
-    fragmentation_min_share: float = Field(0.10, ge=0, le=1)
-
-
-def load_oom_config(cfg: dict[str, Any] | None = None) -> OomClassifyConfig:
-    if cfg is None:
-        return _default_oom_config()
-    return config.section("oom_classify", OomClassifyConfig, cfg)
-
-
-@lru_cache(maxsize=1)
-def _default_oom_config() -> OomClassifyConfig:
-    # Reading every default section costs ~0.1 s: do it once, not per analysed file.
-    return config.section("oom_classify", OomClassifyConfig, None)
-
-
-@dataclass
-class OomReport:
-    line: int
-    ts: float
-    rank: int | None
-    gpu: int | None
-    requested_bytes: int
-    total_bytes: int | None = None
-    free_bytes: int | None = None
-    process_used_bytes: int | None = None
-    allocated_bytes: int | None = None
-    reserved_unallocated_bytes: int | None = None
-    other_processes: list[dict[str, int]] = field(default_factory=list)
-    wording: str = "new"  # old | capacty | new
-    text: str = ""
-
-    def foreign_bytes(self) -> int | None:
-        """Device memory held by processes other than this one."""
-        if self.other_processes:
-            return sum(p["bytes"] for p in self.other_processes)
-        if self.total_bytes is None or self.free_bytes is None:
-            return None
-        if self.process_used_bytes is not None:
-            return max(0, self.total_bytes - self.free_bytes - self.process_used_bytes)
-        if self.allocated_bytes is not None and self.reserved_unallocated_bytes is not None:
-            # No per-process figure (old wording): what is neither free nor PyTorch's own. This
-            # includes our CUDA context (a few hundred MiB), hence the share threshold.
-            return max(0, self.total_bytes - self.free_bytes - self.allocated_bytes - self.reserved_unallocated_bytes)
-        return None
-
-    def classify(self, cfg: OomClassifyConfig) -> FindingKind:
-        foreign = self.foreign_bytes()
-        if (
-            foreign is not None
-            and self.total_bytes
-            and foreign >= cfg.foreign_min_share * self.total_bytes
-            and foreign >= cfg.foreign_min_request_ratio * self.requested_bytes
-        ):
-            return FindingKind.OOM_FOREIGN_PROCESS
-        unalloc = self.reserved_unallocated_bytes
-        if unalloc is not None and unalloc > 0 and (
-            unalloc >= cfg.fragmentation_min_request_ratio * self.requested_bytes
-            or (self.total_bytes and unalloc >= cfg.fragmentation_min_share * self.total_bytes)
-        ):
-            return FindingKind.OOM_FRAGMENTATION
-        return FindingKind.OOM_CAPACITY
-
-    def key(self) -> tuple:
-        return (self.rank, self.gpu, self.requested_bytes, self.total_bytes, self.free_bytes, self.allocated_bytes, self.reserved_unallocated_bytes)
-
-
-def parse_oom(text: str, *, line: int = 0, ts: float = 0.0, rank: int | None = None) -> OomReport | None:
-    """The numbers of one CUDA OOM message (any of the three wordings), or None."""
-    head = _OOM_HEAD.search(text)
-    if not head:
-        return None
-    rep = OomReport(line=line, ts=ts, rank=rank, gpu=None, requested_bytes=_bytes(head[1], head[2]), text=text[head.start():][:800])
-    if m := _OOM_OLD.search(text):
-        g = m.groups()
-        rep.wording = "old"
-        rep.gpu = int(g[0])
-        rep.total_bytes = _bytes(g[1], g[2])
-        rep.allocated_bytes = _bytes(g[3], g[4])
-        rep.free_bytes = _bytes(g[5], g[6])
-        if g[7] is not None:
-            amount = _bytes(g[7], g[8])
-            # torch ≤1.3's "cached" is what the cache holds beyond live tensors; later releases
-            # give the whole reservation.
-            rep.reserved_unallocated_bytes = amount if m["what"] == "cached" else max(0, amount - rep.allocated_bytes)
-        return rep
-    if m := _OOM_NEW.search(text):
-        g = m.groups()
-        rep.wording = "capacty" if "capacty" in m.group(0) else "new"
-        rep.gpu = int(g[0])
-        rep.total_bytes = _bytes(g[1], g[2])
-        rep.free_bytes = _bytes(g[3], g[4])
-    if m := _OOM_THIS_PROC.search(text):
-        rep.process_used_bytes = _bytes(m[1], m[2])
-    procs = [{"pid": int(p["pid"]), "bytes": _bytes(p[2], p[3])} for p in _OOM_PROC.finditer(text)]
-    if m := _OOM_SPLIT.search(text):
-        rep.allocated_bytes = _bytes(m[1], m[2])
-        rep.reserved_unallocated_bytes = _bytes(m[3], m[4])
-    if procs and rep.process_used_bytes is None:
-        # In a container NVML's pids are not ours, so our own process is listed as "Process N"
-        # too: take the one that holds at least what PyTorch reserved (closest to it) as us.
-        ours = (rep.allocated_bytes or 0) + (rep.reserved_unallocated_bytes or 0)
-        candidates = [p for p in procs if p["bytes"] >= ours]
-        if candidates:
-            me = min(candidates, key=lambda p: p["bytes"] - ours)
-            rep.process_used_bytes = me["bytes"]
-            procs = [p for p in procs if p is not me]
-    rep.other_processes = procs
-    return rep
-
-
-@dataclass
-class WatchdogTimeout:
-    line: int
-    ts: float
-    rank: int | None
-    pg: str | None
-    seq: int | None
-    op_type: str | None
-    numel_in: int | None
-    numel_out: int | None
-    timeout_ms: int | None
-    ran_for_ms: int
-    text: str
-
-
-@dataclass
-class Progress:
-    line: int
-    rank: int | None
-    pg: str | None
-    at_seq: int | None
-    last_enqueued: int
-    last_completed: int
-
-
-@dataclass
-class NcclWarn:
-    line: int
-    ts: float
-    rank: int | None
-    host: str | None
-    pid: int | None
-    device: int | None
-    message: str
-    network: bool
-
-
-@dataclass
-class ParsedLog:
-    timeouts: list[WatchdogTimeout] = field(default_factory=list)
-    progress: list[Progress] = field(default_factory=list)
-    warnings: list[NcclWarn] = field(default_factory=list)
-    ooms: list[OomReport] = field(default_factory=list)
-    some_failed: list[tuple[int, float, int | None]] = field(default_factory=list)  # line, ts, rank
-    world_size: int | None = None
-    configured_timeout_ms: int | None = None
-    hosts: Counter = field(default_factory=Counter)
-    lines: int = 0
-
-
-def _int(v: str | None) -> int | None:
-    try:
-        return int(v) if v is not None else None
-    except ValueError:
-        return None
-
-
-def _rank_and_pg(line: str) -> tuple[int | None, str | None]:
-    rank: int | None = None
-    pg: str | None = None
-    if m := _RANK_PREFIX.search(line):
-        rank = int(m["rank"])
-    if m := _RANK_TAG.search(line):
-        rank = int(m["rank"]) if rank is None else rank
-        if m["pg"]:
-            name = _PG_NAME.search(m.group(0))
-            pg_id = m["pg"].split()[0]
-            pg = f"{pg_id}({(name['name'] or name['name2'])})" if name else pg_id
-    return rank, pg
-
-
-def parse_lines(lines: Iterable[str], *, reference_ts: float | None = None, first_line_no: int = 1) -> ParsedLog:
-    reference_ts = time.time() if reference_ts is None else reference_ts
-    out = ParsedLog()
-    # Timestamps are only parsed for lines that matter; a line without one (a traceback line,
-    # an OOM message) takes the nearest stamped line before it, looked up in this window.
-    recent: deque[str] = deque(maxlen=64)
-
-    def when(line: str) -> float:
-        for candidate in (line, *reversed(recent)):
-            t = line_time(candidate, reference_ts)
-            if t is not None and t.kind != "since_boot":
-                return t.ts
-        return reference_ts
-
-    for offset, raw in enumerate(lines):
-        out.lines += 1
-        line = raw.rstrip("\r\n")
-        if len(line) > 20000:  # a runaway line (binary junk) cannot be a log message we know
-            line = line[:20000]
-        no = first_line_no + offset
-        try:
-            if "Watchdog caught" in line and (m := _WATCHDOG.search(line)):
-                fields = dict(_WORK_FIELD.findall(m["body"]))
-                rank, pg = _rank_and_pg(line[: m.start()])
-                out.timeouts.append(
-                    WatchdogTimeout(
-                        line=no,
-                        ts=when(line),
-                        rank=rank,
-                        pg=pg,
-                        seq=_int(fields.get("SeqNum")),
-                        op_type=fields.get("OpType"),
-                        numel_in=_int(fields.get("NumelIn")),
-                        numel_out=_int(fields.get("NumelOut")),
-                        timeout_ms=_int(fields.get("Timeout(ms)")),
-                        ran_for_ms=int(m["ran"]),
-                        text=line[m.start():][:500],
-                    )
-                )
-            elif "ast enqueued" in line and (m := _PROGRESS.search(line)):
-                rank, pg = _rank_and_pg(line[: m.start()])
-                out.progress.append(Progress(no, rank, pg, _int(m["at"]), int(m["enq"]), int(m["done"])))
-            elif "Some NCCL operations have failed" in line:
-                out.some_failed.append((no, when(line), _rank_and_pg(line)[0]))
-            elif "initialization options" in line and (m := _INIT.search(line)):
-                out.world_size = int(m["size"])
-                out.configured_timeout_ms = int(m["timeout"])
-            elif "NCCL WARN" in line:
-                m = _NCCL_WARN.search(line)
-                rank = _rank_and_pg(line)[0]
-                if m:
-                    msg = m["msg"].strip()
-                    out.hosts[m["host"]] += 1
-                    warn = NcclWarn(no, when(line), rank, m["host"], int(m["pid"]), int(m["dev"]), msg, bool(_NET_WARN.search(msg)))
-                else:
-                    msg = _NCCL_WARN_BARE.search(line)["msg"].strip()  # type: ignore[index]
-                    warn = NcclWarn(no, when(line), rank, None, None, None, msg, bool(_NET_WARN.search(msg)))
-                out.warnings.append(warn)
-            elif "out of memory" in line and (rep := parse_oom(line, line=no, rank=_rank_and_pg(line)[0])) is not None:
-                rep.ts = when(line)
-                out.ooms.append(rep)
-        finally:
-            recent.append(line)
-    return out
+# The text parsing is shared with `analyze` and the OOM detector; these names stay importable here.
+from gpuvigil.parsers.nccl import ParsedLog, Progress, WatchdogTimeout, looks_like_training_log, parse_lines  # noqa: F401
+from gpuvigil.parsers.oom import OomReport, load_oom_config, parse_oom  # noqa: F401
 
 
 def _progress_for(parsed: ParsedLog, t: WatchdogTimeout) -> Progress | None:
@@ -452,8 +158,8 @@ def findings(
                 cause="network" if network_warnings else None,
             )
         )
-    if not parsed.timeouts and parsed.some_failed:
-        line, ts, rank = parsed.some_failed[0]
+    if not parsed.timeouts and (parsed.some_failed or parsed.timeout_at):
+        line, ts, rank = min(parsed.some_failed + parsed.timeout_at)
         out.append(
             Finding(
                 kind=FindingKind.NCCL_TIMEOUT,
@@ -490,16 +196,15 @@ def findings(
             "reserved_unallocated_bytes": rep.reserved_unallocated_bytes,
             "foreign_bytes": foreign,
             "other_processes": rep.other_processes,
+            # neither free nor PyTorch's: CUDA context, libraries (and other processes, if any)
+            "non_pytorch_bytes": rep.non_pytorch_bytes(),
+            "process_used_credible": rep.process_used_credible,
             "wording": rep.wording,
             "occurrences": seen_oom[rep.key()],
             "rank": rep.rank,
         }
         where = f"GPU {rep.gpu}" if rep.gpu is not None else "the GPU"
-        reason = {
-            FindingKind.OOM_CAPACITY: "the job needs more memory than the GPU has",
-            FindingKind.OOM_FRAGMENTATION: f"{_gib(rep.reserved_unallocated_bytes)} reserved by PyTorch but unallocated (fragmented)",
-            FindingKind.OOM_FOREIGN_PROCESS: f"{_gib(foreign)} held by other processes",
-        }[kind]
+        reason = rep.reason(kind)
         out.append(
             Finding(
                 kind=kind,
@@ -512,7 +217,7 @@ def findings(
                 evidence=evidence,
                 summary=f"CUDA OOM on {where}: tried to allocate {_gib(rep.requested_bytes)} with {_gib(rep.free_bytes)} free of {_gib(rep.total_bytes)}; {reason}",
                 source=src(rep.line),
-                cause={FindingKind.OOM_CAPACITY: "capacity", FindingKind.OOM_FRAGMENTATION: "fragmentation", FindingKind.OOM_FOREIGN_PROCESS: "foreign_process"}[kind],
+                cause=kind.value.removeprefix("oom_"),
             )
         )
     return out
@@ -540,16 +245,6 @@ def analyze_text(
     cfg: dict[str, Any] | None = None,
 ) -> list[Finding]:
     return findings(parse_lines(text.splitlines(), reference_ts=reference_ts), source_file=source_file, job=job, node=node, cfg=cfg)
-
-
-_SNIFF = re.compile(
-    r"Watchdog caught collective operation timeout|CUDA out of memory|NCCL (?:WARN|INFO)|ProcessGroupNCCL|"
-    r"last enqueued (?:NCCL )?work|Some NCCL operations have failed|PyTorch CUDA memory summary|Traceback \(most recent call last\)",
-)
-
-
-def looks_like_training_log(sample: str) -> bool:
-    return _SNIFF.search(sample) is not None
 
 
 class NcclLogCollector(TailingLogCollector):

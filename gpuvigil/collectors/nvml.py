@@ -1,47 +1,56 @@
 """NVML collector: per-GPU health and load straight from the driver, through `pynvml`
 (nvidia-ml-py), plus XID and ECC events from NVML's event API on a background thread.
 
-Every reading is its own NVML call and may fail on its own: `NotSupported` (NVLink on a VM,
-remapped rows on pre-Ampere, ECC with ECC off) becomes null, as does any other per-field
-`NVMLError` (counted in `errors`). A machine without the driver or without GPUs raises
-`NvmlUnavailable` at construction, with a message saying so; the caller then runs the simulated
-cluster instead.
+The counters (ECC, remapped rows / retired pages, PCIe replays and bytes) are read in one
+`nvmlDeviceGetFieldValues` batch per GPU, which returns a status per field; a field the GPU or
+driver does not support (`NotSupported`) is read once through its own NVML call instead (the
+pre-Ampere retired-pages fallback, or older drivers) and left out of later batches. The gauges
+(memory, utilisation, power, temperature, clocks, clock-event reasons) have no field id and are
+read one call each. Any reading may fail on its own: `NotSupported` becomes null, as does any
+other per-field `NVMLError` (counted in `errors`). Without `nvmlDeviceGetFieldValues` (very old
+drivers) every reading is its own call. A machine without the driver or without GPUs raises
+`NvmlUnavailable` at construction, with a message saying so.
 
-Running compute processes are attributed to their Slurm job (SLURM_JOB_ID in
-/proc/PID/environ, or `job_N` in the cgroup path) or Kubernetes pod (pod UID in the cgroup path)
-and emitted as the `gpu_processes` stream declared here.
+Running compute processes are attributed to their job and rank (collectors/jobmap.py: the
+process environment and cgroup) and emitted as `gpu_processes`; `processes()` hands the same
+list to the job map (`JobMapCollector(processes=nvml.processes)`).
 """
 
 from __future__ import annotations
 
 import ctypes
 import queue
-import re
 import socket
 import threading
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import polars as pl
 
 from gpuvigil import schemas
+from gpuvigil.collectors.jobmap import GpuProcess, ProcessOwner, attribute_pid
 from gpuvigil.errors import UserError
 
-GPU_PROCESSES = pl.Schema(
-    {
-        "ts": pl.Float64,
-        "node": pl.Utf8,
-        "gpu": pl.Int32,
-        "gpu_uuid": pl.Utf8,
-        "pid": pl.Int64,
-        "used_memory_bytes": pl.Int64,  # null when the driver does not say (e.g. in a container)
-        "slurm_job": pl.Utf8,
-        "pod_uid": pl.Utf8,
-        "container_id": pl.Utf8,
-    }
-)
+GPU_PROCESSES = schemas.GPU_PROCESSES
+
+# Counters read through nvmlDeviceGetFieldValues: our name → (pynvml constant, nvml.h value).
+FIELD_IDS: dict[str, tuple[str, int]] = {
+    "ecc_sbe_volatile_total": ("NVML_FI_DEV_ECC_SBE_VOL_TOTAL", 3),
+    "ecc_dbe_volatile_total": ("NVML_FI_DEV_ECC_DBE_VOL_TOTAL", 4),
+    "ecc_sbe_aggregate_total": ("NVML_FI_DEV_ECC_SBE_AGG_TOTAL", 5),
+    "ecc_dbe_aggregate_total": ("NVML_FI_DEV_ECC_DBE_AGG_TOTAL", 6),
+    "retired_sbe": ("NVML_FI_DEV_RETIRED_SBE", 29),
+    "retired_dbe": ("NVML_FI_DEV_RETIRED_DBE", 30),
+    "pcie_replay": ("NVML_FI_DEV_PCIE_REPLAY_COUNTER", 94),
+    "remapped_cor": ("NVML_FI_DEV_REMAPPED_COR", 142),
+    "remapped_unc": ("NVML_FI_DEV_REMAPPED_UNC", 143),
+    "remapped_failure": ("NVML_FI_DEV_REMAPPED_FAILURE", 145),
+    "pcie_tx_bytes": ("NVML_FI_DEV_PCIE_COUNT_TX_BYTES", 197),
+    "pcie_rx_bytes": ("NVML_FI_DEV_PCIE_COUNT_RX_BYTES", 198),
+}
+# nvmlValueType_t → the c_nvmlValue_t union member holding the value.
+_VALUE_MEMBER = {0: "dVal", 1: "uiVal", 2: "ulVal", 3: "ullVal", 4: "sllVal", 5: "siVal", 6: "usVal"}
 
 STREAMS: Mapping[str, pl.Schema] = {"gpu_samples": schemas.GPU_SAMPLES, "events": schemas.EVENTS, "gpu_processes": GPU_PROCESSES}
 
@@ -57,44 +66,7 @@ class NvmlUnavailable(UserError):
 
 
 # ---------------------------------------------------------------- process attribution
-
-_SLURM_JOB_IN_CGROUP = re.compile(r"/job_(\d+)(?:/|$)")
-# cgroupfs: /kubepods/burstable/pod<uid>/<container>; systemd: kubepods-burstable-pod<uid_with_underscores>.slice/cri-containerd-<id>.scope
-_POD_IN_CGROUP = re.compile(r"pod([0-9a-f]{8}[-_][0-9a-f]{4}[-_][0-9a-f]{4}[-_][0-9a-f]{4}[-_][0-9a-f]{12})")
-_CONTAINER_IN_CGROUP = re.compile(r"(?:cri-containerd-|docker-|crio-|/)([0-9a-f]{64})(?:\.scope)?(?:/|$)")
-
-
-@dataclass(frozen=True)
-class ProcessOwner:
-    slurm_job: str | None = None
-    pod_uid: str | None = None
-    container_id: str | None = None
-
-
-def attribute_pid(pid: int, proc_root: str | Path = "/proc") -> ProcessOwner:
-    """Which Slurm job or Kubernetes pod a PID belongs to, from /proc (best effort, never raises)."""
-    base = Path(proc_root) / str(pid)
-    slurm_job = None
-    try:
-        for item in (base / "environ").read_bytes().split(b"\0"):
-            if item.startswith(b"SLURM_JOB_ID="):
-                slurm_job = item.split(b"=", 1)[1].decode(errors="replace") or None
-                break
-    except OSError:
-        pass  # another user's process, or gone: fall back to the cgroup path
-    pod_uid = container_id = None
-    try:
-        cgroup = (base / "cgroup").read_text(errors="replace")
-    except OSError:
-        cgroup = ""
-    if slurm_job is None and (m := _SLURM_JOB_IN_CGROUP.search(cgroup)):
-        slurm_job = m.group(1)
-    if m := _POD_IN_CGROUP.search(cgroup):
-        pod_uid = m.group(1).replace("_", "-")
-        if c := _CONTAINER_IN_CGROUP.search(cgroup[m.end():]):
-            container_id = c.group(1)
-    return ProcessOwner(slurm_job, pod_uid, container_id)
-
+# /proc attribution is shared with the job map (collectors/jobmap.py); re-exported here.
 
 # ---------------------------------------------------------------- the collector
 
@@ -119,6 +91,11 @@ class NvmlCollector:
         self.node = node or socket.gethostname()
         self.errors = 0
         self.not_supported: dict[str, int] = {}
+        self.field_values = callable(getattr(self.nvml, "nvmlDeviceGetFieldValues", None))
+        self._field_ids = {name: int(getattr(self.nvml, const, default)) for name, (const, default) in FIELD_IDS.items()}
+        self._unsupported_fields: list[set[str]] = []  # per GPU: fields left out of the batch
+        self._pcie_prev: list[tuple[float, int | None, int | None] | None] = []
+        self._last_processes: list[GpuProcess] = []
         self._attribute = attribute or (lambda pid: attribute_pid(pid, proc_root))
         try:
             self.nvml.nvmlInit()
@@ -134,6 +111,9 @@ class NvmlCollector:
             self._shutdown()
             raise NvmlUnavailable("NVML found no GPU on this machine; use the simulated cluster")
         self.uuids = [self._field("uuid", self.nvml.nvmlDeviceGetUUID, h) for h in self.handles]
+        self._unsupported_fields = [set() for _ in self.handles]
+        self.pci_bus_ids = [self._pci_bus_id(h) for h in self.handles]
+        self._pcie_prev = [None] * len(self.handles)
         self._index_of = {self._handle_key(h): i for i, h in enumerate(self.handles)}
         self.xid_total = [0] * len(self.handles)
         self.last_xid: list[int | None] = [None] * len(self.handles)
@@ -170,17 +150,88 @@ class NvmlCollector:
             self._count(exc, name)
             return None
 
-    def _memory(self, handle: Any) -> tuple[int | None, int | None]:
+    def _memory(self, handle: Any) -> tuple[int | None, int | None, int | None]:
+        """(used, total, driver-reserved) bytes."""
         # v2 separates driver-reserved memory from `used`; older drivers only have v1.
         version = getattr(self.nvml, "nvmlMemory_v2", None)
         if version is not None:
             try:
                 info = self.nvml.nvmlDeviceGetMemoryInfo(handle, version=version)
-                return int(info.used), int(info.total)
+                reserved = getattr(info, "reserved", None)
+                return int(info.used), int(info.total), int(reserved) if reserved is not None else None
             except (self.nvml.NVMLError, TypeError, AttributeError):
                 pass
         info = self._field("memory", self.nvml.nvmlDeviceGetMemoryInfo, handle)
-        return (int(info.used), int(info.total)) if info is not None else (None, None)
+        return (int(info.used), int(info.total), None) if info is not None else (None, None, None)
+
+    def _field_batch(self, i: int, handle: Any) -> dict[str, Any]:
+        """The counters in one nvmlDeviceGetFieldValues call: name → value (None: failed;
+        absent: not supported, to be read the old way)."""
+        wanted = [n for n in FIELD_IDS if n not in self._unsupported_fields[i]]
+        if not wanted:
+            return {}
+        try:
+            values = self.nvml.nvmlDeviceGetFieldValues(handle, [self._field_ids[n] for n in wanted])
+        except self.nvml.NVMLError as exc:
+            code = getattr(exc, "value", None)
+            if code in (getattr(self.nvml, "NVML_ERROR_NOT_SUPPORTED", 3), getattr(self.nvml, "NVML_ERROR_FUNCTION_NOT_FOUND", 13)):
+                self.field_values = False  # this driver has no batch API: one call per reading
+            else:
+                self.errors += 1
+            return {}
+        ok = getattr(self.nvml, "NVML_SUCCESS", 0)
+        not_supported = getattr(self.nvml, "NVML_ERROR_NOT_SUPPORTED", 3)
+        out: dict[str, Any] = {}
+        for name, v in zip(wanted, values, strict=False):
+            ret = int(v.nvmlReturn)
+            if ret == ok:
+                member = _VALUE_MEMBER.get(int(v.valueType))
+                out[name] = getattr(v.value, member) if member else None
+            elif ret == not_supported:
+                self._unsupported_fields[i].add(name)
+                self.not_supported[name] = self.not_supported.get(name, 0) + 1
+            else:
+                self.errors += 1
+                out[name] = None
+        return out
+
+    def _counters(self, i: int, handle: Any, now: float) -> dict[str, Any]:
+        """ECC, remapped rows / retired pages, PCIe replays and byte rates, batched when possible."""
+        nv = self.nvml
+        f = self._field_batch(i, handle) if self.field_values else {}
+        corrected, uncorrected = nv.NVML_MEMORY_ERROR_TYPE_CORRECTED, nv.NVML_MEMORY_ERROR_TYPE_UNCORRECTED
+        legacy_ecc = {
+            "ecc_sbe_volatile_total": (corrected, nv.NVML_VOLATILE_ECC, "ecc_volatile"),
+            "ecc_dbe_volatile_total": (uncorrected, nv.NVML_VOLATILE_ECC, "ecc_volatile"),
+            "ecc_sbe_aggregate_total": (corrected, nv.NVML_AGGREGATE_ECC, "ecc_aggregate"),
+            "ecc_dbe_aggregate_total": (uncorrected, nv.NVML_AGGREGATE_ECC, "ecc_aggregate"),
+        }
+        out: dict[str, Any] = {}
+        for name, (etype, counter, label) in legacy_ecc.items():
+            out[name] = int(f[name]) if f.get(name) is not None else (None if name in f else self._ecc(handle, etype, counter, label))
+        if "remapped_cor" in f or "remapped_unc" in f:
+            cor, unc = f.get("remapped_cor"), f.get("remapped_unc")
+            out["retired_pages_total"] = int(cor) + int(unc) if cor is not None and unc is not None else None
+            fail = f.get("remapped_failure")
+            out["remap_failure"] = bool(fail) if fail is not None else None
+        elif f.get("retired_sbe") is not None and f.get("retired_dbe") is not None:
+            out["retired_pages_total"], out["remap_failure"] = int(f["retired_sbe"]) + int(f["retired_dbe"]), None
+        else:
+            out["retired_pages_total"], out["remap_failure"] = self._remapped(handle)
+        if "pcie_replay" in f:
+            out["pcie_replay_total"] = int(f["pcie_replay"]) if f["pcie_replay"] is not None else None
+        else:
+            replay = self._field("pcie_replay", nv.nvmlDeviceGetPcieReplayCounter, handle)
+            out["pcie_replay_total"] = int(replay) if replay is not None else None
+        # PCIe byte counters (Hopper and later drivers) → rates between samples.
+        tx, rx = f.get("pcie_tx_bytes"), f.get("pcie_rx_bytes")
+        prev = self._pcie_prev[i]
+        self._pcie_prev[i] = (now, tx, rx) if tx is not None or rx is not None else None
+        for col, cur, k in (("pcie_tx_bytes_per_second", tx, 1), ("pcie_rx_bytes_per_second", rx, 2)):
+            before = prev[k] if prev is not None else None
+            dt = now - prev[0] if prev is not None else 0.0
+            out[col] = (cur - before) / dt if cur is not None and before is not None and dt > 0 and cur >= before else None
+        return out
 
     def _throttle(self, handle: Any) -> int | None:
         fn = getattr(self.nvml, "nvmlDeviceGetCurrentClocksEventReasons", None) or getattr(self.nvml, "nvmlDeviceGetCurrentClocksThrottleReasons")
@@ -207,15 +258,13 @@ class NvmlCollector:
 
     def _sample(self, i: int, handle: Any, now: float) -> dict[str, Any]:
         nv = self.nvml
-        used, total = self._memory(handle)
+        used, total, reserved = self._memory(handle)
         util = self._field("utilization", nv.nvmlDeviceGetUtilizationRates, handle)
         power_mw = self._field("power", nv.nvmlDeviceGetPowerUsage, handle)
         temperature = self._field("temperature", nv.nvmlDeviceGetTemperature, handle, nv.NVML_TEMPERATURE_GPU)
         sm_clock = self._field("sm_clock", nv.nvmlDeviceGetClockInfo, handle, nv.NVML_CLOCK_SM)
         mem_clock = self._field("mem_clock", nv.nvmlDeviceGetClockInfo, handle, nv.NVML_CLOCK_MEM)
-        corrected, uncorrected = nv.NVML_MEMORY_ERROR_TYPE_CORRECTED, nv.NVML_MEMORY_ERROR_TYPE_UNCORRECTED
-        remapped, remap_failure = self._remapped(handle)
-        replay = self._field("pcie_replay", nv.nvmlDeviceGetPcieReplayCounter, handle)
+        counters = self._counters(i, handle, now)
         return {
             "ts": now,
             "node": self.node,
@@ -230,13 +279,8 @@ class NvmlCollector:
             "sm_clock_mhz": float(sm_clock) if sm_clock is not None else None,
             "mem_clock_mhz": float(mem_clock) if mem_clock is not None else None,
             "throttle_reasons": self._throttle(handle),
-            "ecc_sbe_volatile_total": self._ecc(handle, corrected, nv.NVML_VOLATILE_ECC, "ecc_volatile"),
-            "ecc_dbe_volatile_total": self._ecc(handle, uncorrected, nv.NVML_VOLATILE_ECC, "ecc_volatile"),
-            "ecc_sbe_aggregate_total": self._ecc(handle, corrected, nv.NVML_AGGREGATE_ECC, "ecc_aggregate"),
-            "ecc_dbe_aggregate_total": self._ecc(handle, uncorrected, nv.NVML_AGGREGATE_ECC, "ecc_aggregate"),
-            "retired_pages_total": remapped,
-            "remap_failure": remap_failure,
-            "pcie_replay_total": int(replay) if replay is not None else None,
+            **counters,
+            "memory_reserved_bytes": reserved,
             "xid_total": self.xid_total[i],
             "last_xid": self.last_xid[i],
         }
@@ -247,6 +291,7 @@ class NvmlCollector:
         for p in procs:
             owner = self._attribute(int(p.pid))
             used = getattr(p, "usedGpuMemory", None)
+            self._last_processes.append(GpuProcess(i, self.uuids[i], int(p.pid)))
             rows.append(
                 {
                     "ts": now,
@@ -258,9 +303,33 @@ class NvmlCollector:
                     "slurm_job": owner.slurm_job,
                     "pod_uid": owner.pod_uid,
                     "container_id": owner.container_id,
+                    "job": owner.job,
+                    "rank": owner.rank,
                 }
             )
         return rows
+
+    def _pci_bus_id(self, handle: Any) -> str | None:
+        fn = getattr(self.nvml, "nvmlDeviceGetPciInfo", None)
+        info = self._field("pci_info", fn, handle) if fn is not None else None
+        bus = getattr(info, "busId", None) if info is not None else None
+        return bus.decode(errors="replace") if isinstance(bus, bytes) else bus
+
+    def pci_to_gpu(self) -> dict[str, int]:
+        """PCI bus id → GPU index, for the kernel log (XIDs name the GPU by its PCI address)."""
+        return {bus: i for i, bus in enumerate(self.pci_bus_ids) if bus}
+
+    def uuid_to_gpu(self) -> dict[str, int]:
+        """GPU UUID → index, for the job map (PodResources and job-mapping files name UUIDs)."""
+        return {u: i for i, u in enumerate(self.uuids) if u}
+
+    def processes(self) -> list[GpuProcess]:
+        """The compute processes seen by the latest collect (for JobMapCollector)."""
+        return list(self._last_processes)
+
+    def describe(self) -> str:
+        mode = "field-value batches" if self.field_values else "one call per reading"
+        return f"NVML: {len(self.handles)} GPU(s) on {self.node} ({mode})"
 
     # -- events -------------------------------------------------------------------------
 
@@ -359,6 +428,7 @@ class NvmlCollector:
                 break
             events.append({**row, "ts": now})
         samples, procs = [], []
+        self._last_processes = []
         for i, handle in enumerate(self.handles):
             samples.append(self._sample(i, handle, now))
             procs.extend(self._processes(i, handle, now))
@@ -401,6 +471,8 @@ def replay_csv(path: str | Path, *, node: str = "replay", gpu: int = 0, gpu_uuid
             pl.col("sm_clock").alias("sm_clock_mhz"),
             pl.col("mem_clock").alias("mem_clock_mhz"),
             pl.col("clock_event_reasons").alias("throttle_reasons"),
+            *[(pl.col(f"pcie_{d}_kbs") * 1024.0).alias(f"pcie_{d}_bytes_per_second") for d in ("tx", "rx") if f"pcie_{d}_kbs" in df.columns],
+            *([pl.col("fb_reserved").alias("memory_reserved_bytes")] if "fb_reserved" in df.columns else []),
         )
         return schemas.conform(out, schemas.GPU_SAMPLES, stream="gpu_samples")
     except (schemas.SchemaError, pl.exceptions.PolarsError) as exc:

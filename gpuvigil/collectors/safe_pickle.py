@@ -6,6 +6,18 @@ run code on the on-call engineer's laptop. The dumps torch writes (`_dump_fr_tra
 all (checked with pickletools on real H200 dumps). So this unpickler admits no global except the
 few that the pickle protocol itself uses to encode plain data in old protocols, and refuses
 everything else by name, before anything is called.
+
+Size and work are bounded too:
+
+- a file over `max_bytes` is refused from its size alone (never read), and no more than
+  `max_bytes` are ever read (a file that grows meanwhile, a pipe);
+- before anything is built, the opcodes are scanned against a work budget (`max_ops`): every
+  opcode costs one, and so does every element hashed when a tuple or frozenset becomes a dict key
+  or set member (shared parts counted each time), so that a few hundred bytes of tuples nested in
+  tuples cannot make the loader hash 2^60 elements;
+- the loaded structure must stay within `max_items` container items, *counting a shared container
+  every time it is reached*: a 4 MB pickle can make a list of 2 million references to one dict,
+  which code that walks it would pay for 2 million times.
 """
 
 from __future__ import annotations
@@ -17,7 +29,13 @@ from typing import Any
 
 from gpuvigil.errors import UserError
 
-DEFAULT_MAX_BYTES = 512 * 1024 * 1024  # a real snapshot of a full 141 GB device is tens of MB
+DEFAULT_MAX_BYTES = 256 * 1024 * 1024  # a real snapshot of a full 141 GB device is tens of MB
+# Container items reachable from the root, shared containers counted each time they are reached.
+# A real 2,000-entry Flight Recorder dump is ~100k; a 50 KB H200 memory snapshot ~80k.
+DEFAULT_MAX_ITEMS = 20_000_000
+_CONTAINERS = (dict, list, tuple, set, frozenset)
+# Opcodes, work units: one per opcode, plus hashing. A 2,000-entry Flight Recorder dump is ~100k.
+DEFAULT_MAX_OPS = 50_000_000
 
 
 class UnsafePickleError(UserError):
@@ -67,45 +85,307 @@ class _RestrictedUnpickler(pickle.Unpickler):
         raise UnsafePickleError("refused persistent id (only plain containers and scalars are admitted)")
 
 
-def _read(source: bytes | bytearray | str | Path, max_bytes: int) -> tuple[bytes, str]:
+class _BoundedReader:
+    """A file the unpickler reads from, which refuses to give more than `limit` bytes (a file
+    that grew after its size was checked, or a pipe)."""
+
+    def __init__(self, fh: Any, limit: int, label: str):
+        self._fh, self._left, self._limit, self._label = fh, limit, limit, label
+
+    def _take(self, n: int) -> None:
+        self._left -= n
+        if self._left < 0:
+            raise PickleReadError(f"{self._label}: more than the {self._limit}-byte limit for a pickle")
+
+    def read(self, n: int = -1) -> bytes:
+        data = self._fh.read(self._left + 1 if n is None or n < 0 else min(n, self._left + 1))
+        self._take(len(data))
+        return data
+
+    def readline(self, n: int = -1) -> bytes:
+        data = self._fh.readline(self._left + 1 if n is None or n < 0 else min(n, self._left + 1))
+        self._take(len(data))
+        return data
+
+    def peek(self, n: int = 0) -> bytes:
+        # With peek the C unpickler prefetches in large blocks instead of a call per opcode.
+        return self._fh.peek(n)[: self._left + 1]
+
+    def readinto(self, buf: Any) -> int:
+        view = memoryview(buf)
+        n = self._fh.readinto(view[: self._left + 1])
+        self._take(n or 0)
+        return n or 0
+
+
+def _open(source: bytes | bytearray | str | Path, max_bytes: int) -> tuple[Any, str]:
     if isinstance(source, (bytes, bytearray, memoryview)):
-        data = bytes(source)
         label = "<bytes>"
-    else:
-        path = Path(source)
-        label = str(path)
-        try:
-            size = path.stat().st_size
-            if size > max_bytes:
-                raise PickleReadError(f"{label}: {size} bytes is larger than the {max_bytes}-byte limit for a pickle")
-            with path.open("rb") as fh:
-                data = fh.read(max_bytes + 1)
-        except OSError as exc:
-            raise PickleReadError(f"{label}: cannot read: {exc.strerror or exc}") from exc
-    if len(data) > max_bytes:
-        raise PickleReadError(f"{label}: {len(data)} bytes is larger than the {max_bytes}-byte limit for a pickle")
-    return data, label
+        if len(source) > max_bytes:
+            raise PickleReadError(f"{label}: {len(source)} bytes is larger than the {max_bytes}-byte limit for a pickle")
+        if not source:
+            raise PickleReadError(f"{label}: empty file, not a pickle")
+        return io.BytesIO(bytes(source)), label
+    path = Path(source)
+    label = str(path)
+    try:
+        size = path.stat().st_size
+        if size > max_bytes:  # refused from its size: not a byte of it is read
+            raise PickleReadError(f"{label}: {size} bytes is larger than the {max_bytes}-byte limit for a pickle")
+        if size == 0 and path.is_file():
+            raise PickleReadError(f"{label}: empty file, not a pickle")
+        fh = path.open("rb")
+    except OSError as exc:
+        raise PickleReadError(f"{label}: cannot read: {exc.strerror or exc}") from exc
+    return fh, label
 
 
-def safe_load(source: bytes | bytearray | str | Path, max_bytes: int = DEFAULT_MAX_BYTES) -> Any:
-    """Unpickle plain data from a file path or bytes; refuse every global that is not plain data.
+# The opcode table the scanner needs: byte -> (kind, argument). Argument: an int n = n bytes; "L1",
+# "L4", "L8" = a length prefix of that many bytes, then that many bytes; "nl" = up to a newline;
+# "nl2" = two lines. Kinds say what the opcode does to the stack.
+_OPS: dict[int, tuple[str, Any]] = {}
+for _kind, _ops in {
+    "scalar": [("F", "nl"), ("I", "nl"), ("J", 4), ("K", 1), ("L", "nl"), ("M", 2), ("N", 0), ("S", "nl"), ("T", "L4"), ("U", "L1"),
+               ("V", "nl"), ("X", "L4"), ("G", 8), ("\x88", 0), ("\x89", 0), ("\x8a", "L1"), ("\x8b", "L4"), ("B", "L4"), ("C", "L1"),
+               ("\x8c", "L1"), ("\x8d", "L8"), ("\x8e", "L8"), ("\x96", "L8"), ("\x97", 0), (")", 0)],
+    "mutable": [("]", 0), ("}", 0), ("\x8f", 0)],
+    "get": [("g", "nl"), ("h", 1), ("j", 4)],
+    "put": [("p", "nl"), ("q", 1), ("r", 4), ("\x94", 0)],
+    "nop": [("\x80", 1), ("\x95", 8), ("\x98", 0), (".", 0)],
+}.items():
+    for _ch, _arg in _ops:
+        _OPS[ord(_ch)] = (_kind, _arg)
+for _ch, _kind in {"(": "mark", "0": "pop", "1": "pop_mark", "2": "dup", "a": "append", "e": "appends", "u": "setitems",
+                   "\x90": "additems", "s": "setitem", "t": "tuple", "\x91": "frozenset", "l": "list", "d": "dict",
+                   "\x85": "tuple1", "\x86": "tuple2", "\x87": "tuple3", "R": "reduce"}.items():
+    _OPS[ord(_ch)] = (_kind, 0)
+# Opcodes the loader refuses by name (globals, objects, persistent ids): (argument, pops, pushes);
+# pops -1 = everything down to the MARK.
+_OTHER: dict[int, tuple[Any, int, int]] = {
+    ord("c"): ("nl2", 0, 1), ord("\x93"): (0, 2, 1), ord("i"): ("nl2", -1, 1), ord("o"): (0, -1, 1), ord("\x81"): (0, 2, 1),
+    ord("\x92"): (0, 3, 1), ord("P"): ("nl", 0, 1), ord("Q"): (0, 1, 1), ord("b"): (0, 1, 0),
+    ord("\x82"): (1, 0, 1), ord("\x83"): (2, 0, 1), ord("\x84"): (4, 0, 1),
+}
+_MARK = object()
+
+
+def _size(x: Any) -> int:
+    return x if type(x) is int else x[0]
+
+
+def scan(data: bytes | memoryview, max_ops: int, label: str = "<pickle>") -> int:
+    """Walk the opcodes of `data` without building anything; return the work they stand for and
+    raise `PickleReadError` once it passes `max_ops`. Work: one per opcode, plus one per element
+    hashed (tuples and frozensets made dict keys or set members, shared parts counted each time).
+    The stack holds sizes: an int for an immutable value (exact: a tuple cannot change), a
+    one-element list for a list/dict/set, shared through the memo as the object would be."""
+    buf = memoryview(data)
+    end = len(buf)
+    stack: list[Any] = []
+    memo: dict[Any, Any] = {}
+    work = 0
+    pos = 0
+
+    def bad(why: str) -> PickleReadError:
+        return PickleReadError(f"{label}: not a valid pickle ({why})")
+
+    def to_mark() -> list[Any]:
+        for i in range(len(stack) - 1, -1, -1):
+            if stack[i] is _MARK:
+                items = stack[i + 1 :]
+                del stack[i:]
+                return items
+        raise bad("no MARK on the stack")
+
+    def skip(arg: Any, at: int) -> tuple[int, bytes]:
+        if type(arg) is int:
+            return at + arg, bytes(buf[at : at + arg])
+        if arg == "nl" or arg == "nl2":
+            nxt = bytes(buf[at : at + 256 * 1024]).find(b"\n")
+            if nxt < 0:
+                raise bad("unterminated line argument")
+            line = bytes(buf[at : at + nxt])
+            at += nxt + 1
+            if arg == "nl2":
+                at, _ = skip("nl", at)
+            return at, line
+        n = {"L1": 1, "L4": 4, "L8": 8}[arg]
+        length = int.from_bytes(buf[at : at + n], "little", signed=(arg == "L4"))
+        if length < 0 or at + n + length > end:
+            raise bad("length past the end of the data")
+        return at + n + length, b""
+
+    push = stack.append
+    try:
+        while pos < end:
+            code = buf[pos]
+            pos += 1
+            work += 1
+            entry = _OPS.get(code)
+            if entry is None:
+                other = _OTHER.get(code)
+                if other is None:
+                    raise bad(f"unknown opcode 0x{code:02x}")
+                arg, pops, pushes = other
+                pos, _ = skip(arg, pos)
+                if pops < 0:
+                    to_mark()
+                elif pops:
+                    if len(stack) < pops:
+                        raise bad("stack underflow")
+                    del stack[-pops:]
+                stack.extend([1] * pushes)
+                continue
+            kind, arg = entry
+            # The common opcodes first, with fixed-size arguments read in place.
+            if kind == "scalar":
+                if arg:
+                    if type(arg) is int:
+                        pos += arg
+                    else:
+                        pos, _ = skip(arg, pos)
+                push(1)
+            elif kind == "put":
+                if arg == 0:
+                    memo[len(memo)] = stack[-1]
+                elif arg == "nl":
+                    pos, line = skip(arg, pos)
+                    memo[line.strip()] = stack[-1]
+                else:
+                    memo[int.from_bytes(buf[pos : pos + arg], "little")] = stack[-1]
+                    pos += arg
+            elif kind == "get":
+                if arg == "nl":
+                    pos, line = skip(arg, pos)
+                    push(memo[line.strip()])
+                else:
+                    push(memo[int.from_bytes(buf[pos : pos + arg], "little")])
+                    pos += arg
+            elif kind == "mark":
+                push(_MARK)
+            elif kind == "setitems" or kind == "appends" or kind == "additems":
+                items = to_mark()
+                total = 0
+                for v in items:
+                    total += v if type(v) is int else v[0]
+                if kind != "appends":
+                    work += total if kind == "additems" else sum(_size(k) for k in items[0::2])
+                stack[-1][0] += total
+            elif kind == "mutable":
+                push([1])
+            elif kind == "append":
+                v = stack.pop()
+                stack[-1][0] += _size(v)
+            elif kind == "setitem":
+                v, k = stack.pop(), stack.pop()
+                work += _size(k)
+                stack[-1][0] += _size(k) + _size(v)
+            elif kind == "tuple1" or kind == "tuple2" or kind == "tuple3":
+                k = int(kind[-1])
+                if len(stack) < k:
+                    raise bad("stack underflow")
+                n = 1 + sum(_size(v) for v in stack[-k:])
+                del stack[-k:]
+                push(n)
+            elif kind in ("tuple", "frozenset", "list", "dict"):
+                items = to_mark()
+                n = 1 + sum(_size(v) for v in items)
+                if kind in ("frozenset", "dict"):
+                    work += n
+                push(n if kind in ("tuple", "frozenset") else [n])
+            elif kind == "reduce":
+                args = stack.pop()
+                stack.pop()
+                work += _size(args)  # the admitted callables (set, frozenset) hash their argument
+                push([_size(args)])
+            elif kind == "pop":
+                stack.pop()
+            elif kind == "pop_mark":
+                to_mark()
+            elif kind == "dup":
+                push(stack[-1])
+            elif kind == "nop":
+                if code == 0x2E:  # STOP
+                    break
+                pos += arg
+            if pos > end:
+                raise bad("argument past the end of the data")
+            if work > max_ops:
+                raise PickleReadError(f"{label}: more than {max_ops} units of work to unpickle; refused (not a dump torch writes)")
+    except PickleReadError:
+        raise
+    except (IndexError, KeyError, TypeError, ValueError, AttributeError) as exc:
+        raise bad(f"{type(exc).__name__} while scanning") from None
+    return work
+
+
+def check_items(obj: Any, max_items: int, label: str = "<pickle>") -> int:
+    """The container items reachable from `obj`, a shared container counted each time it is
+    reached (what code that walks the structure pays); raise `PickleReadError` when that passes
+    `max_items`, or for a cycle (a walk would never end). Each distinct container is visited once
+    (sizes are summed bottom-up), so this costs the pickle's size, not the count it bounds."""
+    sizes: dict[int, int] = {}
+    started: set[int] = set()
+    stack: list[tuple[Any, bool]] = [(obj, False)]
+
+    def children(o: Any) -> Any:
+        if isinstance(o, dict):
+            return [c for c in o.values() if isinstance(c, _CONTAINERS)] + [k for k in o if isinstance(k, tuple | frozenset)]
+        return [c for c in o if isinstance(c, _CONTAINERS)]
+
+    while stack:
+        o, done = stack.pop()
+        i = id(o)
+        if done:
+            total = len(o) + sum(sizes[id(c)] for c in children(o))
+            if total > max_items:
+                raise PickleReadError(
+                    f"{label}: more than {max_items} items once shared parts are counted each time they are used; "
+                    "refused (not a dump torch writes)"
+                )
+            sizes[i] = total
+            started.discard(i)
+            continue
+        if i in sizes:
+            continue
+        if i in started:
+            raise PickleReadError(f"{label}: a container that contains itself; refused (not a dump torch writes)")
+        started.add(i)
+        stack.append((o, True))
+        stack.extend((c, False) for c in children(o) if id(c) not in sizes)
+    return sizes[id(obj)]
+
+
+def safe_load(
+    source: bytes | bytearray | str | Path,
+    max_bytes: int = DEFAULT_MAX_BYTES,
+    max_items: int = DEFAULT_MAX_ITEMS,
+    max_ops: int = DEFAULT_MAX_OPS,
+) -> Any:
+    """Unpickle plain data from a file path or bytes; refuse every global that is not plain data,
+    files over `max_bytes`, opcode streams over `max_ops` units of work, and structures over
+    `max_items` (see the module docstring).
 
     Raises `UnsafePickleError` naming the refused global, or `PickleReadError` for a file that is
-    unreadable, too large, truncated or not a pickle. Both are `UserError`s.
+    unreadable, too large, too much work, truncated or not a pickle. Both are `UserError`s.
     """
-    data, label = _read(source, max_bytes)
-    if not data:
-        raise PickleReadError(f"{label}: empty file, not a pickle")
+    fh, label = _open(source, max_bytes)
     try:
-        return _RestrictedUnpickler(io.BytesIO(data)).load()
-    except UnsafePickleError as exc:
-        raise UnsafePickleError(f"{label}: {exc}") from None
+        with fh:
+            data = _BoundedReader(fh, max_bytes, label).read()
+        scan(data, max_ops, label)
+        obj = _RestrictedUnpickler(io.BytesIO(data)).load()
+    except (UnsafePickleError, PickleReadError) as exc:
+        raise type(exc)(str(exc) if str(exc).startswith(label) else f"{label}: {exc}") from None
     except RecursionError:
         raise PickleReadError(f"{label}: pickle nests too deeply") from None
     except MemoryError:
         raise PickleReadError(f"{label}: pickle needs too much memory") from None
     except Exception as exc:  # noqa: BLE001 - any failure of the C unpickler on hostile bytes is bad input
         raise PickleReadError(f"{label}: not a valid pickle ({type(exc).__name__}: {str(exc)[:120]})") from None
+    if isinstance(obj, _CONTAINERS):
+        check_items(obj, max_items, label)
+    return obj
 
 
 def looks_like_pickle(head: bytes) -> bool:

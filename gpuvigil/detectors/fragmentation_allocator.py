@@ -9,6 +9,11 @@ Signature of fragmentation in PyTorch's caching allocator, per rank, all from `a
   the next large allocation cannot be served from the cache.
 It is a ticket (it costs memory and time, and is cured by `expandable_segments:True`); the OOM
 predictor pages when it is heading for an OOM.
+
+Per (job, rank) it keeps the sample count and the oldest and newest samples of its look-back,
+updated from each tick's new rows (gpuvigil/detectors/incremental.py), so a tick costs O(new rows);
+the step's request (a maximum, which does not slide) is read from the window only for the ranks
+that are fragmented.
 """
 
 from __future__ import annotations
@@ -18,7 +23,8 @@ from typing import Any
 import polars as pl
 from pydantic import BaseModel
 
-from gpuvigil.detectors.common import current_run, settings
+from gpuvigil.detectors.common import settings
+from gpuvigil.detectors.incremental import KEYS, SlidingRows, edges_from_rows, merge_edges, refresh_first
 from gpuvigil.model import Finding, FindingKind, Severity
 from gpuvigil.pipeline.window import Window
 
@@ -36,6 +42,31 @@ class FragmentationAllocatorConfig(BaseModel):
     every_seconds: float = 5.0  # a trend over minutes: evaluating it every tick buys nothing
 
 
+# Per (job, rank): the oldest sample's gap and retries, the newest sample's values (by ts).
+FIRST = ["gap", "retries"]
+LAST = ["gap", "split", "retries", "largest_free", "capacity", "node", "gpu"]
+
+
+def _values(df: pl.DataFrame) -> pl.DataFrame:
+    return df.select(
+        "job",
+        "rank",
+        "ts",
+        (pl.col("reserved_bytes") - pl.col("peak_allocated_bytes")).alias("gap"),
+        pl.col("inactive_split_bytes").alias("split"),
+        pl.col("alloc_retries").alias("retries"),
+        pl.col("largest_free_block_bytes").alias("largest_free"),
+        pl.col("device_capacity_bytes").alias("capacity"),
+        "node",
+        "gpu",
+    )
+
+
+def _build(v: pl.DataFrame) -> pl.DataFrame:
+    counts = v.group_by(KEYS).agg(pl.len().cast(pl.Int64).alias("n"))
+    return counts.join(edges_from_rows(v, FIRST, LAST), on=KEYS)
+
+
 class AllocatorFragmentationDetector:
     name = "fragmentation_allocator"
 
@@ -43,9 +74,41 @@ class AllocatorFragmentationDetector:
         self.config = settings("fragmentation_allocator", FragmentationAllocatorConfig, cfg)
         self._last_run: float | None = None
         self._last: list[Finding] = []
+        c = self.config
+        self._rows = SlidingRows("allocator_stats", c.window_seconds, c.warmup_seconds)
+        self._state: pl.DataFrame | None = None
+
+    def ingest(self, window: Window) -> None:
+        """Per-key counts and oldest/newest samples, from this tick's rows (O(new rows))."""
+        step = self._rows.sync(window)
+        if step.mode == "same" and self._state is not None:
+            return
+        if step.mode != "step" or self._state is None:
+            self._state = _build(_values(self._rows.rows_for_rebuild(window)))
+            return
+        assert step.fresh is not None and step.leaving is not None
+        st0 = self._state
+        parts = [st0.select(*KEYS, "n")]
+        if step.fresh.height:
+            parts.append(step.fresh.select(*KEYS, pl.lit(1, pl.Int64).alias("n")))
+        if step.leaving.height:
+            parts.append(step.leaving.select(*KEYS, pl.lit(-1, pl.Int64).alias("n")))
+        counts = pl.concat(parts, how="vertical_relaxed").group_by(KEYS).agg(pl.col("n").sum()) if len(parts) > 1 else parts[0]
+        counts = counts.filter(pl.col("n") > 0)
+        edge = merge_edges(st0.drop("n"), _values(step.fresh) if step.fresh.height else pl.DataFrame(), FIRST, LAST)
+        state = counts.join(edge, on=KEYS, how="left")
+        state = refresh_first(
+            self._rows, window, state, step.leaving, {"gap": pl.col("reserved_bytes") - pl.col("peak_allocated_bytes"), "retries": pl.col("alloc_retries")}
+        )
+        redo = step.rebuild_jobs(state)
+        if redo:
+            again = _build(_values(self._rows.rows_for_rebuild(window, redo)))
+            state = pl.concat([state.filter(~pl.col("job").is_in(redo)), again.select(state.columns)], how="vertical_relaxed")
+        self._state = state
 
     def detect(self, window: Window) -> list[Finding]:
         now = window.now
+        self.ingest(window)
         if self._last_run is not None and now - self._last_run < self.config.every_seconds - 1e-9:
             return self._last
         self._last_run = now
@@ -55,24 +118,21 @@ class AllocatorFragmentationDetector:
     def _evaluate(self, window: Window) -> list[Finding]:
         c = self.config
         now = window.now
-        df = current_run(window, "allocator_stats", since=now - c.window_seconds, warmup=c.warmup_seconds)
-        if df.height == 0:
+        state = self._state
+        if state is None or state.height == 0:
             return []
-        # The window is in arrival (time) order, so first/last below are oldest/newest.
         per_rank = (
-            df.group_by(["job", "rank"])
-            .agg(
-                pl.len().alias("n"),
-                (pl.col("reserved_bytes") - pl.col("peak_allocated_bytes")).last().alias("gap"),
-                (pl.col("reserved_bytes") - pl.col("peak_allocated_bytes")).first().alias("gap0"),
-                pl.col("inactive_split_bytes").last().alias("split"),
-                (pl.col("alloc_retries").last() - pl.col("alloc_retries").first()).alias("retries"),
-                pl.col("largest_free_block_bytes").last().alias("largest_free"),
-                # The step's recurring large request: what a step allocates above its live floor.
-                (pl.col("peak_allocated_bytes") - pl.col("allocated_bytes")).max().alias("step_request"),
-                pl.col("device_capacity_bytes").last().alias("capacity"),
-                pl.col("node").last(),
-                pl.col("gpu").last(),
+            state.select(
+                *KEYS,
+                "n",
+                pl.col("gap_last").alias("gap"),
+                pl.col("gap_first").alias("gap0"),
+                pl.col("split_last").alias("split"),
+                (pl.col("retries_last") - pl.col("retries_first")).alias("retries"),
+                pl.col("largest_free_last").alias("largest_free"),
+                pl.col("capacity_last").alias("capacity"),
+                pl.col("node_last").alias("node"),
+                pl.col("gpu_last").alias("gpu"),
             )
             .filter(
                 (pl.col("n") >= c.min_samples)
@@ -84,6 +144,12 @@ class AllocatorFragmentationDetector:
             )
             .sort(["job", "gap", "rank"], descending=[False, True, False])  # rank breaks ties: same input, same finding
         )
+        if per_rank.height:
+            # The step's recurring large request (what a step allocates above its live floor),
+            # over the look-back, only for the ranks that are fragmented: a max does not slide.
+            rows = self._rows.rows_for_rebuild(window, per_rank["job"].unique().to_list()).join(per_rank.select(KEYS), on=KEYS, how="semi")
+            request = rows.group_by(KEYS).agg((pl.col("peak_allocated_bytes") - pl.col("allocated_bytes")).max().alias("step_request"))
+            per_rank = per_rank.join(request, on=KEYS, how="left", maintain_order="left")
         findings = []
         for rows in per_rank.partition_by("job", maintain_order=True):
             w = rows.row(0, named=True)

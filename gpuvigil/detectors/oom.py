@@ -7,6 +7,10 @@ fragmentation (reserved − allocated rises, alloc retries rise). A least-square
 recent window gives the growth rate and the time left; the cause is whichever component grows:
 another process's memory on the GPU (foreign process), reserved − allocated with cudaMalloc
 retries (fragmentation), or allocated peaks (a leak, or activations that keep growing).
+
+The fit's sums are running sums per (job, rank), updated from each tick's new rows and the rows
+leaving the look-back (gpuvigil/detectors/incremental.py), with t measured from the current tick
+so they stay well conditioned at epoch timestamps: a tick costs O(new rows), not O(window).
 """
 
 from __future__ import annotations
@@ -16,7 +20,8 @@ from typing import Any
 import polars as pl
 from pydantic import BaseModel
 
-from gpuvigil.detectors.common import current_run, settings
+from gpuvigil.detectors.common import settings
+from gpuvigil.detectors.incremental import SlidingRows, edges_from_rows, merge_edges, refresh_first
 from gpuvigil.model import Finding, FindingKind, Severity
 from gpuvigil.pipeline.window import Window
 
@@ -39,65 +44,158 @@ class OomConfig(BaseModel):
     min_rise_bytes: int = 1 << 29
 
 
+# Running sums per (job, rank), t = ts - now (seconds), y etc. in GiB (see _terms).
+SUMS = ["n", "st", "stt", "sy", "sty", "syy", "ne", "ste", "stte", "sye", "stye", "sg", "stg", "sp", "stp", "sf", "stf"]
+# The newest sample's values (by ts, ties: the last to arrive) and the oldest's retries.
+LAST = ["y", "gap", "foreign", "retries", "capacity", "node", "gpu"]
+
+
+def _values(df: pl.DataFrame) -> pl.DataFrame:
+    """Per row, what the fit reads (independent of `now`)."""
+    return df.select(
+        "job",
+        "rank",
+        "ts",
+        "node",
+        "gpu",
+        pl.col("device_capacity_bytes").alias("capacity"),
+        # What runs out is the device: our per-step peak footprint plus other processes.
+        ((pl.max_horizontal("reserved_bytes", "peak_allocated_bytes") + pl.col("foreign_used_bytes").fill_null(0)) / GIB).alias("y"),
+        ((pl.col("reserved_bytes") - pl.col("peak_allocated_bytes")) / GIB).alias("gap"),
+        (pl.col("peak_allocated_bytes") / GIB).alias("peak"),
+        (pl.col("foreign_used_bytes").fill_null(0) / GIB).alias("foreign"),
+        pl.col("alloc_retries").fill_null(0).cast(pl.Float64).alias("retries"),
+    )
+
+
+def _terms(v: pl.DataFrame, now: float, half: float, sign: float = 1.0, early_only: bool = False) -> pl.DataFrame:
+    """Each row's contribution to SUMS (times `sign`); `early_only`: only the early half's."""
+    t = pl.col("ts") - now
+    y, g, p, f = pl.col("y"), pl.col("gap"), pl.col("peak"), pl.col("foreign")
+    e = (t < half).cast(pl.Float64)
+    one = pl.lit(1.0)
+    zero = pl.lit(0.0)
+    terms = {
+        "n": one, "st": t, "stt": t * t, "sy": y, "sty": t * y, "syy": y * y,
+        "ne": e, "ste": e * t, "stte": e * t * t, "sye": e * y, "stye": e * t * y,
+        "sg": g, "stg": t * g, "sp": p, "stp": t * p, "sf": f, "stf": t * f,
+    }  # fmt: skip
+    early = {"ne", "ste", "stte", "sye", "stye"}
+    return v.select(
+        "job",
+        "rank",
+        *((zero if early_only and k not in early else (expr * sign if sign != 1.0 else expr)).alias(k) for k, expr in terms.items()),
+    )
+
+
+def _sum_terms(terms: pl.DataFrame) -> pl.DataFrame:
+    return terms.group_by(["job", "rank"]).agg(pl.col(k).sum() for k in SUMS)
+
+
+def _build(v: pl.DataFrame, now: float, half: float) -> pl.DataFrame:
+    """The state of every key from its rows (a from-scratch fit, and the rebuild path)."""
+    if v.height == 0:
+        return _empty_state()
+    sums = _sum_terms(_terms(v, now, half))
+    edge = edges_from_rows(v, ["retries"], LAST)
+    return sums.join(edge, on=["job", "rank"]).select(_empty_state().columns)
+
+
+def _empty_state() -> pl.DataFrame:
+    schema: dict[str, pl.DataType] = {"job": pl.Utf8(), "rank": pl.Int32()}
+    schema.update({k: pl.Float64() for k in SUMS})
+    schema.update({"ts_first": pl.Float64(), "retries_first": pl.Float64(), "ts_last": pl.Float64()})
+    types = {"capacity": pl.Int64(), "node": pl.Utf8(), "gpu": pl.Int32()}
+    schema.update({f"{c}_last": types.get(c, pl.Float64()) for c in LAST})
+    return pl.DataFrame(schema=schema)
+
+
 class OomPredictor:
     name = "oom"
 
     def __init__(self, cfg: dict[str, Any] | None = None):
         self.config = settings("oom", OomConfig, cfg)
+        c = self.config
+        self._rows = SlidingRows("allocator_stats", c.fit_window_seconds, c.warmup_seconds)
+        self._state = _empty_state()
+
+    def ingest(self, window: Window) -> None:
+        """Fold this tick's rows into the running sums (called on ticks the fit is not due)."""
+        c = self.config
+        half = -c.min_span_seconds / 2
+        step = self._rows.sync(window)
+        if step.mode == "same":
+            return
+        if step.mode == "rebuild":
+            self._state = _build(_values(self._rows.rows_for_rebuild(window)), step.now, half)
+            return
+        assert step.fresh is not None and step.old is not None and step.leaving is not None
+        now, d = step.now, step.now - step.prev_now
+        st0 = self._state
+        n, st, ne, ste = pl.col("n"), pl.col("st"), pl.col("ne"), pl.col("ste")
+        # Move t's origin from the previous tick's now to this one's.
+        shifted = st0.select(
+            "job", "rank", "n",
+            (st - n * d).alias("st"),
+            (pl.col("stt") - 2 * d * st + n * d * d).alias("stt"),
+            "sy", (pl.col("sty") - d * pl.col("sy")).alias("sty"), "syy",
+            "ne", (ste - ne * d).alias("ste"),
+            (pl.col("stte") - 2 * d * ste + ne * d * d).alias("stte"),
+            "sye", (pl.col("stye") - d * pl.col("sye")).alias("stye"),
+            "sg", (pl.col("stg") - d * pl.col("sg")).alias("stg"),
+            "sp", (pl.col("stp") - d * pl.col("sp")).alias("stp"),
+            "sf", (pl.col("stf") - d * pl.col("sf")).alias("stf"),
+        )  # fmt: skip
+        prev_lo = step.prev_now - c.fit_window_seconds
+        # Rows that crossed into the early half this tick (they were in the late one).
+        movers = self._rows.current(
+            step.old.filter((pl.col("ts") >= prev_lo) & ((pl.col("ts") - step.prev_now) >= half) & ((pl.col("ts") - now) < half)),
+            self._rows.starts(window),
+        )
+        parts = [shifted.select("job", "rank", *SUMS)]
+        if movers.height:
+            parts.append(_terms(_values(movers), now, half, early_only=True))
+        if step.leaving.height:
+            parts.append(_terms(_values(step.leaving), now, half, sign=-1.0))
+        fresh = _values(step.fresh) if step.fresh.height else None
+        if fresh is not None:
+            parts.append(_terms(fresh, now, half))
+        sums = _sum_terms(pl.concat(parts, how="vertical_relaxed")) if len(parts) > 1 else parts[0]
+        sums = sums.filter(pl.col("n") > 0.5)
+        edge = merge_edges(st0.select("job", "rank", "ts_first", "retries_first", "ts_last", *(f"{c}_last" for c in LAST)), fresh if fresh is not None else pl.DataFrame(), ["retries"], LAST)
+        state = sums.join(edge, on=["job", "rank"], how="left")
+        # The oldest sample of a key that lost rows is the next one up (a band lookup).
+        state = refresh_first(self._rows, window, state, step.leaving, {"retries": pl.col("alloc_retries").fill_null(0).cast(pl.Float64)})
+        redo = step.rebuild_jobs(state)
+        if redo:
+            state = state.filter(~pl.col("job").is_in(redo))
+            again = _build(_values(self._rows.rows_for_rebuild(window, redo)), now, half)
+            state = pl.concat([state, again.select(state.columns)], how="vertical_relaxed")
+        self._state = state.select(_empty_state().columns)
 
     def detect(self, window: Window) -> list[Finding]:
         c = self.config
         now = window.now
-        df = current_run(window, "allocator_stats", since=now - c.fit_window_seconds, warmup=c.warmup_seconds)
-        if df.height == 0:
+        self.ingest(window)
+        if self._state.height == 0:
             return []
-        # Least squares from sums (one pass, no per-group sort): y in GiB keeps the sums of
-        # squares well conditioned. The window's two halves are fitted too: growth must hold
-        # in both the last min_span/2 seconds and before them (a one-off step, warm-up or a new
-        # phase of training, is not a trend).
-        half = -c.min_span_seconds / 2
-        df = df.select(
+        # Least squares from running sums (O(new rows) per tick, see ingest): y in GiB keeps the
+        # sums of squares well conditioned. The window's two halves are fitted too: growth must
+        # hold in both the last min_span/2 seconds and before them (a one-off step, warm-up or a
+        # new phase of training, is not a trend).
+        sums = self._state.select(
             "job",
             "rank",
-            "node",
-            "gpu",
-            "device_capacity_bytes",
-            (pl.col("ts") - now).alias("t"),
-            # What runs out is the device: our per-step peak footprint plus other processes.
-            ((pl.max_horizontal("reserved_bytes", "peak_allocated_bytes") + pl.col("foreign_used_bytes").fill_null(0)) / GIB).alias("y"),
-            ((pl.col("reserved_bytes") - pl.col("peak_allocated_bytes")) / GIB).alias("gap"),
-            (pl.col("peak_allocated_bytes") / GIB).alias("peak"),
-            (pl.col("foreign_used_bytes").fill_null(0) / GIB).alias("foreign"),
-            pl.col("alloc_retries").fill_null(0).cast(pl.Float64).alias("retries"),
-        ).with_columns((pl.col("t") < half).cast(pl.Float64).alias("e"))
-        t, y, e = pl.col("t"), pl.col("y"), pl.col("e")
-        sums = df.group_by(["job", "rank"]).agg(
-            pl.len().cast(pl.Float64).alias("n"),
-            t.min().alias("t_min"),
-            t.max().alias("t_max"),
-            t.sum().alias("st"),
-            (t * t).sum().alias("stt"),
-            y.sum().alias("sy"),
-            (t * y).sum().alias("sty"),
-            (y * y).sum().alias("syy"),
-            e.sum().alias("ne"),
-            (e * t).sum().alias("ste"),
-            (e * t * t).sum().alias("stte"),
-            (e * y).sum().alias("sye"),
-            (e * t * y).sum().alias("stye"),
-            pl.col("gap").sum().alias("sg"),
-            (t * pl.col("gap")).sum().alias("stg"),
-            pl.col("peak").sum().alias("sp"),
-            (t * pl.col("peak")).sum().alias("stp"),
-            pl.col("foreign").sum().alias("sf"),
-            (t * pl.col("foreign")).sum().alias("stf"),
-            y.last().alias("footprint_gib"),
-            pl.col("gap").last().alias("gap_gib"),
-            pl.col("foreign").last().alias("foreign_gib"),
-            (pl.col("retries").last() - pl.col("retries").first()).alias("retries_delta"),
-            pl.col("device_capacity_bytes").last().alias("capacity"),
-            pl.col("node").last(),
-            pl.col("gpu").last(),
+            *SUMS,
+            (pl.col("ts_first") - now).alias("t_min"),
+            (pl.col("ts_last") - now).alias("t_max"),
+            pl.col("y_last").alias("footprint_gib"),
+            pl.col("gap_last").alias("gap_gib"),
+            pl.col("foreign_last").alias("foreign_gib"),
+            (pl.col("retries_last") - pl.col("retries_first")).alias("retries_delta"),
+            pl.col("capacity_last").alias("capacity"),
+            pl.col("node_last").alias("node"),
+            pl.col("gpu_last").alias("gpu"),
         )
 
         def slope(n: pl.Expr, st: pl.Expr, stt: pl.Expr, sy: pl.Expr, sty: pl.Expr) -> pl.Expr:

@@ -2,7 +2,7 @@
 
 The message carries the numbers that tell the causes apart (requested size, free memory, what
 this process holds, PyTorch's reserved-but-unallocated memory, other processes): the parser and
-classifier in `gpuvigil.collectors.nccl_log` turn them into `oom_capacity`,
+classifier in `gpuvigil.parsers.oom` turn them into `oom_capacity`,
 `oom_fragmentation` or `oom_foreign_process`. Each OOM is reported once, on the tick it arrives.
 """
 
@@ -13,9 +13,9 @@ from typing import Any
 import polars as pl
 from pydantic import BaseModel
 
-from gpuvigil.collectors.nccl_log import load_oom_config, parse_oom
 from gpuvigil.detectors.common import settings
 from gpuvigil.model import Finding, FindingKind, Severity
+from gpuvigil.parsers.oom import load_oom_config, parse_oom
 from gpuvigil.pipeline.window import Window
 
 GIB = float(1 << 30)
@@ -24,6 +24,7 @@ _CAUSE = {
     FindingKind.OOM_CAPACITY: ("capacity", "the job needs more memory than the GPU has: move it to a larger-memory GPU or shrink the micro-batch"),
     FindingKind.OOM_FRAGMENTATION: ("fragmentation", "the memory was free but in pieces: restart with PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True"),
     FindingKind.OOM_FOREIGN_PROCESS: ("foreign_process", "another process holds the memory: find and stop it, or requeue the job elsewhere"),
+    FindingKind.OOM_UNEXPLAINED: ("unexplained", "the message's own figures say the room was free: check memory-fraction limits, MIG/MPS and other allocators"),
 }
 
 

@@ -5,6 +5,9 @@ sustained rate is not (a degrading riser, connector or retimer, often followed b
 rate is measured per GPU over `window_seconds` from this tick's counters against a per-GPU
 baseline (O(GPUs) per tick). It is reported as kind `anomaly` with cause `pcie_replay` at
 severity ticket: worth a look and a maintenance slot, not a page.
+
+A growing replay counter is tested on simulated data only: the real H200 capture's counter is 0
+and never moves (there it is a hard negative; docs/testing.md).
 """
 
 from __future__ import annotations
@@ -35,6 +38,9 @@ class PcieReplayDetector:
     def detect(self, window: Window) -> list[Finding]:
         c = self.config
         fresh = window.fresh("gpu_samples").filter(pl.col("pcie_replay_total").is_not_null()).select("node", "gpu", "ts", pl.col("pcie_replay_total").alias("count"))
+        # One row per GPU (its latest reading): several samples of one GPU in a tick would
+        # otherwise multiply the baseline rows on every join.
+        fresh = fresh.sort("ts").group_by(["node", "gpu"], maintain_order=True).last()
         if fresh.height:
             if self._base is None:
                 self._base = fresh

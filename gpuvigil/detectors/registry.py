@@ -1,4 +1,10 @@
-"""The default detector set, built from config."""
+"""The default detector set, built from config, with each detector's observation level.
+
+Every detector declares the `level` it needs (L0 device/logs/scheduler, L1 Flight Recorder and
+NCCL Inspector switches, L2 the in-process hook), the `streams` it reads, and for the headline
+capabilities a `capability`: per job the pipeline keeps the best one its streams allow
+(`gpuvigil.detectors.levels`).
+"""
 
 from __future__ import annotations
 
@@ -10,25 +16,63 @@ from gpuvigil.detectors.ecc import EccDetector
 from gpuvigil.detectors.fragmentation_allocator import AllocatorFragmentationDetector
 from gpuvigil.detectors.fragmentation_cluster import ClusterFragmentationDetector
 from gpuvigil.detectors.hang import HangDetector
+from gpuvigil.detectors.hang_device import DeviceHangDetector
+from gpuvigil.detectors.hang_fr import FlightRecorderHangDetector
 from gpuvigil.detectors.oom import OomPredictor
+from gpuvigil.detectors.oom_device import DeviceOomPredictor
 from gpuvigil.detectors.oom_events import OomEventClassifier
 from gpuvigil.detectors.pcie import PcieReplayDetector
 from gpuvigil.detectors.straggler import StragglerDetector
+from gpuvigil.detectors.straggler_device import DeviceStragglerDetector
+from gpuvigil.detectors.straggler_inspector import InspectorStragglerDetector
 from gpuvigil.detectors.thermal import ThermalDetector
+from gpuvigil.detectors.watchdog import WatchdogTimeoutDetector
 from gpuvigil.detectors.xid import XidDetector
+
+# name → (level, capability, streams) for detectors whose modules predate levels.
+DECLARED: dict[str, tuple[str, str | None, tuple[str, ...]]] = {
+    "hang": ("L2", "hang", ("rank_progress",)),
+    "oom": ("L2", "oom", ("allocator_stats",)),
+    "straggler": ("L2", "straggler", ("rank_progress",)),
+    "fragmentation_allocator": ("L2", None, ("allocator_stats",)),
+    "oom_events": ("L0", None, ("events",)),
+    "xid": ("L0", None, ("events", "gpu_samples")),
+    "ecc": ("L0", None, ("events", "gpu_samples")),
+    "thermal": ("L0", None, ("gpu_samples",)),
+    "pcie": ("L0", None, ("gpu_samples",)),
+    "fragmentation_cluster": ("L0", None, ("jobs", "nodes", "allocations")),
+    "anomaly": ("L0", None, ("gpu_samples",)),
+}
+
+
+def _declare(d: Any) -> Any:
+    level, capability, streams = DECLARED.get(d.name, (getattr(d, "level", "L0"), getattr(d, "capability", None), getattr(d, "streams", ())))
+    for attr, value in (("level", level), ("capability", capability), ("streams", streams)):
+        if not hasattr(d, attr):
+            setattr(d, attr, value)
+    return d
 
 
 def default_detectors(cfg: dict[str, Any] | None = None) -> list[Detector]:
     return [
-        HangDetector(cfg),
-        OomPredictor(cfg),
-        OomEventClassifier(cfg),
-        AllocatorFragmentationDetector(cfg),
-        XidDetector(cfg),
-        EccDetector(cfg),
-        ThermalDetector(cfg),
-        PcieReplayDetector(cfg),
-        StragglerDetector(cfg),
-        ClusterFragmentationDetector(cfg),
-        AnomalyDetector(cfg),
+        _declare(d)
+        for d in (
+            HangDetector(cfg),
+            FlightRecorderHangDetector(cfg),
+            DeviceHangDetector(cfg),
+            OomPredictor(cfg),
+            DeviceOomPredictor(cfg),
+            OomEventClassifier(cfg),
+            AllocatorFragmentationDetector(cfg),
+            XidDetector(cfg),
+            WatchdogTimeoutDetector(cfg),
+            EccDetector(cfg),
+            ThermalDetector(cfg),
+            PcieReplayDetector(cfg),
+            StragglerDetector(cfg),
+            InspectorStragglerDetector(cfg),
+            DeviceStragglerDetector(cfg),
+            ClusterFragmentationDetector(cfg),
+            AnomalyDetector(cfg),
+        )
     ]

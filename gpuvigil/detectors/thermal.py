@@ -7,6 +7,7 @@ from typing import Any
 import polars as pl
 from pydantic import BaseModel
 
+from gpuvigil import throttle
 from gpuvigil.detectors.common import gpu_jobs, settings
 from gpuvigil.model import Finding, FindingKind, Severity
 from gpuvigil.pipeline.window import Window
@@ -34,6 +35,11 @@ class ThermalDetector:
             "node", "gpu", "ts", "temperature_c", "sm_clock_mhz", "power_w", pl.col("throttle_reasons").alias("reasons"),
             ((pl.col("throttle_reasons") & c.reason_mask) != 0).cast(pl.Float64).alias("_hit"),
         )
+        # One row per GPU: a tick may bring several samples of one GPU (a fast sampler, or NVML
+        # and DCGM both on); joined row by row they would multiply the state every tick.
+        fresh = fresh.sort("ts").group_by(["node", "gpu"], maintain_order=True).agg(
+            pl.col("ts", "temperature_c", "sm_clock_mhz", "power_w", "reasons").last(), pl.col("_hit").mean()
+        )
         if self._state is None:
             state = fresh.with_columns(pl.col("_hit").alias("share"), pl.lit(1).alias("n"))
         else:
@@ -60,7 +66,7 @@ class ThermalDetector:
         findings = []
         for row in hot.iter_rows(named=True):
             reasons = int(row["reasons"] or 0)
-            kinds = [name for bit, name in ((0x20, "sw_thermal"), (0x40, "hw_thermal"), (0x8, "hw_slowdown"), (0x80, "power_brake")) if reasons & bit]
+            kinds = throttle.active(reasons, c.reason_mask, short=True)
             findings.append(
                 Finding(
                     kind=FindingKind.THERMAL_THROTTLE,

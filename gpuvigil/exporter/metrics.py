@@ -24,7 +24,7 @@ from typing import Any, Literal, Protocol
 import polars as pl
 
 import gpuvigil
-from gpuvigil import xid
+from gpuvigil import throttle, xid
 from gpuvigil.model import Finding, FindingKind, Severity
 
 MetricType = Literal["gauge", "counter", "info", "histogram"]
@@ -32,13 +32,7 @@ Labels = tuple[tuple[str, str], ...]
 
 # NVML clock-event (throttle) reasons that mean lost speed, a series each (idle, app-clock and
 # sync-boost reasons are normal operation); the raw bitmask is exported as well.
-THROTTLE_REASONS: dict[str, int] = {
-    "sw_power_cap": 0x4,
-    "hw_slowdown": 0x8,
-    "sw_thermal_slowdown": 0x20,
-    "hw_thermal_slowdown": 0x40,
-    "hw_power_brake_slowdown": 0x80,
-}
+THROTTLE_REASONS: dict[str, int] = {r.name: r.bit for r in throttle.REASONS if r.slows}
 NODE_STATES = ("up", "cordoned", "draining", "drained", "down")
 JOB_STATES = ("pending", "running", "preempted", "requeued", "completed", "failed")
 # Buckets for the scheduler's queue wait (seconds): 10 s .. 1 day.
@@ -338,7 +332,13 @@ class Snapshot:
                 soonest[f.job] = min(seconds, soonest.get(f.job, seconds))
         for job, seconds in sorted(soonest.items()):
             tto.add(max(0.0, seconds), job=job)
-        return [info, gpus, restarts, headroom, tto]
+        # Observation level per job (docs/levels.md): 0 = device telemetry + logs + job map,
+        # 1 = + Flight Recorder / NCCL Inspector switches, 2 = + the in-process hook.
+        level = Family("gpuvigil_job_observation_level", "gauge", "Observation level of the job: 0 (L0 device/logs), 1 (L1 + Flight Recorder/NCCL Inspector), 2 (L2 in-process hook).")
+        levels = getattr(getattr(self.runtime.pipeline, "levels", None), "job_levels", lambda: {})()
+        for job, lvl in sorted(levels.items()):
+            level.add(int(lvl[1:]), job=job)
+        return [info, gpus, restarts, headroom, tto, level]
 
     def _finding_families(self) -> list[Family]:
         kinds = [k.value for k in FindingKind]
@@ -453,6 +453,12 @@ class Snapshot:
         errors = Family("gpuvigil_collector_errors", "counter", "Samples a collector dropped as malformed or unreadable.")
         for collector in pipeline.collectors:
             errors.add(collector.errors, collector=collector.name)
+        # Per collector target: 0 once it failed collector_down_after_failures collects in a row.
+        up = Family("gpuvigil_collector_up", "gauge", "1 when the collector's target (endpoint, device, file) was read; 0 while it is down.")
+        failing = Family("gpuvigil_collector_consecutive_failures", "gauge", "Failed collects in a row of the collector's target.")
+        for h in pipeline.health.rows() if hasattr(pipeline, "health") else ():
+            up.add(1.0 if h.up else 0.0, collector=h.collector, target=h.target)
+            failing.add(h.consecutive_failures, collector=h.collector, target=h.target)
         sim = Family("gpuvigil_pipeline_time_seconds", "gauge", "Pipeline clock (simulated seconds for the simulator, Unix time for real sources).")
         sim.add(self.runtime.now)
         last = self.runtime.last_result
@@ -466,6 +472,8 @@ class Snapshot:
             ticks,
             samples,
             errors,
+            up,
+            failing,
             sim,
             last_dur,
             window_rows,

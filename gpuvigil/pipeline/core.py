@@ -12,8 +12,11 @@ from pydantic import BaseModel, Field
 from gpuvigil import config
 from gpuvigil.collectors.base import Collector
 from gpuvigil.detectors.base import Detector
+from gpuvigil.detectors.levels import LevelSelector, LevelsConfig
 from gpuvigil.model import Finding, Hint
+from gpuvigil.pipeline.health import HealthTracker
 from gpuvigil.pipeline.hints import HintPolicy
+from gpuvigil.pipeline.jobjoin import JobJoin
 from gpuvigil.pipeline.window import Window
 
 
@@ -27,6 +30,9 @@ class PipelineConfig(BaseModel):
     # The same hint (same action for the same cause) is not issued again within this time: a
     # remedy that did not cure the cause escalates to people instead of looping.
     hint_cooldown_seconds: float = Field(3600.0, ge=0)
+    # A collector target that fails this many collects in a row is down: a warning, up=0 on
+    # /metrics and a `collector_down` finding until it recovers (pipeline/health.py).
+    collector_down_after_failures: int = Field(3, ge=1)
 
 
 @dataclass
@@ -41,6 +47,10 @@ class TickResult:
     samples_ingested: int
     collector_errors: dict[str, int] = field(default_factory=dict)
     detector_seconds: dict[str, float] = field(default_factory=dict)
+    # Findings of a lower observation level than the job's best for that capability (e.g. an
+    # L0 hang suspicion on a job observed at L1): not raised, but sinks may act on them.
+    suppressed_findings: list[Finding] = field(default_factory=list)
+    job_levels: dict[str, str] = field(default_factory=dict)
 
 
 class Sink(Protocol):
@@ -75,6 +85,9 @@ class Pipeline:
         self.samples_ingested_total = 0
         self._detector_last_run: dict[str, float] = {}
         self._hint_issued_at: dict[str, float] = {}
+        self.health = HealthTracker(self.config.collector_down_after_failures)
+        self.jobjoin = JobJoin()
+        self.levels = LevelSelector(self.detectors, **config.section("levels", LevelsConfig, cfg).model_dump())
 
     def _clear_after(self, finding: Finding) -> float:
         c = self.config.clear_after_seconds
@@ -90,34 +103,48 @@ class Pipeline:
     def tick(self, now: float) -> TickResult:
         t0 = time.perf_counter()
         ingested = 0
-        errors: dict[str, int] = {}
-        for collector in self.collectors:
-            for stream, df in collector.collect(now).items():
-                self.window.add(stream, df)
-                ingested += df.height
-            errors[collector.name] = collector.errors
+        # A collector that raises or whose targets fail is tracked, never fatal to the tick.
+        # The node's own GPU → job map fills job/rank of per-GPU rows (pipeline/jobjoin.py).
+        for stream, df in self.jobjoin.apply(self.health.collect_all(self.collectors, now)):
+            self.window.add(stream, df)
+            ingested += df.height
+        errors = {collector.name: collector.errors for collector in self.collectors}
         self.window.seal(now)
+        self.levels.observe(self.window)
 
         reported: list[Finding] = []
+        suppressed: list[Finding] = []
         det_seconds: dict[str, float] = {}
         every = self.config.detector_every_seconds
         for detector in self.detectors:
             period = every.get(detector.name, every.get("default", 0.0))
             last = self._detector_last_run.get(detector.name)
-            if last is not None and now - last < period - 1e-9:
+            if (last is not None and now - last < period - 1e-9) or not self.levels.needed(detector):
                 # Not due: keep its active findings alive until it runs again.
                 reported.extend(f for f in self.active.values() if f.source == detector.name)
+                ingest = getattr(detector, "ingest", None)
+                if ingest is not None and self.levels.needed(detector):
+                    # A detector with running state folds every tick's rows in (O(new rows));
+                    # without this it would rebuild from the whole window when next due.
+                    d0 = time.perf_counter()
+                    ingest(self.window)
+                    det_seconds[detector.name] = time.perf_counter() - d0
                 continue
             self._detector_last_run[detector.name] = now
             d0 = time.perf_counter()
-            reported.extend(detector.detect(self.window))
+            kept, dropped = self.levels.select(detector, detector.detect(self.window))
+            reported.extend(kept)
+            suppressed.extend(dropped)
             det_seconds[detector.name] = time.perf_counter() - d0
+
+        reported.extend(self.health.findings(now))
 
         # Clear what went quiet first: a cause that comes back later is a new finding.
         cleared: list[Finding] = []
         expired: list[Hint] = []
+        recovered = set(self.health.recovered)  # a collector back up clears at once
         for key, finding in list(self.active.items()):
-            if now - self.last_seen[key] > self._clear_after(finding):
+            if key in recovered or now - self.last_seen[key] > self._clear_after(finding):
                 cleared.append(self.active.pop(key))
                 expired.extend(self.active_hints.pop(key, []))
 
@@ -149,6 +176,8 @@ class Pipeline:
             samples_ingested=ingested,
             collector_errors=errors,
             detector_seconds=det_seconds,
+            suppressed_findings=suppressed,
+            job_levels=self.levels.job_levels(),
         )
         for sink in self.sinks:
             sink.on_tick(result, self.window)

@@ -9,7 +9,7 @@ import polars as pl
 from gpuvigil import schemas
 
 # State streams are snapshots: each collect replaces the previous frame instead of appending.
-SNAPSHOT_STREAMS = frozenset({"jobs", "nodes", "allocations"})
+SNAPSHOT_STREAMS = frozenset({"jobs", "nodes", "allocations", "gpu_jobs"})
 
 
 class Window:
@@ -26,6 +26,9 @@ class Window:
         self._fresh: dict[str, pl.DataFrame] = {}
         self.now: float = 0.0
         self.rows_ingested: dict[str, int] = {}
+        # Bumped by every seal: a detector that keeps running state from `fresh()` knows it saw
+        # every tick (seq advanced by one) or must rebuild from the window.
+        self.seq = 0
 
     def horizon(self, stream: str) -> float:
         if isinstance(self._horizon, Mapping):
@@ -44,6 +47,7 @@ class Window:
     def seal(self, now: float) -> None:
         """Fold buffered frames in and drop rows older than each stream's horizon."""
         self.now = now
+        self.seq += 1
         self._fresh = {}
         for stream, parts in self._pending.items():
             self._fresh[stream] = pl.concat(parts, how="vertical_relaxed") if len(parts) > 1 else parts[0]

@@ -12,6 +12,7 @@ from collections.abc import Callable
 import numpy as np
 
 from gpuvigil.scheduler.framework import MILLI, Plan, Session, Statement
+from gpuvigil.scheduler.state import Action, Decision
 
 # -- placement search -------------------------------------------------------------------------
 
@@ -27,33 +28,94 @@ def _shape(job) -> tuple[int, int, int, int, int]:
     return (s.n_gpus, s.gpu_milli, s.cpu_milli, s.memory_mib, s.gpus_per_node or 0)
 
 
-def _dominated(shape: tuple[int, int, int, int, int], failed: list[tuple[int, int, int, int, int]]) -> bool:
+def _dominated(shape: tuple[int, int, int, int, int], failed: list[tuple[int, int, int, int, int]]) -> tuple[int, int, int, int, int] | None:
+    """The failed shape that makes this one hopeless too, or None."""
     n, milli, cpu, mem, per = shape
-    for fn, fm, fc, fmem, fper in failed:
+    for f in failed:
+        fn, fm, fc, fmem, fper = f
         same_kind = (milli < MILLI) == (fm < MILLI) and (n == 0) == (fn == 0) and per == fper
         if same_kind and n >= fn and milli >= fm and cpu >= fc and mem >= fmem:
-            return True
-    return False
+            return f
+    return None
 
 
-def node_mask(job, ssn: Session) -> np.ndarray:
-    """Nodes the job may use at all: schedulable and passing every filter plugin."""
+def node_mask(job, ssn: Session, *, ignore_reservations: bool = False) -> np.ndarray:
+    """Nodes the job may use at all: schedulable, passing every filter plugin and not held for
+    another job this cycle."""
     mask = ssn.view.schedulable.copy()
     for plugin in ssn.scheduler.plugins.filters:
         mask &= plugin.filter(job, ssn)
+    if ssn.reserved is not None and not ignore_reservations and not ssn.backfilling:
+        mine = [i for i, holder in ssn.reserved_by.items() if holder == job.spec.name]
+        keep = mask[mine].copy()
+        mask &= ~ssn.reserved
+        mask[mine] = keep
     return mask
 
 
-def _best(job, ssn: Session, feasible: np.ndarray) -> tuple[int, ...] | None:
+def reserve_for(job, ssn: Session) -> list[str]:
+    """Hold nodes for a blocked job of a reserving class: the nodes it can use with the most
+    idle GPUs, until they could hold the whole job. Other jobs keep the rest of the cluster
+    (holding the whole queue behind one gang idles the cluster), and the held nodes fill the
+    job as their work ends. Returns the held node names."""
+    v, spec = ssn.view, job.spec
+    if ssn.reserved is None:
+        ssn.reserved = np.zeros(len(v.names), dtype=bool)
+    usable = node_mask(job, ssn)
+    per = spec.gpus_per_node
+    cap = np.minimum(v.n_gpus, per) if per else v.n_gpus
+    if per:
+        usable &= v.n_gpus >= per
+    if spec.n_gpus == 0 or spec.gpu_milli < MILLI:
+        order = np.lexsort((np.arange(len(v.names)), -v.free_total))
+        need, cap = 1, np.ones(len(v.names), dtype=np.int64)
+    else:
+        order = np.lexsort((np.arange(len(v.names)), -v.free_whole))
+        need = spec.n_gpus
+    held: list[int] = []
+    got = 0
+    for i in order:
+        if got >= need:
+            break
+        if usable[i]:
+            held.append(int(i))
+            got += int(cap[i])
+    if got < need:
+        return []  # the cluster cannot hold it now (nodes out of service): reserve nothing
+    ssn.reserved[held] = True
+    for i in held:
+        ssn.reserved_by[i] = job.spec.name
+    return [v.names[i] for i in held]
+
+
+N_ALTERNATIVES = 3  # next best nodes kept in a placement's decision record
+
+
+def _best(job, ssn: Session, feasible: np.ndarray) -> tuple[tuple[int, ...], dict[str, float], list[dict]] | None:
+    """The best option, each score plugin's weighted score there, and the next best nodes."""
     if not feasible.any():
         return None
     total = np.zeros(feasible.shape, dtype=np.float64)
+    parts = []
     for plugin, w in ssn.scheduler.plugins.scores:
         if w:
-            total += w * plugin.score(job, ssn, feasible)
+            s = w * plugin.score(job, ssn, feasible)
+            total += s
+            parts.append((plugin.name, s))
     total[~feasible] = -np.inf
     flat = int(np.argmax(total))  # first maximum: ties go to the lowest node (then GPU) index
-    return np.unravel_index(flat, feasible.shape)
+    best = np.unravel_index(flat, feasible.shape)
+    scores = {name: round(float(s[best]), 6) for name, s in parts}
+    per_node = total.max(axis=1) if total.ndim == 2 else total.copy()
+    per_node[best[0]] = -np.inf
+    alternatives = []
+    if per_node.size > 1:
+        k = min(N_ALTERNATIVES, per_node.size - 1)
+        top = np.argpartition(-per_node, k - 1)[:k] if k > 0 else []
+        for i in sorted(top, key=lambda i: (-per_node[i], i)):
+            if np.isfinite(per_node[i]):
+                alternatives.append({"node": ssn.view.names[int(i)], "score": round(float(per_node[i]), 6)})
+    return best, scores, alternatives
 
 
 def find_plan(job, ssn: Session) -> Plan | None:
@@ -62,30 +124,36 @@ def find_plan(job, ssn: Session) -> Plan | None:
     mask = node_mask(job, ssn)
     if spec.n_gpus == 0:
         feasible = mask & (v.cpu_free >= spec.cpu_milli) & (v.mem_free >= spec.memory_mib)
-        best = _best(job, ssn, feasible)
-        return None if best is None else Plan(job, [(int(best[0]), -1)], milli=0)
+        got = _best(job, ssn, feasible)
+        return None if got is None else Plan(job, [(int(got[0][0]), -1)], milli=0, scores=got[1], alternatives=got[2])
     if spec.gpu_milli < MILLI:
         host = mask & (v.cpu_free >= spec.cpu_milli) & (v.mem_free >= spec.memory_mib)
         feasible = host[:, None] & (v.free_milli >= spec.gpu_milli)
-        best = _best(job, ssn, feasible)
-        return None if best is None else Plan(job, [(int(best[0]), int(best[1]))], milli=spec.gpu_milli)
+        got = _best(job, ssn, feasible)
+        return None if got is None else Plan(job, [(int(got[0][0]), int(got[0][1]))], milli=spec.gpu_milli, scores=got[1], alternatives=got[2])
     k = spec.n_gpus
     free_whole = v.free_whole
     per = spec.gpus_per_node
     if per is None or per >= k:
         feasible = mask & (free_whole >= k) & (v.cpu_free >= spec.cpu_milli) & (v.mem_free >= spec.memory_mib)
-        best = _best(job, ssn, feasible)
-        if best is not None:
-            n = int(best[0])
+        got = _best(job, ssn, feasible)
+        if got is not None:
+            n = int(got[0][0])
             gpus = np.flatnonzero(v.free_milli[n] == MILLI)[:k]
-            return Plan(job, [(n, int(g)) for g in gpus])
+            return Plan(job, [(n, int(g)) for g in gpus], scores=got[1], alternatives=got[2])
         if per is not None:
             return None
     planner = ssn.scheduler.plugins.gang_planner
     if planner is None:
         return None
     slots = planner.plan_multi_node(job, ssn, mask & (free_whole > 0))
-    return None if slots is None else Plan(job, slots)
+    if slots is None:
+        return None
+    nodes = sorted({n for n, _ in slots})
+    racks = {int(v.rack[n]) for n in nodes}
+    domains = {int(v.domain[n]) for n in nodes}
+    where = "one NVLink domain" if len(domains) == 1 else "one rack" if len(racks) == 1 else f"{len(racks)} racks (no single rack had room)"
+    return Plan(job, slots, why=f"multi-node gang: {len(nodes)} nodes in {where}, chosen by {planner.name}")
 
 
 def permitted(plan: Plan, ssn: Session) -> str | None:
@@ -96,23 +164,141 @@ def permitted(plan: Plan, ssn: Session) -> str | None:
     return None
 
 
-def try_place(job, ssn: Session) -> bool:
-    """Plan, permit, commit; record a failing plain shape so equal or larger ones are skipped."""
+# -- decision records -------------------------------------------------------------------------
+
+
+def _node_types(v) -> tuple[np.ndarray, list[str]]:
+    """Node type (GPU model x GPUs) code per node and the labels, computed once per view."""
+    got = v.__dict__.get("_node_types")
+    if got is None:
+        labels = [f"{m or 'GPU'} x{int(n)}" for m, n in zip(v.gpu_model, v.n_gpus, strict=True)]
+        names = sorted(set(labels))
+        code = {x: i for i, x in enumerate(names)}
+        got = (np.array([code[x] for x in labels], dtype=np.int64), names)
+        v.__dict__["_node_types"] = got
+    return got
+
+
+def diagnose(job, ssn: Session) -> tuple[str, list[dict], str | None]:
+    """Why no node takes the job now: (reason, rejected node classes, blocker). Each node is
+    counted once, at the first stage that rejects it: node state, then each filter plugin in
+    order, then free resources. Computed only when a placement search fails."""
+    v, spec = ssn.view, job.spec
+    left = np.ones(len(v.names), dtype=bool)
+    rejected: list[dict] = []
+    type_code, type_names = _node_types(v)
+
+    def take(mask: np.ndarray, stage: str, reason: str) -> None:
+        nonlocal left
+        hit = left & mask
+        if hit.any():
+            idx = np.flatnonzero(hit)
+            counts = np.bincount(type_code[idx], minlength=len(type_names))
+            top = np.argsort(-counts, kind="stable")[:4]
+            types = {type_names[int(t)]: int(counts[t]) for t in top if counts[t]}
+            rejected.append({"stage": stage, "reason": reason, "nodes": int(idx.size), "node_types": types, "examples": [v.names[int(i)] for i in idx[:3]]})
+            left &= ~mask
+
+    down = np.flatnonzero(~v.schedulable)
+    if down.size:
+        by_state: dict[str, list[int]] = {}
+        for i in down:
+            by_state.setdefault(v.nodes[int(i)].state, []).append(int(i))
+        for state, idx in sorted(by_state.items()):
+            mask = np.zeros(len(v.names), dtype=bool)
+            mask[idx] = True
+            why = v.nodes[idx[0]].reason
+            take(mask, "node state", f"{state}" + (f" (e.g. {why})" if why else ""))
+    for plugin in ssn.scheduler.plugins.filters:
+        explain = getattr(plugin, "reject_reasons", None)
+        if explain is not None:
+            for mask, why in explain(job, ssn):
+                take(mask, f"filter {plugin.name}", why)
+        else:
+            take(~plugin.filter(job, ssn), f"filter {plugin.name}", f"rejected by {plugin.name}")
+    if ssn.reserved is not None and ssn.reserved.any() and not ssn.backfilling:
+        holders = sorted({ssn.reserved_by[int(i)] for i in np.flatnonzero(ssn.reserved & left)} - {job.spec.name})
+        if holders:
+            mine = np.zeros(len(v.names), dtype=bool)
+            mine[[i for i, h in ssn.reserved_by.items() if h == job.spec.name]] = True
+            take(ssn.reserved & ~mine, "reservation", f"held for {', '.join(holders[:3])} (blocked, reserving class) until it starts")
+    k, per = spec.n_gpus, spec.gpus_per_node
+    planner = ssn.scheduler.plugins.gang_planner
+    multi = k > 0 and spec.gpu_milli >= MILLI and planner is not None and (per is None or per < k)
+    if k > 0 and spec.gpu_milli < MILLI:
+        take(~(v.free_milli >= spec.gpu_milli).any(axis=1), "resources", f"no GPU with {spec.gpu_milli / MILLI:.2f} GPU free")
+    elif k > 0:
+        need = (per or 1) if multi else k
+        take(v.free_whole < need, "resources", f"fewer than {need} idle whole GPU(s)")
+    if spec.cpu_milli:
+        take(v.cpu_free < spec.cpu_milli, "resources", f"less than {spec.cpu_milli / 1000:g} CPUs free")
+    if spec.memory_mib:
+        take(v.mem_free < spec.memory_mib, "resources", f"less than {spec.memory_mib} MiB memory free")
+    fits = int(left.sum())
+    held = next((r for r in rejected if r["stage"] == "reservation"), None)
+    if held is not None and not fits:
+        return (f"no free node outside those held for a reserving job: {held['nodes']} node(s) {held['reason']}", rejected, "reservation by " + held["reason"].split(" (")[0].removeprefix("held for "))
+    if multi:
+        give = np.where(left, np.minimum(v.free_whole, per) if per else v.free_whole, 0)
+        offered = int(give.sum())
+        if offered < k:
+            shape = f" in blocks of {per} per node" if per else ""
+            return (f"gang of {k} GPUs{shape}: the {fits} node(s) that could take part offer {offered}", rejected, "gang")
+        return (f"gang of {k} GPUs: {offered} GPUs are free on {fits} node(s) but {planner.name} found no placement", rejected, "gang")
+    if fits:
+        return (f"{fits} node(s) fit but the placement search found none", rejected, None)
+    worst = max(rejected, key=lambda r: r["nodes"]) if rejected else None
+    return ("no node can take it" + (f": {worst['nodes']} node(s) {worst['reason']} ({worst['stage']})" if worst else ""), rejected, None)
+
+
+def record(ssn: Session, job, decision: Decision) -> None:
+    ssn.scheduler.decisions.record(job.spec.name, decision)
+
+
+def record_placed(ssn: Session, plan: Plan, how: str = "placed") -> None:
+    v = ssn.view
+    nodes = [v.names[n] for n in plan.nodes()]
+    if plan.why:
+        reason = plan.why
+    elif plan.scores:
+        top = max(plan.scores.items(), key=lambda kv: abs(kv[1]))
+        reason = f"{how} on {nodes[0]}: best total score {sum(plan.scores.values()):.4g} (largest term: {top[0]} {top[1]:.4g})"
+    else:
+        reason = f"{how} on {', '.join(nodes)}"
+    record(ssn, plan.job, Decision(ssn.now, "placed", reason, nodes=nodes, scores=plan.scores, alternatives=plan.alternatives))
+
+
+def try_place(job, ssn: Session, how: str = "placed") -> bool:
+    """Plan, permit, commit; record a failing plain shape so equal or larger ones are skipped.
+    Records the decision either way."""
     shape = _shape(job)
     plain = _plain(job)
-    if plain and _dominated(shape, ssn.unschedulable_shapes):
-        return False
+    if plain:
+        dom = _dominated(shape, ssn.unschedulable_shapes)
+        if dom is not None:
+            other, first = ssn.shape_why.get(dom, (None, None))
+            if first is not None:
+                record(ssn, job, Decision(ssn.now, "waiting", f"{first.reason} (same or smaller shape as {other}, tried first this cycle)", rejected=first.rejected, blocker=first.blocker))
+            return False
     plan = find_plan(job, ssn)
     if plan is None:
+        reason, rejected, blocker = diagnose(job, ssn)
+        d = Decision(ssn.now, "waiting", reason, rejected=rejected, blocker=blocker)
+        record(ssn, job, d)
         if plain:
             ssn.unschedulable_shapes.append(shape)
+            ssn.shape_why[shape] = (job.spec.name, d)
         return False
-    if permitted(plan, ssn):
+    veto = permitted(plan, ssn)
+    if veto:
+        blocker = "quota" if "quota" in veto else "gang" if "gang" in veto else "permit"
+        record(ssn, job, Decision(ssn.now, "waiting", f"a placement on {', '.join(ssn.view.names[n] for n in plan.nodes()[:4])} was vetoed: {veto}", blocker=blocker))
         return False
     ssn.scheduler.commit(plan, ssn.now)
     ssn.scheduler.sync_view()
     ssn.placed.append(plan)
     ssn.bump()
+    record_placed(ssn, plan, how)
     return True
 
 
@@ -142,34 +328,36 @@ def enqueue(ssn: Session) -> None:
         elif js.spec.gpus_per_node and js.spec.gpus_per_node > ssn.view.max_gpus:
             reason = f"needs {js.spec.gpus_per_node} GPUs per node, the largest node has {ssn.view.max_gpus}"
         if reason:
-            from gpuvigil.scheduler.core import Action
-
             sched._set_state(js, "failed")
             js.end_ts = ssn.now
             sched.actions.append(Action(ssn.now, "failed", job=js.spec.name, detail=f"unschedulable: {reason}"))
+            record(ssn, js, Decision(ssn.now, "failed", f"can never run here: {reason}"))
         else:
             admitted.append(js)
     ssn.pending = ordered(admitted, ssn)
 
 
 def allocate(ssn: Session) -> None:
-    """Place pending jobs in order; a blocked job of a reserving class holds the queue."""
+    """Place pending jobs in order. A blocked job of a reserving class holds nodes for itself
+    (`reserve_for`); jobs after it place on the rest of the cluster."""
     reserve = set(ssn.cfg.allocate.reserve_classes)
     remaining = []
-    holding = False
     for js in ssn.pending:
         if js.state != "pending":
-            continue
-        if holding:
-            remaining.append(js)
             continue
         # A job waiting for preemption victims still takes free room if some appeared (placing
         # it cancels the notices); otherwise preempt finishes it when the grace period ends.
         if not try_place(js, ssn):
             remaining.append(js)
             ssn.blocked.append(js)
-            if js.spec.priority in reserve:
-                holding = True
+            if js.spec.priority in reserve and not js.awaiting_victims:
+                held = reserve_for(js, ssn)
+                if held:
+                    d = ssn.scheduler.decisions.history(js.spec.name)
+                    last = d[-1] if d else None
+                    reason = (last["reason"] + "; " if last and last["outcome"] == "waiting" else "") + f"holding {len(held)} node(s) for it ({', '.join(held[:4])}{' ...' if len(held) > 4 else ''})"
+                    record(ssn, js, Decision(ssn.now, "waiting", reason, nodes=held, rejected=last["rejected"] if last else [], blocker=last["blocker"] if last else None))
+                    ssn.bump()
     ssn.pending = remaining
 
 
@@ -184,7 +372,7 @@ def preempt(ssn: Session) -> None:
             js.awaiting_victims, js.awaiting_deadline = [], None
             for v in victims:
                 v.preempt_deadline, v.preempted_by = None, None
-                sched._requeue(v, now, f"preempted by {js.spec.name} ({js.spec.priority}) after its grace period", kind="preempted")
+                sched._requeue(v, now, f"preempted by {js.spec.name} ({js.spec.priority}; {v.preempt_via}) after its grace period", kind="preempted")
             sched.sync_view()
             ssn.bump()
             try_place_unrecorded(js, ssn)
@@ -203,12 +391,14 @@ def preempt(ssn: Session) -> None:
         if _plain(js) and _dominated(_shape(js), hopeless.get(group, [])):
             continue
         grace: dict[str, float] = {}
+        via: dict[str, str] = {}  # victim → the plugin whose (shortest) grace applies
         for p in plugins:
             g = p.grace_seconds(js, ssn)
             for victim in p.victims(js, ssn):
                 if victim.state == "running" and victim.preempt_deadline is None and victim is not js:
                     name = victim.spec.name
-                    grace[name] = min(grace.get(name, g), g)
+                    if g < grace.get(name, float("inf")):
+                        grace[name], via[name] = g, p.name
         if not grace:
             if _plain(js):
                 hopeless.setdefault(group, []).append(_shape(js))
@@ -229,12 +419,14 @@ def preempt(ssn: Session) -> None:
                 hopeless.setdefault(group, []).append(_shape(js))
             continue
         hopeless.clear()
+        if not chosen:
+            # Room appeared since allocate (an eviction above): no victim needed.
+            try_place_unrecorded(js, ssn)
+            continue
         wait = max(grace[v.spec.name] for v in chosen)
-        from gpuvigil.scheduler.core import Action
-
         if wait <= 0:
             for v in chosen:
-                sched._requeue(v, now, f"preempted by {js.spec.name} ({js.spec.priority})", kind="preempted")
+                sched._requeue(v, now, f"preempted by {js.spec.name} ({js.spec.priority}; {via[v.spec.name]}, 0 s grace)", kind="preempted")
             sched.sync_view()
             ssn.bump()
             try_place_unrecorded(js, ssn)
@@ -242,14 +434,26 @@ def preempt(ssn: Session) -> None:
             js.awaiting_victims = [v.spec.name for v in chosen]
             js.awaiting_deadline = now + wait
             ssn.bump()
+            record(
+                ssn,
+                js,
+                Decision(
+                    now,
+                    "preempting",
+                    f"preempting {', '.join(v.spec.name for v in chosen)} ({wait:.0f} s grace, until t={now + wait:.0f})",
+                    nodes=[ssn.view.names[n] for n in plan.nodes()],
+                    blocker="victims in their grace period",
+                ),
+            )
             for v in chosen:
-                v.preempt_deadline, v.preempted_by = now + wait, js.spec.name
+                v.preempt_deadline, v.preempted_by, v.preempt_via = now + wait, js.spec.name, via[v.spec.name]
                 sched.actions.append(
                     Action(now, "preempt_notice", job=v.spec.name, detail=f"will be preempted by {js.spec.name} at t={now + wait:.0f} ({wait:.0f} s grace): checkpoint now")
                 )
 
 
 def try_place_unrecorded(js, ssn: Session) -> bool:
+    """Place a preemptor on the room its victims left (not recorded as a failed shape)."""
     plan = find_plan(js, ssn)
     if plan is None or permitted(plan, ssn):
         return False
@@ -258,6 +462,7 @@ def try_place_unrecorded(js, ssn: Session) -> bool:
     ssn.placed.append(plan)
     ssn.bump()
     ssn.pending = [p for p in ssn.pending if p is not js]
+    record_placed(ssn, plan, "placed after preemption")
     return True
 
 
@@ -300,13 +505,18 @@ def _plan_with_victims(js, candidates, ssn: Session):
 def backfill(ssn: Session) -> None:
     """Short jobs with a known duration run behind a job that holds the queue."""
     limit = ssn.cfg.backfill.max_duration_seconds
-    blocked = {id(js) for js in ssn.blocked}
     remaining = []
-    for js in ssn.pending:
-        d = js.spec.duration_seconds
-        if js.state == "pending" and id(js) not in blocked and d is not None and d <= limit and try_place(js, ssn):
-            continue
-        remaining.append(js)
+    ssn.backfilling = True  # short jobs may use nodes held for a reserving job
+    ssn.unschedulable_shapes.clear()  # shapes failed against held nodes may fit now
+    ssn.bump()
+    try:
+        for js in ssn.pending:
+            d = js.spec.duration_seconds
+            if js.state == "pending" and js.spec.priority not in ssn.cfg.allocate.reserve_classes and d is not None and d <= limit and try_place(js, ssn, "backfilled"):
+                continue
+            remaining.append(js)
+    finally:
+        ssn.backfilling = False
     ssn.pending = remaining
 
 

@@ -79,6 +79,15 @@ class BackfillConfig(_Strict):
     max_duration_seconds: float = Field(3600.0, ge=0)
 
 
+class ExplainConfig(_Strict):
+    """Decision records served by `GET /v1/jobs/{id}/why` and `gpuvigil why`."""
+
+    enabled: bool = True
+    per_job: int = Field(8, ge=1, le=1000)  # distinct decisions kept per job (repeats merge)
+    max_jobs: int = Field(20000, ge=1)  # jobs remembered; the least recently decided go first
+    recent_actions: int = Field(5, ge=0, le=100)  # the job's last actions shown with its decisions
+
+
 class HealthConfig(_Strict):
     restart_overhead_seconds: float = Field(0.0, ge=0)
 
@@ -96,6 +105,7 @@ class SchedulerConfig(_Strict):
     allocate: AllocateConfig = Field(default_factory=AllocateConfig)
     backfill: BackfillConfig = Field(default_factory=BackfillConfig)
     health: HealthConfig = Field(default_factory=HealthConfig)
+    explain: ExplainConfig = Field(default_factory=ExplainConfig)
 
     @field_validator("actions")
     @classmethod

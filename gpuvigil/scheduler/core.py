@@ -13,7 +13,6 @@ by the `scheduler` config section.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
 from typing import Any
 
 import polars as pl
@@ -23,194 +22,8 @@ from gpuvigil.model import Hint
 from gpuvigil.scheduler import actions as actions_mod
 from gpuvigil.scheduler.config import SchedulerConfig, load_scheduler_config
 from gpuvigil.scheduler.framework import MILLI, ClusterView, Plan, Session
-
-GIB = 1 << 30
-
-
-@dataclass
-class NodeSpec:
-    name: str
-    rack: str = "rack-0"
-    n_gpus: int = 8
-    gpu_memory_bytes: int = 141 * GIB
-    nvlink_domain: str | None = None  # None = the node itself (one HGX board)
-    cpu_milli: int = 0  # 0 = not tracked
-    memory_mib: int = 0  # 0 = not tracked
-    gpu_model: str = ""
-
-
-@dataclass
-class JobSpec:
-    name: str
-    n_gpus: int
-    tenant: str = "default"
-    priority: str = "P2"
-    submit_ts: float = 0.0
-    min_gpu_memory_bytes: int = 0
-    duration_seconds: float | None = None  # for trace replay; None = runs until stopped
-    gpus_per_node: int | None = None  # full-node gangs: exactly this many GPUs on each node used
-    gpu_milli: int = MILLI  # share of one GPU (GPU-sharing tasks, n_gpus == 1); 1000 = whole GPUs
-    cpu_milli: int = 0
-    memory_mib: int = 0
-
-    @property
-    def gpu_demand(self) -> float:
-        """GPUs this job holds (fractional for a GPU-sharing task)."""
-        return self.n_gpus * min(self.gpu_milli, MILLI) / MILLI
-
-
-@dataclass
-class Action:
-    ts: float
-    action: str  # placed | cordoned | drained | uncordoned | requeued | preempted | preempt_notice | set_alloc_conf | resized | moved | avoid_gpu | failed | completed | cancelled | node_down
-    job: str | None = None
-    node: str | None = None
-    gpu: int | None = None
-    detail: str = ""
-    hint_id: str | None = None
-
-    def to_json_dict(self) -> dict[str, Any]:
-        return {k: v for k, v in self.__dict__.items()}
-
-
-class _TrackedDict(dict):
-    """A dict that tells its node when it changes (callers may edit `used` directly)."""
-
-    def __init__(self, owner: NodeState, *args: Any):
-        super().__init__(*args)
-        self._owner = owner
-
-    def _touch(self) -> None:
-        self._owner.touch()
-
-    def __setitem__(self, k, v):
-        super().__setitem__(k, v)
-        self._touch()
-
-    def __delitem__(self, k):
-        super().__delitem__(k)
-        self._touch()
-
-    def pop(self, *a):
-        out = super().pop(*a)
-        self._touch()
-        return out
-
-    def clear(self):
-        super().clear()
-        self._touch()
-
-    def update(self, *a, **kw):
-        super().update(*a, **kw)
-        self._touch()
-
-    def setdefault(self, k, d=None):
-        out = super().setdefault(k, d)
-        self._touch()
-        return out
-
-
-class _TrackedSet(set):
-    def __init__(self, owner: NodeState, *args: Any):
-        super().__init__(*args)
-        self._owner = owner
-
-    def add(self, x):
-        super().add(x)
-        self._owner.touch()
-
-    def discard(self, x):
-        super().discard(x)
-        self._owner.touch()
-
-    def remove(self, x):
-        super().remove(x)
-        self._owner.touch()
-
-    def clear(self):
-        super().clear()
-        self._owner.touch()
-
-    def __ior__(self, other):
-        out = super().__ior__(other)
-        self._owner.touch()
-        return out
-
-
-_NODE_TRACKED = {"state", "used", "shared", "avoid_gpus", "cpu_used", "mem_used"}
-
-
-@dataclass(eq=False)  # identity: two nodes are never "equal" by content
-class NodeState:
-    spec: NodeSpec
-    state: str = "up"  # up | cordoned | draining | drained | down
-    reason: str = ""
-    used: dict[int, str] = field(default_factory=dict)  # whole GPU index → job
-    avoid_gpus: set[int] = field(default_factory=set)
-    shared: dict[int, dict[str, int]] = field(default_factory=dict)  # GPU → {job: milli} for GPU-sharing tasks
-    cpu_used: int = 0
-    mem_used: int = 0
-    dirty: bool = True
-
-    def __setattr__(self, name: str, value: Any) -> None:
-        if name in ("used", "shared") and not isinstance(value, _TrackedDict):
-            value = _TrackedDict(self, value)
-        elif name == "avoid_gpus" and not isinstance(value, _TrackedSet):
-            value = _TrackedSet(self, value)
-        object.__setattr__(self, name, value)
-        if name in _NODE_TRACKED:
-            self.touch()
-
-    def touch(self) -> None:
-        object.__setattr__(self, "dirty", True)
-        sink = self.__dict__.get("_sink")
-        if sink is not None:
-            sink.add(self.spec.name)
-
-    def free_gpus(self) -> list[int]:
-        """Whole GPUs nobody holds (not even a share) and nobody avoids."""
-        return [g for g in range(self.spec.n_gpus) if g not in self.used and g not in self.avoid_gpus and not self.shared.get(g)]
-
-    @property
-    def schedulable(self) -> bool:
-        return self.state == "up"
-
-    def jobs(self) -> set[str]:
-        out = set(self.used.values())
-        for held in self.shared.values():
-            out.update(held)
-        return out
-
-
-@dataclass(eq=False)  # identity: membership tests stay O(1) per comparison
-class JobState:
-    spec: JobSpec
-    state: str = "pending"  # pending | running | completed | failed | cancelled
-    placement: list[tuple[str, int]] = field(default_factory=list)  # rank → (node, gpu); gpu -1 for a CPU-only task
-    start_ts: float | None = None
-    last_checkpoint_step: int = 0
-    last_checkpoint_ts: float | None = None
-    restarts: int = 0
-    alloc_conf: str = ""
-    excluded_nodes: set[str] = field(default_factory=set)
-    memory_scale: float = 1.0  # < 1 after a resize to a smaller micro-batch
-    preferred_nodes: list[str] = field(default_factory=list)
-    lost_gpu_seconds: float = 0.0
-    # Queueing and preemption bookkeeping.
-    pending_since: float | None = None
-    first_start_ts: float | None = None
-    queued_seconds: float = 0.0
-    end_ts: float | None = None
-    preemptions: int = 0
-    borrowed: bool = False  # running on idle quota of other tenants (reclaimable)
-    preempt_deadline: float | None = None  # victim: evicted at this time unless it finishes
-    preempted_by: str | None = None
-    awaiting_victims: list[str] = field(default_factory=list)  # preemptor: victims under notice
-    awaiting_deadline: float | None = None
-
-    @property
-    def gpu_demand(self) -> float:
-        return self.spec.gpu_demand
+from gpuvigil.scheduler.plugins import build_plugins
+from gpuvigil.scheduler.state import GIB, Action, DecisionLog, JobSpec, JobState, NodeSpec, NodeState  # noqa: F401  (re-exported)
 
 
 class Scheduler:
@@ -231,10 +44,18 @@ class Scheduler:
         self._pending: dict[str, JobState] = {}
         self._running: dict[str, JobState] = {}
         self.actions: list[Action] = []
+        ex = self.config.explain
+        self.decisions = DecisionLog(per_job=ex.per_job, max_jobs=ex.max_jobs, enabled=ex.enabled)
         self.total_gpus = int(sum(n.n_gpus for n in nodes))
-        from gpuvigil.scheduler.plugins import build_plugins
-
         self.plugins = build_plugins(self)
+
+    # -- placement search, for plugins that place a job themselves (health's compact) -------
+    def find_plan(self, job: JobState, ssn: Session) -> Plan | None:
+        return actions_mod.find_plan(job, ssn)
+
+    def permitted(self, plan: Plan, ssn: Session) -> str | None:
+        """The first permit plugin's veto, or None."""
+        return actions_mod.permitted(plan, ssn)
 
     # -- plugin access ---------------------------------------------------------------------
     def plugin(self, name: str):
@@ -483,6 +304,48 @@ class Scheduler:
         for hint in result.new_hints:
             self.apply_hint(hint, result.now)
         self.cycle(result.now)
+
+    # -- explanations -----------------------------------------------------------------------
+    def why(self, job: str) -> dict[str, Any] | None:
+        """Why the job is where it is, or why it waits: its state, the decisions of the cycles
+        that considered it (oldest first, repeats merged) and its latest actions. None for a job
+        this scheduler does not know."""
+        js = self.jobs.get(job)
+        if js is None:
+            return None
+        history = self.decisions.history(job)
+        recent: list[dict[str, Any]] = []
+        want = self.config.explain.recent_actions
+        for a in reversed(self.actions[-50_000:]):
+            if len(recent) >= want:
+                break
+            if a.job == job:
+                recent.append(a.to_json_dict())
+        recent.reverse()
+        latest = history[-1] if history else None
+        if js.state == "running":
+            nodes = sorted({n for n, _ in js.placement})
+            summary = f"running on {', '.join(nodes[:8])}{' ...' if len(nodes) > 8 else ''}" + (f": {latest['reason']}" if latest and latest["outcome"] == "placed" else "")
+        elif js.state == "pending":
+            summary = f"pending: {latest['reason']}" if latest else "pending: not considered by a scheduling cycle yet"
+        else:
+            summary = js.state + (f": {recent[-1]['detail']}" if recent and recent[-1].get("detail") else "")
+        return {
+            "job": job,
+            "state": js.state,
+            "summary": summary,
+            "tenant": js.spec.tenant,
+            "priority": js.spec.priority,
+            "n_gpus": js.spec.n_gpus,
+            "gpu_milli": js.spec.gpu_milli,
+            "gpus_per_node": js.spec.gpus_per_node,
+            "placement": [list(p) for p in js.placement],
+            "restarts": js.restarts,
+            "preemptions": js.preemptions,
+            "excluded_nodes": sorted(js.excluded_nodes),
+            "decisions": history,
+            "recent_actions": recent,
+        }
 
     # -- state ------------------------------------------------------------------------------
     def placements(self) -> dict[str, list[tuple[str, int]]]:

@@ -21,14 +21,15 @@ operation over all nodes rather than a Python loop per GPU.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Protocol, runtime_checkable
+from typing import Any, Protocol, runtime_checkable
 
 import numpy as np
 
-if TYPE_CHECKING:
-    from gpuvigil.scheduler.core import JobState, NodeState, Scheduler
+from gpuvigil.scheduler.state import MILLI, Action, JobState, NodeState
 
-MILLI = 1000  # one whole GPU in milli-GPU
+# Layers, each importing only those below it: state <- framework <- plugins <- actions <- core.
+# The framework never imports the core `Scheduler`; sessions and plugins see it as `SchedulerLike`.
+
 UNTRACKED = np.int64(1) << 50  # capacity of a resource a node does not declare
 
 
@@ -127,6 +128,11 @@ class Plan:
     slots: list[tuple[int, int]]
     milli: int = MILLI
     victims: list[JobState] = field(default_factory=list)
+    # Why here (for the decision record): weighted score per plugin at the chosen option, the
+    # next best nodes, and a line for plans a planner made (multi-node gangs).
+    scores: dict[str, float] = field(default_factory=dict)
+    alternatives: list[dict[str, Any]] = field(default_factory=list)
+    why: str = ""
 
     def nodes(self) -> list[int]:
         return sorted({n for n, _ in self.slots})
@@ -177,12 +183,42 @@ class Statement:
             self._rows.clear()
 
 
+class SchedulerLike(Protocol):
+    """What actions and plugins use of the scheduler (`gpuvigil.scheduler.core.Scheduler`),
+    which sits above them: they are handed one, they never import it."""
+
+    config: Any  # SchedulerConfig
+    nodes: dict[str, NodeState]
+    jobs: dict[str, JobState]
+    actions: list[Action]
+    decisions: Any  # state.DecisionLog
+    plugins: Any  # plugins.Registry
+    view: ClusterView
+    total_gpus: int
+
+    def plugin(self, name: str) -> Any: ...
+
+    def commit(self, plan: Plan, now: float) -> Action: ...
+
+    def sync_view(self) -> None: ...
+
+    def find_plan(self, job: JobState, ssn: Session) -> Plan | None: ...
+
+    def permitted(self, plan: Plan, ssn: Session) -> str | None: ...
+
+    def work_since_checkpoint(self, js: JobState, now: float) -> float: ...
+
+    def _set_state(self, js: JobState, state: str) -> None: ...
+
+    def _requeue(self, js: JobState, now: float, why: str, hint_id: str | None = None, kind: str = "requeued") -> Action: ...
+
+
 @dataclass
 class Session:
     """One scheduling cycle's snapshot: time, the cluster view and the jobs it considers."""
 
     now: float
-    scheduler: Scheduler
+    scheduler: SchedulerLike
     view: ClusterView
     pending: list[JobState]
     # Requirement shapes that already failed this cycle: a later job needing at least as much
@@ -190,6 +226,14 @@ class Session:
     unschedulable_shapes: list[tuple[int, int, int, int, int]] = field(default_factory=list)
     placed: list[Plan] = field(default_factory=list)
     blocked: list[JobState] = field(default_factory=list)
+    # For each failed plain shape: the job that failed with it and its decision (a dominated job
+    # waits for the same reason).
+    shape_why: dict[tuple[int, int, int, int, int], tuple[str, Any]] = field(default_factory=dict)
+    # Nodes held this cycle for blocked jobs of a reserving class (allocate): other jobs do not
+    # get them, backfill (short jobs) may. `reserved_by` names the holder of each held node.
+    reserved: Any = None  # np.ndarray[bool] | None
+    reserved_by: dict[int, str] = field(default_factory=dict)
+    backfilling: bool = False  # backfill runs: held nodes are open to short jobs
     version: int = 0  # bumps whenever this cycle binds or evicts (invalidates `memo`)
     memo: dict = field(default_factory=dict)
 

@@ -12,7 +12,7 @@
 Jobs are named `namespace/name` (or `name` in the configured default namespace); their pods are
 found by the `job-name` label (configurable). A failed call raises `KubernetesError` with the
 verb, path and status; through a store the hint stays pending with the error (see
-`gpuvigil.api.apply`). The RBAC these calls need is in docs/kubernetes-rbac.md and
+`gpuvigil.scheduler.apply`). The RBAC these calls need is in docs/kubernetes-rbac.md and
 deploy/rbac.yaml.
 """
 
@@ -27,7 +27,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, Field
 
 from gpuvigil import config
-from gpuvigil.api.apply import ApplyError, HintApplier, Unsupported
+from gpuvigil.scheduler.apply import ApplyError, HintApplier, Unsupported
 from gpuvigil.model import Hint, HintAction
 
 DOMAIN = "gpuvigil.io"
@@ -77,7 +77,10 @@ class KubernetesAdapter(HintApplier):
     """Applies hints to a Kubernetes cluster; as a pipeline sink, like the Slurm adapter."""
 
     def __init__(self, api_client: Any = None, *, store: Any = None, cfg: dict[str, Any] | None = None):
-        from kubernetes import client
+        from gpuvigil.extras import require
+
+        # The client is an extra (gpuvigil[kubernetes]); nothing imports it before an adapter starts.
+        client = require("kubernetes.client", "the Kubernetes adapter")
 
         self.config = kubernetes_config(cfg)
         if api_client is None:

@@ -38,7 +38,7 @@ import polars as pl
 from pydantic import BaseModel, Field
 
 from gpuvigil import config, schemas
-from gpuvigil.api.apply import ApplyError, HintApplier, Unsupported
+from gpuvigil.scheduler.apply import ApplyError, HintApplier, Unsupported
 from gpuvigil.model import Hint, HintAction
 
 
@@ -166,20 +166,18 @@ def gpu_indices(gres_detail: str | None) -> list[int]:
 
 
 def expand_hostlist(expr: str | None) -> list[str]:
-    """'gv[1-3],login' → ['gv1', 'gv2', 'gv3', 'login'] (Slurm hostlist, one bracket level)."""
+    """Slurm hostlist expression → host names, through python-hostlist (the same grammar as
+    Slurm's: several bracket groups per name, `rack[1-2]-gpu[01-02]` → 4 hosts, zero padding,
+    comma lists of groups). An expression it cannot parse, or one naming more than its limit of
+    hosts (100,000), gives [] rather than wrong names: these names become ExcNodeList entries."""
     if not expr or expr in ("(null)", "None"):
         return []
-    out: list[str] = []
-    for m in re.finditer(r"([^,\[]+)(?:\[([^\]]+)\])?([^,]*)", expr):
-        prefix, ranges, suffix = m.group(1), m.group(2), m.group(3)
-        if not ranges:
-            out.append(prefix + suffix)
-            continue
-        for part in ranges.split(","):
-            lo, _, hi = part.partition("-")
-            width = len(lo)
-            out.extend(f"{prefix}{i:0{width}d}{suffix}" for i in range(int(lo), int(hi or lo) + 1))
-    return [h for h in out if h]
+    import hostlist
+
+    try:
+        return [h for h in hostlist.expand_hostlist(expr) if h]
+    except (hostlist.BadHostlist, ValueError, RecursionError):
+        return []
 
 
 def _epoch(value: Any) -> float | None:

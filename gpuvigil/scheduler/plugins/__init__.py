@@ -4,12 +4,9 @@ configured ones into the framework's hook lists."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-from gpuvigil.scheduler.framework import FilterPlugin, GangPlanner, OrderPlugin, PermitPlugin, PreemptPlugin, ScorePlugin
-
-if TYPE_CHECKING:
-    from gpuvigil.scheduler.core import Scheduler
+from gpuvigil.scheduler.framework import FilterPlugin, GangPlanner, OrderPlugin, PermitPlugin, PreemptPlugin, SchedulerLike, ScorePlugin
 
 
 @dataclass
@@ -26,11 +23,12 @@ class Registry:
     change_listeners: list[Any] = field(default_factory=list)
 
 
-def build_plugins(scheduler: Scheduler) -> Registry:
+def build_plugins(scheduler: SchedulerLike) -> Registry:
     from gpuvigil.scheduler.plugins.fragmentation import FragmentationPlugin
     from gpuvigil.scheduler.plugins.gang import GangPlugin
     from gpuvigil.scheduler.plugins.health import HealthPlugin
-    from gpuvigil.scheduler.plugins.packing import BestFitScore, FirstFitScore
+    from gpuvigil.scheduler.plugins.fragmentation import PaperFgdScore
+    from gpuvigil.scheduler.plugins.packing import BestFitScore, FirstFitScore, PaperBestFitScore
     from gpuvigil.scheduler.plugins.priority import PriorityPlugin
     from gpuvigil.scheduler.plugins.quota import QuotaPlugin
     from gpuvigil.scheduler.plugins.topology import TopologyPlugin
@@ -73,11 +71,13 @@ def build_plugins(scheduler: Scheduler) -> Registry:
     if cfg.placement == "first_fit":
         reg.scores.append((FirstFitScore(scheduler), 1.0))
     elif cfg.placement == "best_fit":
-        reg.scores.append((BestFitScore(scheduler), 1.0))
+        # The FGD paper's best-fit baseline, scored as its simulator does.
+        reg.scores.append((PaperBestFitScore(scheduler), 1.0))
     elif cfg.placement == "fgd":
         if frag is None:
             raise ValueError("placement 'fgd' needs the 'fragmentation' plugin enabled")
-        reg.scores.append((frag, 1.0))
+        # FGD as published (the authors' simulator's integer score), not our unquantised variant.
+        reg.scores.append((PaperFgdScore(frag), 1.0))
     else:  # ours
         if frag is not None:
             reg.scores.append((frag, w.get("fragmentation", 1.0)))

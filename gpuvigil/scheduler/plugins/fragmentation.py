@@ -46,6 +46,32 @@ class Workload:
         return cls(cpu=cpu, n_gpus=n, milli=np.where(n == 0, 0, milli), p=w / w.sum())
 
 
+    @classmethod
+    def typical(cls, counts: dict[tuple[int, int, int], float], popularity: float = 0.95) -> Workload:
+        """The paper simulator's "typical pods": the most frequent task classes (CPU-only ones
+        included) until they cover `popularity` of all tasks, renormalised to sum to 1."""
+        if not counts:
+            raise ValueError("a target workload needs at least one task class")
+        # Most frequent first; among equal counts the larger class first (the simulator's order).
+        items = sorted(counts.items(), key=lambda kv: (-kv[1], tuple(-x for x in kv[0])))
+        total = float(sum(counts.values()))
+        kept: dict[tuple[int, int, int], float] = {}
+        covered = 0.0
+        for key, c in items:
+            if covered >= popularity * total:
+                break
+            kept[key] = c
+            covered += c
+        return cls.from_counts(kept)
+
+
+def paper_score(growth_milli: np.ndarray) -> np.ndarray:
+    """FGD's node score in the authors' simulator: int(100 x sigmoid(-growth / 1000)), growth of
+    F_n(M) in milli-GPU. The truncation to integers makes near-equal options tie, and ties go
+    to the lowest node (name order), then the lowest GPU."""
+    return np.floor(100.0 / (1.0 + np.exp(np.clip(growth_milli, -50_000, 50_000) / 1000.0)))
+
+
 def task_class(spec) -> tuple[int, int, int]:
     return (int(spec.cpu_milli), int(spec.n_gpus), int(min(spec.gpu_milli, MILLI)) if spec.n_gpus else 0)
 
@@ -160,3 +186,20 @@ class FragmentationPlugin:
                 gens[stale] = v.generation[stale]
         # Higher is better: minus the growth, in GPUs.
         return -delta / MILLI
+
+    def growth(self, job, ssn: Session, feasible: np.ndarray) -> np.ndarray:
+        """Growth of F_n(M) in GPUs for each option (the score with its sign flipped)."""
+        return -self.score(job, ssn, feasible)
+
+
+class PaperFgdScore:
+    """FGD exactly as the paper's simulator scores it (`paper_score`): the `fgd` baseline.
+    `ours` uses the unquantised growth instead (FragmentationPlugin.score)."""
+
+    name = "fgd_paper"
+
+    def __init__(self, frag: FragmentationPlugin):
+        self.frag = frag
+
+    def score(self, job, ssn: Session, feasible: np.ndarray) -> np.ndarray:
+        return paper_score(self.frag.growth(job, ssn, feasible) * MILLI)

@@ -18,6 +18,7 @@ import numpy as np
 
 from gpuvigil.model import Hint, HintAction
 from gpuvigil.scheduler.framework import Session
+from gpuvigil.scheduler.state import Action
 
 GIB = 1 << 30
 
@@ -45,6 +46,18 @@ class HealthPlugin:
             mask &= v.gpu_memory >= job.spec.min_gpu_memory_bytes
         return mask
 
+    def reject_reasons(self, job, ssn: Session) -> list[tuple[np.ndarray, str]]:
+        """The filter split by cause, for decision records."""
+        v = ssn.view
+        out = []
+        if job.excluded_nodes:
+            mask = np.zeros(len(v.names), dtype=bool)
+            mask[[v.index[n] for n in job.excluded_nodes if n in v.index]] = True
+            out.append((mask, "excluded for this job (it failed or hung there; requeued away by a hint)"))
+        if job.spec.min_gpu_memory_bytes:
+            out.append((v.gpu_memory < job.spec.min_gpu_memory_bytes, f"GPU memory below {job.spec.min_gpu_memory_bytes / GIB:.0f} GiB (resize/move hint)"))
+        return out
+
     def score(self, job, ssn: Session, feasible: np.ndarray) -> np.ndarray:
         s = np.zeros(feasible.shape[0])
         if job.preferred_nodes:
@@ -54,10 +67,6 @@ class HealthPlugin:
 
     # -- hints ----------------------------------------------------------------------------------
     def apply_hint(self, hint: Hint, now: float) -> list:
-        from gpuvigil.scheduler.actions import find_plan, permitted
-        from gpuvigil.scheduler.core import Action
-        from gpuvigil.scheduler.framework import Session as Ssn
-
         sched = self.scheduler
         out: list[Action] = []
 
@@ -117,9 +126,10 @@ class HealthPlugin:
                 out.append(sched._requeue(js, now, "compact to free a gang slot", hint.id))
                 # Re-place the moved job right away so the freed slot goes to the gang job.
                 sched.sync_view()
-                ssn = Ssn(now=now, scheduler=sched, view=sched.view, pending=[js])
-                plan = find_plan(js, ssn)
-                if plan is not None and not permitted(plan, ssn):
+                # Placement search lives in `actions`, above the plugins: ask the scheduler.
+                ssn = Session(now=now, scheduler=sched, view=sched.view, pending=[js])
+                plan = sched.find_plan(js, ssn)
+                if plan is not None and not sched.permitted(plan, ssn):
                     sched.commit(plan, now)
                     sched.sync_view()
         return out

@@ -51,3 +51,38 @@ class BestFitScore:
             per_gpu = (v.free_milli - spec.gpu_milli) / MILLI
             return node[:, None] - 1e-6 * per_gpu
         return node
+
+
+class PaperBestFitScore:
+    """Best-fit exactly as the FGD paper's simulator scores it: int(100 x (1 - left)) with
+    left = 0.5 x idle CPU / 128 CPUs + 0.5 x idle GPU / 8 GPUs after placing the task, then
+    min-max normalised to 0..100 over the candidate nodes (integer arithmetic); ties go to the
+    lowest node, and a GPU-sharing task takes the fullest GPU that fits on the chosen node."""
+
+    name = "best_fit_paper"
+    MAX_CPU = 128_000
+    MAX_GPU = 8 * MILLI
+
+    def __init__(self, scheduler):
+        self.scheduler = scheduler
+
+    def score(self, job, ssn: Session, feasible: np.ndarray) -> np.ndarray:
+        v, spec = ssn.view, job.spec
+        need = spec.n_gpus * min(spec.gpu_milli, MILLI)
+        tracked = v.cpu_total < UNTRACKED
+        left = 0.5 * (v.free_total - need) / self.MAX_GPU + np.where(tracked, 0.5 * (v.cpu_free - spec.cpu_milli) / self.MAX_CPU, 0.0)
+        raw = np.floor((1.0 - left) * 100.0).astype(np.int64)
+        node_ok = feasible.any(axis=1) if feasible.ndim == 2 else feasible
+        out = np.zeros(len(raw), dtype=np.float64)
+        if node_ok.any():
+            lo, hi = raw[node_ok].min(), raw[node_ok].max()
+            norm = (raw - lo) * 100 // (hi - lo) if hi > lo else np.zeros_like(raw)
+            out = norm.astype(np.float64)
+            # The scheduler picks the node first (lowest index among equal scores): make that
+            # node the unique maximum so the GPU term below cannot move the choice elsewhere.
+            masked = np.where(node_ok, out, -np.inf)
+            out[int(np.argmax(masked))] += 0.5
+        if feasible.ndim == 2:
+            per_gpu = (v.free_milli - spec.gpu_milli) / MILLI
+            return out[:, None] - 1e-3 * per_gpu
+        return out

@@ -37,4 +37,32 @@ class PriorityPlugin:
             for js in self.scheduler._running.values():
                 by_rank.setdefault(self.rank(js.spec.priority), []).append(js)
             ssn.memo["priority.running_by_rank"] = by_rank
-        return [js for r, jobs in by_rank.items() if r > mine for js in jobs]
+        out = [js for r, jobs in by_rank.items() if r > mine for js in jobs]
+        quota = self.scheduler.plugin("quota")
+        if quota is None or not quota.enabled:
+            return out
+        # Priority does not cross tenants' guarantees: another tenant's job is a victim only
+        # while that tenant would stay at or above its quota without it (it runs on borrowed
+        # GPUs). Otherwise a borrowing high-priority job evicts a guaranteed one, which reclaims
+        # its quota back by evicting the borrower, and so on (preemption ping-pong).
+        used = ssn.memo.get("priority.quota_usage")
+        if used is None:
+            used = ssn.memo["priority.quota_usage"] = quota.usage()
+        tenant = preemptor.spec.tenant
+        kept, others = [], {}
+        for js in out:
+            t = js.spec.tenant
+            if t == tenant or quota.cfg.quota(t) is None:
+                kept.append(js)
+            else:
+                others.setdefault(t, []).append(js)
+        for t, jobs in others.items():
+            over = used.get(t, 0.0) - quota.cfg.quota(t)  # what the tenant borrows
+            # Lowest class first, then the most recently started, up to what it borrows.
+            for js in sorted(jobs, key=lambda j: (-self.rank(j.spec.priority), -(j.start_ts or 0.0), j.spec.name)):
+                if over <= 1e-9:
+                    break
+                if js.gpu_demand <= over + 1e-9:
+                    kept.append(js)
+                    over -= js.gpu_demand
+        return kept

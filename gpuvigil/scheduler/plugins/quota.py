@@ -59,17 +59,31 @@ class QuotaPlugin:
         return float(self.cfg.reclaim_grace_seconds)
 
     def victims(self, preemptor, ssn: Session) -> list:
-        """Reclaim: borrowed jobs of tenants over quota, for a tenant still under its quota."""
+        """Reclaim, for a tenant still under its quota: jobs of tenants over their quota, the most
+        recently started first, as long as evicting them leaves that tenant at or above its
+        quota (only what it borrows). Decided from usage now, not from a flag set at bind time:
+        which of a tenant's jobs are "borrowed" changes as its other jobs finish."""
         if not self.enabled:
             return []
         used = self.usage()
         tenant = preemptor.spec.tenant
         if self.cfg.quota(tenant) is None or not self._within(tenant, preemptor.gpu_demand, used):
             return []
-        out = []
+        by_tenant: dict[str, list] = defaultdict(list)
         for js in self.scheduler._running.values():
-            t = js.spec.tenant
+            if js.spec.tenant != tenant:
+                by_tenant[js.spec.tenant].append(js)
+        out = []
+        for t, jobs in by_tenant.items():
             q = self.cfg.quota(t)
-            if t != tenant and js.borrowed and q is not None and used.get(t, 0.0) > q + 1e-9:
-                out.append(js)
+            if q is None:
+                continue
+            over = used.get(t, 0.0) - q
+            # Jobs bound beyond the quota first, then the most recently started.
+            for js in sorted(jobs, key=lambda j: (not j.borrowed, -(j.start_ts or 0.0), j.spec.name)):
+                if over <= 1e-9:
+                    break
+                if js.gpu_demand <= over + 1e-9:
+                    out.append(js)
+                    over -= js.gpu_demand
         return out

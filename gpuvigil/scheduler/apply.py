@@ -12,6 +12,7 @@ import time
 from collections.abc import Callable, Iterable
 from typing import Any
 
+from gpuvigil.backoff import backoff_seconds
 from gpuvigil.errors import UserError
 from gpuvigil.model import Hint
 
@@ -25,12 +26,14 @@ class Unsupported(ApplyError):
 
 
 def due_for_retry(record: Any, now: float, base_seconds: float, max_seconds: float) -> bool:
-    """A stored pending hint whose last apply failed waits base·2^(attempts-1) seconds (capped)
-    before the next try, so a hint Slurm/Kubernetes keeps refusing does not hammer it each tick."""
+    """A stored pending hint whose last apply failed waits base·2^(attempts-1) seconds (capped,
+    with jitter: `gpuvigil.backoff`) before the next try, so a hint Slurm/Kubernetes keeps
+    refusing does not hammer it each tick, and hints that failed together do not retry together.
+    The jitter is fixed per (hint, attempt): asking again gives the same answer."""
     if not record.last_error or record.attempts < 1:
         return True
-    wait = min(base_seconds * 2 ** (record.attempts - 1), max_seconds)
-    return now - record.updated_ts >= wait
+    wait = backoff_seconds(record.attempts, base_seconds, max_seconds, key=f"{getattr(record, 'id', '')}:{record.attempts}")
+    return now - record.updated_wall >= wait  # both wall clock (HintRecord.updated_wall)
 
 
 def apply_hints(apply: Callable[[Hint], str], hints: Iterable[Hint], *, store: Any = None, retry: dict[str, Hint] | None = None) -> dict[str, str]:

@@ -1,6 +1,6 @@
 """Scenario files for the simulated cluster: jobs, background load and injected faults.
 
-Scenarios ship in `gpuvigil/collectors/scenarios/*.yaml`; a user may point at any YAML/JSON file
+Scenarios ship in `gpuvigil/sim/scenarios/*.yaml`; a user may point at any YAML/JSON file
 of the same shape. A bad file is a `UserError` naming the file and the first problem.
 """
 
@@ -27,6 +27,8 @@ FaultType = Literal[
     "long_checkpoint",  # all ranks pause together for a checkpoint save (hard negative)
     "foreign_process",  # another process on the rank's GPU takes more and more memory
     "pcie_replay",  # the GPU's PCIe link replays packets at a growing rate (a failing link)
+    "eval_phase",  # all ranks run an evaluation pass (forward only, no gradient collectives): a hard negative at L0
+    "power_excursion",  # the GPU draws power_excess_w more than its peers doing the same work; nothing else shows
     "remap_failure",  # HBM row remapping fails (XID 64): the GPU's memory cannot be trusted
     "dataloader_stall",  # all ranks wait on input together, outside collectives (hard negative)
     "restart",  # the job is preempted and restarts from its checkpoint (hard negative)
@@ -80,6 +82,10 @@ class FaultConfig(_Strict):
     temperature_c: float = Field(93.0, ge=0, le=150)
     foreign_gib_per_second: float = Field(0.2, gt=0)
     pcie_replays_per_second: float = Field(20.0, gt=0)
+    power_excess_w: float = Field(150.0, gt=0, le=1000)
+    # nccl_hang: outside (the culprit never entered: host-side) | inside (stuck in a device kernel);
+    # straggler: host (the rank waits on its CPU side, its GPU idles) | gpu (a power-capped GPU runs slower).
+    mode: Literal["outside", "inside", "host", "gpu"] | None = None
 
 
 class PendingGangConfig(_Strict):
@@ -99,6 +105,8 @@ class Scenario(_Strict):
     gpu_memory_gib: float = Field(139.8, gt=0)  # H200 as torch reports it (150,754,820,096 B)
     nodes_per_rack: int = Field(4, ge=1)
     noise: float = Field(0.02, ge=0, le=0.5)  # relative jitter of step times and telemetry
+    # Device telemetry the cluster has: nvml (per-process memory, no profiling ratios) or dcgm (profiling ratios).
+    telemetry: Literal["nvml", "dcgm"] = "dcgm"
     jobs: list[JobConfig] = Field(default_factory=list)
     background: BackgroundConfig = Field(default_factory=BackgroundConfig)
     fragmented_cluster: PendingGangConfig | None = None
@@ -165,3 +173,13 @@ def load(name_or_path: str | Path) -> Scenario:
     except OSError as exc:
         raise UserError(f"{path}: cannot read scenario: {exc.strerror or exc}") from None
     return _parse(text, str(path), json_only=path.suffix == ".json")
+
+
+def with_nodes(sc: Scenario, nodes: int) -> Scenario:
+    """The scenario resized to `nodes` nodes; a size its jobs or faults do not fit is a UserError."""
+    try:
+        return Scenario.model_validate({**sc.model_dump(), "nodes": nodes})
+    except ValidationError as exc:
+        first = exc.errors()[0]
+        msg = str(first.get("msg", exc)).removeprefix("Value error, ")
+        raise UserError(f"scenario {sc.name} with --nodes {nodes}: {msg}") from None

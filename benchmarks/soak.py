@@ -1,0 +1,582 @@
+"""`gpuvigil bench soak`: `gpuvigil serve` for minutes (or hours) at 10,000 simulated GPUs while
+things go wrong around it, and what it kept doing.
+
+Set-up: the simulated cluster (1,250 nodes × 8 GPUs by default) with jobs arriving through the run
+and leaving (crashes, preemptions), and node faults replayed from the InfiniteHBD trace
+(tests/data/traces/infinitehbd-faults-full: 584 faults on 231 servers over 349 days) in the
+trace's order and spacing, time compressed (`--day-seconds` simulated seconds per trace day; the
+trace's 231 faulty servers are mapped onto 231 of the simulated nodes' jobs). A real Alertmanager
+routes every alert to a webhook in this process (the pager); the feedback API is up; client
+threads poll it (verdicts, node health, findings, hints) and follow the hint stream (SSE,
+resuming with Last-Event-ID). The SQLite files (hint store, alert outbox) live on a small tmpfs
+mounted for the run (root), so the disk can be filled for real.
+
+During the run: Alertmanager is restarted; `serve` is killed with SIGKILL and started again (the
+simulated cluster lives in the killed process, so the new one is rebuilt and continues the fault
+schedule where the old one stopped); the tmpfs is filled until writes fail, held, and freed.
+
+Reported (docs/reliability.md): serve's RSS slope, tick time p99 against the tick period, page
+findings raised vs paged (none lost, none paged twice), API requests/s and p99. The simulator
+has no job completion: jobs leave by crashing or being preempted (`restart` faults).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import re
+import shutil
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from dataclasses import dataclass, field
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+REPO = Path(__file__).resolve().parent.parent
+TRACE = REPO / "tests" / "data" / "traces" / "infinitehbd-faults-full" / "fault_trace.json"
+TOKEN = "soak-token-0123456789abcdef0123"
+DOC = REPO / "docs" / "reliability.md"
+
+# Trace fault descriptions -> the simulator's fault with the closest observable effect.
+FAULT_MAP = [
+    (r"ECC", "ecc_dbe"),
+    (r"GPU (xid|Lost|device|P2P)|nvidia-smi|Silent Data|device not found", "gpu_lost"),
+    (r"Link Down|NIC|Rnic|cable|Optical", "nccl_hang"),
+    (r"Temperature|Fan", "thermal"),
+    (r"PCI link", "pcie_replay"),
+    (r"Power", "power_excursion"),
+]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+# -- scenario -------------------------------------------------------------------------------
+def trace_faults(day_seconds: float, horizon: float, seed: int) -> list[dict[str, Any]]:
+    events = json.loads(TRACE.read_text())
+    starts = sorted((e for e in events if e["event_type"] == "fault_start"), key=lambda e: e["event_time"])
+    t0 = starts[0]["event_time"]
+    out = []
+    for e in starts:
+        at = (e["event_time"] - t0) * day_seconds + 30.0  # the first fault 30 s in
+        if at >= horizon:
+            break
+        desc = e["fault_type"]["Desc"]
+        kind = next((k for pattern, k in FAULT_MAP if re.search(pattern, desc, re.I)), "restart")
+        out.append({"at": round(at, 1), "type": kind, "node_id": e["node_id"], "desc": desc})
+    return out
+
+
+def scenario(gpus: int, sim_seconds: float, day_seconds: float, seed: int, offset: float = 0.0) -> dict[str, Any]:
+    """The soak scenario; `offset` drops what happened before it (a restarted serve continues
+    the schedule) and shifts the rest to start at 0."""
+    rng = random.Random(seed)
+    nodes = max(2, gpus // 8)
+    jobs = []
+    # 60% of GPUs in jobs that arrive over the run (sizes like a shared training cluster).
+    budget = int(0.6 * nodes * 8)
+    i = 0
+    while budget > 0:
+        size = min(budget, rng.choice([8, 8, 16, 16, 32, 64, 128]))
+        if size % 8:
+            break
+        submit = rng.uniform(0, 0.8 * sim_seconds)
+        jobs.append(
+            {"name": f"train-{i:03d}", "gpus": size, "gpus_per_node": 8, "step_time_seconds": round(rng.uniform(0.5, 3.0), 2),
+             "collectives_per_step": 4, "checkpoint_every_steps": 400, "checkpoint_seconds": 10, "memory_base_gib": 30,
+             "memory_peak_gib": round(rng.uniform(60, 110), 1), "tenant": rng.choice(["research", "prod", "vision"]), "submit_at": round(submit, 1)}
+        )
+        budget -= size
+        i += 1
+    faults = []
+    node_to_job: dict[str, str] = {}
+    for f in trace_faults(day_seconds, sim_seconds + offset, seed):
+        job = node_to_job.setdefault(f["node_id"], rng.choice(jobs)["name"])
+        faults.append({"type": f["type"], "at": f["at"], "job": job})
+    shifted_jobs = [{**j, "submit_at": max(0.0, j["submit_at"] - offset)} for j in jobs]
+    shifted_faults = [{**f, "at": round(f["at"] - offset, 1)} for f in faults if f["at"] >= offset]
+    return {
+        "name": "soak",
+        "description": "soak: InfiniteHBD fault arrivals, time-compressed, on a 10k-GPU simulated cluster",
+        "duration_seconds": sim_seconds + 60,
+        "nodes": nodes,
+        "jobs": shifted_jobs,
+        "background": {"jobs": max(1, nodes // 20), "sizes": [1, 2, 4]},
+        "faults": shifted_faults,
+    }
+
+
+# -- the pager: Alertmanager's webhook ---------------------------------------------------------
+@dataclass
+class Pager:
+    notifications: list[dict[str, Any]] = field(default_factory=list)
+    lock: threading.Lock = field(default_factory=threading.Lock)
+
+    def start(self) -> tuple[ThreadingHTTPServer, str]:
+        pager = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def do_POST(self) -> None:  # noqa: N802
+                body = self.rfile.read(int(self.headers.get("Content-Length", 0)))
+                with pager.lock:
+                    pager.notifications.append(json.loads(body))
+                self.send_response(200)
+                self.end_headers()
+
+            def log_message(self, *a: Any) -> None:
+                pass
+
+        server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        threading.Thread(target=server.serve_forever, daemon=True).start()
+        return server, f"http://127.0.0.1:{server.server_address[1]}/hook"
+
+    def pages(self) -> dict[str, int]:
+        """finding id -> how many notifications paged it as firing."""
+        out: dict[str, int] = {}
+        with self.lock:
+            for n in self.notifications:
+                for a in n.get("alerts", []):
+                    if a.get("status") == "firing" and a.get("labels", {}).get("severity") == "page":
+                        fid = a.get("annotations", {}).get("finding_id", "")
+                        out[fid] = out.get(fid, 0) + 1
+        return out
+
+
+def start_alertmanager(workdir: Path, port: int, hook: str) -> subprocess.Popen:
+    exe = shutil.which("prometheus-alertmanager") or shutil.which("alertmanager")
+    if exe is None:
+        from gpuvigil.errors import UserError
+
+        raise UserError("the soak needs a real Alertmanager (apt-get install prometheus-alertmanager)")
+    workdir.mkdir(parents=True, exist_ok=True)
+    cfg = {
+        "route": {"receiver": "pager", "group_by": ["alertname", "job", "node", "gpu"], "group_wait": "1s", "group_interval": "5s", "repeat_interval": "24h"},
+        "receivers": [{"name": "pager", "webhook_configs": [{"url": hook, "send_resolved": False}]}],
+    }
+    (workdir / "alertmanager.yml").write_text(yaml.safe_dump(cfg))
+    proc = subprocess.Popen(
+        [exe, f"--config.file={workdir / 'alertmanager.yml'}", f"--storage.path={workdir / 'data'}", f"--web.listen-address=127.0.0.1:{port}",
+         "--cluster.listen-address=", "--log.level=warn"],
+        stdout=(workdir / "alertmanager.log").open("a"), stderr=subprocess.STDOUT,
+    )
+    _wait_http(f"http://127.0.0.1:{port}/-/ready", proc)
+    return proc
+
+
+def _wait_http(url: str, proc: subprocess.Popen, timeout: float = 120.0) -> None:
+    import httpx
+
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"{url}: process exited ({proc.returncode})")
+        try:
+            if httpx.get(url, timeout=2).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.5)
+    raise TimeoutError(url)
+
+
+# -- serve --------------------------------------------------------------------------------------
+def start_serve(workdir: Path, db_dir: Path, scen: dict[str, Any], am_url: str, metrics_port: int, api_port: int, tick_seconds: float, gen: int) -> subprocess.Popen:
+    scen_path = workdir / f"scenario-{gen}.yaml"
+    scen_path.write_text(yaml.safe_dump(scen, sort_keys=False))
+    cfg_path = workdir / "config.yaml"
+    cfg_path.write_text(yaml.safe_dump({"pipeline": {"tick_seconds": tick_seconds}}))
+    (workdir / "token").write_text(TOKEN)
+    log = (workdir / f"serve-{gen}.log").open("w")
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "gpuvigil", "serve", "--source", "sim", "--scenario", str(scen_path), "--config", str(cfg_path),
+         "--port", str(metrics_port), "--alertmanager", am_url, "--outbox", str(db_dir / "outbox.sqlite"),
+         "--hint-db", str(db_dir / "hints.sqlite"), "--api-port", str(api_port), "--api-token-file", str(workdir / "token"), "--log-level", "warning"],
+        cwd=REPO, stdout=log, stderr=subprocess.STDOUT,
+    )
+    _wait_http(f"http://127.0.0.1:{api_port}/healthz", proc, timeout=600)
+    return proc
+
+
+def rss_mb(pid: int) -> float | None:
+    try:
+        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) / 1024
+    except OSError:
+        return None
+    return None
+
+
+# -- clients ------------------------------------------------------------------------------------
+@dataclass
+class Clients:
+    api: str
+    stop: threading.Event = field(default_factory=threading.Event)
+    latencies: list[float] = field(default_factory=list)
+    errors: int = 0
+    refused: int = 0
+    sse_events: int = 0
+    sse_reconnects: int = 0
+    lock: threading.Lock = field(default_factory=threading.Lock)
+
+    def poll(self, k: int) -> None:
+        import httpx
+
+        rng = random.Random(k)
+        jobs: list[str] = []
+        nodes: list[str] = []
+        with httpx.Client(base_url=self.api, headers={"Authorization": f"Bearer {TOKEN}"}, timeout=30) as c:
+            i = 0
+            while not self.stop.is_set():
+                i += 1
+                if jobs and i % 4 == 0:
+                    path = f"/v1/jobs/{rng.choice(jobs)}/verdict"
+                elif nodes and i % 4 == 1:
+                    path = f"/v1/nodes/{rng.choice(nodes)}/health"
+                elif i % 4 == 2:
+                    path = "/v1/hints?limit=100"
+                else:
+                    path = "/v1/findings?active=true&limit=200"
+                t0 = time.perf_counter()
+                try:
+                    r = c.get(path)
+                except httpx.HTTPError:
+                    with self.lock:
+                        self.refused += 1
+                    self.stop.wait(0.5)
+                    continue
+                dt = time.perf_counter() - t0
+                with self.lock:
+                    self.latencies.append(dt)
+                    if r.status_code not in (200, 404):
+                        self.errors += 1
+                if path.startswith("/v1/findings") and r.status_code == 200:
+                    found = r.json()["findings"]
+                    jobs = sorted({f["job"] for f in found if f.get("job")}) or jobs
+                    nodes = sorted({f["node"] for f in found if f.get("node")}) or nodes
+                self.stop.wait(0.05)
+
+    def stream(self) -> None:
+        import httpx
+
+        last_id: str | None = None
+        while not self.stop.is_set():
+            headers = {"Authorization": f"Bearer {TOKEN}"} | ({"Last-Event-ID": last_id} if last_id else {})
+            try:
+                with httpx.stream("GET", f"{self.api}/v1/hints/stream" + ("" if last_id else "?after_seq=0"), headers=headers, timeout=httpx.Timeout(10, read=30)) as r:
+                    for line in r.iter_lines():
+                        if self.stop.is_set():
+                            return
+                        if line.startswith("id: "):
+                            last_id = line[4:]
+                            with self.lock:
+                                self.sse_events += 1
+            except httpx.HTTPError:
+                pass
+            with self.lock:
+                self.sse_reconnects += 1
+            self.stop.wait(1.0)
+
+
+# -- the run ------------------------------------------------------------------------------------
+def _mount_tmpfs(path: Path, mb: int) -> bool:
+    path.mkdir(parents=True, exist_ok=True)
+    if os.geteuid() != 0:
+        return False
+    return subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={mb}m", "tmpfs", str(path)], capture_output=True).returncode == 0
+
+
+def _fill(path: Path) -> int:
+    """Write a filler file until the file system is full; return the bytes written."""
+    written = 0
+    chunk = b"\0" * (1 << 20)
+    try:
+        with open(path / "filler", "wb") as fh:
+            while True:
+                fh.write(chunk)
+                fh.flush()
+                written += len(chunk)
+    except OSError:
+        pass
+    return written
+
+
+SCRAPE_SECONDS = 60.0  # Prometheus' default scrape interval; each scrape renders every GPU's series under the tick lock
+
+
+def _scrape(url: str) -> tuple[dict[str, float], dict[float, float], float | None]:
+    """Selected gauges/counters, the tick-duration histogram (le -> cumulative count), and how
+    long the scrape took (None when it failed)."""
+    import httpx
+
+    out: dict[str, float] = {}
+    buckets: dict[float, float] = {}
+    t0 = time.monotonic()
+    try:
+        text = httpx.get(url, timeout=120).text
+    except httpx.HTTPError:
+        return out, buckets, None
+    took = time.monotonic() - t0
+    for line in text.splitlines():
+        if line.startswith("gpuvigil_pipeline_tick_duration_seconds_bucket{"):
+            le = line.split('le="', 1)[1].split('"', 1)[0]
+            buckets[float("inf") if le == "+Inf" else float(le)] = float(line.rsplit(" ", 1)[1])
+        elif line.startswith(("gpuvigil_pipeline_last_tick_duration_seconds ", "gpuvigil_pipeline_ticks_total ", "gpuvigil_pipeline_ticks ")):
+            name, value = line.rsplit(" ", 1)
+            out[name] = float(value)
+    return out, buckets, took
+
+
+def _bucket_quantile(buckets: dict[float, float], q: float) -> float:
+    """The upper bound of the histogram bucket holding quantile q (a bound, not an estimate)."""
+    total = buckets.get(float("inf"), 0.0)
+    if not total:
+        return float("nan")
+    for le in sorted(buckets):
+        if buckets[le] >= q * total:
+            return le
+    return float("inf")
+
+
+def run(minutes: float, gpus: int, day_seconds: float, tick_seconds: float, seed: int, workdir: Path, log=print) -> dict[str, Any]:
+    wall = minutes * 60
+    sim_seconds = wall  # --speed 1: simulated time runs with the wall clock
+    db_dir = workdir / "db"
+    tmpfs = _mount_tmpfs(db_dir, 48)
+    log(f"soak: {gpus} GPUs, {minutes:g} min, SQLite on {'a 48 MB tmpfs' if tmpfs else 'the work dir (not root: no disk-full phase)'}")
+    pager = Pager()
+    hook_server, hook = pager.start()
+    am_port, metrics_port, api_port = free_port(), free_port(), free_port()
+    am = start_alertmanager(workdir / "am", am_port, hook)
+    am_url = f"http://127.0.0.1:{am_port}"
+    scen0 = scenario(gpus, sim_seconds, day_seconds, seed)
+    injected = [f for f in scen0["faults"]]
+    serve = start_serve(workdir, db_dir, scen0, am_url, metrics_port, api_port, tick_seconds, 0)
+    t_start = time.monotonic()
+    clients = Clients(f"http://127.0.0.1:{api_port}")
+    threads = [threading.Thread(target=clients.poll, args=(k,), daemon=True) for k in range(3)]
+    threads += [threading.Thread(target=clients.stream, daemon=True) for _ in range(2)]
+    for t in threads:
+        t.start()
+    rss: list[tuple[float, float, int]] = []
+    ticks: list[float] = []
+    events: list[str] = []
+    hist_by_gen: dict[int, dict[float, float]] = {}
+    scrape_seconds: list[float] = []
+    current_gen = [0]
+
+    def scraper() -> None:
+        # Its own thread, as Prometheus is its own process: a slow scrape must not stop the
+        # RSS sampling and the fault schedule.
+        last_n = None
+        while not clients.stop.is_set():
+            m, hist, took = _scrape(f"http://127.0.0.1:{metrics_port}/metrics")
+            if took is not None:
+                scrape_seconds.append(took)
+            if hist:
+                hist_by_gen[current_gen[0]] = hist  # cumulative per process: the latest scrape holds all its ticks
+            n = m.get("gpuvigil_pipeline_ticks_total", m.get("gpuvigil_pipeline_ticks"))
+            if n is not None and n != last_n and "gpuvigil_pipeline_last_tick_duration_seconds" in m:
+                ticks.append(m["gpuvigil_pipeline_last_tick_duration_seconds"])
+                last_n = n
+            clients.stop.wait(SCRAPE_SECONDS)
+
+    scrape_thread = threading.Thread(target=scraper, daemon=True)
+    scrape_thread.start()
+    plan = {0.25: "restart_alertmanager", 0.45: "kill_serve", 0.65: "fill_disk", 0.75: "free_disk"}
+    done: set[float] = set()
+    gen = 0
+    fill_written = 0
+    serve_alive_through_full_disk = None
+    while (elapsed := time.monotonic() - t_start) < wall:
+        for frac, what in plan.items():
+            if frac in done or elapsed < frac * wall:
+                continue
+            done.add(frac)
+            if what == "restart_alertmanager":
+                am.terminate()
+                am.wait(30)
+                am = start_alertmanager(workdir / "am", am_port, hook)
+                events.append(f"{elapsed:.0f} s: Alertmanager restarted (SIGTERM, same storage)")
+            elif what == "kill_serve":
+                serve.send_signal(signal.SIGKILL)
+                serve.wait(30)
+                gen += 1
+                t0 = time.monotonic()
+                serve = start_serve(workdir, db_dir, scenario(gpus, sim_seconds, day_seconds, seed, offset=elapsed), am_url, metrics_port, api_port, tick_seconds, gen)
+                events.append(f"{elapsed:.0f} s: serve killed (SIGKILL) and started again; API back after {time.monotonic() - t0:.0f} s")
+            elif what == "fill_disk" and tmpfs:
+                fill_written = _fill(db_dir)
+                events.append(f"{elapsed:.0f} s: tmpfs holding the SQLite files filled ({fill_written >> 20} MB written until ENOSPC)")
+            elif what == "free_disk" and tmpfs:
+                serve_alive_through_full_disk = serve.poll() is None
+                (db_dir / "filler").unlink(missing_ok=True)
+                events.append(f"{elapsed:.0f} s: filler deleted; serve {'still running' if serve_alive_through_full_disk else 'HAD EXITED'}")
+        current_gen[0] = gen
+        r = rss_mb(serve.pid)
+        if r is not None:
+            rss.append((elapsed, r, gen))
+        if serve.poll() is not None and not any("serve exited" in e for e in events):
+            events.append(f"{elapsed:.0f} s: serve exited with {serve.returncode} (see serve-{gen}.log)")
+        time.sleep(min(1.0, tick_seconds / 2))
+    m, hist, took = _scrape(f"http://127.0.0.1:{metrics_port}/metrics")
+    if hist:
+        hist_by_gen[gen] = hist
+    if took is not None:
+        scrape_seconds.append(took)
+    clients.stop.set()
+    serve.terminate()
+    try:
+        serve.wait(60)
+    except subprocess.TimeoutExpired:
+        serve.kill()
+    time.sleep(3)  # Alertmanager's group_wait for the last alerts
+    for t in threads:
+        t.join(35)
+    am.terminate()
+    am.wait(30)
+    hook_server.shutdown()
+    # What gpuvigil raised: page findings in the hint store.
+    import sqlite3
+
+    db = sqlite3.connect(db_dir / "hints.sqlite")
+    raised = {r[0] for r in db.execute("SELECT id FROM findings WHERE severity = 'page'")}
+    db.close()
+    out = sqlite3.connect(db_dir / "outbox.sqlite")
+    left = out.execute("SELECT COUNT(*) FROM outbox").fetchone()[0]
+    dead = out.execute("SELECT COUNT(*) FROM dead_letter").fetchone()[0]
+    out.close()
+    pages = pager.pages()
+    if tmpfs:
+        subprocess.run(["umount", str(db_dir)], capture_output=True)
+    lat = sorted(clients.latencies)
+    merged: dict[float, float] = {}
+    for h in hist_by_gen.values():
+        for le, n in h.items():
+            merged[le] = merged.get(le, 0.0) + n
+    # RSS slope over the last serve process, after its first minute (warm-up: windows filling).
+    last = [(t, r) for t, r, g in rss if g == gen]
+    steady = [(t, r) for t, r in last if t - last[0][0] > 60] if last else []
+    slope = _slope(steady) * 3600 if len(steady) > 10 else float("nan")
+    return {
+        "minutes": minutes, "gpus": gpus, "nodes": scen0["nodes"], "jobs": len(scen0["jobs"]), "tick_seconds": tick_seconds, "day_seconds": day_seconds,
+        "faults_scheduled": len(injected), "fault_kinds": _count(f["type"] for f in injected), "events": events, "tmpfs": tmpfs,
+        "rss_first_mb": last[0][1] if last else None, "rss_last_mb": last[-1][1] if last else None, "rss_max_mb": max((r for _, r, _ in rss), default=None),
+        "rss_slope_mb_per_hour": slope, "steady_window_s": (steady[-1][0] - steady[0][0]) if steady else 0,
+        "ticks_sampled": len(ticks), "tick_last_max_s": max(ticks, default=float("nan")),
+        "ticks_total": sum(h.get(float("inf"), 0) for h in hist_by_gen.values()),
+        "tick_p50_le_s": _bucket_quantile(merged, 0.5), "tick_p99_le_s": _bucket_quantile(merged, 0.99),
+        "scrapes": len(scrape_seconds), "scrape_p50_s": _q(scrape_seconds, 0.5), "scrape_max_s": max(scrape_seconds, default=float("nan")),
+        "page_findings_raised": len(raised), "paged": len(set(pages) & raised), "lost": sorted(raised - set(pages)),
+        "paged_twice": sorted(fid for fid, n in pages.items() if n > 1), "pages_total": sum(pages.values()),
+        "outbox_left": left, "dead_letters": dead,
+        "api_requests": len(lat), "api_req_per_s": len(lat) / wall, "api_p50_ms": 1000 * _q(lat, 0.5), "api_p99_ms": 1000 * _q(lat, 0.99),
+        "api_errors": clients.errors, "api_refused": clients.refused, "sse_events": clients.sse_events, "sse_reconnects": clients.sse_reconnects,
+        "serve_alive_through_full_disk": serve_alive_through_full_disk,
+    }
+
+
+def _q(values: list[float], q: float) -> float:
+    if not values:
+        return float("nan")
+    v = sorted(values)
+    return v[min(len(v) - 1, int(q * len(v)))]
+
+
+def _slope(points: list[tuple[float, float]]) -> float:
+    xs, ys = [p[0] for p in points], [p[1] for p in points]
+    mx, my = statistics.fmean(xs), statistics.fmean(ys)
+    den = sum((x - mx) ** 2 for x in xs)
+    return sum((x - mx) * (y - my) for x, y in zip(xs, ys, strict=True)) / den if den else 0.0
+
+
+def _count(items) -> dict[str, int]:
+    out: dict[str, int] = {}
+    for i in items:
+        out[i] = out.get(i, 0) + 1
+    return out
+
+
+def markdown(r: dict[str, Any]) -> str:
+    lost = len(r["lost"])
+    lines = [
+        "## Soak (`gpuvigil bench soak`)",
+        "",
+        f"`gpuvigil serve` on the simulated cluster: {r['gpus']} GPUs ({r['nodes']} nodes), {r['jobs']} training jobs arriving over the run "
+        f"plus background jobs; tick period {r['tick_seconds']:g} s; {r['minutes']:g} min of wall time. Faults: the InfiniteHBD trace's fault "
+        f"arrivals in order, 1 trace day = {r['day_seconds']:g} s ({r['faults_scheduled']} faults scheduled: "
+        + ", ".join(f"{k} {v}" for k, v in sorted(r["fault_kinds"].items()))
+        + "). Real Alertmanager → webhook pager; the feedback API polled by 3 clients and followed by 2 SSE streams. "
+        "**All telemetry, jobs and fault effects come from the simulator**; the fault *arrival times* come from the trace. "
+        "Measured once on the shared development machine (2 cores, loaded by several other jobs at the same time): times are pessimistic.",
+        "",
+        "What happened during the run:",
+        "",
+        *[f"- {e}" for e in r["events"]],
+        "",
+        "| measure | value | target |",
+        "| --- | --- | --- |",
+        f"| serve RSS slope (last process, after 60 s warm-up, over {r['steady_window_s']:.0f} s) | {r['rss_slope_mb_per_hour']:.1f} MB/h (RSS {r['rss_first_mb']:.0f} → {r['rss_last_mb']:.0f} MB, max {r['rss_max_mb']:.0f} MB) | ≈ 0 |",
+        f"| tick duration p50 / p99 ({r['ticks_total']:.0f} ticks, serve's histogram: bucket upper bounds) | ≤ {r['tick_p50_le_s']:g} / ≤ {r['tick_p99_le_s']:g} s | p99 < period {r['tick_seconds']:g} s |",
+        f"| `/metrics` scrape (every {SCRAPE_SECONDS:g} s, renders all GPUs under the tick lock) | p50 {r['scrape_p50_s']:.1f} s, max {r['scrape_max_s']:.1f} s ({r['scrapes']} scrapes) | well under the scrape interval |",
+        f"| page findings raised (hint store) | {r['page_findings_raised']} | |",
+        f"| of those paged through Alertmanager | {r['paged']} ({lost} lost) | all |",
+        f"| findings paged more than once | {len(r['paged_twice'])} | 0 |",
+        f"| alerts left in the outbox / dead letters at the end | {r['outbox_left']} / {r['dead_letters']} | 0 / 0 |",
+        f"| API reads | {r['api_requests']} ({r['api_req_per_s']:.0f} req/s), p50 {r['api_p50_ms']:.0f} ms, p99 {r['api_p99_ms']:.0f} ms; "
+        f"{r['api_errors']} 5xx/other, {r['api_refused']} refused while serve restarted | p99 < 50 ms |",
+        f"| SSE hint events received / reconnections | {r['sse_events']} / {r['sse_reconnects']} | |",
+    ]
+    if r["tmpfs"]:
+        lines.append(f"| serve kept running while the disk was full | {'yes' if r['serve_alive_through_full_disk'] else 'NO'} | yes |")
+    if r["lost"]:
+        lines += ["", f"Lost (raised, never paged): {', '.join(r['lost'][:20])}" + (" …" if lost > 20 else "")]
+    if r["paged_twice"]:
+        lines += ["", f"Paged more than once: {', '.join(r['paged_twice'][:20])}"]
+    return "\n".join(lines)
+
+
+def add_parser(sub) -> None:
+    p = sub.add_parser("soak", help="serve at 10k simulated GPUs for minutes with faults, restarts and a full disk")
+    p.add_argument("--minutes", type=float, default=12.0, help="wall minutes (default 12)")
+    p.add_argument("--hours", type=float, default=None, help="run this many hours instead")
+    p.add_argument("--gpus", type=int, default=10_000)
+    p.add_argument("--day-seconds", type=float, default=10.0, help="simulated seconds per trace day (default 10)")
+    p.add_argument("--tick-seconds", type=float, default=5.0, help="pipeline tick period (default 5)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--workdir", type=Path, default=None, help="keep logs and files here (default: a temporary folder)")
+    p.add_argument("--json", action="store_true")
+    p.add_argument("--no-write", action="store_true", help="do not write docs/reliability.md")
+    p.set_defaults(func=main)
+
+
+def main(args) -> int:
+    from gpuvigil.errors import UserError
+
+    minutes = args.hours * 60 if args.hours is not None else args.minutes
+    if minutes <= 0 or args.gpus < 16 or args.day_seconds <= 0 or args.tick_seconds <= 0:
+        raise UserError("--minutes/--hours, --day-seconds, --tick-seconds must be > 0 and --gpus >= 16")
+    workdir = args.workdir or Path(tempfile.mkdtemp(prefix="gpuvigil-soak-"))
+    workdir.mkdir(parents=True, exist_ok=True)
+    res = run(minutes, args.gpus, args.day_seconds, args.tick_seconds, args.seed, workdir, log=lambda m: print(m, file=sys.stderr, flush=True))
+    res["workdir"] = str(workdir)
+    md = markdown(res)
+    if not args.no_write:
+        from benchmarks.report import write_section
+
+        write_section("soak", md, DOC)
+    print(json.dumps(res, default=float) if args.json else md)
+    return 0

@@ -1,0 +1,411 @@
+"""Start what a `sources:` section (gpuvigil.deployconfig.Sources) names: one collector per source,
+each wrapped so that its state (`up`) is known, logged when it changes, and exported.
+
+`build(sources, cfg)` starts them in order and raises `UserError` naming the first source that
+cannot start; nothing falls back to the simulator. Each `Source` says what it is, where it reads
+and its state, for the one-line-per-source start-up log.
+"""
+
+from __future__ import annotations
+
+import glob
+import logging
+import os
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import polars as pl
+
+from gpuvigil import schemas
+from gpuvigil.deployconfig import Sources, pattern_glob, pattern_regex, pattern_root, split_address
+from gpuvigil.errors import UserError
+
+log = logging.getLogger("gpuvigil.serve")
+
+
+class Guarded:
+    """A collector whose failures are contained and visible: an exception inside `collect` is
+    caught (the loop goes on) and the source is marked down (`up`, `last_error`, `health()`),
+    which the pipeline's health tracker turns into a log line, `gpuvigil_collector_up` and a
+    collector_down finding. A collector reporting its own `up` attribute is believed."""
+
+    def __init__(self, kind: str, collector: Any):
+        self.kind = kind
+        self.inner = collector
+        self.name = getattr(collector, "name", kind)
+        self.streams = getattr(collector, "streams", {})
+        self.up = True
+        self.failures = 0
+        self.last_error: str | None = None
+
+    @property
+    def errors(self) -> int:
+        return int(getattr(self.inner, "errors", 0)) + self.failures
+
+    def _set(self, up: bool, why: str | None) -> None:
+        # Logged by the pipeline's health tracker (down after a few failed ticks, and recovery),
+        # which reads `up`/`last_error`/`health()` from here: each event is logged once.
+        self.up = up
+        if not up:
+            self.last_error = why or self.last_error
+
+    def health(self) -> dict[str, str | None]:
+        """Per target (each DCGM URL, the kmsg device, ...) when the collector says, else one."""
+        inner = getattr(self.inner, "health", None)
+        if callable(inner):
+            targets = inner()
+            if getattr(self, "_raised", False):  # its collect raised this tick: every target failed
+                return {t: self.last_error for t in targets} or {self.name: self.last_error}
+            return targets
+        return {self.name: None if self.up else (self.last_error or "down")}
+
+    def collect(self, now: float) -> dict[str, pl.DataFrame]:
+        before = int(getattr(self.inner, "errors", 0))
+        self._raised = False
+        try:
+            out = self.inner.collect(now)
+        except Exception as exc:  # a source must never stop the loop
+            self._raised = True
+            self.failures += 1
+            self.last_error = f"{type(exc).__name__}: {exc}"
+            self._set(False, self.last_error)
+            return {}
+        reported = getattr(self.inner, "up", None)
+        if isinstance(reported, bool):
+            self._set(reported, getattr(self.inner, "last_error", None))
+        elif int(getattr(self.inner, "errors", 0)) > before and not out:
+            # It counted a failure and produced nothing: its read failed this tick.
+            self.last_error = getattr(self.inner, "last_error", None)
+            self._set(False, self.last_error)
+        else:
+            self._set(True, None)
+        return out
+
+    def close(self) -> None:
+        close = getattr(self.inner, "close", None)
+        if callable(close):
+            close()
+
+
+class Every:
+    """Calls a snapshot collector at most every `seconds` (monotonic); in between it yields
+    nothing and the window keeps the previous snapshot."""
+
+    def __init__(self, collector: Any, seconds: float):
+        self.inner = collector
+        self.seconds = seconds
+        self.name = getattr(collector, "name", "every")
+        self.streams = getattr(collector, "streams", {})
+        self._at: float | None = None
+
+    @property
+    def errors(self) -> int:
+        return int(getattr(self.inner, "errors", 0))
+
+    @property
+    def last_error(self) -> str | None:
+        return getattr(self.inner, "last_error", None)
+
+    def collect(self, now: float) -> dict[str, pl.DataFrame]:
+        mono = time.monotonic()
+        if self._at is not None and mono - self._at < self.seconds:
+            return {}
+        self._at = mono
+        return self.inner.collect(now)
+
+
+@dataclass
+class Source:
+    kind: str  # nvml | dcgm | kernel_log | logs | flight_recorder | hook | scheduler
+    where: str
+    collector: Guarded | None = None
+    detail: str = ""
+    closers: list[Callable[[], None]] = field(default_factory=list)
+    up_fn: Callable[[], bool] | None = None  # for sources without a collector (e.g. the receiver)
+
+    @property
+    def up(self) -> bool:
+        if self.up_fn is not None:
+            return self.up_fn()
+        return self.collector.up if self.collector is not None else True
+
+    def line(self) -> str:
+        state = "up" if self.up else f"DOWN ({self.collector.last_error if self.collector else ''})"
+        return f"source {self.kind}: {self.where}" + (f" ({self.detail})" if self.detail else "") + f": {state}"
+
+    def close(self) -> None:
+        for fn in reversed(self.closers):
+            fn()
+        if self.collector is not None:
+            self.collector.close()
+
+
+class LogGlobCollector:
+    """Torch/NCCL logs matching a path pattern: each file found is tailed by an NcclLogCollector
+    with the job, rank and node taken from the pattern's `{job}`, `{rank}`, `{node}`. The pattern
+    is re-globbed every `rescan_seconds`; files present at start are read from their end (their
+    past is not news), files that appear later from their start."""
+
+    streams: Mapping[str, pl.Schema] = {"events": schemas.EVENTS}
+
+    def __init__(self, pattern: str, *, node: str, rescan_seconds: float = 2.0, max_files: int = 4096,
+                 job_of: Callable[[str], str | None] | None = None, wait_for_job_seconds: float = 30.0):
+        self.job_of = job_of  # the scheduler's answer for paths the pattern does not name a job in
+        self.wait_for_job_seconds = wait_for_job_seconds
+        self._first_seen: dict[str, float] = {}
+        self.pattern = pattern
+        self.name = f"logs:{pattern}"
+        self.node = node
+        self.glob = pattern_glob(pattern)
+        self.regex = pattern_regex(pattern)
+        self.rescan_seconds = rescan_seconds
+        self.max_files = max_files
+        self.files: dict[str, tuple[Any, int | None]] = {}
+        self._errors = 0
+        self._scanned_at: float | None = None
+        self.last_error: str | None = None
+
+    @property
+    def errors(self) -> int:
+        return self._errors + sum(c.errors for c, _ in self.files.values())
+
+    def _scan(self, first: bool) -> None:
+        from gpuvigil.collectors.nccl_log import NcclLogCollector
+
+        for path in sorted(glob.glob(self.glob, recursive="**" in self.glob)):
+            if path in self.files or not os.path.isfile(path):
+                continue
+            if len(self.files) >= self.max_files:
+                self._errors += 1
+                self.last_error = f"more than {self.max_files} files match {self.pattern}; the rest are not read"
+                break
+            m = self.regex.match(path)
+            groups = m.groupdict() if m else {}
+            rank = int(groups["rank"]) if groups.get("rank") else None
+            job = groups.get("job")
+            if job is None and self.job_of is not None:
+                job = self.job_of(path)
+                seen = self._first_seen.setdefault(path, time.monotonic())
+                if job is None and time.monotonic() - seen < self.wait_for_job_seconds:
+                    continue  # the scheduler may not list the job yet: ask again at the next scan
+            collector = NcclLogCollector(path, node=groups.get("node") or self.node, job=job, from_start=not first)
+            self.files[path] = (collector, rank)
+            log.info("logs: reading %s (job %s, rank %s)", path, job or "?", "?" if rank is None else rank)
+
+    def collect(self, now: float) -> dict[str, pl.DataFrame]:
+        mono = time.monotonic()
+        if self._scanned_at is None or mono - self._scanned_at >= self.rescan_seconds:
+            self._scan(first=self._scanned_at is None)
+            self._scanned_at = mono
+        frames = []
+        for collector, rank in self.files.values():
+            ev = collector.collect(now).get("events")
+            if ev is None or ev.height == 0:
+                continue
+            if rank is not None:
+                ev = ev.with_columns(pl.col("rank").fill_null(rank))
+            frames.append(ev)
+        return {"events": pl.concat(frames, how="vertical_relaxed")} if frames else {}
+
+    def close(self) -> None:
+        for collector, _ in self.files.values():
+            collector.tail.close()
+
+
+def _kernel_log(spec: str, node: str, cfg: dict[str, Any], pci_to_gpu: dict[str, int] | None = None) -> Source:
+    from gpuvigil.collectors import kernel_log as kl
+
+    if spec not in ("kmsg", "journald"):
+        path = Path(spec)
+        if not path.is_file():
+            raise UserError(f"source kernel_log: {spec}: no such file (kernel_log takes kmsg, journald or the path of a kernel log file)")
+        if not os.access(path, os.R_OK):
+            raise UserError(f"source kernel_log: {spec}: not readable by this user")
+    try:
+        collector = kl.KernelLogCollector(spec, node=node, cfg=cfg, pci_to_gpu=pci_to_gpu)
+    except (kl.KernelLogUnavailable, OSError) as exc:
+        raise UserError(f"source kernel_log: cannot read {spec}: {exc}") from exc
+    return Source("kernel_log", str(collector.source.where), Guarded("kernel_log", collector), f"{collector.source.kind}; XIDs; {_describe(collector)}")
+
+
+def _describe(collector: Any) -> str:
+    describe = getattr(collector, "describe", None)
+    return describe() if callable(describe) else ""
+
+
+def _hook(address: str, node: str) -> Source:
+    from gpuvigil.collectors.hook import HookCollector, HookReceiver
+
+    host, port = split_address(address)
+    collector = HookCollector()
+    try:
+        receiver = HookReceiver(collector, host, port).start()
+    except OSError as exc:
+        raise UserError(f"source hook: cannot listen on {host}:{port}: {exc.strerror or exc}") from exc
+    src = Source("hook", receiver.url, Guarded("hook", collector), "in-process hook records (HttpSink)")
+    src.closers.append(receiver.stop)
+    src.receiver = receiver  # type: ignore[attr-defined]
+    return src
+
+
+def slurm_job_of_path(refresh_seconds: float = 5.0, slurm: Any = None) -> Callable[[str], str | None]:
+    """path → the Slurm job whose StdOut or StdErr it is (`scontrol -o show job`, which prints
+    them with %j, %N, ... expanded), refreshed at most every `refresh_seconds`."""
+    from gpuvigil.scheduler.slurm import Slurm, SlurmError, parse_scontrol_record
+
+    slurm = slurm or Slurm(timeout=10)
+    state: dict[str, Any] = {"at": None, "owners": {}}
+
+    def refresh() -> None:
+        owners: dict[str, str] = {}
+        try:
+            text = slurm.run("scontrol", "-o", "show", "job")
+        except SlurmError as exc:
+            log.warning("logs: cannot ask Slurm whose log a file is: %s", exc)
+            return
+        for line in text.splitlines():
+            if not line.startswith("JobId="):
+                continue
+            kv = dict(parse_scontrol_record(line))
+            for key in ("StdOut", "StdErr"):
+                if kv.get(key, "").startswith("/"):
+                    owners[os.path.realpath(kv[key])] = kv["JobId"]
+        state["owners"] = owners
+
+    def job_of(path: str) -> str | None:
+        real = os.path.realpath(path)
+        now = time.monotonic()
+        if real not in state["owners"] and (state["at"] is None or now - state["at"] >= refresh_seconds):
+            state["at"] = now
+            refresh()
+        return state["owners"].get(real)
+
+    return job_of
+
+
+def _slurm(cfg: dict[str, Any], poll_seconds: float) -> Source:
+    from gpuvigil.scheduler.slurm import Slurm, SlurmError, SlurmState, SlurmStateCollector, slurm_config
+
+    sc = slurm_config(cfg)
+    state = SlurmState(Slurm(timeout=sc.command_timeout_seconds))
+    try:
+        nodes = state.nodes()
+        jobs = state.jobs()
+    except SlurmError as exc:
+        raise UserError(f"source scheduler slurm: cannot read cluster state: {exc}") from exc
+    conf = os.environ.get("SLURM_CONF", "/etc/slurm/slurm.conf")
+    detail = f"job map from squeue/sinfo every {poll_seconds:g} s; {len(nodes)} node(s), {len(jobs)} job(s)"
+    return Source("scheduler", f"slurm ({conf})", Guarded("scheduler", Every(SlurmStateCollector(state, sc), poll_seconds)), detail)
+
+
+def build(sources: Sources, cfg: dict[str, Any]) -> list[Source]:
+    """Start every configured real source; UserError names the first one that cannot start."""
+    node = sources.node_name()
+    started: list[Source] = []
+    try:
+        if sources.nvml:
+            try:
+                import gpuvigil.collectors.nvml as nvml
+            except ImportError as exc:
+                raise UserError(f"source nvml: cannot start: {exc} (pip install nvidia-ml-py)") from exc
+            try:
+                collector = nvml.NvmlCollector(node=node)
+            except nvml.NvmlUnavailable as exc:
+                raise UserError(f"source nvml: cannot start: {str(exc).split('; use the simulated')[0]}") from exc
+            started.append(Source("nvml", f"NVML on {node}", Guarded("nvml", collector), f"{len(collector.handles)} GPU(s)"))
+        if sources.dcgm:
+            from gpuvigil.collectors.dcgm import DcgmCollector
+
+            # One collector for every endpoint: scraped concurrently, each with its own timeout.
+            dcgm = DcgmCollector(list(sources.dcgm), node=None)
+            where = sources.dcgm[0] if len(sources.dcgm) == 1 else f"{len(sources.dcgm)} endpoints ({sources.dcgm[0]}, ...)"
+            started.append(Source("dcgm", where, Guarded("dcgm", dcgm), "dcgm-exporter scrapes, concurrent"))
+        if sources.kernel_log:
+            # NVML's PCI bus ids name the GPU of each XID line (and, through the job map, its job).
+            nvml = next((s.collector.inner for s in started if s.kind == "nvml" and s.collector is not None), None)
+            bus_ids = getattr(nvml, "pci_bus_ids", None) or []
+            started.append(_kernel_log(sources.kernel_log, node, cfg, {b: i for i, b in enumerate(bus_ids) if b}))
+        for pattern in sources.logs:
+            root = pattern_root(pattern)
+            job_of = slurm_job_of_path() if sources.scheduler == "slurm" and "{job}" not in pattern else None
+            collector = LogGlobCollector(pattern, node=node, job_of=job_of)
+            if "{job}" in pattern:
+                how = "job, rank from the path"
+            elif job_of is not None:
+                how = "job from Slurm (the job whose StdOut/StdErr is the file), rank from the lines"
+            else:
+                how = "no {job} in the pattern: events carry no job"
+            if not root.is_dir():
+                # Jobs create their log folders: not an error, but said at start (a typo shows here).
+                how += f"; {root} does not exist yet"
+            started.append(Source("logs", pattern, Guarded("logs", collector), how))
+        if sources.flight_recorder:
+            started.append(_flight_recorder(sources.flight_recorder, node))
+        if sources.nccl_inspector:
+            from gpuvigil.collectors.nccl_inspector import NcclInspectorCollector
+
+            started.append(Source("nccl_inspector", sources.nccl_inspector, Guarded("nccl_inspector", NcclInspectorCollector(sources.nccl_inspector)),
+                                  "<job>/ NCCL Inspector records (JSON or Prometheus textfile) as per-rank collective progress (L1)"))
+        if sources.hook:
+            started.append(_hook(sources.hook, node))
+        job_map = _job_map(sources, node, started)
+        if job_map is not None:
+            started.append(job_map)
+        if sources.scheduler == "slurm":
+            started.append(_slurm(cfg, sources.scheduler_poll_seconds))
+        elif sources.scheduler == "kubernetes":
+            started.append(Source("scheduler", "kubernetes", None, "acting only: no job map from the API server in this build"))
+    except BaseException:
+        for src in started:
+            src.close()
+        raise
+    return started
+
+
+PODRESOURCES_SOCKET = "/var/lib/kubelet/pod-resources/kubelet.sock"
+
+
+def _job_map(sources: Sources, node: str, started: list[Source]) -> Source | None:
+    """GPU → job, rank from what this node has: the job-mapping folder, NVML's processes (their
+    /proc environment and cgroup; `scontrol pidinfo` under Slurm), the kubelet's PodResources."""
+    from gpuvigil.collectors.jobmap import JobMapCollector
+
+    nvml = next((s.collector.inner for s in started if s.kind == "nvml" and s.collector is not None), None)
+    socket_path = PODRESOURCES_SOCKET if sources.scheduler == "kubernetes" and Path(PODRESOURCES_SOCKET).exists() else None
+    if not (sources.job_map_dir or nvml is not None or socket_path):
+        return None
+    if sources.job_map_dir and not Path(sources.job_map_dir).is_dir():
+        log.info("job map: %s does not exist yet (the Slurm prolog creates it with the first GPU job)", sources.job_map_dir)
+    processes = getattr(nvml, "processes", None) if nvml is not None else None
+    collector = JobMapCollector(
+        node=node,
+        processes=processes,
+        hpc_job_mapping_dir=sources.job_map_dir,
+        podresources_socket=socket_path,
+        scontrol="scontrol" if sources.scheduler == "slurm" and processes is not None else None,
+        uuid_to_gpu=getattr(nvml, "uuid_to_gpu", None),  # every GPU's UUID, not only those running a process
+    )
+    return Source("job_map", sources.job_map_dir or node, Guarded("job_map", collector), _describe(collector))
+
+
+def _flight_recorder(folder: str, node: str) -> Source:
+    from gpuvigil.collectors.fr_dumps import FrDumpTrigger, FrDumpWatcher, FrRequests, pipe_writer
+
+    path = Path(folder)
+    if not path.is_dir():
+        # gpuvigil's drop folder: ranks of any user write <job>/ folders into it (sticky, like /tmp).
+        try:
+            path.mkdir(parents=True)
+            path.chmod(0o1777)
+        except OSError as exc:
+            raise UserError(f"source flight_recorder: cannot create {folder}: {exc.strerror or exc}") from exc
+        log.info("flight_recorder: created %s (mode 1777)", path)
+    requests = FrRequests()
+    src = Source("flight_recorder", str(path), Guarded("flight_recorder", FrDumpWatcher(path, node=node, requests=requests)),
+                 "<job>/ dumps analysed across ranks as they appear; debug-info pipes written when a hang is suspected")
+    # The sink that asks a suspected-hung job's ranks to dump (serve adds it after the store).
+    src.sink = FrDumpTrigger(pipe_writer(path), requests)  # type: ignore[attr-defined]
+    return src

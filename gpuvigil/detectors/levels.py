@@ -1,0 +1,154 @@
+"""Observation levels: what a job is observed with, and which detector of a capability runs for it.
+
+- L0: NVML or DCGM, the scheduler's job map and logs (no change to the job).
+- L1: L0 plus switches the scheduler sets in the job's environment: PyTorch Flight Recorder
+  (dump on timeout, debug-info pipe) and the NCCL Inspector profiler plugin.
+- L2: the in-process hook (`gpuvigil.instrument`).
+
+Each detector declares `level`, the `streams` it reads (any of them marks a job as observable by
+it) and, for the headline capabilities, a `capability` (hang, oom, straggler). Per job the
+pipeline keeps the findings of the best detector of each capability the job's streams allow; a
+lower level's findings for that job are suppressed (handed to sinks as `suppressed_findings`, so
+that e.g. an L0 hang suspicion still triggers L1 Flight Recorder dumps). If the selected L1
+detector stays silent for `fallback_seconds` after a suppressed L0 finding, the L0 one goes out:
+a broken pipe must not cost the page. L2 never falls back (its figures stay its own).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from typing import Any
+
+import polars as pl
+from pydantic import BaseModel, ConfigDict, Field
+
+from gpuvigil.model import Finding
+
+LEVELS = ("L0", "L1", "L2")
+RANK = {lvl: i for i, lvl in enumerate(LEVELS)}
+# Per-job streams and the level they mark (device streams carry no job: every placed job is L0).
+STREAM_LEVEL = {"collective_progress": "L1", "fr_pipes": "L1", "fr_analysis": "L1", "rank_progress": "L2", "allocator_stats": "L2"}
+
+
+class LevelsConfig(BaseModel):
+    memory_seconds: float = Field(900.0, gt=0)
+    fallback_seconds: dict[str, float] = Field(default_factory=lambda: {"L1": 60.0})
+
+
+def level_of(detector: Any) -> str:
+    return getattr(detector, "level", "L0")
+
+
+class LevelsConfig(BaseModel):
+    """The `levels` config section (validated at load with every other section; LevelSelector's
+    keyword arguments)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    memory_seconds: float = Field(900.0, gt=0)
+    fallback_seconds: dict[str, float] = Field(default_factory=lambda: {"L1": 60.0})
+
+
+class LevelSelector:
+    """Tracks which per-job streams each job has shown, and filters findings by level."""
+
+    def __init__(self, detectors: Sequence[Any], memory_seconds: float = 900.0, fallback_seconds: dict[str, float] | None = None):
+        self.detectors = list(detectors)
+        self.memory_seconds = memory_seconds
+        self.fallback_seconds = {"L1": 60.0} if fallback_seconds is None else dict(fallback_seconds)
+        self._seen: dict[tuple[str, str], float] = {}  # (job, stream) → last ts seen
+        self._jobs: dict[str, float] = {}
+        self._quiet_since: dict[tuple[str, str], float] = {}  # (capability, job) → first suppressed finding
+        self._selected_reported: dict[tuple[str, str], float] = {}
+        self.now = 0.0
+        by_cap: dict[str, list[Any]] = {}
+        for d in self.detectors:
+            if getattr(d, "capability", None):
+                by_cap.setdefault(d.capability, []).append(d)
+        self.by_capability = by_cap
+
+    def observe(self, window: Any) -> None:
+        self.now = now = window.now
+        for stream in STREAM_LEVEL:
+            df = window.fresh(stream)
+            if df.height and "job" in df.columns:
+                for job in df.get_column("job").drop_nulls().unique().to_list():
+                    self._seen[(job, stream)] = now
+        alloc = window.get("allocations")
+        if alloc.height:
+            for job in alloc.get_column("job").drop_nulls().unique().to_list():
+                self._jobs[job] = now
+        cutoff = now - self.memory_seconds
+        if len(self._seen) > 4 * max(1, len(self._jobs)) * len(STREAM_LEVEL):
+            self._seen = {k: v for k, v in self._seen.items() if v >= cutoff}
+        self._levels = self._compute_levels()
+        self._needed: dict[tuple[str, str], bool] = {}
+
+    def streams_of(self, job: str) -> set[str]:
+        cutoff = self.now - self.memory_seconds
+        return {s for s in STREAM_LEVEL if self._seen.get((job, s), -1e18) >= cutoff}
+
+    def job_level(self, job: str) -> str:
+        return max((STREAM_LEVEL[s] for s in self.streams_of(job)), key=RANK.__getitem__, default="L0")
+
+    def job_levels(self) -> dict[str, str]:
+        return dict(getattr(self, "_levels", {}))
+
+    def _compute_levels(self) -> dict[str, str]:
+        cutoff = self.now - self.memory_seconds
+        jobs = {j for j, t in self._jobs.items() if t >= cutoff} | {j for (j, _s), t in self._seen.items() if t >= cutoff}
+        return {j: self.job_level(j) for j in sorted(jobs)}
+
+    def _available(self, detector: Any, job: str) -> bool:
+        if level_of(detector) == "L0":
+            return True
+        return bool(set(getattr(detector, "streams", ())) & self.streams_of(job))
+
+    def best(self, capability: str, job: str) -> str:
+        return max((level_of(d) for d in self.by_capability.get(capability, []) if self._available(d, job)), key=RANK.__getitem__, default="L0")
+
+    def needed(self, detector: Any) -> bool:
+        """Whether a capability detector is the selected one for some job now (else skip it)."""
+        cap = getattr(detector, "capability", None)
+        if not cap:
+            return True
+        key = (cap, level_of(detector))
+        if key not in self._needed:
+            # An L0 detector also serves L1 jobs: its findings trigger L1 dumps and are the fallback.
+            wanted = ("L0", "L1") if key[1] == "L0" else (key[1],)
+            self._needed[key] = any(self.best(cap, j) in wanted for j in self.job_levels())
+        return self._needed[key]
+
+    def select(self, detector: Any, findings: Iterable[Finding]) -> tuple[list[Finding], list[Finding]]:
+        """(kept, suppressed); every finding gets its detector's level in `evidence`."""
+        lvl = level_of(detector)
+        cap = getattr(detector, "capability", None)
+        kept: list[Finding] = []
+        dropped: list[Finding] = []
+        for f in findings:
+            f.evidence.setdefault("level", lvl)
+            if not cap or f.job is None:
+                kept.append(f)
+                continue
+            best = self.best(cap, f.job)
+            key = (cap, f.job)
+            if best == lvl:
+                self._selected_reported[key] = self.now
+                kept.append(f)
+                continue
+            if RANK[lvl] > RANK[best]:
+                kept.append(f)  # a higher level than expected showed up: never hide better evidence
+                continue
+            since = self._quiet_since.setdefault(key, self.now)
+            fallback = self.fallback_seconds.get(best)
+            selected_spoke = self._selected_reported.get(key, -1e18) >= since
+            if fallback is not None and not selected_spoke and self.now - since >= fallback:
+                f.evidence["fallback_from"] = best
+                kept.append(f)
+            else:
+                dropped.append(f)
+        return kept, dropped
+
+    def frame(self) -> pl.DataFrame:
+        levels = self.job_levels()
+        return pl.DataFrame({"job": list(levels), "level": list(levels.values())}, schema={"job": pl.Utf8, "level": pl.Utf8})

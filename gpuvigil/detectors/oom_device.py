@@ -1,0 +1,191 @@
+"""L0 OOM prediction from device memory (NVML per-process used memory, else DCGM FB_USED).
+
+What the device sees of PyTorch is the caching allocator's footprint (reserved segments) plus the
+CUDA context and NCCL buffers: it grows in segment-sized steps and shrinks only on
+`empty_cache()` (or a restart); the sawtooth of allocated memory within a step stays inside it
+(pytorch#37250). A healthy job's footprint is therefore a step function that plateaus after
+warm-up, however close to capacity the plateau is; a leak (or growing activations) keeps adding
+segments. The detector follows the upper envelope of each process's footprint since its last
+drop, and warns when it has risen in at least `min_rises` separate steps spread over
+`min_span_seconds`: rate = growth between the first and the last step / their time apart; time
+to OOM = headroom / rate, where headroom = capacity (total − driver-reserved) − safety margin −
+what the GPU holds now.
+
+Cause: another process on the GPU whose memory grows (per-process memory only) = foreign
+process; else leak/capacity. Fragmentation cannot be seen at L0: a fragmenting pool also adds
+segments, and only the allocator's own statistics (L2) tell reserved-but-unallocated apart.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import polars as pl
+from pydantic import BaseModel
+
+from gpuvigil.detectors.common import settings
+from gpuvigil.model import Finding, FindingKind, Severity
+from gpuvigil.pipeline.window import Window
+
+GIB = float(1 << 30)
+NOT_AT_L0 = "fragmentation cannot be seen at L0 (device memory shows the allocator's footprint, not what is free inside it)"
+
+
+class OomDeviceConfig(BaseModel):
+    fit_window_seconds: float = 110.0
+    warmup_seconds: float = 30.0
+    min_rises: int = 3  # separate upward steps of the envelope
+    rise_bytes: int = 64 << 20  # a step smaller than this is noise
+    drop_bytes: int = 1 << 30  # a fall this large is empty_cache or a restart: start over
+    min_span_seconds: float = 20.0  # first to last step at least this far apart
+    min_growth_bytes: int = 1 << 30
+    predict_horizon_seconds: float = 1800.0
+    page_within_seconds: float = 900.0
+    safety_margin_bytes: int = 1 << 30
+    foreign_share: float = 0.5  # cause = foreign process when its growth is this share of the GPU's
+
+
+class DeviceOomPredictor:
+    name = "oom_device"
+    level = "L0"
+    capability = "oom"
+    streams = ("gpu_samples", "gpu_processes")
+
+    def __init__(self, cfg: dict[str, Any] | None = None):
+        self.config = settings("oom_device", OomDeviceConfig, cfg)
+
+    def _series(self, window: Window, since: float) -> pl.DataFrame:
+        """(ts, job, rank, node, gpu, own, gpu_used, capacity, foreign) per process sample."""
+        gs = window.get("gpu_samples").filter(pl.col("ts") >= since)
+        alloc = window.get("allocations").select("node", "gpu", "job", "rank")
+        if gs.height == 0 or alloc.height == 0:
+            return pl.DataFrame()
+        dev = gs.select(
+            "ts",
+            "node",
+            "gpu",
+            pl.col("memory_used_bytes").cast(pl.Float64).alias("gpu_used"),
+            (pl.col("memory_total_bytes") - pl.col("memory_reserved_bytes").fill_null(0)).cast(pl.Float64).alias("capacity"),
+        ).filter(pl.col("gpu_used").is_not_null())
+        procs = window.get("gpu_processes")
+        if procs.height:
+            procs = procs.filter((pl.col("ts") >= since) & pl.col("used_memory_bytes").is_not_null())
+        if procs.height:
+            # A process is the job's when the scheduler's map or its own attribution says so.
+            p = procs.join(alloc.rename({"job": "_ajob", "rank": "_arank"}), on=["node", "gpu"], how="left").with_columns(
+                (pl.col("job").is_not_null() & (pl.col("job") == pl.col("_ajob")) | pl.col("job").is_null() & (pl.col("slurm_job") == pl.col("_ajob"))).fill_null(False).alias("own")
+            )
+            per = p.group_by(["ts", "node", "gpu"]).agg(
+                pl.col("used_memory_bytes").filter(pl.col("own")).sum().cast(pl.Float64).alias("own"),
+                pl.col("used_memory_bytes").filter(~pl.col("own")).sum().cast(pl.Float64).alias("foreign"),
+            )
+            dev = dev.join(per, on=["ts", "node", "gpu"], how="left").with_columns(pl.col("own").fill_null(pl.col("gpu_used")))
+        else:
+            dev = dev.with_columns(pl.col("gpu_used").alias("own"), pl.lit(None, pl.Float64).alias("foreign"))
+        return dev.join(alloc, on=["node", "gpu"], how="inner")
+
+    def detect(self, window: Window) -> list[Finding]:
+        c = self.config
+        now = window.now
+        df = self._series(window, now - c.fit_window_seconds)
+        if df.height == 0:
+            return []
+        jobs = window.get("jobs")
+        if jobs.height:
+            df = df.join(jobs.select("job", pl.col("start_ts").alias("_start")), on="job", how="left").filter(
+                pl.col("_start").is_null() | (pl.col("ts") >= pl.col("_start") + c.warmup_seconds)
+            )
+        key = ["job", "rank", "node", "gpu"]
+        df = df.sort([*key, "ts"])
+        # Segments since the last large drop, the envelope within them, and where it stepped up.
+        df = df.with_columns((pl.col("own").diff().over(key) < -c.drop_bytes).fill_null(False).cum_sum().over(key).alias("seg"))
+        df = df.filter(pl.col("seg") == pl.col("seg").max().over(key))
+        df = df.with_columns(pl.col("own").cum_max().over(key).alias("env"), pl.col("foreign").fill_null(0).cum_max().over(key).alias("fenv"))
+        df = df.with_columns((pl.col("env").diff().over(key).fill_null(0) > c.rise_bytes).alias("rise"))
+        per = df.group_by(key).agg(
+            pl.col("rise").sum().alias("rises"),
+            pl.col("ts").filter(pl.col("rise")).min().alias("t_first"),
+            pl.col("ts").filter(pl.col("rise")).max().alias("t_last"),
+            pl.col("env").filter(pl.col("rise")).min().alias("env_first"),
+            pl.col("env").last().alias("env_last"),
+            pl.col("env").first().alias("env_start"),
+            pl.col("fenv").first().alias("f_start"),
+            pl.col("fenv").last().alias("f_last"),
+            pl.col("foreign").is_not_null().any().alias("has_procs"),
+            pl.col("gpu_used").last().alias("gpu_used"),
+            pl.col("capacity").last().alias("capacity"),
+            pl.col("own").last().alias("own_now"),
+        )
+        fits = (
+            per.with_columns(
+                ((pl.col("env_last") - pl.col("env_first")) / (pl.col("t_last") - pl.col("t_first"))).alias("rate"),
+                (pl.col("env_last") - pl.col("env_start")).alias("growth"),
+                (pl.col("f_last") - pl.col("f_start")).alias("f_growth"),
+                (pl.col("capacity") - c.safety_margin_bytes - pl.col("gpu_used")).alias("headroom"),
+            )
+            .with_columns((pl.col("headroom").clip(lower_bound=0) / pl.col("rate")).alias("tto"))
+            .filter(
+                (pl.col("rises") >= c.min_rises)
+                & (pl.col("t_last") - pl.col("t_first") >= c.min_span_seconds)
+                & (pl.col("growth") >= c.min_growth_bytes)
+                & (pl.col("rate") > 0)
+                & (pl.col("tto") <= c.predict_horizon_seconds)
+            )
+            .sort(["tto", "job", "rank"])
+        )
+        # Foreign growth on a job's GPU also counts when the job's own footprint is flat.
+        foreign = (
+            per.filter(pl.col("has_procs") & ((pl.col("f_last") - pl.col("f_start")) >= c.min_growth_bytes))
+            .with_columns(
+                (pl.col("capacity") - c.safety_margin_bytes - pl.col("gpu_used")).alias("headroom"),
+            )
+        )
+        findings = []
+        seen = set()
+        for rows in fits.partition_by("job", maintain_order=True):
+            w = rows.row(0, named=True)
+            seen.add(w["job"])
+            is_foreign = bool(w["has_procs"]) and w["f_growth"] >= c.foreign_share * max(w["growth"] + w["f_growth"], 1.0)
+            findings.append(self._finding(now, w, rows.height, "foreign_process" if is_foreign else "leak", float(w["rate"]), float(w["tto"])))
+        for rows in foreign.filter(~pl.col("job").is_in(list(seen))).partition_by("job", maintain_order=True) if foreign.height else []:
+            w = rows.row(0, named=True)
+            span = max(c.fit_window_seconds, 1.0)
+            rate = float(w["f_last"] - w["f_start"]) / span
+            tto = max(float(w["headroom"]), 0.0) / rate if rate > 0 else float("inf")
+            if tto <= c.predict_horizon_seconds:
+                findings.append(self._finding(now, w, rows.height, "foreign_process", rate, tto))
+        return findings
+
+    def _finding(self, now: float, w: dict, n_at_risk: int, cause: str, rate: float, tto: float) -> Finding:
+        c = self.config
+        what = "another process on the GPU is taking more and more memory" if cause == "foreign_process" else "the job's footprint keeps adding segments (a leak, or a workload outgrowing the GPU)"
+        return Finding(
+            kind=FindingKind.OOM_PREDICTED,
+            severity=Severity.PAGE if tto <= c.page_within_seconds else Severity.TICKET,
+            ts=now,
+            job=w["job"],
+            ranks=[int(w["rank"])],
+            node=w["node"],
+            gpu=int(w["gpu"]),
+            cause=cause,
+            source=self.name,
+            evidence={
+                "level": "L0",
+                "time_to_oom_seconds": round(tto, 1),
+                "rank": int(w["rank"]),
+                "growth_bytes_per_second": round(rate),
+                "footprint_bytes": int(w["own_now"]),
+                "gpu_used_bytes": int(w["gpu_used"]),
+                "capacity_bytes": int(w["capacity"]),
+                "headroom_bytes": int(w["headroom"]),
+                "segment_steps": int(w.get("rises") or 0),
+                "per_process_memory": bool(w["has_procs"]),
+                "ranks_at_risk": n_at_risk,
+                "fragmentation_visible": False,
+                "note": NOT_AT_L0,
+            },
+            summary=(
+                f"{w['job']} rank {w['rank']} ({w['node']} GPU {w['gpu']}) will run out of GPU memory in about {tto / 60:.1f} min (L0, device memory): "
+                f"{what}, +{rate / GIB * 60:.2f} GiB/min, {max(w['headroom'], 0) / GIB:.1f} GiB left; {NOT_AT_L0}."
+            ),
+        )

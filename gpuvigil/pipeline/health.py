@@ -1,0 +1,137 @@
+"""Collector failures are loud: per-target health, `collector_down` findings, log lines.
+
+A collector reports how each of its targets fared on the latest `collect` through an optional
+`health()` → `{target: None | "reason"}` (a DCGM endpoint, /dev/kmsg, a log file...), or, for
+one target, `up = False` with `last_error`. A `collect` that raises is a failure of all its
+targets (the tick goes on without it). After
+`down_after` failures in a row (config `pipeline.collector_down_after_failures`) a target is
+down: a WARNING names it and the reason, its `gpuvigil_collector_up` goes to 0, and a
+`collector_down` finding (ticket) is raised every tick while it stays down. The first success
+after that logs the recovery and clears the finding at once.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+
+import polars as pl
+
+from gpuvigil.collectors.base import Collector
+from gpuvigil.model import Finding, FindingKind, Severity
+
+log = logging.getLogger("gpuvigil.pipeline")
+
+
+@dataclass
+class CollectorHealth:
+    collector: str
+    target: str
+    up: bool = True
+    consecutive_failures: int = 0
+    reason: str | None = None  # the latest failure's reason
+    failing_since: float | None = None
+    down_since: float | None = None
+    failures_total: int = 0
+    node: str | None = None  # the node the collector watches, when it is one node's
+
+
+def _one_line(text: str, limit: int = 300) -> str:
+    line = " ".join(str(text).split())
+    return line if len(line) <= limit else line[: limit - 1] + "…"
+
+
+def _who(collector: str, target: str) -> str:
+    return f"collector {collector}" if target == collector or target in collector else f"collector {collector}: {target}"
+
+
+def finding_id(collector: str, target: str) -> str:
+    return collector_down_finding(CollectorHealth(collector, target), 0.0, 1).id
+
+
+def collector_down_finding(h: CollectorHealth, now: float, down_after: int) -> Finding:
+    return Finding(
+        kind=FindingKind.COLLECTOR_DOWN,
+        severity=Severity.TICKET,
+        ts=h.down_since if h.down_since is not None else now,
+        node=h.node,
+        evidence={
+            "collector": h.collector,
+            "target": h.target,
+            "reason": h.reason,
+            "consecutive_failures": h.consecutive_failures,
+            "failing_since": h.failing_since,
+            "down_after_failures": down_after,
+        },
+        summary=f"Collector {h.collector} cannot read {h.target}: {h.reason or 'unknown error'} "
+        f"({h.consecutive_failures} failed collects in a row); detectors are blind to what it watches",
+        source="pipeline",
+    )
+
+
+class HealthTracker:
+    """Runs every collector's `collect` for a tick and keeps the health of each target."""
+
+    def __init__(self, down_after: int = 3):
+        self.down_after = down_after
+        self.table: dict[tuple[str, str], CollectorHealth] = {}
+        self.recovered: list[str] = []  # ids of findings to clear this tick
+
+    def _targets_of(self, collector: Collector) -> list[str]:
+        known = [t for (c, t) in self.table if c == collector.name]
+        return known or [collector.name]
+
+    def collect_all(self, collectors: Sequence[Collector], now: float) -> list[tuple[str, pl.DataFrame]]:
+        frames: list[tuple[str, pl.DataFrame]] = []
+        self.recovered = []
+        for collector in collectors:
+            try:
+                out = collector.collect(now)
+            except Exception as exc:  # noqa: BLE001 - one broken collector must not stop the others
+                collector.errors += 1
+                reason = _one_line(f"collect raised {type(exc).__name__}: {exc}")
+                self._update(collector, {t: reason for t in self._targets_of(collector)}, now)
+                continue
+            frames.extend(out.items())
+            status = getattr(collector, "health", None)
+            try:
+                if callable(status):
+                    targets = dict(status())
+                elif getattr(collector, "up", None) is False:  # a wrapper that keeps its own `up`
+                    targets = {collector.name: getattr(collector, "last_error", None) or "reported down"}
+                else:
+                    targets = {collector.name: None}
+            except Exception as exc:  # noqa: BLE001
+                targets = {t: _one_line(f"health() raised {type(exc).__name__}: {exc}") for t in self._targets_of(collector)}
+            self._update(collector, targets or {collector.name: None}, now)
+        return frames
+
+    def _update(self, source: Collector, targets: dict[str, str | None], now: float) -> None:
+        collector = source.name
+        node = getattr(source, "node", None)
+        for target, reason in targets.items():
+            h = self.table.setdefault((collector, str(target)), CollectorHealth(collector, str(target), node=node if isinstance(node, str) else None))
+            if reason is None:
+                if not h.up:
+                    log.info("%s recovered after %.0f s down (%d failed collects)", _who(collector, str(target)), now - (h.down_since or now), h.consecutive_failures)
+                    self.recovered.append(finding_id(collector, str(target)))
+                h.up, h.consecutive_failures, h.failing_since, h.down_since = True, 0, None, None
+                continue
+            h.reason = _one_line(reason)
+            h.failures_total += 1
+            h.consecutive_failures += 1
+            if h.failing_since is None:
+                h.failing_since = now
+            if h.up and h.consecutive_failures >= self.down_after:
+                h.up, h.down_since = False, now
+                log.warning("%s is down after %d failed collects in a row: %s", _who(collector, str(target)), h.consecutive_failures, h.reason)
+
+    def findings(self, now: float) -> list[Finding]:
+        return [collector_down_finding(h, now, self.down_after) for h in self.table.values() if not h.up]
+
+    def rows(self) -> Iterable[CollectorHealth]:
+        return sorted(self.table.values(), key=lambda h: (h.collector, h.target))
+
+
+__all__ = ["CollectorHealth", "HealthTracker", "collector_down_finding"]

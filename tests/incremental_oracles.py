@@ -1,0 +1,314 @@
+"""From-scratch refits: the trend detectors as they were before they kept running state.
+
+Each reads its whole look-back from the window on every call. The incremental detectors must
+give the same findings on the same rows (tests/test_detectors_incremental.py).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import polars as pl
+
+from gpuvigil.detectors.common import current_run, settings
+from gpuvigil.detectors.fragmentation_allocator import FragmentationAllocatorConfig
+from gpuvigil.detectors.oom import OomConfig
+from gpuvigil.detectors.straggler import StragglerConfig
+from gpuvigil.model import Finding, FindingKind, Severity
+from gpuvigil.pipeline.window import Window
+
+GIB = float(1 << 30)
+class RefitOom:
+    name = "oom"
+
+    def __init__(self, cfg: dict[str, Any] | None = None):
+        self.config = settings("oom", OomConfig, cfg)
+
+    def detect(self, window: Window) -> list[Finding]:
+        c = self.config
+        now = window.now
+        df = current_run(window, "allocator_stats", since=now - c.fit_window_seconds, warmup=c.warmup_seconds)
+        if df.height == 0:
+            return []
+        # Least squares from sums (one pass, no per-group sort): y in GiB keeps the sums of
+        # squares well conditioned. The window's two halves are fitted too: growth must hold
+        # in both the last min_span/2 seconds and before them (a one-off step, warm-up or a new
+        # phase of training, is not a trend).
+        half = -c.min_span_seconds / 2
+        df = df.select(
+            "job",
+            "rank",
+            "node",
+            "gpu",
+            "device_capacity_bytes",
+            (pl.col("ts") - now).alias("t"),
+            # What runs out is the device: our per-step peak footprint plus other processes.
+            ((pl.max_horizontal("reserved_bytes", "peak_allocated_bytes") + pl.col("foreign_used_bytes").fill_null(0)) / GIB).alias("y"),
+            ((pl.col("reserved_bytes") - pl.col("peak_allocated_bytes")) / GIB).alias("gap"),
+            (pl.col("peak_allocated_bytes") / GIB).alias("peak"),
+            (pl.col("foreign_used_bytes").fill_null(0) / GIB).alias("foreign"),
+            pl.col("alloc_retries").fill_null(0).cast(pl.Float64).alias("retries"),
+        ).with_columns((pl.col("t") < half).cast(pl.Float64).alias("e"))
+        t, y, e = pl.col("t"), pl.col("y"), pl.col("e")
+        sums = df.group_by(["job", "rank"]).agg(
+            pl.len().cast(pl.Float64).alias("n"),
+            t.min().alias("t_min"),
+            t.max().alias("t_max"),
+            t.sum().alias("st"),
+            (t * t).sum().alias("stt"),
+            y.sum().alias("sy"),
+            (t * y).sum().alias("sty"),
+            (y * y).sum().alias("syy"),
+            e.sum().alias("ne"),
+            (e * t).sum().alias("ste"),
+            (e * t * t).sum().alias("stte"),
+            (e * y).sum().alias("sye"),
+            (e * t * y).sum().alias("stye"),
+            pl.col("gap").sum().alias("sg"),
+            (t * pl.col("gap")).sum().alias("stg"),
+            pl.col("peak").sum().alias("sp"),
+            (t * pl.col("peak")).sum().alias("stp"),
+            pl.col("foreign").sum().alias("sf"),
+            (t * pl.col("foreign")).sum().alias("stf"),
+            y.last().alias("footprint_gib"),
+            pl.col("gap").last().alias("gap_gib"),
+            pl.col("foreign").last().alias("foreign_gib"),
+            (pl.col("retries").last() - pl.col("retries").first()).alias("retries_delta"),
+            pl.col("device_capacity_bytes").last().alias("capacity"),
+            pl.col("node").last(),
+            pl.col("gpu").last(),
+        )
+
+        def slope(n: pl.Expr, st: pl.Expr, stt: pl.Expr, sy: pl.Expr, sty: pl.Expr) -> pl.Expr:
+            den = n * stt - st * st
+            # Fewer than 3 samples (e.g. a half with no data) is no fit: null fails every filter.
+            return pl.when((n >= 3) & (den > 0)).then((n * sty - st * sy) / den)
+
+        n, st, stt = pl.col("n"), pl.col("st"), pl.col("stt")
+        nl, stl, sttl = n - pl.col("ne"), st - pl.col("ste"), stt - pl.col("stte")
+        sxy = n * pl.col("sty") - st * pl.col("sy")
+        fits = (
+            sums.with_columns(
+                (pl.col("t_max") - pl.col("t_min")).alias("span"),
+                (slope(n, st, stt, pl.col("sy"), pl.col("sty")) * GIB).alias("slope"),
+                (slope(pl.col("ne"), pl.col("ste"), pl.col("stte"), pl.col("sye"), pl.col("stye")) * GIB).alias("slope_early"),
+                (slope(nl, stl, sttl, pl.col("sy") - pl.col("sye"), pl.col("sty") - pl.col("stye")) * GIB).alias("slope_late"),
+                (slope(n, st, stt, pl.col("sg"), pl.col("stg")) * GIB).alias("gap_slope"),
+                (slope(n, st, stt, pl.col("sp"), pl.col("stp")) * GIB).alias("peak_slope"),
+                (slope(n, st, stt, pl.col("sf"), pl.col("stf")) * GIB).alias("foreign_slope"),
+                pl.when((n * pl.col("syy") - pl.col("sy") * pl.col("sy")) > 0)
+                .then(sxy * sxy / ((n * stt - st * st) * (n * pl.col("syy") - pl.col("sy") * pl.col("sy"))))
+                .alias("r2"),
+                (pl.col("footprint_gib") * GIB).alias("footprint"),
+                (pl.col("gap_gib") * GIB).alias("gap"),
+                (pl.col("foreign_gib") * GIB).alias("foreign"),
+            )
+            .with_columns(
+                (pl.col("capacity") - c.safety_margin_bytes - pl.col("footprint")).alias("headroom"),
+            )
+            .with_columns((pl.col("headroom") / pl.col("slope")).alias("tto"))
+            .filter(
+                (pl.col("n") >= c.min_samples)
+                & (pl.col("span") >= c.min_span_seconds)
+                & (pl.col("slope") >= c.min_growth_bytes_per_second)
+                & (pl.col("slope_early") >= c.min_growth_bytes_per_second / 2)
+                & (pl.col("slope_late") >= c.min_growth_bytes_per_second / 2)
+                & (pl.col("r2") >= c.min_r2)
+                & (pl.col("slope") * pl.col("span") >= c.min_rise_bytes)
+                & (pl.col("tto") <= c.predict_horizon_seconds)
+            )
+            .sort(["tto", "job", "rank"])  # job, rank break ties: same input, same finding
+        )
+        findings = []
+        for rows in fits.partition_by("job", maintain_order=True):
+            worst = rows.row(0, named=True)
+            if worst["foreign_slope"] >= c.fragmentation_share * worst["slope"]:
+                cause, what = "foreign_process", "another process on the GPU is taking memory"
+            elif worst["gap_slope"] >= c.fragmentation_share * worst["slope"] or worst["retries_delta"] > 0 and worst["gap_slope"] > worst["peak_slope"]:
+                cause, what = "fragmentation", "the caching allocator is fragmenting (reserved but unallocated memory keeps growing)"
+            else:
+                cause, what = "leak", "allocated memory grows every step (a leak or growing activations)"
+            tto = float(worst["tto"])
+            findings.append(
+                Finding(
+                    kind=FindingKind.OOM_PREDICTED,
+                    severity=Severity.PAGE if tto <= c.page_within_seconds else Severity.TICKET,
+                    ts=now,
+                    job=worst["job"],
+                    ranks=sorted(rows["rank"].to_list()),
+                    node=worst["node"],
+                    gpu=int(worst["gpu"]),
+                    cause=cause,
+                    source=self.name,
+                    evidence={
+                        "time_to_oom_seconds": round(tto, 1),
+                        "rank": int(worst["rank"]),
+                        "growth_bytes_per_second": round(float(worst["slope"])),
+                        "fragmentation_growth_bytes_per_second": round(float(worst["gap_slope"])),
+                        "reserved_unallocated_bytes": int(worst["gap"]),
+                        "footprint_bytes": int(worst["footprint"]),
+                        "headroom_bytes": int(worst["headroom"]),
+                        "capacity_bytes": int(worst["capacity"]),
+                        "alloc_retries_delta": int(worst["retries_delta"]),
+                        "fit_r2": round(float(worst["r2"]), 3),
+                        "ranks_at_risk": rows.height,
+                    },
+                    summary=(
+                        f"{worst['job']} rank {worst['rank']} ({worst['node']} GPU {worst['gpu']}) will run out of GPU memory in about "
+                        f"{tto / 60:.1f} min: {what}, +{worst['slope'] / GIB * 60:.2f} GiB/min, {worst['headroom'] / GIB:.1f} GiB left."
+                    ),
+                )
+            )
+        return findings
+
+class RefitStraggler:
+    name = "straggler"
+
+    def __init__(self, cfg: dict[str, Any] | None = None):
+        self.config = settings("straggler", StragglerConfig, cfg)
+
+    def detect(self, window: Window) -> list[Finding]:
+        c = self.config
+        now = window.now
+        rp = current_run(window, "rank_progress", since=now - max(c.window_seconds, c.max_window_seconds)).filter(pl.col("collective_wait_seconds").is_not_null())
+        if rp.height == 0:
+            return []
+        # Each job is judged over max(window_seconds, min_steps × its step time).
+        rp = rp.filter(
+            pl.col("ts") >= now - pl.max_horizontal(pl.lit(c.window_seconds), pl.col("step_time_seconds").median().over("job") * c.min_steps).clip(upper_bound=c.max_window_seconds)
+        )
+        per_rank = rp.group_by(["job", "rank"]).agg(
+            pl.len().alias("n"),
+            pl.col("collective_wait_seconds").median().alias("wait"),
+            pl.col("step_time_seconds").median().alias("step"),
+            pl.col("node").last(),
+            pl.col("gpu").last(),
+        )
+        peers = per_rank.group_by("job").agg(
+            pl.col("wait").median().alias("peer_wait"), pl.len().alias("ranks"), pl.col("n").min().alias("min_n")
+        )
+        slow = (
+            per_rank.join(peers, on="job")
+            .with_columns(((pl.col("step") - pl.col("wait")) / (pl.col("step") - pl.col("peer_wait"))).alias("slowdown"))
+            .filter(
+                (pl.col("ranks") >= c.min_ranks)
+                & (pl.col("min_n") >= c.min_samples)
+                & (pl.col("peer_wait") >= c.min_peer_wait_share * pl.col("step"))
+                & (pl.col("wait") <= c.max_wait_share * pl.col("peer_wait"))
+                & (pl.col("slowdown") >= c.min_slowdown)
+            )
+            .sort(["job", "slowdown", "rank"], descending=[False, True, False])
+        )
+        findings = []
+        for rows in slow.partition_by("job", maintain_order=True):
+            w = rows.row(0, named=True)
+            findings.append(
+                Finding(
+                    kind=FindingKind.STRAGGLER,
+                    severity=Severity.TICKET,
+                    ts=now,
+                    job=w["job"],
+                    ranks=rows["rank"].to_list(),
+                    culprit_ranks=rows["rank"].to_list(),
+                    node=w["node"],
+                    gpu=int(w["gpu"]),
+                    source=self.name,
+                    evidence={
+                        "slowdown": round(float(w["slowdown"]), 3),
+                        "rank_wait_seconds": round(float(w["wait"]), 4),
+                        "peer_wait_seconds": round(float(w["peer_wait"]), 4),
+                        "step_time_seconds": round(float(w["step"]), 4),
+                        "ranks_in_job": int(w["ranks"]),
+                    },
+                    summary=(
+                        f"{w['job']} rank {w['rank']} ({w['node']} GPU {w['gpu']}) computes {100 * (w['slowdown'] - 1):.0f}% slower than its "
+                        f"{w['ranks'] - 1} peers, who wait {w['peer_wait']:.2f} s per {w['step']:.2f} s step for it."
+                    ),
+                )
+            )
+        return findings
+
+class RefitFragmentationAllocator:
+    name = "fragmentation_allocator"
+
+    def __init__(self, cfg: dict[str, Any] | None = None):
+        self.config = settings("fragmentation_allocator", FragmentationAllocatorConfig, cfg)
+        self._last_run: float | None = None
+        self._last: list[Finding] = []
+
+    def detect(self, window: Window) -> list[Finding]:
+        now = window.now
+        if self._last_run is not None and now - self._last_run < self.config.every_seconds - 1e-9:
+            return self._last
+        self._last_run = now
+        self._last = self._evaluate(window)
+        return self._last
+
+    def _evaluate(self, window: Window) -> list[Finding]:
+        c = self.config
+        now = window.now
+        df = current_run(window, "allocator_stats", since=now - c.window_seconds, warmup=c.warmup_seconds)
+        if df.height == 0:
+            return []
+        # The window is in arrival (time) order, so first/last below are oldest/newest.
+        per_rank = (
+            df.group_by(["job", "rank"])
+            .agg(
+                pl.len().alias("n"),
+                (pl.col("reserved_bytes") - pl.col("peak_allocated_bytes")).last().alias("gap"),
+                (pl.col("reserved_bytes") - pl.col("peak_allocated_bytes")).first().alias("gap0"),
+                pl.col("inactive_split_bytes").last().alias("split"),
+                (pl.col("alloc_retries").last() - pl.col("alloc_retries").first()).alias("retries"),
+                pl.col("largest_free_block_bytes").last().alias("largest_free"),
+                # The step's recurring large request: what a step allocates above its live floor.
+                (pl.col("peak_allocated_bytes") - pl.col("allocated_bytes")).max().alias("step_request"),
+                pl.col("device_capacity_bytes").last().alias("capacity"),
+                pl.col("node").last(),
+                pl.col("gpu").last(),
+            )
+            .filter(
+                (pl.col("n") >= c.min_samples)
+                & (pl.col("gap") >= c.min_gap_bytes)
+                & (pl.col("gap") >= c.min_gap_share * pl.col("capacity"))
+                & (pl.col("gap") > pl.col("gap0"))
+                & (pl.col("split") >= c.min_inactive_split_share * pl.col("gap"))
+                & (pl.col("retries") >= c.min_retries)
+            )
+            .sort(["job", "gap", "rank"], descending=[False, True, False])  # rank breaks ties: same input, same finding
+        )
+        findings = []
+        for rows in per_rank.partition_by("job", maintain_order=True):
+            w = rows.row(0, named=True)
+            starved = w["largest_free"] is not None and w["step_request"] is not None and w["largest_free"] < w["step_request"]
+            findings.append(
+                Finding(
+                    kind=FindingKind.FRAGMENTATION_ALLOCATOR,
+                    severity=Severity.TICKET,
+                    ts=now,
+                    job=w["job"],
+                    ranks=sorted(rows["rank"].to_list()),
+                    node=w["node"],
+                    gpu=int(w["gpu"]),
+                    cause="fragmentation",
+                    source=self.name,
+                    evidence={
+                        "rank": int(w["rank"]),
+                        "reserved_unused_bytes": int(w["gap"]),
+                        "reserved_unused_growth_bytes": int(w["gap"] - w["gap0"]),
+                        "inactive_split_bytes": int(w["split"]),
+                        "alloc_retries_delta": int(w["retries"]),
+                        "largest_free_block_bytes": int(w["largest_free"] or 0),
+                        "step_request_bytes": int(w["step_request"] or 0),
+                        "largest_block_below_request": bool(starved),
+                        "ranks_fragmented": rows.height,
+                    },
+                    summary=(
+                        f"{w['job']} rank {w['rank']} ({w['node']} GPU {w['gpu']}): the caching allocator holds {w['gap'] / GIB:.1f} GiB it cannot use "
+                        f"(+{(w['gap'] - w['gap0']) / GIB:.1f} GiB in {c.window_seconds:.0f} s, {int(w['retries'])} cudaMalloc retries"
+                        + (f", largest free block {w['largest_free'] / GIB:.2f} GiB < the step's {w['step_request'] / GIB:.2f} GiB request" if starved else "")
+                        + "): set PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True."
+                    ),
+                )
+            )
+        return findings
+
