@@ -37,6 +37,7 @@ import polars as pl
 from gpuvigil import schemas
 from gpuvigil.collectors import flight_recorder as fr
 from gpuvigil.errors import UserError
+from gpuvigil.progress import CollectiveClock
 
 STREAMS: Mapping[str, pl.Schema] = {"fr_pipes": schemas.FR_PIPES, "fr_analysis": schemas.FR_ANALYSIS}
 _RANK = fr._RANK_IN_NAME
@@ -236,8 +237,7 @@ class FrDumpTrigger:
         self.min_interval_seconds = min_interval_seconds
         self.stall_seconds = stall_seconds
         self.stall_intervals = stall_intervals
-        self._sn: dict[str, tuple[int, float]] = {}  # job → (max coll_sn, when it last moved)
-        self._interval: dict[str, float] = {}
+        self._clock = CollectiveClock()
         self._periodic_at: dict[str, float] = {}
         self._last: dict[str, float] = {}
         self._asks: dict[str, int] = {}
@@ -245,16 +245,8 @@ class FrDumpTrigger:
         self.requested = 0
 
     def _inspector_stalls(self, window, now: float) -> set[str]:
-        cp = window.fresh("collective_progress")
-        if cp.height:
-            for job, sn in cp.group_by("job").agg(pl.col("coll_sn").max()).iter_rows():
-                prev = self._sn.get(job)
-                if prev is None or sn != prev[0]:
-                    if prev is not None and sn > prev[0]:
-                        gap = (now - prev[1]) / (sn - prev[0])
-                        self._interval[job] = gap if job not in self._interval else 0.8 * self._interval[job] + 0.2 * gap
-                    self._sn[job] = (sn, now)
-        return {j for j, (_sn, t) in self._sn.items() if now - t >= max(self.stall_seconds, self.stall_intervals * self._interval.get(j, 0.0))}
+        self._clock.observe(window.fresh("collective_progress"), now)
+        return self._clock.stalled(now, self.stall_seconds, self.stall_intervals)
 
     def on_tick(self, result, window) -> None:
         now = result.now

@@ -18,6 +18,7 @@ from pydantic import BaseModel
 
 from gpuvigil.detectors.common import settings
 from gpuvigil.model import Finding, FindingKind, Severity
+from gpuvigil.progress import CollectiveClock
 from gpuvigil.pipeline.window import Window
 
 
@@ -37,27 +38,14 @@ class FlightRecorderHangDetector:
 
     def __init__(self, cfg: dict[str, Any] | None = None):
         self.config = settings("hang_fr", HangFrConfig, cfg)
-        self._sn: dict[str, tuple[int, float]] = {}
-        self._interval: dict[str, float] = {}
+        self._clock = CollectiveClock()
         self._first: dict[tuple, float] = {}  # (job, pg, seq, culprits) → first analysis ts
-
-    def _stalled_since(self, window: Window) -> dict[str, float]:
-        now = window.now
-        cp = window.fresh("collective_progress")
-        if cp.height:
-            for job, sn in cp.group_by("job").agg(pl.col("coll_sn").max()).iter_rows():
-                prev = self._sn.get(job)
-                if prev is None or sn != prev[0]:
-                    if prev is not None and sn > prev[0]:
-                        gap = (now - prev[1]) / (sn - prev[0])
-                        self._interval[job] = gap if job not in self._interval else 0.8 * self._interval[job] + 0.2 * gap
-                    self._sn[job] = (sn, now)
-        return {j: t for j, (_sn, t) in self._sn.items()}
 
     def detect(self, window: Window) -> list[Finding]:
         c = self.config
         now = window.now
-        last_move = self._stalled_since(window)
+        self._clock.observe(window.fresh("collective_progress"), now)
+        last_move = self._clock.last_move()
         an = window.get("fr_analysis")
         if an.height == 0:
             return []
@@ -76,7 +64,7 @@ class FlightRecorderHangDetector:
             first_ts = float(same["ts"].min())
             self._first.setdefault(key, first_ts)
             moved = last_move.get(job)
-            threshold = max(c.min_stall_seconds, c.stall_intervals * self._interval.get(job, 0.0))
+            threshold = self._clock.stall_threshold(job, c.min_stall_seconds, c.stall_intervals)
             how = None
             if latest["trigger"] == "timeout":
                 how = "watchdog timeout dump"
