@@ -264,3 +264,23 @@ def test_dcgm_profiling_fields_reach_gpu_samples():
     assert r["sm_active_ratio"] == 0.18 and r["tensor_active_ratio"] == 0.0 and r["dram_active_ratio"] == 0.01
     assert r["pcie_tx_bytes_per_second"] == 2.5e6 and r["nvlink_rx_bytes_per_second"] == 2.0e5
     assert r["memory_reserved_bytes"] == 615 * (1 << 20) and r["util_ratio"] == 1.0
+
+
+def _first_straggler_tick(detector) -> float | None:
+    w = window()
+    for now, frames in _straggler_ticks({"util_ratio": 0.97, "power_w": 520.0, "sm_clock_mhz": 1485.0}, {"util_ratio": 0.97, "power_w": 450.0, "sm_clock_mhz": 1965.0}):
+        for stream, df in frames.items():
+            w.add(stream, df)
+        w.seal(now)
+        if detector.detect(w):
+            return now
+    return None
+
+
+def test_a_lag_must_persist_for_several_evaluations_before_it_is_a_straggler():
+    """The persistence guard: one evaluation of lag is a blip, not a straggler (synthetic rows)."""
+    at_once = _first_straggler_tick(DeviceStragglerDetector(cfg_with("straggler_device", persist_evaluations=1)))
+    default = _first_straggler_tick(DeviceStragglerDetector())
+    assert at_once is not None and default is not None
+    # evaluated every tick (1 s): the default (3) waits for two more flagged evaluations
+    assert default - at_once == pytest.approx(2.0)

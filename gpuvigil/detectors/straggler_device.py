@@ -87,7 +87,9 @@ class DeviceStragglerDetector:
         )
         keys = {(j, int(r)) for j, r in flagged.select("job", "rank").iter_rows()}
         self._streak = {k: self._streak.get(k, 0) + 1 for k in keys}
-        out = flagged.filter(pl.struct("job", "rank").map_elements(lambda s: self._streak.get((s["job"], int(s["rank"])), 0) >= c.persist_evaluations, return_dtype=pl.Boolean)) if keys else flagged
+        persistent = [k for k, n in self._streak.items() if n >= c.persist_evaluations]
+        persistent_keys = pl.DataFrame({"job": [j for j, _ in persistent], "rank": [r for _, r in persistent]}, schema={"job": flagged.schema["job"], "rank": flagged.schema["rank"]})
+        out = flagged.join(persistent_keys, on=["job", "rank"], how="semi")
         findings = []
         for rows in out.sort(["job", "rank"]).partition_by("job", maintain_order=True) if out.height else []:
             w = rows.row(0, named=True)
