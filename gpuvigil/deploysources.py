@@ -1,5 +1,6 @@
-"""Start what a `sources:` section (gpuvigil.deployconfig.Sources) names: one collector per source,
-each wrapped so that its state (`up`) is known, logged when it changes, and exported.
+"""Start what a `sources:` section (gpuvigil.deployconfig.Sources) names: one collector per source.
+The pipeline contains a collector that fails and tracks its health (`pipeline/health.py`); a
+source's `up` is read from there, so there is one account of what is down.
 
 `build(sources, cfg)` starts them in order and raises `UserError` naming the first source that
 cannot start; nothing falls back to the simulator. Each `Source` says what it is, where it reads
@@ -22,72 +23,9 @@ import polars as pl
 from gpuvigil import schemas
 from gpuvigil.deployconfig import Sources, pattern_glob, pattern_regex, pattern_root, split_address
 from gpuvigil.errors import UserError
+from gpuvigil.pipeline.health import HealthTracker
 
 log = logging.getLogger("gpuvigil.serve")
-
-
-class Guarded:
-    """A collector whose failures are contained and visible: an exception inside `collect` is
-    caught (the loop goes on) and the source is marked down (`up`, `last_error`, `health()`),
-    which the pipeline's health tracker turns into a log line, `gpuvigil_collector_up` and a
-    collector_down finding. A collector reporting its own `up` attribute is believed."""
-
-    def __init__(self, kind: str, collector: Any):
-        self.kind = kind
-        self.inner = collector
-        self.name = getattr(collector, "name", kind)
-        self.streams = getattr(collector, "streams", {})
-        self.up = True
-        self.failures = 0
-        self.last_error: str | None = None
-
-    @property
-    def errors(self) -> int:
-        return int(getattr(self.inner, "errors", 0)) + self.failures
-
-    def _set(self, up: bool, why: str | None) -> None:
-        # Logged by the pipeline's health tracker (down after a few failed ticks, and recovery),
-        # which reads `up`/`last_error`/`health()` from here: each event is logged once.
-        self.up = up
-        if not up:
-            self.last_error = why or self.last_error
-
-    def health(self) -> dict[str, str | None]:
-        """Per target (each DCGM URL, the kmsg device, ...) when the collector says, else one."""
-        inner = getattr(self.inner, "health", None)
-        if callable(inner):
-            targets = inner()
-            if getattr(self, "_raised", False):  # its collect raised this tick: every target failed
-                return {t: self.last_error for t in targets} or {self.name: self.last_error}
-            return targets
-        return {self.name: None if self.up else (self.last_error or "down")}
-
-    def collect(self, now: float) -> dict[str, pl.DataFrame]:
-        before = int(getattr(self.inner, "errors", 0))
-        self._raised = False
-        try:
-            out = self.inner.collect(now)
-        except Exception as exc:  # a source must never stop the loop
-            self._raised = True
-            self.failures += 1
-            self.last_error = f"{type(exc).__name__}: {exc}"
-            self._set(False, self.last_error)
-            return {}
-        reported = getattr(self.inner, "up", None)
-        if isinstance(reported, bool):
-            self._set(reported, getattr(self.inner, "last_error", None))
-        elif int(getattr(self.inner, "errors", 0)) > before and not out:
-            # It counted a failure and produced nothing: its read failed this tick.
-            self.last_error = getattr(self.inner, "last_error", None)
-            self._set(False, self.last_error)
-        else:
-            self._set(True, None)
-        return out
-
-    def close(self) -> None:
-        close = getattr(self.inner, "close", None)
-        if callable(close):
-            close()
 
 
 class Every:
@@ -105,6 +43,10 @@ class Every:
     def errors(self) -> int:
         return int(getattr(self.inner, "errors", 0))
 
+    @errors.setter
+    def errors(self, value: int) -> None:  # the pipeline counts a collect that raised
+        self.inner.errors = value
+
     @property
     def last_error(self) -> str | None:
         return getattr(self.inner, "last_error", None)
@@ -121,26 +63,33 @@ class Every:
 class Source:
     kind: str  # nvml | dcgm | kernel_log | logs | flight_recorder | hook | scheduler
     where: str
-    collector: Guarded | None = None
+    collector: Any = None
     detail: str = ""
     closers: list[Callable[[], None]] = field(default_factory=list)
     up_fn: Callable[[], bool] | None = None  # for sources without a collector (e.g. the receiver)
+    # The pipeline's collector health (set by serve once the pipeline exists): a source is up when
+    # its collector's last read worked. The pipeline contains a failing collect and counts it.
+    health: HealthTracker | None = None
 
     @property
     def up(self) -> bool:
         if self.up_fn is not None:
             return self.up_fn()
-        return self.collector.up if self.collector is not None else True
+        if self.collector is None or self.health is None:
+            return True
+        return self.health.last_read_ok(self.collector.name)
 
     def line(self) -> str:
-        state = "up" if self.up else f"DOWN ({self.collector.last_error if self.collector else ''})"
+        why = self.health.reason(self.collector.name) if self.health is not None and self.collector is not None else None
+        state = "up" if self.up else f"DOWN ({why or ''})"
         return f"source {self.kind}: {self.where}" + (f" ({self.detail})" if self.detail else "") + f": {state}"
 
     def close(self) -> None:
         for fn in reversed(self.closers):
             fn()
-        if self.collector is not None:
-            self.collector.close()
+        close = getattr(self.collector, "close", None)
+        if callable(close):
+            close()
 
 
 class LogGlobCollector:
@@ -228,7 +177,7 @@ def _kernel_log(spec: str, node: str, cfg: dict[str, Any], pci_to_gpu: dict[str,
         collector = kl.KernelLogCollector(spec, node=node, cfg=cfg, pci_to_gpu=pci_to_gpu)
     except (kl.KernelLogUnavailable, OSError) as exc:
         raise UserError(f"source kernel_log: cannot read {spec}: {exc}") from exc
-    return Source("kernel_log", str(collector.source.where), Guarded("kernel_log", collector), f"{collector.source.kind}; XIDs; {_describe(collector)}")
+    return Source("kernel_log", str(collector.source.where), collector, f"{collector.source.kind}; XIDs; {_describe(collector)}")
 
 
 def _describe(collector: Any) -> str:
@@ -245,7 +194,7 @@ def _hook(address: str, node: str) -> Source:
         receiver = HookReceiver(collector, host, port).start()
     except OSError as exc:
         raise UserError(f"source hook: cannot listen on {host}:{port}: {exc.strerror or exc}") from exc
-    src = Source("hook", receiver.url, Guarded("hook", collector), "in-process hook records (HttpSink)")
+    src = Source("hook", receiver.url, collector, "in-process hook records (HttpSink)")
     src.closers.append(receiver.stop)
     src.receiver = receiver  # type: ignore[attr-defined]
     return src
@@ -298,7 +247,7 @@ def _slurm(cfg: dict[str, Any], poll_seconds: float) -> Source:
         raise UserError(f"source scheduler slurm: cannot read cluster state: {exc}") from exc
     conf = os.environ.get("SLURM_CONF", "/etc/slurm/slurm.conf")
     detail = f"job map from squeue/sinfo every {poll_seconds:g} s; {len(nodes)} node(s), {len(jobs)} job(s)"
-    return Source("scheduler", f"slurm ({conf})", Guarded("scheduler", Every(SlurmStateCollector(state, sc), poll_seconds)), detail)
+    return Source("scheduler", f"slurm ({conf})", Every(SlurmStateCollector(state, sc), poll_seconds), detail)
 
 
 def build(sources: Sources, cfg: dict[str, Any]) -> list[Source]:
@@ -315,17 +264,17 @@ def build(sources: Sources, cfg: dict[str, Any]) -> list[Source]:
                 collector = nvml.NvmlCollector(node=node)
             except nvml.NvmlUnavailable as exc:
                 raise UserError(f"source nvml: cannot start: {str(exc).split('; use the simulated')[0]}") from exc
-            started.append(Source("nvml", f"NVML on {node}", Guarded("nvml", collector), f"{len(collector.handles)} GPU(s)"))
+            started.append(Source("nvml", f"NVML on {node}", collector, f"{len(collector.handles)} GPU(s)"))
         if sources.dcgm:
             from gpuvigil.collectors.dcgm import DcgmCollector
 
             # One collector for every endpoint: scraped concurrently, each with its own timeout.
             dcgm = DcgmCollector(list(sources.dcgm), node=None)
             where = sources.dcgm[0] if len(sources.dcgm) == 1 else f"{len(sources.dcgm)} endpoints ({sources.dcgm[0]}, ...)"
-            started.append(Source("dcgm", where, Guarded("dcgm", dcgm), "dcgm-exporter scrapes, concurrent"))
+            started.append(Source("dcgm", where, dcgm, "dcgm-exporter scrapes, concurrent"))
         if sources.kernel_log:
             # NVML's PCI bus ids name the GPU of each XID line (and, through the job map, its job).
-            nvml = next((s.collector.inner for s in started if s.kind == "nvml" and s.collector is not None), None)
+            nvml = next((s.collector for s in started if s.kind == "nvml" and s.collector is not None), None)
             bus_ids = getattr(nvml, "pci_bus_ids", None) or []
             started.append(_kernel_log(sources.kernel_log, node, cfg, {b: i for i, b in enumerate(bus_ids) if b}))
         for pattern in sources.logs:
@@ -341,13 +290,13 @@ def build(sources: Sources, cfg: dict[str, Any]) -> list[Source]:
             if not root.is_dir():
                 # Jobs create their log folders: not an error, but said at start (a typo shows here).
                 how += f"; {root} does not exist yet"
-            started.append(Source("logs", pattern, Guarded("logs", collector), how))
+            started.append(Source("logs", pattern, collector, how))
         if sources.flight_recorder:
             started.append(_flight_recorder(sources.flight_recorder, node))
         if sources.nccl_inspector:
             from gpuvigil.collectors.nccl_inspector import NcclInspectorCollector
 
-            started.append(Source("nccl_inspector", sources.nccl_inspector, Guarded("nccl_inspector", NcclInspectorCollector(sources.nccl_inspector)),
+            started.append(Source("nccl_inspector", sources.nccl_inspector, NcclInspectorCollector(sources.nccl_inspector),
                                   "<job>/ NCCL Inspector records (JSON or Prometheus textfile) as per-rank collective progress (L1)"))
         if sources.hook:
             started.append(_hook(sources.hook, node))
@@ -373,7 +322,7 @@ def _job_map(sources: Sources, node: str, started: list[Source]) -> Source | Non
     /proc environment and cgroup; `scontrol pidinfo` under Slurm), the kubelet's PodResources."""
     from gpuvigil.collectors.jobmap import JobMapCollector
 
-    nvml = next((s.collector.inner for s in started if s.kind == "nvml" and s.collector is not None), None)
+    nvml = next((s.collector for s in started if s.kind == "nvml" and s.collector is not None), None)
     socket_path = PODRESOURCES_SOCKET if sources.scheduler == "kubernetes" and Path(PODRESOURCES_SOCKET).exists() else None
     if not (sources.job_map_dir or nvml is not None or socket_path):
         return None
@@ -388,7 +337,7 @@ def _job_map(sources: Sources, node: str, started: list[Source]) -> Source | Non
         scontrol="scontrol" if sources.scheduler == "slurm" and processes is not None else None,
         uuid_to_gpu=getattr(nvml, "uuid_to_gpu", None),  # every GPU's UUID, not only those running a process
     )
-    return Source("job_map", sources.job_map_dir or node, Guarded("job_map", collector), _describe(collector))
+    return Source("job_map", sources.job_map_dir or node, collector, _describe(collector))
 
 
 def _flight_recorder(folder: str, node: str) -> Source:
@@ -404,7 +353,7 @@ def _flight_recorder(folder: str, node: str) -> Source:
             raise UserError(f"source flight_recorder: cannot create {folder}: {exc.strerror or exc}") from exc
         log.info("flight_recorder: created %s (mode 1777)", path)
     requests = FrRequests()
-    src = Source("flight_recorder", str(path), Guarded("flight_recorder", FrDumpWatcher(path, node=node, requests=requests)),
+    src = Source("flight_recorder", str(path), FrDumpWatcher(path, node=node, requests=requests),
                  "<job>/ dumps analysed across ranks as they appear; debug-info pipes written when a hang is suspected")
     # The sink that asks a suspected-hung job's ranks to dump (serve adds it after the store).
     src.sink = FrDumpTrigger(pipe_writer(path), requests)  # type: ignore[attr-defined]

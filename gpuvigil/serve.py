@@ -217,6 +217,8 @@ class Server:
             self.acting = self._make_acting(src)
             sinks.append(self.acting)
         pipeline = Pipeline(collectors, detectors, sinks=[scheduler, *sinks], cfg=self.cfg)
+        for s in self.sources:  # a source's `up` is its collector's health in the pipeline
+            s.health = pipeline.health
         self.runtime = Runtime(pipeline, scheduler, None, now=time.time())
 
     def _make_acting(self, src: Any):

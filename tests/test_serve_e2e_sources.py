@@ -24,7 +24,6 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from gpuvigil.cli import build_parser
 from gpuvigil.deployconfig import Sources, from_config, merge_flags, parse, pattern_glob, pattern_regex, pattern_root, split_address
-from gpuvigil.deploysources import Guarded
 from gpuvigil.errors import UserError
 from gpuvigil.serve import Server
 from services import free_port, wait_for
@@ -176,15 +175,12 @@ def test_no_source_runs_the_simulator_and_says_so(tmp_path):
     assert "source sim: scenario healthy x1 (simulated data; nothing real is read): up" in done.stderr
 
 
-def test_guarded_source_goes_down_and_reports_why():
-    """A real DCGM collector pointed at a closed port: counted, marked down, its health per URL."""
+def test_a_failing_source_is_down_in_the_pipeline_s_health_and_reports_why():
+    """A real DCGM collector pointed at a closed port, and a collector that raises: the pipeline
+    contains both, and each source's `up` and start-up line come from the pipeline's health."""
     from gpuvigil.collectors.dcgm import DcgmCollector
-
-    url = f"http://127.0.0.1:{free_port()}/metrics"
-    src = Guarded("dcgm", DcgmCollector(url, timeout_seconds=0.5))
-    assert src.collect(time.time()) == {} and not src.up and src.errors == 1
-    health = src.health()
-    assert list(health) == [url] and health[url]
+    from gpuvigil.deploysources import Source
+    from gpuvigil.pipeline.health import HealthTracker
 
     class Raises:
         name, streams, errors = "boom", {}, 0
@@ -192,8 +188,19 @@ def test_guarded_source_goes_down_and_reports_why():
         def collect(self, now):
             raise RuntimeError("device went away")
 
-    g = Guarded("nvml", Raises())
-    assert g.collect(0.0) == {} and not g.up and g.last_error == "RuntimeError: device went away"
+    url = f"http://127.0.0.1:{free_port()}/metrics"
+    dcgm = Source("dcgm", url, DcgmCollector(url, timeout_seconds=0.5))
+    boom = Source("nvml", "NVML on gvx", Raises())
+    try:
+        assert dcgm.up and boom.up  # before the pipeline has them: started, so up
+        health = HealthTracker(down_after=3)
+        dcgm.health = boom.health = health
+        assert health.collect_all([dcgm.collector, boom.collector], time.time()) == []
+        assert not dcgm.up and dcgm.collector.errors == 1 and [t for (c, t) in health.table if c == dcgm.collector.name] == [url]
+        assert not boom.up and boom.collector.errors == 1
+        assert boom.line() == "source nvml: NVML on gvx: DOWN (collect raised RuntimeError: device went away)"
+    finally:
+        dcgm.close()
 
 
 def test_serve_reads_kernel_log_torch_logs_and_the_hook_receiver(tmp_path):

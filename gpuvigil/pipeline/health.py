@@ -86,10 +86,11 @@ class HealthTracker:
         frames: list[tuple[str, pl.DataFrame]] = []
         self.recovered = []
         for collector in collectors:
+            errors_before = int(getattr(collector, "errors", 0))
             try:
                 out = collector.collect(now)
             except Exception as exc:  # noqa: BLE001 - one broken collector must not stop the others
-                collector.errors += 1
+                collector.errors = errors_before + 1
                 reason = _one_line(f"collect raised {type(exc).__name__}: {exc}")
                 self._update(collector, {t: reason for t in self._targets_of(collector)}, now)
                 continue
@@ -98,8 +99,11 @@ class HealthTracker:
             try:
                 if callable(status):
                     targets = dict(status())
-                elif getattr(collector, "up", None) is False:  # a wrapper that keeps its own `up`
+                elif getattr(collector, "up", None) is False:  # a collector that keeps its own `up`
                     targets = {collector.name: getattr(collector, "last_error", None) or "reported down"}
+                elif int(getattr(collector, "errors", 0)) > errors_before and not out:
+                    # it counted a failure and produced nothing: its read failed this tick
+                    targets = {collector.name: getattr(collector, "last_error", None) or "read failed"}
                 else:
                     targets = {collector.name: None}
             except Exception as exc:  # noqa: BLE001
@@ -126,6 +130,13 @@ class HealthTracker:
             if h.up and h.consecutive_failures >= self.down_after:
                 h.up, h.down_since = False, now
                 log.warning("%s is down after %d failed collects in a row: %s", _who(collector, str(target)), h.consecutive_failures, h.reason)
+
+    def last_read_ok(self, collector: str) -> bool:
+        """Whether every target of `collector` worked on its last collect (True before the first)."""
+        return all(h.consecutive_failures == 0 for (c, _t), h in self.table.items() if c == collector)
+
+    def reason(self, collector: str) -> str | None:
+        return next((h.reason for (c, _t), h in self.table.items() if c == collector and h.consecutive_failures), None)
 
     def findings(self, now: float) -> list[Finding]:
         return [collector_down_finding(h, now, self.down_after) for h in self.table.values() if not h.up]
