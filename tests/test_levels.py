@@ -284,3 +284,27 @@ def test_a_lag_must_persist_for_several_evaluations_before_it_is_a_straggler():
     assert at_once is not None and default is not None
     # evaluated every tick (1 s): the default (3) waits for two more flagged evaluations
     assert default - at_once == pytest.approx(2.0)
+
+
+@pytest.mark.parametrize(
+    "flagged_per_evaluation, evaluations, kept",
+    [
+        ([[("j", 1)], [("j", 1)], [("j", 1)]], 3, [("j", 1)]),  # three in a row
+        ([[("j", 1)], [("j", 1)]], 3, []),  # not yet
+        ([[("j", 1)], [], [("j", 1)], [("j", 1)]], 3, []),  # a gap starts the count again
+        ([[("j", 1), ("j", 2)], [("j", 2)], [("j", 1), ("j", 2)]], 2, [("j", 2)]),
+        ([[("j", 1), ("j", 1)]], 1, [("j", 1), ("j", 1)]),  # rows of one rank count once per evaluation
+    ],
+)
+def test_persistence_keeps_ranks_flagged_in_consecutive_evaluations(flagged_per_evaluation, evaluations, kept):
+    """The shared persistence guard of the L0 and L1 straggler detectors."""
+    import polars as pl
+
+    from gpuvigil.detectors.common import Persistence
+
+    p = Persistence()
+    out = None
+    for flagged in flagged_per_evaluation:
+        frame = pl.DataFrame({"job": [j for j, _ in flagged], "rank": [r for _, r in flagged]}, schema={"job": pl.Utf8, "rank": pl.Int32})
+        out = p.persistent(frame, evaluations)
+    assert sorted(out.select("job", "rank").iter_rows()) == sorted(kept)

@@ -43,3 +43,19 @@ def current_run(window: Window, stream: str, since: float | None = None, warmup:
 def gpu_jobs(window: Window) -> pl.DataFrame:
     """(node, gpu) → job, rank from the scheduler's allocation snapshot."""
     return window.get("allocations").select("node", "gpu", "job", "rank")
+
+
+class Persistence:
+    """How many evaluations in a row each (job, rank) has been flagged; a rank not flagged in an
+    evaluation starts again from zero. Keeps one blip from becoming a finding."""
+
+    def __init__(self) -> None:
+        self.streak: dict[tuple[str, int], int] = {}
+
+    def persistent(self, flagged: pl.DataFrame, evaluations: int) -> pl.DataFrame:
+        """Count this evaluation's flagged (job, rank) rows; keep those flagged `evaluations` times in a row."""
+        keys = {(j, int(r)) for j, r in flagged.select("job", "rank").unique().iter_rows()}
+        self.streak = {k: self.streak.get(k, 0) + 1 for k in keys}
+        kept = [k for k, n in self.streak.items() if n >= evaluations]
+        schema = {"job": flagged.schema["job"], "rank": flagged.schema["rank"]}
+        return flagged.join(pl.DataFrame({"job": [j for j, _ in kept], "rank": [r for _, r in kept]}, schema=schema), on=["job", "rank"], how="semi")

@@ -18,7 +18,7 @@ from typing import Any
 import polars as pl
 from pydantic import BaseModel
 
-from gpuvigil.detectors.common import settings
+from gpuvigil.detectors.common import Persistence, settings
 from gpuvigil.model import Finding, FindingKind, Severity
 from gpuvigil.pipeline.window import Window
 
@@ -43,7 +43,7 @@ class DeviceStragglerDetector:
 
     def __init__(self, cfg: dict[str, Any] | None = None):
         self.config = settings("straggler_device", StragglerDeviceConfig, cfg)
-        self._streak: dict[tuple[str, int], int] = {}
+        self._persistence = Persistence()
 
     def detect(self, window: Window) -> list[Finding]:
         c = self.config
@@ -85,11 +85,7 @@ class DeviceStragglerDetector:
                 | (pl.col("clock_lag") >= c.min_clock_lag).fill_null(False)
             )
         )
-        keys = {(j, int(r)) for j, r in flagged.select("job", "rank").iter_rows()}
-        self._streak = {k: self._streak.get(k, 0) + 1 for k in keys}
-        persistent = [k for k, n in self._streak.items() if n >= c.persist_evaluations]
-        persistent_keys = pl.DataFrame({"job": [j for j, _ in persistent], "rank": [r for _, r in persistent]}, schema={"job": flagged.schema["job"], "rank": flagged.schema["rank"]})
-        out = flagged.join(persistent_keys, on=["job", "rank"], how="semi")
+        out = self._persistence.persistent(flagged, c.persist_evaluations)
         findings = []
         for rows in out.sort(["job", "rank"]).partition_by("job", maintain_order=True) if out.height else []:
             w = rows.row(0, named=True)

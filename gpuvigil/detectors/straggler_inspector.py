@@ -14,7 +14,7 @@ from typing import Any
 import polars as pl
 from pydantic import BaseModel
 
-from gpuvigil.detectors.common import settings
+from gpuvigil.detectors.common import Persistence, settings
 from gpuvigil.model import Finding, FindingKind, Severity
 from gpuvigil.pipeline.window import Window
 
@@ -36,7 +36,7 @@ class InspectorStragglerDetector:
 
     def __init__(self, cfg: dict[str, Any] | None = None):
         self.config = settings("straggler_inspector", StragglerInspectorConfig, cfg)
-        self._streak: dict[tuple[str, int], int] = {}
+        self._persistence = Persistence()
 
     def detect(self, window: Window) -> list[Finding]:
         c = self.config
@@ -67,13 +67,9 @@ class InspectorStragglerDetector:
                 & (pl.col("slowdown") >= c.min_slowdown)
             )
         )
-        keys = {(j, int(r)) for j, r in scored.select("job", "rank").iter_rows()}
-        self._streak = {k: self._streak.get(k, 0) + 1 for k in keys}
+        kept = self._persistence.persistent(scored, c.persist_evaluations)
         findings = []
-        for rows in scored.sort(["job", "slowdown", "rank"], descending=[False, True, False]).partition_by("job", maintain_order=True) if scored.height else []:
-            rows = rows.filter(pl.struct("job", "rank").map_elements(lambda s: self._streak.get((s["job"], int(s["rank"])), 0) >= c.persist_evaluations, return_dtype=pl.Boolean))
-            if rows.height == 0:
-                continue
+        for rows in kept.sort(["job", "slowdown", "rank"], descending=[False, True, False]).partition_by("job", maintain_order=True) if kept.height else []:
             w = rows.row(0, named=True)
             findings.append(
                 Finding(
