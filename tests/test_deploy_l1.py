@@ -58,7 +58,7 @@ def test_serve_sources_build_the_l1_collectors(tmp_path):
     try:
         kinds = {s.kind: s for s in started}
         assert {"flight_recorder", "nccl_inspector"} <= set(kinds)
-        assert kinds["nccl_inspector"].collector.inner.root == tmp_path / "insp"
+        assert kinds["nccl_inspector"].collector.root == tmp_path / "insp"
     finally:
         for s in started:
             s.close()
