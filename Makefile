@@ -24,10 +24,10 @@ install-dev: install
 # Debian packages the integration tests start for real (needs root; CI runs as root).
 system-deps:
 	@if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null; then \
-	  missing=""; for p in prometheus prometheus-alertmanager slurm-wlm slurm-client munge chromium; do \
+	  missing=""; for p in prometheus prometheus-alertmanager slurm-wlm slurm-client munge chromium nats-server; do \
 	    dpkg -s $$p >/dev/null 2>&1 || missing="$$missing $$p"; done; \
 	  if [ -n "$$missing" ]; then apt-get update -q && DEBIAN_FRONTEND=noninteractive apt-get install -y -q $$missing; fi; \
-	else echo "not root or no apt-get: integration tests needing Prometheus/Alertmanager/Slurm will be skipped"; fi
+	else echo "not root or no apt-get: integration tests needing Prometheus/Alertmanager/Slurm/NATS will be skipped"; fi
 
 demo: install
 	$(BIN)/gpuvigil demo

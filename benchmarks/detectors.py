@@ -32,7 +32,7 @@ import polars as pl
 
 # Fault magnitudes come from the simulator's fault models (published/captured behaviour, ranges
 # that straddle the detectors' thresholds), not from the detectors.
-from gpuvigil.sim.faults import FAULT_RANGES
+from gpuvigil.sim.faults import FAULT_RANGES, OOM_WORDINGS_WITHOUT_FIGURES
 
 GIB = 1 << 30
 CAPACITY_GIB = 139.8
@@ -126,18 +126,21 @@ class RunResult:
     level_findings: dict[str, list[dict[str, Any]]] = field(default_factory=dict)  # L0, L1 shadows
     mode: str | None = None  # the fault's mode (hang: outside/inside; straggler: host/gpu)
     telemetry: str | None = None
+    oom_wordings: list[str] = field(default_factory=list)  # wording of each OOM message (same order as oom_events)
 
 
 def _log_uniform(rng: np.random.Generator, lo: float, hi: float) -> float:
     return float(math.exp(rng.uniform(math.log(lo), math.log(hi))))
 
 
-def make_case(index: int, seed: int, max_gpus: int = 1024, quick: bool = False) -> Case:
-    """Case `index` of the suite: the type cycles through all types, parameters are random.
+def make_case(index: int, seed: int, max_gpus: int = 1024, quick: bool = False, types: list[str] | None = None) -> Case:
+    """Case `index` of the suite: the type cycles through all types (or through `types`, where a
+    repeated type weighs more), parameters are random.
 
     `quick` (CI): steps of at most 4 s and faults that play out within a few minutes."""
     rng = np.random.default_rng([seed, index])
-    case_type = CASE_TYPES[index % len(CASE_TYPES)]
+    cycle = types or CASE_TYPES
+    case_type = cycle[index % len(cycle)]
     gpus = 8 * max(1, int(round(_log_uniform(rng, 1, max_gpus / 8))))
     step = _log_uniform(rng, 0.1, 4.0 if quick else 60.0)
     # Coarser ticks for slow jobs keep the suite affordable; targets are in step times there.
@@ -176,7 +179,9 @@ def make_case(index: int, seed: int, max_gpus: int = 1024, quick: bool = False) 
         fault = {"type": case_type, "ranks": ranks}
         if case_type == "nccl_hang":
             fault["mode"] = hang_mode
-        after = max(60.0, 6 * step)
+        # Twice the L0 target (60 s) or 6 steps: a finding later than the target is measured as
+        # late, not cut off by the end of the run (and an L2 job's hang fallback has room).
+        after = max(120.0, 6 * step)
     elif case_type in MEMORY_FAULTS:
         t_oom = max(float(rng.uniform(100, 140) if quick else rng.uniform(120, 360)), 12 * step)
         if case_type == "memory_leak":
@@ -320,6 +325,7 @@ def run_case(case: Case) -> RunResult:
             level_findings=shadows.findings(),
             mode=next((f.get("mode") for f in case.scenario.get("faults", [])), None),
             telemetry=case.scenario.get("telemetry"),
+            oom_wordings=list(getattr(rt.cluster, "oom_wordings", [])),
         )
     except Exception as exc:  # a crashed run is reported, not hidden
         return RunResult(case.index, case.case_type, case.gpus, case.step_time_seconds, case.tick_seconds, None, [], [], [], {}, [], time.perf_counter() - t0, 0, error=f"{type(exc).__name__}: {exc}")
@@ -413,6 +419,7 @@ def score(results: list[RunResult], level: str = "L2") -> dict[str, Any]:
     static = KindScore()
     negatives = page_free = 0
     outside = {"right": 0, "checked": 0}  # hang culprit named where it is outside the collective
+    no_figures = 0  # memory-fault runs whose OOM message carries no figures
     for res in results:
         if res.error:
             continue
@@ -423,9 +430,18 @@ def score(results: list[RunResult], level: str = "L2") -> dict[str, Any]:
             must -= L2_ONLY
         may = set(MAY.get(res.case_type, []))
         # What the OOM truly was (the first OOM of the faulted job).
-        oom = next((o for o in res.oom_events if target and o["job"] == target["job"]), None)
+        i_oom = next((i for i, o in enumerate(res.oom_events) if target and o["job"] == target["job"]), None)
+        oom = res.oom_events[i_oom] if i_oom is not None else None
         if res.case_type in MEMORY_FAULTS and oom is not None:
-            must.add(OOM_EVENT_KIND[oom["cause"]])
+            # A message without figures ("CUDA error: out of memory" from cuBLAS or NCCL) holds
+            # no cause to read after the fact: its class is allowed, not expected (counted apart).
+            wordings = getattr(res, "oom_wordings", [])
+            wording = wordings[i_oom] if i_oom < len(wordings) else None
+            if wording in OOM_WORDINGS_WITHOUT_FIGURES:
+                may.add(OOM_EVENT_KIND[oom["cause"]])
+                no_figures += 1
+            else:
+                must.add(OOM_EVENT_KIND[oom["cause"]])
         matched_first: dict[str, dict[str, Any]] = {}
         false_kinds: set[str] = set()
         for f in sorted(findings, key=lambda f: f["ts"]):
@@ -462,6 +478,10 @@ def score(results: list[RunResult], level: str = "L2") -> dict[str, Any]:
             want_cause = {"nccl_hang": "software", "gpu_lost": "hardware"}.get(res.case_type) if k == "collective_hang" else MEMORY_FAULTS.get(res.case_type) if k == "oom_predicted" else None
             if f["evidence"].get("level") == "L0" and want_cause == "fragmentation":
                 want_cause = None  # an L0 finding says it cannot see fragmentation (docs/levels.md)
+            if k == "oom_predicted" and f["evidence"].get("level") == "L0" and f["evidence"].get("per_process_memory") is False:
+                # DCGM alone (FB_USED): the finding says it cannot tell a leak from another
+                # process's growth; its cause is a default, not a reading, so it is not scored.
+                want_cause = None
             if want_cause:
                 s.cause_checked += 1
                 s.cause_right += f.get("cause") == want_cause
@@ -507,6 +527,7 @@ def score(results: list[RunResult], level: str = "L2") -> dict[str, Any]:
         out["collective_hang"]["culprit_accuracy_outside"] = _ratio(outside["right"], outside["checked"])
     out["baseline_watchdog_600s"] = watchdog.to_dict()
     out["baseline_static_memory_95pct_1m"] = static.to_dict()
+    out["oom_messages_without_figures"] = no_figures
     out["hard_negatives"] = {"runs": negatives, "page_free_runs": page_free, "page_free_share": _ratio(page_free, negatives)}
     return out
 
@@ -579,11 +600,17 @@ def measure_cost(n_gpus: int = 100_000, history_seconds: float = 60.0, repeats: 
             d.detect(window)
             times.append(time.perf_counter() - t0)
         per[d.name] = min(times)
-    # Every job here runs the hook (L2): the pipeline skips the L0/L1 hang, OOM and straggler
-    # detectors for it (gpuvigil.detectors.levels); their cost is what a cluster observed at L0
-    # would pay instead of the L2 ones.
+    # Every job here runs the hook (L2): the pipeline skips the L0/L1 OOM and straggler detectors
+    # for it (gpuvigil.detectors.levels), but runs the L0/L1 hang ones, the fallback of an L2
+    # job's hang (`levels.fallback_seconds`, key `L2.hang`); the L0 figures are what a cluster
+    # observed at L0 pays instead.
+    from gpuvigil.detectors.levels import LevelSelector, LevelsConfig
+
+    sel = LevelSelector(dets, **config.section("levels", LevelsConfig, cfg).model_dump())
     level_of = {d.name: (d.level, d.capability) for d in dets}
-    at_l2 = {k: v for k, v in per.items() if not (level_of[k][1] and level_of[k][0] != "L2")}
+    at_l2 = {
+        k: v for k, v in per.items() if not (level_of[k][1] and level_of[k][0] != "L2" and sel.fallback("L2", level_of[k][1]) is None)
+    }
     at_l0 = {k: v for k, v in per.items() if not (level_of[k][1] and level_of[k][0] != "L0")}
 
     def amort(sel: dict[str, float]) -> float:
@@ -616,8 +643,13 @@ def markdown(summary: dict[str, Any], meta: dict[str, Any], cost: dict[str, Any]
     lines = [
         "## Detectors" + (" by observation level, reduced suite" if meta.get("quick") else "") + " (`gpuvigil bench detectors`)",
         "",
-        f"{meta['runs']} simulated runs (seed {meta['seed']}, {meta['errors']} crashed), {len(CASE_TYPES)} case types in turn "
-        f"({len(POSITIVE)} faults, {len(NEGATIVE)} hard negatives: {', '.join(NEGATIVE)}); job sizes {meta['gpus_min']}–{meta['gpus_max']} GPUs, "
+        f"{meta['runs']} simulated runs (seed {meta['seed']}, {meta['errors']} crashed), "
+        + (
+            f"case types cycled as `--cases {meta['cases']}` (runs per type: {', '.join(f'{t} {n}' for t, n in meta.get('case_counts', {}).items())})"
+            if meta.get("cases")
+            else f"{len(CASE_TYPES)} case types in turn ({len(POSITIVE)} faults, {len(NEGATIVE)} hard negatives: {', '.join(NEGATIVE)})"
+        )
+        + f"; job sizes {meta['gpus_min']}–{meta['gpus_max']} GPUs, "
         f"step times {meta['step_min']:.2f}–{meta['step_max']:.1f} s, random onset, noise, checkpoints and background jobs; hints off so faults run their course. "
         f"{meta['sim_seconds']:.0f} simulated s in {meta['wall_seconds']:.0f} s wall on {meta['workers']} worker(s)"
         + (" (reduced `--quick` suite: jobs of at most 32 GPUs, steps of at most 4 s, faults that play out within minutes)" if meta.get("quick") else "")
@@ -630,7 +662,7 @@ def markdown(summary: dict[str, Any], meta: dict[str, Any], cost: dict[str, Any]
         "| kind | level | expected | detected | FP | precision | recall | F1 | latency p50 / p90 (s) | p90 step ≤ 2 s (s) | p90 step > 2 s (steps) | culprit | cause |",
         "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
-    kinds = sorted({k for sm in by_level.values() for k in sm if k not in ("hard_negatives",) and not k.startswith("baseline_")})
+    kinds = sorted({k for sm in by_level.values() for k in sm if k not in ("hard_negatives", "oom_messages_without_figures") and not k.startswith("baseline_")})
     rows = [(k, lvl) for k in kinds for lvl in LEVELS if k in by_level.get(lvl, {})]
     rows += [("baseline_watchdog_600s", "L0"), ("baseline_static_memory_95pct_1m", "L0")]
     for k, lvl in rows:
@@ -686,8 +718,25 @@ def markdown(summary: dict[str, Any], meta: dict[str, Any], cost: dict[str, Any]
     return "\n".join(lines)
 
 
-def run_suite(runs: int, seed: int, workers: int, max_gpus: int = 1024, progress: bool = False, quick: bool = False) -> tuple[list[RunResult], float]:
-    cases = [make_case(i, seed, max_gpus, quick) for i in range(runs)]
+def parse_cases(spec: str | None) -> list[str] | None:
+    """`--cases`: comma-separated case types, `all` for every type; a repeated type weighs more."""
+    if not spec:
+        return None
+    from gpuvigil.errors import UserError
+
+    out: list[str] = []
+    for name in (n.strip() for n in spec.split(",") if n.strip()):
+        if name == "all":
+            out += CASE_TYPES
+        elif name in CASE_TYPES:
+            out.append(name)
+        else:
+            raise UserError(f"--cases: unknown case type {name!r} (known: all, {', '.join(CASE_TYPES)})")
+    return out or None
+
+
+def run_suite(runs: int, seed: int, workers: int, max_gpus: int = 1024, progress: bool = False, quick: bool = False, types: list[str] | None = None) -> tuple[list[RunResult], float]:
+    cases = [make_case(i, seed, max_gpus, quick, types) for i in range(runs)]
     # Biggest first so that the pool's tail is short.
     order = sorted(cases, key=lambda c: -(c.gpus * c.scenario["duration_seconds"] / c.tick_seconds))
     t0 = time.perf_counter()
@@ -717,7 +766,16 @@ def cmd(args) -> int:
     runs = (args.runs if "--runs" in sys.argv else len(CASE_TYPES)) if args.quick else args.runs
     max_gpus = 32 if args.quick else 1024
     workers = args.workers or max(1, os.cpu_count() or 1)
-    results, wall = run_suite(runs, args.seed, workers, max_gpus, progress=not args.json and sys.stderr.isatty(), quick=args.quick)
+    types = parse_cases(getattr(args, "cases", None))
+    results, wall = run_suite(runs, args.seed, workers, max_gpus, progress=not args.json and sys.stderr.isatty(), quick=args.quick, types=types)
+    if getattr(args, "dump_runs", None):
+        from dataclasses import asdict
+
+        # Every run's ground truth and findings, one JSON object a line: the table can be audited
+        # (and rescored) without rerunning the simulations.
+        with open(args.dump_runs, "w") as fh:
+            for r in results:
+                fh.write(json.dumps(asdict(r), default=str) + "\n")
     summary = score(results)
     levels = {lvl: score(results, lvl) for lvl in ("L0", "L1")}
     errors = [r for r in results if r.error]
@@ -733,6 +791,8 @@ def cmd(args) -> int:
         "step_min": min(r.step_time_seconds for r in results),
         "step_max": max(r.step_time_seconds for r in results),
         "quick": bool(args.quick),
+        "cases": getattr(args, "cases", None),
+        "case_counts": {t: sum(r.case_type == t for r in results) for t in dict.fromkeys(types or CASE_TYPES)},
     }
     cost = None if args.quick or args.cost_gpus == 0 else measure_cost(args.cost_gpus)
     md = markdown(summary, meta, cost, levels)
@@ -759,5 +819,7 @@ def add_parser(sub) -> None:
     p.add_argument("--no-write", action="store_true", help="do not write docs/benchmarks.md")
     p.add_argument("--output", default=None, help="markdown file to write the section into (default docs/benchmarks.md)")
     p.add_argument("--json", action="store_true", help="print the figures as one JSON object")
+    p.add_argument("--dump-runs", default=None, metavar="FILE.jsonl", help="also write every run (ground truth and findings per level) as JSON lines")
+    p.add_argument("--cases", default=None, help="case types to cycle through, comma-separated (`all` = every type; a repeated type weighs more), e.g. all,nccl_hang,gpu_lost")
     p.add_argument("--section", default=None, help="docs/benchmarks.md section to write (default: detectors), e.g. detectors-levels for a reduced per-level run beside the full one")
     p.set_defaults(func=cmd)

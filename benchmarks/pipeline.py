@@ -188,7 +188,8 @@ def markdown(rows: list[dict[str, Any]]) -> str:
     head = (
         "## Pipeline throughput (`gpuvigil bench pipeline`)\n\n"
         "The production tick (`Pipeline.tick`: detectors at their configured periods, findings merged, hints to the scheduler), one core (polars single-threaded), "
-        "**simulated** cluster (gpuvigil's simulator, no real GPUs) with 80% of GPUs in 64-GPU jobs, windows warmed with 90 s of history (the longest detector look-back). "
+        "**simulated** cluster (gpuvigil's simulator, no real GPUs) with 80% of GPUs in 64-GPU jobs, windows warmed with 90 s of history (the OOM fit's look-back; "
+        "the windows keep GPU samples 120 s and rank/allocator rows 180 s, so a longer run holds more than measured here). "
         f"Machine: {platform.machine()}, {os.cpu_count()} cores, Python {platform.python_version()}; **loaded by other work** while measured (2 cores shared with about 8 other processes), "
         "so wall times are pessimistic: CPU time (process time, which does not count waiting for a core) is the figure to read. "
         "`gpuvigil` columns exclude the simulator's own `collect`, which is reported apart (a real NVML/DCGM collector is I/O-bound instead). "
@@ -231,6 +232,13 @@ def markdown(rows: list[dict[str, Any]]) -> str:
         notes.append(f"- Detector CPU on the worst tick at {big['gpus']:,} GPUs: " + ", ".join(f"{k} {v:.3f} s" for k, v in costly) + ".")
     mean = sorted(big["detector_cpu_seconds_per_tick"].items(), key=lambda kv: -kv[1])[:6]
     notes.append(f"- Detector CPU per tick at {big['gpus']:,} GPUs (mean over the timed ticks): " + ", ".join(f"{k} {v:.3f} s" for k, v in mean) + ".")
+    held = sorted(big.get("window_bytes_by_stream", {}).items(), key=lambda kv: -kv[1])[:3]
+    if held:
+        notes.append(
+            f"- Window at the end, {big['gpus']:,} GPUs (polars estimated size): {big['window_bytes'] / 2**30:.2f} GiB, of which "
+            + ", ".join(f"{k} {v / 2**30:.2f} GiB" for k, v in held)
+            + "."
+        )
     return head + body + "\n" + "\n".join(notes) + "\n"
 
 

@@ -2,11 +2,13 @@
 
 `Acting` is a pipeline sink placed after the HintStore. With `on` it applies the store's pending
 hints through the Slurm or Kubernetes adapter (drain/resume/requeue; cordon/evict/taint) and
-undoes what it did when a cause clears; with `dry-run` it says, once per hint, what it would have
-run and changes nothing; with `off` it does nothing. Every action and every dry-run is a log line,
-a count in `gpuvigil_actions_total{scheduler,action,mode,outcome}`, and an entry in the hint
-store that the feedback API serves (ack/nack/attempt for `on`; a `dry_run` note, shown as the
-hint's state_reason, for `dry-run`).
+undoes what it did when a cause clears; with `dry-run` it says, once per hint (also across a
+restart: the store keeps the note), what it would have run and changes nothing; with `off` it
+does nothing. Every action and every dry-run is a log line, a count in
+`gpuvigil_actions_total{scheduler,action,mode,outcome}`, and an entry in the hint store that the
+feedback API serves (ack/nack/attempt for `on`; a `dry_run` note, shown as the
+hint's state_reason, for `dry-run`). `make_acting` builds it for `serve` and for the
+`gpuvigil act` leader alike.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ from typing import Any
 from gpuvigil.model import Hint, HintAction
 
 log = logging.getLogger("gpuvigil.serve")
+DRY_RUN_NOTE = "dry-run: would run: "  # a described hint's state_reason in the hint store
 
 
 def describe_slurm(hint: Hint, adapter: Any) -> str:
@@ -51,6 +54,32 @@ def describe_kubernetes(hint: Hint, cfg: Any) -> str:
     if act == HintAction.AVOID_GPU:
         return f"annotate node {hint.node} {ANNOTATION_AVOID_GPUS} += {hint.gpu}"
     return f"annotate {ANNOTATION_VERDICT} on {hint.job} ({act.value})"
+
+
+def make_acting(scheduler: str, mode: str, *, store: Any, cfg: dict[str, Any]) -> Acting | None:
+    """The `Acting` sink for `sources.scheduler` / `sources.act` (or `--scheduler` / `--act`), as
+    `serve` and the `gpuvigil act` leader both build it: None without a scheduler. Kubernetes with
+    `act: on` needs its API client now (a config error is a UserError); `dry-run` needs none."""
+    if scheduler == "none":
+        return None
+    if scheduler == "slurm":
+        from gpuvigil.scheduler.slurm import SlurmAdapter
+
+        adapter = SlurmAdapter(store=store, cfg=cfg)
+        return Acting("slurm", mode, store=store, adapter=adapter, describe=lambda h: describe_slurm(h, adapter))
+    if scheduler != "kubernetes":
+        raise ValueError(f"scheduler {scheduler!r}")
+    from gpuvigil.errors import UserError
+    from gpuvigil.scheduler.kubernetes import KubernetesAdapter, KubernetesError, kubernetes_config
+
+    kcfg = kubernetes_config(cfg)
+    k8s = None
+    if mode == "on":
+        try:
+            k8s = KubernetesAdapter(store=store, cfg=cfg)
+        except (KubernetesError, ImportError) as exc:
+            raise UserError(f"source scheduler kubernetes: cannot act: {exc}") from exc
+    return Acting("kubernetes", mode, store=store, adapter=k8s, describe=lambda h: describe_kubernetes(h, kcfg))
 
 
 class Acting:
@@ -91,7 +120,18 @@ class Acting:
                 log.info("act dry-run (%s): cause %s cleared: would undo %s on %s", self.scheduler, hint.finding_id, hint.action.value, hint.node)
                 self._count(f"undo_{hint.action.value}", "dry_run")
             self._described.discard(hint.id)
-        pending = [r.to_hint() for r in self.store.pending_hints()] if self.store is not None else list(result.new_hints)
+        if self.store is None:
+            pending = list(result.new_hints)
+        else:
+            pending = []
+            for rec in self.store.pending_hints():
+                hint = rec.to_hint()
+                if (rec.state_reason or "").startswith(DRY_RUN_NOTE):
+                    # Described before this Acting existed (serve restarted, or the act leader
+                    # lost and retook its lease): said once already, durably, in the store.
+                    self._described.add(hint.id)
+                    continue
+                pending.append(hint)
         for hint in pending:
             if hint.id in self._described:
                 continue
@@ -101,7 +141,7 @@ class Acting:
             self._count(hint.action.value, "dry_run")
             if self.store is not None:
                 try:
-                    self.store.note(hint.id, "dry_run", f"dry-run: would run: {what}")
+                    self.store.note(hint.id, "dry_run", f"{DRY_RUN_NOTE}{what}")
                 except KeyError:
                     pass  # the hint expired between the read and the note
 

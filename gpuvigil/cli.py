@@ -20,10 +20,14 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "replay": ("gpuvigil.replay", "replay recorded history (Prometheus, files) through every detector: what would have fired"),
     "fr": ("gpuvigil.collectors.flight_recorder", "cross-rank analysis of Flight Recorder dumps"),
     "serve": ("gpuvigil.serve", "run collectors, pipeline, scheduler, API and /metrics"),
+    "agent": ("gpuvigil.fleet.agent", "node agent: collectors + node/GPU detectors, publishes to NATS JetStream (fleet)"),
+    "detect": ("gpuvigil.fleet.detect", "job-level detectors over leased job partitions of NATS JetStream (fleet)"),
+    "act": ("gpuvigil.fleet.act", "findings → alerts and hints, one leader through a NATS KV lease (fleet)"),
     "api": ("gpuvigil.api.cli", "serve the scheduler feedback API from a hint store"),
     "why": ("gpuvigil.api.whycli", "why the scheduler placed a job where it is, or why it waits (asks a running API)"),
     "alerts": ("gpuvigil.alerts.build", "build Prometheus rules and Alertmanager config"),
     "dashboards": ("gpuvigil.dashboards.build", "build Grafana dashboards"),
+    "deploy": ("gpuvigil.deploy", "write deployment files for gpuvigil at scale (sharded Prometheus)"),
     "bench": ("gpuvigil.benchcli", "run a benchmark and write docs/benchmarks.md"),
 }
 

@@ -203,3 +203,55 @@ def pattern_root(pattern: str) -> Path:
             break
         parts.append(part)
     return Path(*parts) if parts else Path("/")
+
+
+# -- fleet: the scale-out deployment on NATS JetStream (gpuvigil.fleet) ------------------------
+class Fleet(BaseModel):
+    """The `fleet:` section: how `gpuvigil agent`, `detect` and `act` meet on NATS JetStream
+    (docs/scale.md, deploy/fleet.yaml). `serve` ignores it: one process, no NATS."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    servers: list[str] = Field(default_factory=lambda: ["nats://127.0.0.1:4222"], min_length=1, description="NATS URLs (any node of the cluster)")
+    prefix: str = Field("gv", pattern=r"^[A-Za-z][A-Za-z0-9_-]{0,31}$", description="first token of every subject; names streams and buckets")
+    # Must equal N in the server's subject mapping {{partition(N,1)}} (`fleet.nats_mapping`).
+    partitions: int = Field(16, ge=1, le=4096, description="job partitions: the unit a detect replica leases")
+    replicas: int = Field(1, ge=1, le=5, description="JetStream replicas of every stream and bucket (3 in production)")
+    rows_max_age_seconds: float = Field(900.0, gt=0, description="how long the rows stream keeps job rows (>= replay_seconds)")
+    replay_seconds: float = Field(600.0, gt=0, description="a replica that takes a partition replays this much of it (the detectors' window)")
+    lease_ttl_seconds: float = Field(10.0, ge=1, le=3600, description="a lease not renewed for this long expires and another replica takes it")
+    findings_refresh_seconds: float = Field(5.0, gt=0, description="agents and detect replicas republish unchanged active findings this often")
+    findings_stale_seconds: float = Field(60.0, gt=0, description="act forgets a source that has said nothing for this long")
+    agent_detectors: list[str] = Field(default_factory=lambda: ["xid", "ecc", "thermal", "pcie", "anomaly"],
+                                       description="detectors whose scope is one node or GPU: they run in the agent, every other one in detect")
+
+    @field_validator("servers")
+    @classmethod
+    def _servers(cls, urls: list[str]) -> list[str]:
+        for url in urls:
+            if not url.startswith(("nats://", "tls://", "ws://", "wss://")):
+                raise ValueError(f"{url!r} is not a nats:// (or tls://) URL")
+        return urls
+
+    @field_validator("replay_seconds")
+    @classmethod
+    def _replay(cls, value: float, info: Any) -> float:
+        keep = info.data.get("rows_max_age_seconds")
+        if keep is not None and value > keep:
+            raise ValueError(f"replay_seconds {value:g} exceeds rows_max_age_seconds {keep:g}: the stream would not hold what a takeover replays")
+        return value
+
+
+def fleet_from_config(cfg: dict[str, Any], where: str = "config") -> Fleet:
+    raw = cfg.get("fleet") or {}
+    if not isinstance(raw, dict):
+        raise UserError(f"{where}: 'fleet' must be a mapping, got {type(raw).__name__}")
+    try:
+        return Fleet.model_validate(raw)
+    except ValidationError as exc:
+        err = exc.errors()[0]
+        if err["type"] == "extra_forbidden":
+            key = str(err["loc"][-1])
+            raise UserError(f"{where}: fleet.{key}: unknown key; {_nearest(key, list(Fleet.model_fields))}") from None
+        loc = ".".join(str(p) for p in err["loc"])
+        raise UserError(f"{where}: fleet.{loc}: {err['msg'].removeprefix('Value error, ')}") from None

@@ -15,6 +15,7 @@ from gpuvigil.errors import UserError
 EXTRAS = {
     "kubernetes": ("kubernetes", "kubernetes"),
     "grafanalib": ("build", "grafanalib"),
+    "nats": ("fleet", "nats-py"),
 }
 
 

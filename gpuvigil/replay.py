@@ -267,27 +267,37 @@ def query_prometheus(url: str, start: float, end: float, step: float, *, client:
     return pl.concat(frames, how="vertical_relaxed") if frames else pl.DataFrame(schema=LONG)
 
 
+# the labels `_labels_row` reads, and a query_range answer's shape with only those
+_QUERY_LABELS = ("__name__", "Hostname", "hostname", "node", "instance", "gpu", "UUID", "gpu_uuid", "exported_job", "job", "rank")
+_QUERY_SCHEMA = pl.Schema(
+    {
+        "status": pl.Utf8,
+        "data": pl.Struct(
+            {
+                "resultType": pl.Utf8,
+                "result": pl.List(pl.Struct({"metric": pl.Struct(dict.fromkeys(_QUERY_LABELS, pl.Utf8)), "values": pl.List(pl.List(pl.Utf8))})),
+            }
+        ),
+    }
+)
+
+
 def long_from_query_body(body: bytes) -> pl.DataFrame | None:
     """A successful query_range answer (the JSON bytes) -> LONG rows, parsed by polars' JSON
     reader (about half the CPU of json.loads and Python lists). None when the answer is not a
     plain successful matrix (an error, an odd shape): the caller then reads it with json, as
     before. Labels are still mapped per series by `_labels_row`."""
     try:
-        df = pl.read_json(io.BytesIO(body), infer_schema_length=None)
-        if df.height != 1 or "data" not in df.columns or df["status"][0] != "success":
-            return None
-        data = df["data"].dtype
-        if not isinstance(data, pl.Struct) or "result" not in {f.name for f in data.fields}:
+        # The schema is given, not inferred (inference scans the whole answer: ~40% of the CPU).
+        # It names only the labels `_labels_row` reads: the reader skips the others, which
+        # replay never looks at, so nothing it uses is lost.
+        df = pl.read_json(io.BytesIO(body), schema=_QUERY_SCHEMA)
+        if df.height != 1 or df["status"][0] != "success" or df.select(pl.col("data").struct.field("resultType")).item() != "matrix":
             return None
         res = df.select(pl.col("data").struct.field("result")).explode("result")
-        item = res.schema["result"]
         if res["result"].null_count() == res.height:
             return pl.DataFrame(schema=LONG)
-        if not isinstance(item, pl.Struct) or {f.name: f.dtype for f in item.fields}.keys() != {"metric", "values"}:
-            return None
         res = res.unnest("result")
-        if not isinstance(res.schema["metric"], pl.Struct) or res.schema["values"] != pl.List(pl.List(pl.Utf8)):
-            return None
         bases = []
         for labels in res["metric"].to_list():
             labels = {k: v for k, v in (labels or {}).items() if v is not None}
@@ -338,11 +348,22 @@ def _label(name: str) -> pl.Expr:
     return pl.col("labels").str.extract(r'(?:^|,)\s*' + name + r'="((?:[^"\\]|\\.)*)"', 1)
 
 
+# The exposition formats' escapes in label values, undone as prometheus_client's parser undoes
+# them (prometheus_client/parser.py: ESCAPE_SEQUENCES): `\\`, `\"`, `\n`; any other backslash
+# stays as it is. Scanned left to right, so `\\n` is a backslash and an `n`.
+_ESCAPE = re.compile(r'\\[\\n"]')
+_ESCAPES = {"\\\\": "\\", "\\n": "\n", '\\"': '"'}
+
+
+def _unescape(value: str) -> str:
+    return _ESCAPE.sub(lambda m: _ESCAPES[m.group(0)], value)
+
+
 def _series_columns(series: pl.DataFrame) -> pl.DataFrame:
     """Distinct (metric, labels) text -> the LONG label columns, with the mapping of `_labels_row`."""
     metric = pl.col("metric").replace(_ALIASES)
     is_rank = metric.str.starts_with("gpuvigil_rank")
-    return series.with_columns(
+    out = series.with_columns(
         metric.alias("_metric"),
         pl.coalesce(_label("Hostname"), _label("hostname"), _label("node"), _label("instance")).alias("node"),
         _label("gpu").alias("gpu"),
@@ -350,11 +371,17 @@ def _series_columns(series: pl.DataFrame) -> pl.DataFrame:
         pl.when(is_rank).then(pl.coalesce(_label("exported_job"), _label("job"))).alias("job"),
         _label("rank").alias("rank"),
     )
+    # escaped values are rare: undone in Python, once per distinct series that has one
+    for c in ("node", "gpu", "gpu_uuid", "job", "rank"):
+        if out.get_column(c).str.contains("\\", literal=True).any():
+            out = out.with_columns(pl.Series(c, [None if v is None else _unescape(v) for v in out.get_column(c).to_list()], dtype=pl.Utf8))
+    return out
 
 
 def _long_from_labelled(df: pl.DataFrame, key: list[str] | None = None, series: pl.DataFrame | None = None) -> pl.DataFrame:
     """(metric, labels, value, ts) text columns -> LONG. Labels are parsed once per distinct
-    series (`key` columns; `series`: those keys already mapped), then joined onto its samples."""
+    series (`key` columns; `series`: those keys already mapped, only the wanted ones), then
+    joined onto its samples; samples of a series not in `series` are dropped."""
     key = key or ["metric", "labels"]
     series = _series_columns(df.select("metric", "labels").unique()) if series is None else series
     return df.select(
@@ -362,7 +389,7 @@ def _long_from_labelled(df: pl.DataFrame, key: list[str] | None = None, series: 
         *key,
         pl.col("value").cast(pl.Float64, strict=False).alias("value"),
     ).filter(pl.col("ts").is_not_null() & pl.col("value").is_not_null() & ~pl.col("value").is_nan()).join(
-        series, on=key, how="left", nulls_equal=True, maintain_order="left"
+        series, on=key, how="inner", nulls_equal=True, maintain_order="left"
     ).select("ts", pl.col("_metric").alias("metric"), "value", "node", "gpu", "gpu_uuid", "job", "rank")
 
 
@@ -392,29 +419,31 @@ def _split_regex(lines: pl.DataFrame) -> pl.DataFrame:
     return out
 
 
-def _split_fast(lines: pl.DataFrame) -> tuple[pl.DataFrame, pl.DataFrame, pl.DataFrame]:
-    """(metric, labels, value, ts) of the lines shaped `NAME{LABELS} VALUE TS` (or `NAME VALUE
-    TS`) with at most one brace of each kind, single spaces and no other whitespace, split with
-    literal searches; the head (`NAME{LABELS}`) is read once per distinct series (a series repeats
-    on every line of its history). Returns ((head, value, ts), (head, metric, labels) per distinct
-    head, the other lines): the others go through `_split_regex`.
+def _split_fast(lines: pl.DataFrame, *, plain_whitespace: bool = False) -> tuple[pl.DataFrame, pl.DataFrame, pl.DataFrame]:
+    """(metric, labels, value, ts) of the lines shaped `HEAD VALUE TS`, single spaces and no other
+    whitespace, split with literal searches: HEAD ends at the first `} ` (or the first space when
+    the line has none) and must read whole as `NAME` or `NAME{LABELS}`; the head is read once per
+    distinct series (a series repeats on every line of its history). Returns ((head, value, ts),
+    (head, metric, labels) per distinct head, the other lines): the others go through
+    `_split_regex`. `plain_whitespace`: the caller checked that no line holds whitespace other
+    than the ASCII space (a check per block, not a regex per line).
+
     On the lines it keeps this gives exactly what `_split_regex` gives (tests/test_replay.py
-    checks both agree on generated and random text)."""
+    checks both agree on generated and random text). Why the first `} ` is enough: the reference
+    pattern ends the labels at the last `}` followed by whitespace; a later one would sit in the
+    VALUE or TS field, which then is no number and the sample is dropped either way, or makes
+    more than two fields, which sends the line to the regex."""
     line = pl.col("line")
-    opens = line.str.count_matches("{", literal=True)
-    closes = line.str.count_matches("}", literal=True)
-    cut = pl.when(closes == 1).then(line.str.find("} ", literal=True) + 1).otherwise(line.str.find(" ", literal=True))
-    # any whitespace but the ASCII space (tabs, Unicode spaces) is left to the regex
-    plain = (opens <= 1) & (closes <= 1) & ~line.str.contains(r"[\s&&[^ ]]")
-    df = lines.with_columns(cut.alias("_cut"), plain.alias("_plain"))
+    cut = pl.coalesce(line.str.find("} ", literal=True) + 1, line.str.find(" ", literal=True))
+    df = lines.with_columns(cut.alias("_cut"))
     df = df.with_columns(
         line.str.slice(0, pl.col("_cut")).alias("head"),
         line.str.slice(pl.col("_cut") + 1).str.split_exact(" ", 2).alias("_t"),
     ).unnest("_t")
-    ok = (
-        pl.col("_plain") & pl.col("_cut").is_not_null()
-        & (pl.col("field_0").str.len_bytes() > 0) & (pl.col("field_1").str.len_bytes() > 0) & pl.col("field_2").is_null()
-    )
+    ok = pl.col("_cut").is_not_null() & (pl.col("field_0").str.len_bytes() > 0) & (pl.col("field_1").str.len_bytes() > 0) & pl.col("field_2").is_null()
+    if not plain_whitespace:
+        # any whitespace but the ASCII space (tabs, Unicode spaces) is left to the regex
+        ok = ok & ~line.str.contains(r"[\s&&[^ ]]")
     fast = df.filter(ok)
     rest = df.filter(~ok.fill_null(False)).select("line")
     heads = fast.select(pl.col("head").unique()).with_columns(pl.col("head").str.extract_groups(_HEAD).alias("m")).unnest("m")
@@ -426,6 +455,13 @@ def _split_fast(lines: pl.DataFrame) -> tuple[pl.DataFrame, pl.DataFrame, pl.Dat
         fast = fast.join(bad.select("head"), on="head", how="anti")
         heads = heads.filter(pl.col("metric").is_not_null())
     return fast.select("head", pl.col("field_0").alias("value"), pl.col("field_1").alias("ts")), heads, rest
+
+
+def _plain_whitespace(block: bytes) -> bool:
+    """No whitespace in `block` but ASCII spaces and newlines (true of every exporter's output):
+    ASCII only (so no Unicode space) and none of tab, CR, VT, FF. Bytes scans, a few ms per
+    256 MiB."""
+    return block.isascii() and not any(c in block for c in (b"\t", b"\r", b"\x0b", b"\x0c"))
 
 
 def _text_chunks(path: Path, size: int = READ_CHUNK_BYTES) -> Iterable[bytes]:
@@ -444,6 +480,31 @@ def _text_chunks(path: Path, size: int = READ_CHUNK_BYTES) -> Iterable[bytes]:
                 continue
             tail = block[cut + 1 :]
             yield block[: cut + 1]
+
+
+def _exemplar_lines(lines: list[str], wanted: Sequence[str]) -> tuple[list[dict[str, Any]], int]:
+    """LONG rows of sample lines carrying an OpenMetrics exemplar, read one by one by
+    prometheus_client's OpenMetrics sample parser (rare lines: Python speed is fine), and how
+    many it refused. The exemplar itself is not a sample of the series and is dropped."""
+    from prometheus_client.openmetrics.parser import _parse_sample
+
+    keep = set(wanted)
+    rows: list[dict[str, Any]] = []
+    unread = 0
+    for text in lines:
+        try:
+            sample = _parse_sample(text.strip(" "))
+            value = float(sample.value)
+        except Exception:  # an untrusted line: any refusal counts it as unreadable, nothing more
+            unread += 1
+            continue
+        ts = sample.timestamp
+        if ts is None or sample.name not in keep or math.isnan(value):
+            continue
+        # a Timestamp(sec, nsec) -> the float its decimal text reads as (as the fast path reads it)
+        t = float(f"{ts.sec}.{ts.nsec:09d}") if hasattr(ts, "nsec") else float(ts)
+        rows.append(_labels_row(sample.name, sample.labels, t, value))
+    return rows, unread
 
 
 def read_exposition_file(path: Path, *, fast: bool = True, chunk_bytes: int = READ_CHUNK_BYTES) -> pl.DataFrame:
@@ -466,16 +527,26 @@ def read_exposition_file(path: Path, *, fast: bool = True, chunk_bytes: int = RE
             openmetrics = openmetrics or raw.filter(pl.col("line").str.starts_with("# EOF")).height > 0
             lines = raw.filter(~pl.col("line").str.starts_with("#"))
             if fast:
-                split, heads, rest = _split_fast(lines)
+                split, heads, rest = _split_fast(lines, plain_whitespace=_plain_whitespace(block))
                 heads = heads.filter(pl.col("metric").is_in(wanted))
                 sample_lines += split.height
                 if heads.height:
-                    parts.append(_long_from_labelled(split.join(heads.select("head"), on="head", how="semi"), ["head"], _series_columns(heads)))
+                    # an inner join keeps only the wanted series' samples (no semi-join pass)
+                    parts.append(_long_from_labelled(split, ["head"], _series_columns(heads)))
             else:
                 rest = lines
             # blank lines are no samples; whitespace-only ones never pass the fast split
             rest = rest.filter(pl.col("line").str.strip_chars() != "")
             sample_lines += rest.height
+            # An OpenMetrics exemplar (`... VALUE TS # {trace_id="..."} 1 TS`) would make the
+            # pattern below read the exemplar's value: such lines go to prometheus_client.
+            marked = rest.get_column("line").str.contains(" # ", literal=True)
+            if marked.any():
+                rows, unread = _exemplar_lines(rest.filter(marked).get_column("line").to_list(), wanted)
+                bad += unread
+                if rows:
+                    parts.append(pl.DataFrame(rows, schema=LONG, orient="row"))
+                rest = rest.filter(~marked)
             samples = _split_regex(rest)
             bad += samples.filter(pl.col("metric").is_null()).height
             kept = samples.filter(pl.col("metric").is_in(wanted) & pl.col("ts").is_not_null())
@@ -485,12 +556,13 @@ def read_exposition_file(path: Path, *, fast: bool = True, chunk_bytes: int = RE
         raise UserError(f"{path}: unreadable: {str(exc).splitlines()[0]}") from exc
     if bad and bad == sample_lines:
         raise UserError(f"{path}: not an OpenMetrics/Prometheus exposition")
-    # one chunk: polars divides a multi-chunk column with another kernel (last-bit differences)
     df = pl.concat(parts, rechunk=True) if parts else pl.DataFrame(schema=LONG)
     if df.is_empty():
         raise UserError(f"{path}: no timestamped samples of a known series (a single scrape: use `gpuvigil analyze`)")
     if not openmetrics and df["ts"].max() > 1e11:  # type: ignore[operator]
-        df = df.with_columns(pl.col("ts") / 1000.0)
+        # numpy's division is IEEE (correctly rounded, as Python's and prometheus_client's);
+        # polars' scalar division may multiply by the reciprocal (last-bit differences)
+        df = df.with_columns(pl.Series("ts", df.get_column("ts").to_numpy() / 1000.0))
     return df
 
 

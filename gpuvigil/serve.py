@@ -64,7 +64,9 @@ def add_parser(sub) -> None:
     out = p.add_argument_group("outputs")
     out.add_argument("--host", default="127.0.0.1", help="address for /metrics (default 127.0.0.1)")
     out.add_argument("--port", type=int, default=9400, help="port for /metrics (default 9400; 0 picks a free one)")
-    out.add_argument("--alertmanager", help="Alertmanager base URL, e.g. http://127.0.0.1:9093: push findings as alerts")
+    out.add_argument("--alertmanager", action="append", default=None,
+                     help="Alertmanager base URL, e.g. http://127.0.0.1:9093: push findings as alerts; repeat for each peer of a "
+                          "cluster (default: the config's alerts.alertmanagers)")
     out.add_argument("--outbox", default="gpuvigil-outbox.sqlite", help="SQLite outbox for alerts (default ./gpuvigil-outbox.sqlite)")
     out.add_argument("--otlp-endpoint", help="OTLP/HTTP metrics endpoint, e.g. http://127.0.0.1:4318/v1/metrics")
     out.add_argument("--otlp-interval", type=float, default=15.0, help="seconds between OTLP exports (default 15)")
@@ -73,9 +75,14 @@ def add_parser(sub) -> None:
     api.add_argument("--api-host", default="127.0.0.1", help="address of the feedback API (default 127.0.0.1)")
     api.add_argument("--api-token-file", type=Path, help="bearer token file of the feedback API")
     api.add_argument("--insecure-local", action="store_true", help="feedback API without a token, on 127.0.0.1 only")
+    api.add_argument("--api-tls-cert", type=Path, help="serve the feedback API over HTTPS with this PEM certificate (with --api-tls-key)")
+    api.add_argument("--api-tls-key", type=Path, help="the certificate's PEM private key")
     api.add_argument("--hint-db", default="gpuvigil-hints.sqlite", help="hint store of the feedback API and of --act (default ./gpuvigil-hints.sqlite)")
     p.add_argument("--config", help="config file (YAML/JSON): thresholds, rules and the `sources:` section (see deploy/deploy.yaml)")
     p.add_argument("--duration", type=float, default=0.0, help="stop after this many wall seconds (default: run until SIGTERM)")
+    p.add_argument("--tick-log", type=Path, default=None,
+                   help="append one line per tick (for benchmarks): wall time at its end (epoch s), the pipeline's tick duration (s), "
+                        "the same with the wait for the tick lock (s), how late it started against the schedule (s)")
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     p.set_defaults(func=run)
 
@@ -85,12 +92,15 @@ def _check_args(args: argparse.Namespace) -> None:
         raise UserError(f"--port {args.port}: must be 0..65535")
     if args.speed <= 0:
         raise UserError(f"--speed {args.speed}: must be > 0")
+    if (getattr(args, "api_tls_cert", None) is None) != (getattr(args, "api_tls_key", None) is None):
+        raise UserError("--api-tls-cert and --api-tls-key go together")
     if args.duration < 0:
         raise UserError(f"--duration {args.duration}: must be >= 0")
     if args.api_port is not None and args.api_token_file is None and not args.insecure_local and "GPUVIGIL_API_TOKEN" not in os.environ:
         raise UserError("--api-port needs a token: --api-token-file FILE or $GPUVIGIL_API_TOKEN (or --insecure-local for a token-less API on 127.0.0.1)")
-    if args.alertmanager and not args.alertmanager.startswith(("http://", "https://")):
-        raise UserError(f"--alertmanager {args.alertmanager!r}: expected an http(s):// URL")
+    for url in args.alertmanager or ():
+        if not url.startswith(("http://", "https://")):
+            raise UserError(f"--alertmanager {url!r}: expected an http(s):// URL")
 
 
 def _nodes_from_probe(collectors: list[Any], node: str) -> list[NodeSpec]:
@@ -147,10 +157,11 @@ class Server:
     def _start(self) -> None:
         args = self.args
         sinks: list[Any] = [self.stats]
-        if args.alertmanager:
+        self.alertmanagers = list(args.alertmanager or self.alert_settings.alertmanagers)
+        if self.alertmanagers:
             from gpuvigil.alerts.pusher import AlertPusher, DeliveryLoop
 
-            self.pusher = AlertPusher(args.alertmanager, args.outbox, self.alert_settings)
+            self.pusher = AlertPusher(self.alertmanagers, args.outbox, self.alert_settings)
             self._stack.callback(self.pusher.close)
             self._stack.callback(self._count_left_in_outbox)  # runs after the final flush
             sinks.append(self.pusher)
@@ -222,23 +233,10 @@ class Server:
         self.runtime = Runtime(pipeline, scheduler, None, now=time.time())
 
     def _make_acting(self, src: Any):
-        from gpuvigil.acting import Acting, describe_kubernetes, describe_slurm
+        from gpuvigil.acting import make_acting
 
-        if src.scheduler == "slurm":
-            from gpuvigil.scheduler.slurm import SlurmAdapter
-
-            adapter = SlurmAdapter(store=self.store, cfg=self.cfg)
-            return Acting("slurm", src.act, store=self.store, adapter=adapter, describe=lambda h: describe_slurm(h, adapter))
-        from gpuvigil.scheduler.kubernetes import KubernetesAdapter, KubernetesError, kubernetes_config
-
-        kcfg = kubernetes_config(self.cfg)
-        adapter = None
-        if src.act == "on":
-            try:
-                adapter = KubernetesAdapter(store=self.store, cfg=self.cfg)
-            except (KubernetesError, ImportError) as exc:
-                raise UserError(f"source scheduler kubernetes: cannot act: {exc}") from exc
-        return Acting("kubernetes", src.act, store=self.store, adapter=adapter, describe=lambda h: describe_kubernetes(h, kcfg))
+        # The same function builds the `gpuvigil act` leader's (fleet/act.py).
+        return make_acting(src.scheduler, src.act, store=self.store, cfg=self.cfg)
 
     def _open_store(self):
         from gpuvigil.api import HintStore
@@ -254,7 +252,9 @@ class Server:
         args = self.args
         token = resolve_token(args.api_token_file)  # the file, else $GPUVIGIL_API_TOKEN
         app = create_app(store, token, insecure_local=args.insecure_local and token is None, cfg=self.cfg, why=self._why)
-        self.api_server = serve_api_in_thread(app, args.api_host, args.api_port)
+        cert = getattr(args, "api_tls_cert", None)
+        tls = None if cert is None else (str(cert), str(args.api_tls_key))
+        self.api_server = serve_api_in_thread(app, args.api_host, args.api_port, tls=tls)
         self._stack.callback(self.api_server.stop)
 
     def _why(self, job: str) -> dict[str, Any] | None:
@@ -296,11 +296,22 @@ class Server:
         period = rt.tick_seconds / (self.args.speed if self.simulated else 1.0)
         deadline = time.monotonic() + self.args.duration if self.args.duration else None
         next_tick = time.monotonic()
+        tick_log = open(self.args.tick_log, "a", buffering=1) if getattr(self.args, "tick_log", None) else None  # noqa: SIM115 - closed below
+        try:
+            self._ticks(rt, period, deadline, next_tick, tick_log)
+        finally:
+            if tick_log is not None:
+                tick_log.close()
+
+    def _ticks(self, rt: Any, period: float, deadline: float | None, next_tick: float, tick_log: Any) -> None:
         while not self.stop_event.is_set():
+            started = time.monotonic()
             with self.lock:
                 if not self.simulated:
                     rt.now = time.time() - rt.tick_seconds
                 result = rt.step()
+            if tick_log is not None:
+                tick_log.write(f"{time.time():.3f} {result.duration_seconds:.4f} {time.monotonic() - started:.4f} {max(0.0, started - next_tick):.3f}\n")
             for finding in result.new_findings:
                 log.info("finding %s %s: %s", finding.severity.value, finding.kind.value, finding.summary)
             self._log_levels(result)
@@ -341,7 +352,7 @@ def run(args: argparse.Namespace) -> int:
         where = f"http://{args.host}:{server.metrics_port}/metrics"
         extras = []
         if server.pusher is not None:
-            extras.append(f"alerts → {args.alertmanager} (outbox {args.outbox})")
+            extras.append(f"alerts → {', '.join(server.alertmanagers)} (outbox {args.outbox})")
         if server.api_server is not None:
             extras.append(f"feedback API {server.api_server.url}")
         if server.otel is not None:

@@ -10,7 +10,8 @@ import sys
 
 import pytest
 
-from benchmarks.detectors import CASE_TYPES, MUST, NEGATIVE, POSITIVE, make_case
+from benchmarks.detectors import CASE_TYPES, MUST, NEGATIVE, POSITIVE, RunResult, make_case, parse_cases, score
+from gpuvigil.errors import UserError
 
 
 def test_suite_cycles_through_every_case_with_random_parameters():
@@ -75,3 +76,47 @@ def test_quick_suite_completes_with_a_well_formed_table(tmp_path):
     assert all(len(line.split("|")) == len(header) for line in table[: 2 + len(result) - 4] if "OOM warning" not in line)
     assert any(line.startswith("| collective_hang |") for line in table)
     assert any(line.startswith("| baseline_watchdog_600s |") for line in table)
+
+
+def test_cases_option_weights_and_restricts_the_cycle():
+    types = parse_cases("all,nccl_hang,nccl_hang")
+    assert types[: len(CASE_TYPES)] == CASE_TYPES and types[len(CASE_TYPES) :] == ["nccl_hang", "nccl_hang"]
+    cases = [make_case(i, seed=0, quick=True, types=parse_cases("gpu_lost,memory_leak")) for i in range(6)]
+    assert [c.case_type for c in cases] == ["gpu_lost", "memory_leak"] * 3
+    with pytest.raises(UserError, match="unknown case type 'nope'"):
+        parse_cases("nccl_hang,nope")
+
+
+def _leak_run(wording: str, findings: list[dict]) -> RunResult:
+    target = {"kind": "memory_leak", "ts": 100.0, "job": "train", "ranks": [2], "node": "n0", "gpu": 2}
+    oom = {"ts": 250.0, "job": "train", "rank": 2, "node": "n0", "gpu": 2, "cause": "capacity"}
+    return RunResult(
+        index=2, case_type="memory_leak", gpus=8, step_time_seconds=0.5, tick_seconds=1.0, onset=100.0, injected=[target],
+        findings=findings, oom_events=[oom], watchdog_fire_ts={}, static_rule_fires=[], wall_seconds=1.0, ticks=300, oom_wordings=[wording],
+    )
+
+
+def _f(kind: str, ts: float, **kw) -> dict:
+    return {"kind": kind, "ts": ts, "job": "train", "node": "n0", "gpu": 2, "severity": "page", "culprit_ranks": [2], "cause": kw.pop("cause", None), "evidence": {"rank": 2, **kw}}
+
+
+def test_an_oom_message_without_figures_is_not_expected_to_be_classified():
+    """"CUDA error: out of memory" (cuBLAS, NCCL) carries no figures: its class cannot be read
+    after the fact, so it is neither a miss nor, when some other source classifies it, a false
+    positive; a message with figures must be classified."""
+    warn = _f("oom_predicted", 180.0, cause="leak")
+    s = score([_leak_run("cublas", [warn])])
+    assert "oom_capacity" not in s and s["oom_messages_without_figures"] == 1
+    assert s["oom_predicted"]["detected"] == 1 and s["oom_predicted"]["oom_recall"] == 1.0
+    s = score([_leak_run("cublas", [warn, _f("oom_capacity", 250.0)])])
+    assert "oom_capacity" not in s  # allowed: neither expected nor a false positive
+    s = score([_leak_run("torch_2x", [warn])])
+    assert s["oom_capacity"]["expected"] == 1 and s["oom_capacity"]["detected"] == 0 and s["oom_messages_without_figures"] == 0
+
+
+def test_l0_oom_cause_is_scored_only_where_l0_can_tell_it():
+    """DCGM alone (no per-process memory): the L0 finding's cause is a default, not a reading."""
+    dcgm = _f("oom_predicted", 180.0, cause="leak", level="L0", per_process_memory=False)
+    nvml = _f("oom_predicted", 180.0, cause="leak", level="L0", per_process_memory=True)
+    assert score([_leak_run("torch_2x", [dcgm])])["oom_predicted"]["cause_accuracy"] is None
+    assert score([_leak_run("torch_2x", [nvml])])["oom_predicted"]["cause_accuracy"] == 1.0

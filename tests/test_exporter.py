@@ -231,3 +231,41 @@ def test_http_endpoint_serves_the_exposition():
     finally:
         server.shutdown()
         server.server_close()
+
+
+def test_fast_exposition_is_byte_identical_to_prometheus_client_s():
+    """/metrics writes the per-GPU series straight from the frame (gpuvigil_gpu_* are ~240k lines
+    at 10k GPUs); it must be the exposition prometheus_client renders from the same families,
+    with throttling, XIDs (fatal and not), ECC and a remap failure in it."""
+    from gpuvigil import runtime as runtime_mod
+    from gpuvigil.exporter.prometheus import fast_exposition
+
+    stats = TickStats()
+    rt = runtime_mod.build_simulated("node_xid79", nodes=6, seed=3, sinks=[stats])
+    for _ in range(40):
+        rt.step()
+    snap = Snapshot(rt, stats)
+    slow, fast = exposition(snap), fast_exposition(snap)
+    assert fast == slow
+    text = fast.decode()
+    assert "gpuvigil_gpu_clock_throttled{" in text and "gpuvigil_gpu_info{" in text and "gpuvigil_gpu_last_xid_fatal{" in text
+    assert text.count("gpuvigil_gpu_memory_used_bytes{") == 6 * 8
+
+
+def test_metrics_endpoint_renders_once_per_tick():
+    stats = TickStats()
+    rt = tiny_runtime(sinks=[stats])
+    rt.step()
+    server, _thread = serve_metrics(Snapshot(rt, stats), 0)
+    url = f"http://127.0.0.1:{server.server_address[1]}/metrics"
+    try:
+        first = httpx.get(url, timeout=10)
+        again = httpx.get(url, timeout=10, headers={"Accept-Encoding": "identity"})
+        assert first.text == again.text and server.rendered.renders == 1
+        assert first.headers.get("content-encoding") == "gzip"  # httpx asks for gzip and decodes it
+        rt.step()
+        assert value(httpx.get(url, timeout=10).text, "gpuvigil_pipeline_ticks_total") == 2
+        assert server.rendered.renders == 2
+    finally:
+        server.shutdown()
+        server.server_close()

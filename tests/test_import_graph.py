@@ -38,6 +38,12 @@ FORBIDDEN: list[tuple[str, str, str]] = [
     ("gpuvigil.scheduler", "gpuvigil.api", "the scheduler's mechanism does not live in the API"),
     ("gpuvigil.dashboards", "gpuvigil.alerts", "builders do not depend on each other"),
     ("gpuvigil", "gpuvigil.cli", "nothing imports the command line; commands raise UserError, cli formats"),
+    ("gpuvigil.detectors", "gpuvigil.fleet", "detectors do not know the transport (same code in serve and the fleet)"),
+    ("gpuvigil.pipeline", "gpuvigil.fleet", "the pipeline does not know the transport"),
+    ("gpuvigil.collectors", "gpuvigil.fleet", "collectors only read the world"),
+    ("gpuvigil.alerts", "gpuvigil.fleet", "outputs do not know the transport"),
+    ("gpuvigil.api", "gpuvigil.fleet", "outputs do not know the transport"),
+    ("gpuvigil.scheduler", "gpuvigil.fleet", "the scheduler knows hints, not the transport"),
 ]
 # `python -m gpuvigil` is the one entry point that runs the command line.
 CLI_ENTRY_POINTS = {"gpuvigil.__main__", "gpuvigil.cli"}

@@ -79,6 +79,56 @@ def test_l0_finding_falls_back_when_l1_stays_silent():
     assert kept and kept[0].evidence["fallback_from"] == "L1"
 
 
+def _l2_ticks(sel, times, stream="rank_progress"):
+    for now in times:
+        w = window()
+        w.add("allocations", allocations("j", NODE8))
+        w.add(stream, schemas.frame([{"ts": now, "job": "j", "rank": 0}], stream))
+        w.seal(now)
+        sel.observe(w)
+
+
+def test_l2_job_hang_falls_back_to_l0_when_the_hook_names_nobody():
+    """A rank stuck inside a kernel has enqueued the collective like its peers: the hook's
+    counters show nobody missing and the L2 detector stays silent, while the GPUs show the job
+    stopped. `L2.hang` (default 30 s): the L0 finding goes out after it, marked as a fallback."""
+    dets = default_detectors(config.defaults())
+    by = {d.name: d for d in dets}
+    sel = LevelSelector(dets, **config.defaults()["levels"])
+    _l2_ticks(sel, [10.0])
+    assert sel.job_levels() == {"j": "L2"}
+    assert sel.needed(by["hang_device"]), "the L0 hang detector must run for an L2 job to fall back to it"
+    kept, dropped = sel.select(by["hang_device"], [_finding("j", "hang_device")])
+    assert not kept and dropped  # suppressed first: the hook may still speak
+    _l2_ticks(sel, [39.0])
+    assert not sel.select(by["hang_device"], [_finding("j", "hang_device")])[0]
+    _l2_ticks(sel, [41.0])
+    kept, _ = sel.select(by["hang_device"], [_finding("j", "hang_device")])
+    assert kept and kept[0].evidence["fallback_from"] == "L2" and kept[0].evidence["level"] == "L0"
+
+
+def test_l2_job_hang_does_not_fall_back_when_the_hook_spoke():
+    dets = default_detectors(config.defaults())
+    by = {d.name: d for d in dets}
+    sel = LevelSelector(dets, **config.defaults()["levels"])
+    for now in (10.0, 30.0, 50.0, 70.0):
+        _l2_ticks(sel, [now])
+        assert sel.select(by["hang"], [_finding("j", "hang")])[0]  # the selected detector reports
+        assert not sel.select(by["hang_device"], [_finding("j", "hang_device")])[0]
+
+
+def test_l2_job_oom_never_falls_back():
+    """Only the hang capability of L2 has a fallback: L2's OOM figures stay the hook's own."""
+    dets = default_detectors(config.defaults())
+    by = {d.name: d for d in dets}
+    sel = LevelSelector(dets, **config.defaults()["levels"])
+    oom = lambda: Finding(kind=FindingKind.OOM_PREDICTED, severity=Severity.PAGE, ts=0.0, job="j", summary="x", source="oom_device")  # noqa: E731
+    for now in (10.0, 100.0, 400.0):
+        _l2_ticks(sel, [now], stream="allocator_stats")
+        assert not sel.select(by["oom_device"], [oom()])[0]
+    assert not sel.needed(by["oom_device"])
+
+
 # ---------------------------------------------------------------- L0 hang
 
 
@@ -182,6 +232,7 @@ def test_without_per_process_memory_growth_is_a_leak_or_capacity():
     """DCGM gives FB_USED only: another process's growth cannot be told from the job's."""
     found = play(DeviceOomPredictor(), _memory_ticks(lambda t: 60 * GIB, foreign=lambda t: (t // 4) * GIB, procs=False))
     assert found and found[0].cause == "leak" and found[0].evidence["per_process_memory"] is False
+    assert "without per-process memory another process's growth cannot be told apart" in found[0].summary
 
 
 def test_empty_cache_starts_the_envelope_over():
@@ -308,3 +359,48 @@ def test_persistence_keeps_ranks_flagged_in_consecutive_evaluations(flagged_per_
         frame = pl.DataFrame({"job": [j for j, _ in flagged], "rank": [r for _, r in flagged]}, schema={"job": pl.Utf8, "rank": pl.Int32})
         out = p.persistent(frame, evaluations)
     assert sorted(out.select("job", "rank").iter_rows()) == sorted(kept)
+
+
+def test_l0_hang_renews_the_dump_asks_an_inspector_stall_used_up():
+    """A checkpoint stops the collectives (Inspector stall: 2 asks, dumps show nothing pending)
+    and the job hangs right after it, so the stall never ends. When the L0 hang finding arrives
+    it is a new suspicion: the trigger asks again (found by `bench detectors`, where the L1
+    finding otherwise came only from the 60 s L0 fallback)."""
+    from gpuvigil.collectors.fr_dumps import FrDumpTrigger, FrRequests
+
+    asked: list[float] = []
+    now_box = [0.0]
+    trig = FrDumpTrigger(lambda job: asked.append(now_box[0]) or True, FrRequests(), min_interval_seconds=5.0, stall_seconds=3.0)
+    l0 = Finding(kind=FindingKind.COLLECTIVE_HANG, severity=Severity.PAGE, ts=0.0, job="j", summary="x", source="hang_device", evidence={"level": "L0"})
+
+    class R:
+        new_findings: list = []
+        suppressed_findings: list = []
+
+    w = window()
+    for t in range(1, 61):
+        now_box[0] = float(t)
+        sn = min(t, 8) * 10  # stops completing at t=8, for good
+        w.add("collective_progress", schemas.frame([{"ts": float(t), "job": "j", "rank": r, "coll_sn": sn} for r in range(4)], schemas.COLLECTIVE_PROGRESS))
+        w.seal(float(t))
+        R.now = float(t)
+        R.suppressed_findings = [l0] if t >= 40 else []  # the L0 detector suspects a hang from t=40 on
+        trig.on_tick(R, w)
+    assert asked == [11.0, 16.0, 40.0, 45.0]
+
+
+def test_a_transient_suspicion_long_ago_does_not_send_a_new_finding_out_at_once():
+    """The fallback clock restarts when the suppressed findings stopped for longer than the
+    fallback: the hook's detector gets its 30 s again for a new suspicion."""
+    dets = default_detectors(config.defaults())
+    by = {d.name: d for d in dets}
+    sel = LevelSelector(dets, **config.defaults()["levels"])
+    _l2_ticks(sel, [10.0])
+    assert not sel.select(by["hang_device"], [_finding("j", "hang_device")])[0]  # transient, then gone
+    _l2_ticks(sel, [200.0])
+    assert not sel.select(by["hang_device"], [_finding("j", "hang_device")])[0]  # new: suppressed first
+    _l2_ticks(sel, [220.0])
+    assert not sel.select(by["hang_device"], [_finding("j", "hang_device")])[0]
+    _l2_ticks(sel, [231.0])
+    kept, _ = sel.select(by["hang_device"], [_finding("j", "hang_device")])
+    assert kept and kept[0].evidence["fallback_from"] == "L2"

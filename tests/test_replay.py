@@ -336,10 +336,17 @@ def test_query_range_json_read_by_polars_equals_the_json_reading():
 
     from gpuvigil.replay import long_from_query_body
 
-    label = st.one_of(st.none(), st.text(alphabet="abc-01", max_size=4))
+    # escapes, braces and non-ASCII in values; labels replay does not read (modelName, pod) and
+    # the fallbacks it does (hostname, instance, job): the reader names only the labels it uses
+    label = st.one_of(st.none(), st.text(alphabet=list('abc-01 "\\{}é'), max_size=4))
     metric = st.builds(
-        lambda name, host, gpu, uuid, job, rank: {k: v for k, v in {"__name__": name, "Hostname": host, "gpu": gpu, "UUID": uuid, "exported_job": job, "rank": rank}.items() if v is not None},
+        lambda name, host, gpu, uuid, job, rank, extra: {
+            k: v
+            for k, v in {"__name__": name, "Hostname": host, "gpu": gpu, "UUID": uuid, "exported_job": job, "rank": rank, **extra}.items()
+            if v is not None
+        },
         st.sampled_from(["DCGM_FI_DEV_GPU_TEMP", "DCGM_FI_DEV_XID_ERRORS", "gpuvigil_rank_step", "x"]), label, label, label, label, label,
+        st.dictionaries(st.sampled_from(["modelName", "pod", "hostname", "instance", "job", "node", "gpu_uuid"]), st.text(alphabet="xy é", max_size=3), max_size=3),
     )
     value = st.one_of(st.integers(-5, 10**6).map(str), st.sampled_from(["NaN", "+Inf", "-Inf", "1.5e3", "0.125"]))
     ts = st.one_of(st.integers(1_700_000_000, 1_800_000_000), st.integers(1_700_000_000_000, 1_800_000_000_000).map(lambda ms: ms / 1000))
@@ -377,3 +384,120 @@ def test_prefetch_keeps_order_and_raises_the_producers_error():
     gen = prefetch(iter(range(1000)))
     assert next(gen) == 0
     gen.close()
+
+
+def test_reader_agrees_with_prometheus_client_on_escaped_label_values(tmp_path):
+    """Property against prometheus_client's Prometheus text parser: label values with escaped
+    quotes, backslashes and newlines, and braces, commas, `=`, `#` and spaces (dcgm-exporter's
+    modelName has one) are read to the same sample, value, time (ms stamps) and labels."""
+    from hypothesis import HealthCheck, given, settings
+    from hypothesis import strategies as st
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from gpuvigil.replay import read_exposition_file
+
+    gauges = ["DCGM_FI_DEV_GPU_TEMP", "DCGM_FI_DEV_FB_USED", "other_gauge"]
+    value_text = st.text(alphabet=list('ab Z0-_.,={}#"\\\n') + ["é"], min_size=1, max_size=10)
+
+    def esc(v: str) -> str:
+        return v.replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n")
+
+    series = st.tuples(st.sampled_from(gauges), value_text, st.integers(0, 7).map(str), st.one_of(st.none(), value_text), value_text)
+    point = st.tuples(st.one_of(st.integers(-(10**6), 10**9).map(str), st.sampled_from(["0.5", "1e3", "-2.25"])), st.integers(1_700_000_000_000, 1_800_000_000_000))
+
+    @settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+    @given(st.dictionaries(series, st.lists(point, min_size=1, max_size=3, unique_by=lambda p: p[1]), min_size=1, max_size=5))
+    def check(data):
+        lines = []
+        for (name, host, gpu, uuid, model), points in data.items():
+            labels = f'gpu="{gpu}",modelName="{esc(model)}",Hostname="{esc(host)}"' + (f',UUID="{esc(uuid)}"' if uuid is not None else "")
+            lines += [f"{name}{{{labels}}} {v} {t}" for v, t in points]
+        text = "\n".join(lines) + "\n"
+        expected = sorted(
+            (s.name, s.labels["Hostname"], s.labels["gpu"], s.labels.get("UUID"), float(s.value), float(s.timestamp))
+            for fam in text_string_to_metric_families(text) for s in fam.samples if s.name.startswith("DCGM_FI_")
+        )
+        path = tmp_path / "x.prom"
+        path.write_text(text, encoding="utf-8")
+        if not expected:
+            with pytest.raises(UserError):
+                read_exposition_file(path)
+            return
+        got = sorted(read_exposition_file(path).select("metric", "node", "gpu", "gpu_uuid", "value", "ts").rows())
+        assert got == expected
+
+    check()
+
+
+def test_reader_never_crashes_on_garbage_bytes(tmp_path):
+    """Fuzz: any bytes (binary, broken UTF-8, NULs, the reader's own column separator, huge
+    lines) give rows or a one-line UserError, never another exception."""
+    from hypothesis import HealthCheck, given, settings
+    from hypothesis import strategies as st
+
+    from gpuvigil.replay import read_exposition_file
+
+    sample = b'DCGM_FI_DEV_GPU_TEMP{gpu="0",Hostname="n"} 61 1764000000000\n'
+    chunk = st.one_of(st.binary(max_size=80), st.just(sample), st.sampled_from([b"\x1f", b"\x00", b"\r\n", b"\xff\xfe", b"# EOF\n", b"{", b"}", b" ", b"\t", b" # {", b' # {a="1"} 2 3', b"\\"]))
+
+    @settings(max_examples=80, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+    @given(st.lists(chunk, max_size=20), st.sampled_from([64, 4096]))
+    def check(parts, chunk_bytes):
+        path = tmp_path / "g.prom"
+        path.write_bytes(b"".join(parts))
+        for fast in (True, False):
+            try:
+                df = read_exposition_file(path, fast=fast, chunk_bytes=chunk_bytes)
+            except UserError as exc:
+                assert "\n" not in str(exc)
+            else:
+                assert df.height > 0 and df.columns == ["ts", "metric", "value", "node", "gpu", "gpu_uuid", "job", "rank"]
+
+    check()
+
+
+def test_exemplar_lines_are_read_as_prometheus_client_reads_them(tmp_path):
+    """Property: OpenMetrics counter samples with exemplars (` # {trace_id="..."} V [T]`) give
+    the sample's own value and time, as prometheus_client's OpenMetrics parser reads them (the
+    one-regex reading used to take the exemplar's value); plain lines around them are unchanged."""
+    from hypothesis import HealthCheck, given, settings
+    from hypothesis import strategies as st
+    from prometheus_client.openmetrics.parser import text_string_to_metric_families
+
+    from gpuvigil.replay import read_exposition_file
+
+    trace = st.text(alphabet="abc019 #{}", min_size=1, max_size=8).map(lambda v: v.replace("\\", ""))
+    exemplar = st.one_of(st.just(""), st.builds(lambda t, v, ts: f' # {{trace_id="{t}"}} {v}' + (f" {ts}" if ts else ""), trace, st.sampled_from(["1", "0.5", "1e3"]), st.sampled_from(["", "1764000000.5"])))
+    point = st.tuples(st.integers(0, 10**9), st.integers(1_700_000_000, 1_800_000_000), st.sampled_from(["", ".25", ".125"]), exemplar)
+
+    @settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+    @given(st.dictionaries(st.tuples(st.sampled_from(["n0", "n1"]), st.integers(0, 3)), st.lists(point, min_size=1, max_size=4, unique_by=lambda p: (p[1], p[2])), min_size=1, max_size=3))
+    def check(data):
+        lines = ["# TYPE gpuvigil_gpu_pcie_replays counter"]
+        for (node, gpu), points in data.items():
+            lines += [f'gpuvigil_gpu_pcie_replays_total{{node="{node}",gpu="{gpu}"}} {v} {t}{frac}{ex}' for v, t, frac, ex in sorted(points, key=lambda p: (p[1], p[2]))]
+        text = "\n".join(lines) + "\n# EOF\n"
+        expected = sorted(
+            (s.labels["node"], s.labels["gpu"], float(s.value), float(f"{s.timestamp.sec}.{s.timestamp.nsec:09d}"))
+            for fam in text_string_to_metric_families(text) for s in fam.samples if s.name.endswith("_total")
+        )
+        path = tmp_path / "x.om"
+        path.write_text(text)
+        for fast in (True, False):
+            got = sorted(read_exposition_file(path, fast=fast).select("node", "gpu", "value", "ts").rows())
+            assert got == expected
+
+    check()
+
+
+def test_replay_json_findings_carry_exactly_analyzes_fields(capsys):
+    """`replay --format json` finding records are `analyze --format json`'s objects, same keys and
+    values, plus `record` and `fired_at` (issue 10: same fields as analyze)."""
+    files = [str(DATA / "public" / "kernel_dbe_syslog.log"), str(DATA / "h200" / "s3_fragmentation.log")]
+    assert cli.main(["analyze", "--format", "json", "--node", "worker4", "--job", "train", *files]) in (0, 1)
+    analyzed = [r for r in _records(capsys) if "kind" in r]
+    assert cli.main(["replay", "--format", "json", "--node", "worker4", "--job", "train", "--step", "60", *files]) == 0
+    replayed = [r for r in _records(capsys) if r["record"] == "finding"]
+    assert analyzed and len(replayed) == len(analyzed)
+    stripped = sorted((json.dumps({k: v for k, v in r.items() if k not in ("record", "fired_at")}, sort_keys=True) for r in replayed))
+    assert stripped == sorted(json.dumps(r, sort_keys=True) for r in analyzed)

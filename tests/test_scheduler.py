@@ -166,8 +166,8 @@ def test_topology_keeps_gangs_together(specs, busy, want):
 @pytest.mark.parametrize(
     "preemptor, victim, outcome",
     [
-        ("P0", "P2", "now"),
-        ("P0", "P1", "now"),
+        ("P0", "P2", "notice"),
+        ("P0", "P1", "notice"),
         ("P0", "P0", "never"),
         ("P1", "P2", "grace"),
         ("P1", "P1", "never"),
@@ -182,11 +182,18 @@ def test_priority_preemption(preemptor, victim, outcome):
     s.checkpoint("victim", 50, 40)
     s.submit(JobSpec("boss", 8, priority=preemptor, submit_ts=100), 100)
     s.cycle(100)
-    if outcome == "now":
+    if outcome == "notice":
+        # P0's grace is 0 s, but the victim has 60 s of work since its checkpoint: it is told
+        # to save it (preemption.checkpoint_notice_seconds, 120 s) and evicted once it reports it.
+        assert s.jobs["boss"].state == "pending" and s.jobs["victim"].state == "running"
+        assert s.jobs["victim"].preempt_deadline == pytest.approx(220)
+        assert any(a.action == "preempt_notice" and a.job == "victim" for a in s.actions)
+        s.checkpoint("victim", 60, 130)
+        s.cycle(130)
         assert s.jobs["boss"].state == "running"
         assert s.jobs["victim"].state == "pending" and s.jobs["victim"].preemptions == 1
-        assert s.jobs["victim"].lost_gpu_seconds == pytest.approx((100 - 40) * 8)
-        assert any(a.action == "preempted" and a.job == "victim" for a in s.actions)
+        assert s.jobs["victim"].lost_gpu_seconds == pytest.approx(0.0)
+        assert any(a.action == "preempted" and a.job == "victim" and "before the grace period ended" in a.detail for a in s.actions)
     elif outcome == "never":
         s.cycle(1000)
         assert s.jobs["boss"].state == "pending" and s.jobs["victim"].state == "running"
@@ -194,12 +201,107 @@ def test_priority_preemption(preemptor, victim, outcome):
         assert s.jobs["victim"].state == "running" and s.jobs["boss"].state == "pending"
         assert s.jobs["victim"].preempt_deadline == pytest.approx(400)
         assert any(a.action == "preempt_notice" and a.job == "victim" for a in s.actions)
-        s.checkpoint("victim", 60, 350)  # the notice lets it checkpoint
-        s.cycle(399)
+        s.cycle(399)  # no checkpoint since the notice: it keeps its whole grace
         assert s.jobs["victim"].state == "running"
         s.cycle(400)
         assert s.jobs["boss"].state == "running" and s.jobs["victim"].state == "pending"
-        assert s.jobs["victim"].lost_gpu_seconds == pytest.approx((400 - 350) * 8)
+        assert s.jobs["victim"].lost_gpu_seconds == pytest.approx((400 - 40) * 8)
+
+
+@pytest.mark.parametrize(
+    "notice_s, end_early, victim_ckpt, evicted_at, lost",
+    [
+        (0, True, 40, 100, (100 - 40) * 8),  # notice off: P0 evicts at once, losing the work since t=40
+        (120, True, 40, 220, (220 - 40) * 8),  # told, never saves: evicted at the deadline
+        (120, True, 130, 130, 0),  # saves at t=130: evicted then, nothing lost
+        (120, False, 130, 220, (220 - 130) * 8),  # saves, but the grace is not ended early
+        (120, True, 100, 100, 0),  # nothing unsaved at the preemption: no notice needed
+        (0, False, None, 100, 100 * 8),  # never checkpointed, notice off: loses everything
+    ],
+)
+def test_zero_grace_preemption_gives_a_checkpoint_notice(notice_s, end_early, victim_ckpt, evicted_at, lost):
+    s = sched(cluster(1), preemption={"checkpoint_notice_seconds": notice_s, "end_grace_on_checkpoint": end_early})
+    s.submit(JobSpec("victim", 8, priority="P2"), 0)
+    s.cycle(0)
+    if victim_ckpt is not None and victim_ckpt <= 100:
+        s.checkpoint("victim", 50, victim_ckpt)
+    s.submit(JobSpec("boss", 8, priority="P0", submit_ts=100), 100)
+    for t in sorted({100, victim_ckpt or 100, evicted_at - 1, evicted_at}):
+        if t < 100:
+            continue
+        if victim_ckpt is not None and t == victim_ckpt and t > 100:
+            s.checkpoint("victim", 60, t)
+        s.cycle(t)
+        want = "running" if t >= evicted_at else "pending"
+        assert s.jobs["boss"].state == want, t
+    assert s.jobs["victim"].state == "pending" and s.jobs["victim"].preemptions == 1
+    assert s.jobs["victim"].lost_gpu_seconds == pytest.approx(lost)
+
+
+def test_quota_reclaim_ends_its_grace_at_the_victims_checkpoint():
+    s = quota_sched(reclaim_grace_seconds=300)
+    s.submit(JobSpec("a1", 8, tenant="a"), 0)
+    s.submit(JobSpec("a2", 8, tenant="a"), 0)
+    s.cycle(0)
+    s.submit(JobSpec("b1", 8, tenant="b", submit_ts=100), 100)
+    s.cycle(100)
+    borrower = next(j for j in ("a1", "a2") if s.jobs[j].preempt_deadline is not None)
+    assert s.jobs[borrower].preempt_deadline == pytest.approx(400)
+    s.checkpoint(borrower, 10, 150)
+    s.cycle(150)
+    assert s.jobs["b1"].state == "running" and s.jobs[borrower].state == "pending"
+    assert s.jobs[borrower].lost_gpu_seconds == pytest.approx(0.0)
+
+
+def test_nodes_of_a_preemptor_under_notice_are_held_for_it():
+    # boss needs two whole nodes: the free n1 and n0 once its victim leaves. A job arriving
+    # during the grace must not take n1, or the eviction frees room boss cannot use.
+    s = sched(cluster(2))
+    s.submit(JobSpec("victim", 8, priority="P2"), 0)
+    s.cycle(0)
+    s.submit(JobSpec("boss", 16, priority="P1", gpus_per_node=8, submit_ts=10), 10)
+    s.cycle(10)
+    assert s.jobs["victim"].preempt_deadline == pytest.approx(310)
+    s.submit(JobSpec("late", 8, priority="P2", submit_ts=20), 20)
+    s.cycle(20)
+    assert s.jobs["late"].state == "pending"
+    assert "waiting for its preemption victims" in s.why("late")["decisions"][-1]["reason"]
+    s.cycle(310)
+    assert s.jobs["boss"].state == "running" and nodes_of(s, "boss") == ["n0", "n1"]
+
+
+def test_jobs_evicted_in_a_cycle_are_rescheduled_in_that_cycle():
+    # Two victims leave at t=310 for a 2-node gang; a node returned to service meanwhile takes
+    # one of them in the same cycle, not at whatever the next cycle is.
+    s = sched(cluster(4))
+    s.nodes["n3"].state = "cordoned"
+    for j in ("v", "w", "x"):
+        s.submit(JobSpec(j, 8, priority="P2"), 0)
+    s.cycle(0)
+    s.submit(JobSpec("boss", 16, priority="P1", gpus_per_node=8, submit_ts=10), 10)
+    s.cycle(10)
+    victims = [j for j in ("v", "w", "x") if s.jobs[j].preempt_deadline is not None]
+    assert len(victims) == 2
+    s.uncordon("n3", 300)
+    s.cycle(310)
+    assert s.jobs["boss"].state == "running"
+    states = sorted(s.jobs[j].state for j in victims)
+    assert states == ["pending", "running"], states
+    back = next(j for j in victims if s.jobs[j].state == "running")
+    assert s.jobs[back].restarts == 1 and s.jobs[back].start_ts == 310
+
+
+def test_within_quota_jobs_go_before_borrowers_of_any_class():
+    # b1 (P2) is within b's guarantee; a2 (P0) would borrow. Placing a2 first would only have
+    # b1 reclaim it at once.
+    s = quota_sched()
+    s.submit(JobSpec("a1", 8, tenant="a", priority="P0"), 0)
+    s.cycle(0)
+    s.submit(JobSpec("a2", 8, tenant="a", priority="P0", submit_ts=1), 1)
+    s.submit(JobSpec("b1", 8, tenant="b", priority="P2", submit_ts=2), 2)
+    s.cycle(2)
+    assert s.jobs["b1"].state == "running" and s.jobs["a2"].state == "pending"
+    assert s.jobs["a1"].preemptions == 0 and not any(a.action in ("preempted", "preempt_notice") for a in s.actions)
 
 
 def test_grace_period_is_configurable():
@@ -221,6 +323,7 @@ def test_preemption_takes_fewest_victims_on_one_node():
     s.cycle(0)
     s.submit(JobSpec("boss", 8, priority="P0", submit_ts=5), 5)
     s.cycle(5)
+    s.cycle(125)  # after the checkpoint notice
     preempted = [j for j in ("v0", "v1", "v2", "v3") if s.jobs[j].state == "pending"]
     assert s.jobs["boss"].state == "running" and len(preempted) == 2
     assert len({nodes_of(s, "boss")[0]}) == 1
@@ -251,9 +354,12 @@ def test_quota_borrow_then_reclaim():
     s.checkpoint("a2", 10, 50)
     s.submit(JobSpec("b1", 8, tenant="b", submit_ts=100), 100)
     s.cycle(100)
+    # Reclaim grace 0 s, but a2 has work since t=50: a checkpoint notice (120 s) first.
+    assert s.jobs["a2"].preempt_deadline == pytest.approx(220) and s.jobs["b1"].state == "pending"
+    s.cycle(220)
     assert s.jobs["b1"].state == "running"
     assert s.jobs["a2"].state == "pending" and s.jobs["a1"].state == "running"
-    assert s.jobs["a2"].lost_gpu_seconds == pytest.approx(50 * 8)
+    assert s.jobs["a2"].lost_gpu_seconds == pytest.approx((220 - 50) * 8)
 
 
 def test_quota_without_borrowing_holds_the_job():

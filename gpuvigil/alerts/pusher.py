@@ -5,11 +5,25 @@ alert for every new finding and every active one due for a resend, and a *resolv
 (endsAt = now) for every finding that cleared. A delivery loop (`flush`, run by `gpuvigil serve`
 on its own thread) posts what is due, oldest first, and deletes rows only after Alertmanager
 accepted them. If Alertmanager is down, rows stay and delivery backs off exponentially; on
-restart the outbox is replayed. Nothing is lost: an alert Alertmanager rejects (HTTP 400) goes to
-a dead-letter table with the reason instead of being dropped.
+restart the outbox is replayed.
+
+Several Alertmanagers (peers of one gossip cluster) are handled as Prometheus handles them: every
+alert goes to every peer, and the cluster deduplicates the notifications. Each peer has its own
+delivery state (the `delivered` table: which outbox rows it accepted) and its own backoff, and
+`DeliveryLoop` runs one thread per peer, so a peer that is down or hangs neither blocks nor loses
+the others' alerts; a row leaves the outbox once every configured peer accepted it.
+
+Nothing is lost: an alert Alertmanager rejects (HTTP 400) goes to a dead-letter table with the
+reason instead of being dropped.
 
 Firing alerts carry endsAt = now + end_after_seconds and are re-sent every resend_seconds, so an
 alert whose finding vanished with a crashed gpuvigil resolves by itself instead of paging forever.
+The resends come from the delivery thread's own timer (`resend_due`), not from pipeline ticks: a
+tick that runs late (a starved CPU, a slow collector) must not let a firing alert's endsAt lapse,
+or Alertmanager resolves it and the next tick pages it a second time. The timer only re-sends what
+a tick of this process saw active within `KEEP_FIRING_TICKS_LATE` × end_after_seconds, so a
+pipeline that stopped ticking lets its alerts resolve. endsAt is also re-stamped when a firing
+alert is delivered, so an alert that waited out an Alertmanager outage does not arrive ended.
 """
 
 from __future__ import annotations
@@ -19,7 +33,8 @@ import logging
 import sqlite3
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
@@ -61,7 +76,23 @@ CREATE TABLE IF NOT EXISTS dead_letter (
 
 # Migrations by PRAGMA user_version (gpuvigil.sqlitedb); version 1 is the schema above, which
 # files written before user_version was used already have (CREATE IF NOT EXISTS adopts them).
-MIGRATIONS: list[sqlitedb.Migration] = [SCHEMA]
+# Version 2: per-peer delivery (several Alertmanagers). A row of `outbox` is due for a peer until
+# `delivered` holds (its id, that peer); ids are AUTOINCREMENT, so never reused by a later row.
+PEERS_SCHEMA = """
+CREATE TABLE IF NOT EXISTS delivered (
+    outbox_id INTEGER NOT NULL,
+    peer TEXT NOT NULL,
+    PRIMARY KEY (outbox_id, peer)
+) WITHOUT ROWID;
+"""
+# Version 3: `sent` keeps the last firing alert (for the timer's resends) and when a tick last saw
+# its finding active.
+RESEND_SCHEMA = "ALTER TABLE sent ADD COLUMN confirmed_at REAL; ALTER TABLE sent ADD COLUMN alert_json TEXT"
+MIGRATIONS: list[sqlitedb.Migration] = [SCHEMA, PEERS_SCHEMA, RESEND_SCHEMA]
+# The delivery thread keeps re-sending a firing alert while the last tick that saw its finding is
+# at most this many end_after_seconds old (3 × 300 s by default): late ticks do not end alerts, a
+# pipeline that has stopped does (and its PipelineStalled alert fires after minutes).
+KEEP_FIRING_TICKS_LATE = 3.0
 
 
 def alert_name(kind: str) -> str:
@@ -73,19 +104,52 @@ def _rfc3339(ts: float) -> str:
     return datetime.fromtimestamp(ts, UTC).strftime("%Y-%m-%dT%H:%M:%S.%fZ")
 
 
+def peer_urls(alertmanagers: str | Sequence[str]) -> list[str]:
+    """Base URLs of the Alertmanager peers, normalised (no trailing slash), in order, once each."""
+    urls = [alertmanagers] if isinstance(alertmanagers, str) else list(alertmanagers)
+    out: list[str] = []
+    for url in urls:
+        if not url.startswith(("http://", "https://")):
+            raise UserError(f"Alertmanager {url!r}: expected an http(s):// URL")
+        base = url.rstrip("/")
+        if base not in out:
+            out.append(base)
+    if not out:
+        raise UserError("no Alertmanager URL given")
+    return out
+
+
+@dataclass(eq=False)
+class Peer:
+    """One Alertmanager of the cluster and its own delivery state."""
+
+    base: str  # the key in the `delivered` table
+    url: str  # its POST /api/v2/alerts endpoint
+    http: httpx.Client
+    next_attempt: float = 0.0
+    failures_in_a_row: int = 0
+    delivered_total: int = 0
+    failures_total: int = 0
+
+
 class AlertPusher:
-    """Pipeline sink: findings → Alertmanager alerts, through a SQLite outbox."""
+    """Pipeline sink: findings → Alertmanager alerts, through a SQLite outbox.
+
+    `alertmanagers` is one base URL or a list of them (the peers of one Alertmanager cluster)."""
 
     def __init__(
         self,
-        alertmanager_url: str,
+        alertmanagers: str | Sequence[str],
         outbox_path: str | Path,
         settings: AlertSettings,
         *,
         clock: Callable[[], float] = time.time,
         timeout_seconds: float = 5.0,
     ):
-        self.url = alertmanager_url.rstrip("/") + "/api/v2/alerts"
+        self.peers = [
+            Peer(base, base + "/api/v2/alerts", httpx.Client(timeout=timeout_seconds)) for base in peer_urls(alertmanagers)
+        ]
+        self.url = self.peers[0].url
         self.settings = settings
         self.clock = clock
         self.path = Path(outbox_path)
@@ -98,13 +162,25 @@ class AlertPusher:
         except sqlite3.Error as exc:
             raise UserError(f"alert outbox {self.path}: not a usable SQLite file: {exc}") from exc
         self._lock = threading.Lock()
-        self._http = httpx.Client(timeout=timeout_seconds)
-        self._next_attempt = 0.0
-        self._failures_in_a_row = 0
-        self.delivered_total = 0
-        self.delivery_failures_total = 0
         self.enqueued_total = 0
         self.write_failures_total = 0
+        self.timer_resends_total = 0
+        self._resend_failing = False
+        # The timer re-sends only findings a tick of this process confirmed: after a restart, the
+        # alerts of findings the new pipeline does not see again resolve by their endsAt.
+        self._started = self.clock()
+        # Rows every current peer already accepted (a peer was removed from the config) are done.
+        with sqlitedb.transaction(self.db, self._lock):
+            self._drop_done(None)
+
+    @property
+    def delivered_total(self) -> int:
+        """Alerts accepted, summed over peers (an alert two peers accepted counts twice)."""
+        return sum(p.delivered_total for p in self.peers)
+
+    @property
+    def delivery_failures_total(self) -> int:
+        return sum(p.failures_total for p in self.peers)
 
     # -- enqueue (pipeline thread) -----------------------------------------------------------
     def on_tick(self, result: Any, window: Any) -> None:
@@ -126,22 +202,38 @@ class AlertPusher:
             for finding in result.active_findings:
                 if finding.severity.value not in pushed:
                     continue
-                row = cur.execute("SELECT starts_at, last_enqueued_at FROM sent WHERE fingerprint = ?", (finding.id,)).fetchone()
+                row = cur.execute("SELECT starts_at, last_enqueued_at, alert_json FROM sent WHERE fingerprint = ?", (finding.id,)).fetchone()
+                # Alertmanager knows an alert by its labels. One incident keeps the labels it was
+                # first sent with: a job-level finding whose node or GPU label changes, or a
+                # hardware finding whose GPU got another job, must not become a second alert
+                # (a second page). Only a severity change (escalation) starts a new incident.
+                sent_labels = json.loads(row[2])["labels"] if row is not None and row[2] else None
+                if sent_labels is not None and sent_labels.get("severity") != finding.severity.value:
+                    old = self.alert_for(finding, tenants, starts_at=row[0], ends_at=now)
+                    old["labels"] = sent_labels
+                    self._enqueue(cur, finding.id, "resolved", old, now)
+                    row = sent_labels = None
                 if row is not None and now - row[1] < self.settings.resend_seconds:
+                    cur.execute("UPDATE sent SET confirmed_at = ? WHERE fingerprint = ?", (now, finding.id))
                     continue
                 starts_at = row[0] if row is not None else now
                 alert = self.alert_for(finding, tenants, starts_at=starts_at, ends_at=now + self.settings.end_after_seconds)
+                if sent_labels is not None:
+                    alert["labels"] = sent_labels
                 self._enqueue(cur, finding.id, "firing", alert, now)
                 cur.execute(
-                    "INSERT INTO sent (fingerprint, starts_at, last_enqueued_at) VALUES (?, ?, ?) "
-                    "ON CONFLICT (fingerprint) DO UPDATE SET last_enqueued_at = excluded.last_enqueued_at",
-                    (finding.id, starts_at, now),
+                    "INSERT INTO sent (fingerprint, starts_at, last_enqueued_at, confirmed_at, alert_json) VALUES (?, ?, ?, ?, ?) "
+                    "ON CONFLICT (fingerprint) DO UPDATE SET starts_at = excluded.starts_at, last_enqueued_at = excluded.last_enqueued_at, "
+                    "confirmed_at = excluded.confirmed_at, alert_json = excluded.alert_json",
+                    (finding.id, starts_at, now, now, json.dumps(alert, sort_keys=True)),
                 )
             for finding in result.cleared_findings:
-                row = cur.execute("SELECT starts_at FROM sent WHERE fingerprint = ?", (finding.id,)).fetchone()
+                row = cur.execute("SELECT starts_at, alert_json FROM sent WHERE fingerprint = ?", (finding.id,)).fetchone()
                 if row is None:
                     continue
                 alert = self.alert_for(finding, tenants, starts_at=row[0], ends_at=now)
+                if row[1]:
+                    alert["labels"] = json.loads(row[1])["labels"]  # resolve the alert that was sent
                 self._enqueue(cur, finding.id, "resolved", alert, now)
                 cur.execute("DELETE FROM sent WHERE fingerprint = ?", (finding.id,))
 
@@ -207,6 +299,47 @@ class AlertPusher:
         }
 
     # -- delivery (its own thread) ----------------------------------------------------------
+    def resend_due(self) -> int:
+        """Re-enqueue every firing alert due for a resend (resend_seconds since the last one)
+        whose finding a tick of this process saw active lately, with endsAt = now +
+        end_after_seconds. Run by the delivery threads on their own timer, so an alert stays
+        firing in Alertmanager however late the ticks run. Returns how many it re-enqueued."""
+        s = self.settings
+        now = self.clock()
+        try:
+            with sqlitedb.transaction(self.db, self._lock):
+                cur = self.db.cursor()
+                rows = cur.execute(
+                    "SELECT fingerprint, alert_json FROM sent WHERE alert_json IS NOT NULL AND last_enqueued_at <= ? "
+                    "AND confirmed_at >= ? AND confirmed_at >= ?",
+                    (now - s.resend_seconds, now - KEEP_FIRING_TICKS_LATE * s.end_after_seconds, self._started),
+                ).fetchall()
+                for fingerprint, alert_json in rows:
+                    alert = json.loads(alert_json)
+                    alert["endsAt"] = _rfc3339(now + s.end_after_seconds)
+                    self._enqueue(cur, fingerprint, "firing", alert, now)
+                    cur.execute("UPDATE sent SET last_enqueued_at = ? WHERE fingerprint = ?", (now, fingerprint))
+        except sqlite3.Error as exc:
+            self.write_failures_total += 1
+            if not self._resend_failing:  # once per outage, not every 0.5 s
+                log.warning("alert outbox %s: cannot re-send firing alerts (%s); the timer keeps retrying", self.path, exc)
+            self._resend_failing = True
+            return 0
+        if self._resend_failing:
+            log.info("alert outbox %s: firing alerts are re-sent again", self.path)
+        self._resend_failing = False
+        self.timer_resends_total += len(rows)
+        return len(rows)
+
+    def _fresh(self, alert_json: str, status: str, now: float) -> dict[str, Any]:
+        """The alert to post: a firing one ends no sooner than now + end_after_seconds. A row
+        that waited in the outbox (Alertmanager down) would otherwise arrive already ended, be
+        resolved, and page again with the next resend. A resolve keeps its endsAt."""
+        alert = json.loads(alert_json)
+        if status == "firing":
+            alert["endsAt"] = max(alert.get("endsAt", ""), _rfc3339(now + self.settings.end_after_seconds))
+        return alert
+
     def pending(self) -> int:
         with self._lock:
             return int(self.db.execute("SELECT COUNT(*) FROM outbox").fetchone()[0])
@@ -216,50 +349,59 @@ class AlertPusher:
             return [(r[0], r[1]) for r in self.db.execute("SELECT alert_json, error FROM dead_letter ORDER BY id")]
 
     def flush(self, *, force: bool = False, batch: int = 200) -> int:
-        """Deliver due alerts, oldest first. Returns how many Alertmanager accepted.
+        """Deliver due alerts to every peer, oldest first. Returns how many the peers accepted
+        (summed over peers).
 
-        Honors the backoff unless `force`. Never raises for delivery problems: they are counted
-        and retried later."""
+        Honors each peer's backoff unless `force`. Never raises for delivery problems: they are
+        counted and retried later."""
+        return sum(self.flush_peer(peer, force=force, batch=batch) for peer in self.peers)
+
+    def flush_peer(self, peer: Peer, *, force: bool = False, batch: int = 200) -> int:
+        """Deliver to one peer what it has not accepted yet, oldest first."""
         now = self.clock()
-        if not force and now < self._next_attempt:
+        if not force and now < peer.next_attempt:
             return 0
         delivered = 0
         while True:
             with self._lock:
-                rows = self.db.execute("SELECT id, fingerprint, alert_json FROM outbox ORDER BY id LIMIT ?", (batch,)).fetchall()
+                rows = self.db.execute(
+                    "SELECT id, fingerprint, alert_json, status FROM outbox WHERE NOT EXISTS "
+                    "(SELECT 1 FROM delivered d WHERE d.outbox_id = outbox.id AND d.peer = ?) ORDER BY id LIMIT ?",
+                    (peer.base, batch),
+                ).fetchall()
             if not rows:
                 break
-            status, error = self._post([json.loads(r[2]) for r in rows])
+            status, error = self._post(peer, [self._fresh(r[2], r[3], now) for r in rows])
             if status == 200:
-                self._delete([r[0] for r in rows])
+                self._delivered(peer, [r[0] for r in rows])
                 delivered += len(rows)
                 continue
             if status == 400:
                 # One bad alert must not block the rest: retry one by one, park the rejects.
                 for row in rows:
-                    one_status, one_error = self._post([json.loads(row[2])])
+                    one_status, one_error = self._post(peer, [self._fresh(row[2], row[3], now)])
                     if one_status == 200:
-                        self._delete([row[0]])
+                        self._delivered(peer, [row[0]])
                         delivered += 1
                     elif one_status == 400:
-                        self._dead_letter(row, one_error)
+                        self._dead_letter(peer, row, one_error)
                     else:
-                        self._backoff(rows, one_error)
-                        return self._account(delivered)
+                        self._backoff(peer, rows, one_error)
+                        return self._account(peer, delivered)
                 continue
-            self._backoff(rows, error)
-            return self._account(delivered)
-        self._failures_in_a_row = 0
-        self._next_attempt = 0.0
-        return self._account(delivered)
+            self._backoff(peer, rows, error)
+            return self._account(peer, delivered)
+        peer.failures_in_a_row = 0
+        peer.next_attempt = 0.0
+        return self._account(peer, delivered)
 
-    def _account(self, delivered: int) -> int:
-        self.delivered_total += delivered
+    def _account(self, peer: Peer, delivered: int) -> int:
+        peer.delivered_total += delivered
         return delivered
 
-    def _post(self, alerts: list[dict[str, Any]]) -> tuple[int, str]:
+    def _post(self, peer: Peer, alerts: list[dict[str, Any]]) -> tuple[int, str]:
         try:
-            resp = self._http.post(self.url, json=alerts)
+            resp = peer.http.post(peer.url, json=alerts)
         except httpx.HTTPError as exc:
             return 0, f"{type(exc).__name__}: {exc}"
         if resp.status_code == 200:
@@ -268,62 +410,94 @@ class AlertPusher:
             return 400, f"HTTP {resp.status_code}: {resp.text[:300]}"
         return resp.status_code, f"HTTP {resp.status_code}: {resp.text[:300]}"
 
-    def _delete(self, ids: list[int]) -> None:
-        with self._lock:
-            self.db.executemany("DELETE FROM outbox WHERE id = ?", [(i,) for i in ids])
-
-    def _dead_letter(self, row: tuple, error: str) -> None:
-        log.error("Alertmanager rejected alert %s: %s", row[1], error)
+    def _delivered(self, peer: Peer, ids: list[int]) -> None:
         with sqlitedb.transaction(self.db, self._lock):
+            self.db.executemany("INSERT OR IGNORE INTO delivered (outbox_id, peer) VALUES (?, ?)", [(i, peer.base) for i in ids])
+            self._drop_done(ids)
+
+    def _drop_done(self, ids: list[int] | None) -> None:
+        """Delete the outbox rows (of `ids`, or all) that every configured peer accepted, and the
+        delivery marks of rows no longer in the outbox (done, or superseded by a newer firing row).
+        Call inside a transaction."""
+        bases = [p.base for p in self.peers]
+        marks = ",".join("?" * len(bases))
+        done = f"(SELECT COUNT(*) FROM delivered d WHERE d.outbox_id = outbox.id AND d.peer IN ({marks})) = ?"
+        if ids is None:
+            self.db.execute(f"DELETE FROM outbox WHERE {done}", (*bases, len(bases)))
+        else:
+            self.db.executemany(f"DELETE FROM outbox WHERE id = ? AND {done}", [(i, *bases, len(bases)) for i in ids])
+        self.db.execute("DELETE FROM delivered WHERE NOT EXISTS (SELECT 1 FROM outbox WHERE outbox.id = delivered.outbox_id)")
+
+    def _dead_letter(self, peer: Peer, row: tuple, error: str) -> None:
+        log.error("Alertmanager %s rejected alert %s: %s", peer.base, row[1], error)
+        with sqlitedb.transaction(self.db, self._lock):
+            # Peers run the same Alertmanager, so they reject the same alert: one dead letter.
             self.db.execute(
-                "INSERT INTO dead_letter (id, fingerprint, alert_json, error, failed_at) VALUES (?, ?, ?, ?, ?)",
+                "INSERT OR IGNORE INTO dead_letter (id, fingerprint, alert_json, error, failed_at) VALUES (?, ?, ?, ?, ?)",
                 (row[0], row[1], row[2], error, self.clock()),
             )
-            self.db.execute("DELETE FROM outbox WHERE id = ?", (row[0],))
+            self.db.execute("INSERT OR IGNORE INTO delivered (outbox_id, peer) VALUES (?, ?)", (row[0], peer.base))
+            self._drop_done([row[0]])
 
-    def _backoff(self, rows: list[tuple], error: str) -> None:
-        self.delivery_failures_total += 1
-        self._failures_in_a_row += 1
+    def _backoff(self, peer: Peer, rows: list[tuple], error: str) -> None:
+        peer.failures_total += 1
+        peer.failures_in_a_row += 1
         s = self.settings
-        delay = backoff_seconds(self._failures_in_a_row, s.retry_min_seconds, s.retry_max_seconds)  # jittered: replicas do not retry in lockstep
-        self._next_attempt = self.clock() + delay
+        delay = backoff_seconds(peer.failures_in_a_row, s.retry_min_seconds, s.retry_max_seconds)  # jittered: replicas do not retry in lockstep
+        peer.next_attempt = self.clock() + delay
         with self._lock:
             self.db.executemany("UPDATE outbox SET attempts = attempts + 1 WHERE id = ?", [(r[0],) for r in rows])
-        log.warning("Alertmanager delivery failed (%s); %d alert(s) kept in the outbox, retry in %.0fs", error, len(rows), delay)
+        log.warning("Alertmanager %s: delivery failed (%s); %d alert(s) kept in the outbox for it, retry in %.0fs", peer.base, error, len(rows), delay)
+
+    def pending_for(self, peer: Peer) -> int:
+        """Alerts in the outbox this peer has not accepted yet."""
+        with self._lock:
+            return int(self.db.execute(
+                "SELECT COUNT(*) FROM outbox WHERE NOT EXISTS (SELECT 1 FROM delivered d WHERE d.outbox_id = outbox.id AND d.peer = ?)",
+                (peer.base,),
+            ).fetchone()[0])
 
     @property
     def backoff_seconds(self) -> float:
-        return max(0.0, self._next_attempt - self.clock())
+        """Seconds until every peer that is backing off is tried again (0: none is)."""
+        return max(0.0, max(p.next_attempt for p in self.peers) - self.clock())
 
     def close(self) -> None:
-        self._http.close()
+        for peer in self.peers:
+            peer.http.close()
         with self._lock:
             self.db.close()
 
 
 class DeliveryLoop:
-    """Runs `pusher.flush()` every `interval` seconds on a daemon thread until stopped."""
+    """Runs `pusher.flush_peer(peer)` every `interval` seconds until stopped, on one daemon thread
+    per Alertmanager peer: a peer that hangs until its timeout never delays the others."""
 
     def __init__(self, pusher: AlertPusher, interval: float = 0.5):
         self.pusher = pusher
         self.interval = interval
         self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, name="alert-delivery", daemon=True)
+        self._threads = [
+            threading.Thread(target=self._run, args=(peer,), name=f"alert-delivery-{i}", daemon=True) for i, peer in enumerate(pusher.peers)
+        ]
 
     def start(self) -> DeliveryLoop:
-        self._thread.start()
+        for thread in self._threads:
+            thread.start()
         return self
 
-    def _run(self) -> None:
+    def _run(self, peer: Peer) -> None:
         while not self._stop.wait(self.interval):
             try:
-                self.pusher.flush()
+                self.pusher.resend_due()
+                self.pusher.flush_peer(peer)
             except sqlite3.Error:
                 log.exception("alert outbox error")
 
     def stop(self, final_flush: bool = True) -> None:
         self._stop.set()
-        self._thread.join(timeout=10)
+        for thread in self._threads:
+            thread.join(timeout=10)
         if final_flush:
             self.pusher.flush(force=True)
 
@@ -342,4 +516,7 @@ def pusher_families(pusher: AlertPusher) -> list:
         dead = int(pusher.db.execute("SELECT COUNT(*) FROM dead_letter").fetchone()[0])
     rejected = Family("gpuvigil_alert_dead_letters", "gauge", "Alerts Alertmanager rejected as invalid (kept in the outbox's dead_letter table).")
     rejected.add(dead)
-    return [pending, delivered, failures, rejected]
+    per_peer = Family("gpuvigil_alert_peer_pending", "gauge", "Alerts in the outbox one Alertmanager peer has not accepted yet.")
+    for peer in pusher.peers:
+        per_peer.add(pusher.pending_for(peer), alertmanager=peer.base)
+    return [pending, delivered, failures, rejected, per_peer]

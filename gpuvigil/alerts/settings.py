@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import re
 from typing import Any
+from urllib.parse import urlsplit
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
@@ -59,12 +60,26 @@ class AlertSettings(BaseModel):
     retry_max_seconds: float = Field(60, gt=0)
     fatal_hardware_kinds: list[str] = Field(default_factory=lambda: ["xid", "ecc"])
     runbook_base_url: str = ""
+    # Base URLs of the Alertmanagers gpuvigil pushes to: one, or every peer of a gossip cluster
+    # (each alert goes to each peer, as Prometheus does; the cluster deduplicates notifications).
+    alertmanagers: list[str] = Field(default_factory=list)
     rules: RuleThresholds = Field(default_factory=RuleThresholds)
 
     @field_validator("group_wait", "group_interval")
     @classmethod
     def _duration(cls, v: str) -> str:
         return _check_duration(v)
+
+    @field_validator("alertmanagers")
+    @classmethod
+    def _peers(cls, v: list[str]) -> list[str]:
+        for url in v:
+            parts = urlsplit(url)
+            if parts.scheme not in ("http", "https") or not parts.netloc:
+                raise ValueError(f"alertmanagers: {url!r} is not an http(s):// URL")
+        if len({u.rstrip("/") for u in v}) != len(v):
+            raise ValueError("alertmanagers: a peer is listed twice")
+        return v
 
     @field_validator("repeat_interval")
     @classmethod

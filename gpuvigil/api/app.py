@@ -12,6 +12,7 @@ import hmac
 import json
 import re
 import socket
+import sys
 import threading
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -139,16 +140,59 @@ class BodyTooLarge(HTTPException):
         super().__init__(413, f"request body larger than {limit} bytes")
 
 
+# Read answers that depend only on the store's content, the path and the query string.
+_CACHEABLE = re.compile(r"^/v1/(?:hints|findings|nodes/[^/]+/health|jobs/[^/]+/verdict)$")
+_JSON_HEADERS = [(b"content-type", b"application/json")]
+
+
+class ReadCache:
+    """Answers of the read endpoints as the bytes that were sent, per store version.
+
+    A hit is answered by the ASGI middleware straight from these bytes: no routing, no query
+    parsing, no model validation, no SQL (one `PRAGMA data_version` tells whether the store
+    changed). Every write (a pipeline tick, an ack, another process writing the file) starts a
+    new version; the first request per path after it is built by the route as usual and kept."""
+
+    MAX_ENTRIES = 8192
+    MAX_BYTES = 64 << 20  # a 400-finding verdict is ~330 KB: bound the bytes, not only the count
+
+    def __init__(self, store: HintStore):
+        self.store = store
+        self._version: Any = None
+        self._entries: dict[bytes, bytes] = {}
+        self._bytes = 0
+        self._lock = threading.Lock()
+
+    def version(self) -> Any:
+        return self.store.generation(blocking=False)
+
+    def get(self, key: bytes, version: Any) -> bytes | None:
+        with self._lock:
+            if version != self._version:
+                self._entries.clear()
+                self._bytes = 0
+                self._version = version
+            return self._entries.get(key)
+
+    def put(self, key: bytes, version: Any, body: bytes) -> None:
+        with self._lock:
+            if version == self._version and len(self._entries) < self.MAX_ENTRIES and self._bytes + len(body) <= self.MAX_BYTES:
+                self._bytes += len(body) - len(self._entries.get(key, b""))
+                self._entries[key] = body
+
+
 class Admission:
     """Pure ASGI middleware in front of the app: a /v1 request without the right bearer token is
     answered 401 before a byte of its body is read, and a body over `max_body_bytes` gets 413 as
-    soon as its Content-Length or its streamed size says so (never buffered whole)."""
+    soon as its Content-Length or its streamed size says so (never buffered whole). Authorised
+    reads of an unchanged store are answered from `cache` (see `ReadCache`)."""
 
-    def __init__(self, app: Callable[..., Awaitable[None]], *, token: str | None, max_body_bytes: int, prefix: str = "/v1"):
+    def __init__(self, app: Callable[..., Awaitable[None]], *, token: str | None, max_body_bytes: int, prefix: str = "/v1", cache: ReadCache | None = None):
         self.app = app
         self.expected = None if token is None else token.encode()
         self.max_body = max_body_bytes
         self.prefix = prefix
+        self.cache = cache
 
     def _auth_error(self, headers: list[tuple[bytes, bytes]]) -> str | None:
         if self.expected is None:
@@ -168,6 +212,34 @@ class Admission:
         await send({"type": "http.response.start", "status": status, "headers": headers})
         await send({"type": "http.response.body", "body": body})
 
+    async def _cached_read(self, scope: dict[str, Any], receive: Callable[..., Awaitable[dict]], send: Callable[..., Awaitable[None]], path: str) -> None:
+        cache = self.cache
+        assert cache is not None
+        key = path.encode() + b"?" + scope.get("query_string", b"")
+        version = cache.version()
+        body = None if version is None else cache.get(key, version)
+        if body is not None:
+            await send({"type": "http.response.start", "status": 200, "headers": [*_JSON_HEADERS, (b"content-length", str(len(body)).encode())]})
+            await send({"type": "http.response.body", "body": body})
+            return
+        status = 0
+        chunks: list[bytes] = []
+
+        async def capture(message: dict) -> None:
+            nonlocal status
+            if message["type"] == "http.response.start":
+                status = message["status"]
+            elif message["type"] == "http.response.body":
+                chunks.append(message.get("body", b""))
+                # Kept (before the last bytes go out, so the next request can hit it) only when
+                # the store did not change while the answer was built: the answer then belongs
+                # to `version` (a change in between starts a new version; this one is dropped).
+                if not message.get("more_body") and status == 200 and version is not None and cache.version() == version:
+                    cache.put(key, version, b"".join(chunks))
+            await send(message)
+
+        await self.app(scope, receive, capture)
+
     async def __call__(self, scope: dict[str, Any], receive: Callable[..., Awaitable[dict]], send: Callable[..., Awaitable[None]]) -> None:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
@@ -179,6 +251,9 @@ class Admission:
                 await self._reply(send, 401, why, [(b"www-authenticate", b"Bearer")])
                 return
         length = next((v for k, v in headers if k.lower() == b"content-length"), None)
+        if self.cache is not None and scope.get("method") == "GET" and length in (None, b"0") and _CACHEABLE.match(path):
+            await self._cached_read(scope, receive, send, path)
+            return
         if length is not None:
             if not length.isdigit() or len(length) > 18:
                 await self._reply(send, 400, "bad Content-Length")
@@ -242,7 +317,9 @@ def create_app(
     app.state.stopping = threading.Event()
     # The token is checked twice: by the Admission middleware before the body is read, and by the
     # route dependency, which also declares the scheme in the OpenAPI document.
-    app.add_middleware(Admission, token=token, max_body_bytes=settings.max_body_bytes)
+    read_cache = ReadCache(store)
+    app.state.read_cache = read_cache
+    app.add_middleware(Admission, token=token, max_body_bytes=settings.max_body_bytes, cache=read_cache)
 
     @app.exception_handler(RequestValidationError)
     async def _validation_error(request: Request, exc: RequestValidationError) -> JSONResponse:
@@ -256,32 +333,10 @@ def create_app(
 
     finite = {"allow_inf_nan": False}
 
-    # Read answers are cached until the store changes (a pipeline tick, an ack, or another
-    # process writing the file): between ticks every poller of a 400-finding verdict gets the
-    # same bytes without another query.
-    cache: dict[str, bytes] = {}
-    cache_gen: list[Any] = [None]
-    cache_lock = threading.Lock()
-
     async def cached(key: str, build: Callable[[], Response]) -> Response:
-        """A hit is answered on the event loop; a miss is built on a worker thread (SQLite). The
-        event loop never waits for the store: while a tick is being written, a worker thread does."""
-        gen = store.generation(blocking=False)
-        if gen is None:
-            gen = await anyio.to_thread.run_sync(store.generation)
-        with cache_lock:
-            if cache_gen[0] != gen:
-                cache.clear()
-                cache_gen[0] = gen
-            body = cache.get(key)
-        if body is not None:
-            return Response(content=body, media_type="application/json")
-        response = await anyio.to_thread.run_sync(build)
-        if store.generation() == gen and response.status_code == 200:
-            with cache_lock:
-                if cache_gen[0] == gen and len(cache) < 4096:
-                    cache[key] = bytes(response.body)
-        return response
+        """Built on a worker thread (SQLite). The bytes are kept per store version by the
+        Admission middleware (`ReadCache`), which answers repeats without reaching the route."""
+        return await anyio.to_thread.run_sync(build)
 
     @router.get("/hints", response_model=HintList, tags=["hints"])
     async def list_hints(
@@ -487,10 +542,16 @@ def bind_socket(host: str, port: int) -> socket.socket:
     return sock
 
 
-def make_server(app: FastAPI, *, log_level: str = "warning") -> uvicorn.Server:
-    return uvicorn.Server(
-        uvicorn.Config(app, log_level=log_level, lifespan="off", timeout_graceful_shutdown=3, access_log=False)
-    )
+def make_server(app: FastAPI, *, log_level: str = "warning", tls: tuple[str, str] | None = None) -> uvicorn.Server:
+    """`tls`: (certificate file, key file) in PEM; uvicorn wraps the connections in TLS."""
+    ssl = {} if tls is None else {"ssl_certfile": tls[0], "ssl_keyfile": tls[1]}
+    config = uvicorn.Config(app, log_level=log_level, lifespan="off", timeout_graceful_shutdown=3, access_log=False, **ssl)
+    if tls is not None:
+        try:
+            config.load()  # reads the certificate and key now: a bad file is one line, not a traceback
+        except (OSError, ValueError) as exc:
+            raise UserError(f"TLS certificate {tls[0]} / key {tls[1]}: {getattr(exc, 'strerror', None) or exc}") from exc
+    return uvicorn.Server(config)
 
 
 class ApiServer:
@@ -514,13 +575,15 @@ class ApiServer:
         self.stop()
 
 
-def serve_api_in_thread(app: FastAPI, host: str = "127.0.0.1", port: int = 0, *, log_level: str = "warning", startup_timeout: float = 15.0) -> ApiServer:
+def serve_api_in_thread(
+    app: FastAPI, host: str = "127.0.0.1", port: int = 0, *, log_level: str = "warning", startup_timeout: float = 15.0, tls: tuple[str, str] | None = None
+) -> ApiServer:
     """Serve `app` with uvicorn on a background thread; `port=0` picks a free port."""
     if getattr(app.state, "insecure_local", False) and not is_loopback(host):
         raise UserError(f"an API without a token serves on 127.0.0.1 only; refusing to bind {host}")
+    server = make_server(app, log_level=log_level, tls=tls)
     sock = bind_socket(host, port)
     bound_port = sock.getsockname()[1]
-    server = make_server(app, log_level=log_level)
     thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, name=f"gpuvigil-api:{bound_port}", daemon=True)
     thread.start()
     deadline = time.monotonic() + startup_timeout
@@ -530,11 +593,24 @@ def serve_api_in_thread(app: FastAPI, host: str = "127.0.0.1", port: int = 0, *,
             sock.close()
             raise RuntimeError(f"API server on {host}:{bound_port} did not start")
         time.sleep(0.02)
-    return ApiServer(app, server, thread, sock)
+    api = ApiServer(app, server, thread, sock)
+    if tls is not None:
+        api.url = "https" + api.url[len("http") :]
+    return api
 
 
-def serve_forever(app: FastAPI, host: str, port: int, token: str | None, insecure_local: bool, *, log_level: str = "info") -> None:
+def serve_forever(
+    app: FastAPI, host: str, port: int, token: str | None, insecure_local: bool, *, log_level: str = "info", tls: tuple[str, str] | None = None
+) -> None:
     check_bind(host, token, insecure_local)
+    # Answers not in the read cache are built on worker threads (SQLite, then Python); with the
+    # default 5 ms GIL switch interval each of them keeps the event loop, which answers the
+    # cached reads in microseconds, waiting up to 5 ms at a time.
+    sys.setswitchinterval(0.0005)
+    server = make_server(app, log_level=log_level, tls=tls)
+    # Our own socket even with TLS: uvicorn's would be made with protocol 0, and asyncio then
+    # leaves Nagle on (see bind_socket).
     sock = bind_socket(host, port)
-    print(json.dumps({"listening": f"http://{host}:{sock.getsockname()[1]}", "auth": "none (loopback only)" if token is None else "bearer"}), flush=True)
-    make_server(app, log_level=log_level).run(sockets=[sock])
+    scheme = "http" if tls is None else "https"
+    print(json.dumps({"listening": f"{scheme}://{host}:{sock.getsockname()[1]}", "auth": "none (loopback only)" if token is None else "bearer"}), flush=True)
+    server.run(sockets=[sock])

@@ -29,6 +29,8 @@ def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
     p.add_argument("--token-file", type=Path, default=None, help=f"file holding the bearer token (else ${TOKEN_ENV})")
     p.add_argument("--insecure-local", action="store_true", help="no token: serve on 127.0.0.1 only")
     p.add_argument("--config", type=Path, default=None, help="gpuvigil config file (YAML/JSON)")
+    p.add_argument("--tls-cert", type=Path, default=None, help="serve HTTPS with this PEM certificate (with --tls-key)")
+    p.add_argument("--tls-key", type=Path, default=None, help="the certificate's PEM private key")
     p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
     p.set_defaults(func=run)
     return p
@@ -47,9 +49,12 @@ def run(args: argparse.Namespace) -> int:
     port = settings.port if args.port is None else args.port
     if not 0 <= port <= 65535:
         raise UserError(f"--port {port}: must be 0..65535")
+    if (args.tls_cert is None) != (args.tls_key is None):
+        raise UserError("--tls-cert and --tls-key go together")
+    tls = None if args.tls_cert is None else (str(args.tls_cert), str(args.tls_key))
     token = resolve_token(args.token_file)
     check_bind(host, token, args.insecure_local)  # before touching the store: refuse early
     with HintStore(args.db) as store:
         app = create_app(store, token, insecure_local=args.insecure_local, cfg=cfg)
-        serve_forever(app, host, port, token, args.insecure_local, log_level=args.log_level)
+        serve_forever(app, host, port, token, args.insecure_local, log_level=args.log_level, tls=tls)
     return 0

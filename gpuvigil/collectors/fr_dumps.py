@@ -243,6 +243,7 @@ class FrDumpTrigger:
         self._asks: dict[str, int] = {}
         self.max_asks_per_suspicion = max_asks_per_suspicion
         self.requested = 0
+        self._l0_suspects: set[str] = set()  # jobs whose current suspicion includes an L0 hang finding
 
     def _inspector_stalls(self, window, now: float) -> set[str]:
         self._clock.observe(window.fresh("collective_progress"), now)
@@ -251,9 +252,17 @@ class FrDumpTrigger:
     def on_tick(self, result, window) -> None:
         now = result.now
         why: dict[str, str] = {}
+        l0: set[str] = set()
         for f in [*result.new_findings, *getattr(result, "suppressed_findings", [])]:
             if f.kind.value == "collective_hang" and f.job and f.evidence.get("level") == "L0":
                 why.setdefault(f.job, "on_demand")
+                l0.add(f.job)
+        for job in l0 - self._l0_suspects:
+            # The GPUs now say hung: a new suspicion, even where the Inspector's stall (a
+            # checkpoint that ran straight into the hang) already spent this one's asks on dumps
+            # that showed no pending collective.
+            self._asks.pop(job, None)
+        self._l0_suspects = l0 | {j for j in self._l0_suspects if j in why}
         for job in self._inspector_stalls(window, now):
             why.setdefault(job, "on_demand")
         if self.every_seconds > 0:

@@ -61,6 +61,7 @@ SECTIONS: dict[str, str | dict[str, str]] = {
         "hang_fr": "gpuvigil.detectors.hang_fr:HangFrConfig",
         "straggler_inspector": "gpuvigil.detectors.straggler_inspector:StragglerInspectorConfig",
     },
+    "fleet": "gpuvigil.deployconfig:Fleet",
     "hints": "gpuvigil.pipeline.hints:HintConfig",
     "kernel_log": "gpuvigil.collectors.kernel_log:KernelLogConfig",
     "levels": "gpuvigil.detectors.levels:LevelsConfig",

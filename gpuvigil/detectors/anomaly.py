@@ -131,7 +131,10 @@ class AnomalyDetector:
         fresh = window.fresh("gpu_samples")
         if fresh.height == 0:
             return self._report(now)
-        dev = peer_deviations(fresh, window.get("allocations"), c.scale, c.min_peers)
+        allocations = window.get("allocations")
+        if allocations.height == 0:  # no GPU runs a job: no peers to compare (the join is empty)
+            return self._report(now)
+        dev = peer_deviations(fresh, allocations, c.scale, c.min_peers)
         if dev.height == 0:
             return self._report(now)
         if self._started is None:

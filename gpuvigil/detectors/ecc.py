@@ -32,21 +32,37 @@ class EccDetector:
         # past); the pipeline keeps the finding active for `clear_after_seconds.ecc`.
         since = now - self.config.report_seconds if self._last_now is None else self._last_now
         self._last_now = now
+        # Counters: compare this tick's readings with the previous ones. Only GPUs that ever had
+        # a DBE or a remap failure are kept: O(GPUs) filter per tick, tiny state.
+        fresh = window.fresh("gpu_samples").select("node", "gpu", "ecc_dbe_volatile_total", "retired_pages_total", "remap_failure")
+        # (two column reductions tell whether any row qualifies: cheaper than the filter itself)
+        dbe_max = fresh.get_column("ecc_dbe_volatile_total").max()
+        if (dbe_max is not None and dbe_max > 0) or fresh.get_column("remap_failure").any():  # type: ignore[operator]
+            gs = fresh.filter((pl.col("ecc_dbe_volatile_total") > 0) | pl.col("remap_failure").fill_null(False))
+        else:
+            gs = fresh.clear()
+        events = window.get("events")
+        # Most ticks bring no event since the last one and no counter change: skip the frame
+        # work below (it would find nothing; the state it would keep is `gs` itself).
+        latest = events.get_column("ts").max() if events.height else None
+        if latest is None or latest <= since:  # type: ignore[operator]
+            if gs.height == 0:
+                return []
+            prev = self._counters
+            if (
+                prev is not None
+                and not gs.get_column("remap_failure").fill_null(False).any()
+                and gs.equals(prev)
+                and gs.select(pl.struct("node", "gpu").is_unique().all()).item()
+            ):
+                return []
         ev = (
-            window.get("events")
-            .filter(
+            events.filter(
                 (pl.col("ts") > since)
                 & (pl.col("kind").is_in(["ecc_dbe", "ecc"]) | ((pl.col("kind") == "xid") & pl.col("xid").is_in(self.config.ecc_codes)))
             )
             .group_by(["node", "gpu"])
             .agg(pl.len().alias("events"), pl.col("xid").drop_nulls().unique().sort().alias("xids"), pl.col("ts").max().alias("event_ts"), pl.col("job").drop_nulls().last().alias("event_job"))
-        )
-        # Counters: compare this tick's readings with the previous ones. Only GPUs that ever had
-        # a DBE or a remap failure are kept: O(GPUs) filter per tick, tiny state.
-        gs = (
-            window.fresh("gpu_samples")
-            .filter((pl.col("ecc_dbe_volatile_total") > 0) | pl.col("remap_failure").fill_null(False))
-            .select("node", "gpu", "ecc_dbe_volatile_total", "retired_pages_total", "remap_failure")
         )
         if ev.height == 0 and gs.height == 0:
             return []

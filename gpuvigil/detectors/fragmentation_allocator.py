@@ -80,6 +80,10 @@ class AllocatorFragmentationDetector:
 
     def ingest(self, window: Window) -> None:
         """Per-key counts and oldest/newest samples, from this tick's rows (O(new rows))."""
+        if self._state is None and window.get("allocator_stats").height == 0:
+            # No allocator data yet (a replay of device series never has any): nothing to keep.
+            # The first tick with rows rebuilds from the window, as after any gap.
+            return
         step = self._rows.sync(window)
         if step.mode == "same" and self._state is not None:
             return

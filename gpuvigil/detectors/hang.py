@@ -102,7 +102,7 @@ class HangDetector:
         )
         if per_job.height == 0:
             return []
-        ranks = latest.join(per_job.select("job", "min_comp", "max_enq", "fresh_ts", "stalled_seconds", "threshold", "step_time", "n_ranks"), on="job").with_columns(
+        ranks = latest.join(per_job.select("job", "min_comp", "fresh_ts", "stalled_seconds", "threshold", "step_time", "n_ranks"), on="job").with_columns(
             (
                 (pl.col("last_enqueued_seq") <= pl.col("min_comp"))
                 | (pl.col("fresh_ts") - pl.col("ts") > c.stale_report_seconds)

@@ -21,6 +21,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+import numpy as np
 import polars as pl
 
 from gpuvigil.pipeline.window import Window
@@ -208,3 +209,141 @@ def edges_from_rows(v: pl.DataFrame, first: list[str], last: list[str]) -> pl.Da
         pl.col("ts").max().alias("ts_last"),
         *(pl.col(c).sort_by("ts", maintain_order=True).last().alias(f"{c}_last") for c in last),
     )
+
+
+class KeyRing:
+    """The recent rows of each (job, rank), in numpy ring buffers: one row of a (keys, capacity)
+    array per key, filled in arrival order, so a tick costs O(new rows) and an evaluation is a
+    few vectorised passes over keys × capacity (no group_by over the window).
+
+    Rows older than `keep_from` (given on each insert) may be overwritten; when a key would
+    overwrite a row still needed, every buffer doubles. `ts` NaN marks an empty slot.
+    """
+
+    def __init__(self, floats: Sequence[str], ints: Sequence[str], capacity: int = 8):
+        self.float_names, self.int_names = list(floats), list(ints)
+        self.keys = pl.DataFrame(schema={"job": pl.Utf8, "rank": pl.Int32, "_k": pl.Int64})
+        self.n = 0
+        self._alloc(0, capacity)
+
+    def _alloc(self, rows: int, cap: int) -> None:
+        self.cap = cap
+        self.ts = np.full((rows, cap), np.nan)
+        self.f = {c: np.full((rows, cap), np.nan) for c in self.float_names}
+        self.i = {c: np.zeros((rows, cap), np.int32) for c in self.int_names}
+        self.head = np.zeros(rows, np.int64)  # next slot to write, per key
+        self.last_ts = np.full(rows, -np.inf)  # newest ts written, per key
+
+    def _arrays(self) -> list[np.ndarray]:
+        return [self.ts, *self.f.values(), *self.i.values()]
+
+    def _grow_keys(self, rows: int) -> None:
+        have = self.ts.shape[0]
+        if rows <= have:
+            return
+        rows = max(rows, 2 * have, 64)
+        pad = rows - have
+        self.ts = np.concatenate([self.ts, np.full((pad, self.cap), np.nan)])
+        self.f = {c: np.concatenate([a, np.full((pad, self.cap), np.nan)]) for c, a in self.f.items()}
+        self.i = {c: np.concatenate([a, np.zeros((pad, self.cap), np.int32)]) for c, a in self.i.items()}
+        self.head = np.concatenate([self.head, np.zeros(pad, np.int64)])
+        self.last_ts = np.concatenate([self.last_ts, np.full(pad, -np.inf)])
+
+    def _grow_capacity(self, cap: int) -> None:
+        """Unroll every ring (oldest first) into a wider buffer."""
+        rows = self.ts.shape[0]
+        order = (self.head[:, None] + np.arange(self.cap)[None, :]) % self.cap
+
+        def widen(a: np.ndarray, fill: float | int) -> np.ndarray:
+            out = np.full((rows, cap), fill, dtype=a.dtype)
+            out[:, : self.cap] = np.take_along_axis(a, order, axis=1)
+            return out
+
+        self.ts = widen(self.ts, np.nan)
+        self.f = {c: widen(a, np.nan) for c, a in self.f.items()}
+        self.i = {c: widen(a, 0) for c, a in self.i.items()}
+        self.head = np.full(rows, self.cap, np.int64)
+        self.cap = cap
+
+    def key_index(self, keys: pl.DataFrame) -> np.ndarray:
+        """Index of each row's (job, rank); keys not seen before are added."""
+        k = keys.join(self.keys, on=["job", "rank"], how="left", maintain_order="left", nulls_equal=True)["_k"]
+        if k.null_count():
+            new = keys.filter(k.is_null()).unique(maintain_order=True)
+            new = new.with_columns(pl.int_range(self.n, self.n + new.height, dtype=pl.Int64).alias("_k"))
+            self.keys = pl.concat([self.keys, new], how="vertical_relaxed")
+            self.n += new.height
+            self._grow_keys(self.n)
+            k = keys.join(self.keys, on=["job", "rank"], how="left", maintain_order="left", nulls_equal=True)["_k"]
+        return k.to_numpy()
+
+    def insert(self, key: np.ndarray, ts: np.ndarray, floats: dict[str, np.ndarray], ints: dict[str, np.ndarray], keep_from: float) -> None:
+        """Append rows (in arrival order) to their keys' rings; rows older than keep_from are
+        not kept, slots holding rows older than keep_from are reused."""
+        keep = ts >= keep_from
+        if not keep.all():
+            key, ts = key[keep], ts[keep]
+            floats = {c: v[keep] for c, v in floats.items()}
+            ints = {c: v[keep] for c, v in ints.items()}
+        if key.size == 0:
+            return
+        order = np.argsort(key, kind="stable")  # stable: arrival order within a key
+        ks = key[order]
+        first = np.flatnonzero(np.r_[True, ks[1:] != ks[:-1]])
+        counts = np.diff(np.r_[first, ks.size])
+        ordinal = np.arange(ks.size) - np.repeat(first, counts)
+        while True:
+            slot = (self.head[ks] + ordinal) % self.cap
+            busy = self.ts[ks, slot] >= keep_from
+            if counts.max() <= self.cap and not busy.any():
+                break
+            self._grow_capacity(self.cap * 2)
+        self.ts[ks, slot] = ts[order]
+        for c, v in floats.items():
+            self.f[c][ks, slot] = v[order]
+        for c, v in ints.items():
+            self.i[c][ks, slot] = v[order]
+        uk = ks[first]
+        self.head[uk] = (self.head[uk] + counts) % self.cap
+        self.last_ts[uk] = np.maximum(self.last_ts[uk], np.maximum.reduceat(ts[order], first))
+
+    def valid(self, rows: np.ndarray, lo: np.ndarray) -> np.ndarray:
+        """Slots of `rows` holding a row with ts >= lo (per row)."""
+        return self.ts[rows] >= lo[:, None]
+
+    def newest(self, rows: np.ndarray, valid: np.ndarray) -> np.ndarray:
+        """Per row, the slot of its latest-arrived valid row (-1 if none)."""
+        head = self.head[rows]
+        j = (head - 1) % self.cap  # the latest write, valid for almost every key
+        late = ~valid[np.arange(j.size), j]
+        if late.any():
+            age = (head[late][:, None] - 1 - np.arange(self.cap)[None, :]) % self.cap  # 0 = newest
+            age = np.where(valid[late], age, self.cap)
+            j[late] = np.where(valid[late].any(axis=1), age.argmin(axis=1), -1)
+        return j
+
+
+def masked_median(values: np.ndarray, valid: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Per row, the median of `values` where `valid` (and not NaN), exactly as polars computes
+    it (odd n: the middle value; even n: a + (b - a) * 0.5 of the two middle ones), and the count.
+
+    Invalid slots become +inf, so a row's middle values sit at columns (n-1)//2 and n//2: rows
+    are partitioned in groups of equal count (a handful in steady state), one numpy call each.
+    """
+    ok = valid & ~np.isnan(values)
+    n = ok.sum(axis=1)
+    med = np.full(values.shape[0], np.nan)
+    if values.size == 0:
+        return med, n
+    x = np.where(ok, values, np.inf)
+    order = np.argsort(n, kind="stable")
+    groups = np.split(order, np.flatnonzero(np.diff(n[order])) + 1)
+    for rows in groups if len(groups) > 1 else [slice(None)]:
+        count = int(n[rows][0]) if len(groups) > 1 else int(n[0])
+        if count == 0:
+            continue
+        k1, k2 = (count - 1) // 2, count // 2
+        part = np.partition(x[rows], [k1, k2] if k1 != k2 else k1, axis=1)
+        a, b = part[:, k1], part[:, k2]
+        med[rows] = a if count % 2 else a + (b - a) * 0.5
+    return med, n

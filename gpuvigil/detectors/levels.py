@@ -11,7 +11,11 @@ pipeline keeps the findings of the best detector of each capability the job's st
 lower level's findings for that job are suppressed (handed to sinks as `suppressed_findings`, so
 that e.g. an L0 hang suspicion still triggers L1 Flight Recorder dumps). If the selected L1
 detector stays silent for `fallback_seconds` after a suppressed L0 finding, the L0 one goes out:
-a broken pipe must not cost the page. L2 never falls back (its figures stay its own).
+a broken pipe must not cost the page. A key `LEVEL.capability` (e.g. `L2.hang`) sets it for one
+capability of a level: the hook's progress counters cannot see a hang whose culprit entered the
+collective and is stuck inside a kernel (every rank has enqueued it, nobody is missing), while
+the device telemetry sees the whole job stop; so an L2 job's hang falls back to the L0/L1
+finding. L2's OOM and straggler findings never fall back (their figures stay their own).
 """
 
 from __future__ import annotations
@@ -32,7 +36,7 @@ STREAM_LEVEL = {"collective_progress": "L1", "fr_pipes": "L1", "fr_analysis": "L
 
 class LevelsConfig(BaseModel):
     memory_seconds: float = Field(900.0, gt=0)
-    fallback_seconds: dict[str, float] = Field(default_factory=lambda: {"L1": 60.0})
+    fallback_seconds: dict[str, float] = Field(default_factory=lambda: {"L1": 60.0, "L2.hang": 30.0})
 
 
 def level_of(detector: Any) -> str:
@@ -46,7 +50,8 @@ class LevelsConfig(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     memory_seconds: float = Field(900.0, gt=0)
-    fallback_seconds: dict[str, float] = Field(default_factory=lambda: {"L1": 60.0})
+    # Per level ("L1") or per level and capability ("L2.hang"); the latter wins.
+    fallback_seconds: dict[str, float] = Field(default_factory=lambda: {"L1": 60.0, "L2.hang": 30.0})
 
 
 class LevelSelector:
@@ -55,10 +60,11 @@ class LevelSelector:
     def __init__(self, detectors: Sequence[Any], memory_seconds: float = 900.0, fallback_seconds: dict[str, float] | None = None):
         self.detectors = list(detectors)
         self.memory_seconds = memory_seconds
-        self.fallback_seconds = {"L1": 60.0} if fallback_seconds is None else dict(fallback_seconds)
+        self.fallback_seconds = {"L1": 60.0, "L2.hang": 30.0} if fallback_seconds is None else dict(fallback_seconds)
         self._seen: dict[tuple[str, str], float] = {}  # (job, stream) → last ts seen
         self._jobs: dict[str, float] = {}
         self._quiet_since: dict[tuple[str, str], float] = {}  # (capability, job) → first suppressed finding
+        self._last_suppressed: dict[tuple[str, str], float] = {}  # (capability, job) → latest suppressed finding
         self._selected_reported: dict[tuple[str, str], float] = {}
         self.now = 0.0
         by_cap: dict[str, list[Any]] = {}
@@ -114,10 +120,18 @@ class LevelSelector:
             return True
         key = (cap, level_of(detector))
         if key not in self._needed:
-            # An L0 detector also serves L1 jobs: its findings trigger L1 dumps and are the fallback.
-            wanted = ("L0", "L1") if key[1] == "L0" else (key[1],)
+            # An L0 detector also serves L1 jobs: its findings trigger L1 dumps and are the fallback;
+            # and the jobs of any higher level that falls back for this capability.
+            if key[1] == "L0":
+                wanted = ("L0", "L1", *(lvl for lvl in LEVELS[2:] if self.fallback(lvl, cap) is not None))
+            else:
+                wanted = (key[1], *(lvl for lvl in LEVELS if RANK[lvl] > RANK[key[1]] and self.fallback(lvl, cap) is not None))
             self._needed[key] = any(self.best(cap, j) in wanted for j in self.job_levels())
         return self._needed[key]
+
+    def fallback(self, level: str, capability: str) -> float | None:
+        """Seconds after which `level` falls back for `capability` (None: never)."""
+        return self.fallback_seconds.get(f"{level}.{capability}", self.fallback_seconds.get(level))
 
     def select(self, detector: Any, findings: Iterable[Finding]) -> tuple[list[Finding], list[Finding]]:
         """(kept, suppressed); every finding gets its detector's level in `evidence`."""
@@ -139,8 +153,15 @@ class LevelSelector:
             if RANK[lvl] > RANK[best]:
                 kept.append(f)  # a higher level than expected showed up: never hide better evidence
                 continue
-            since = self._quiet_since.setdefault(key, self.now)
-            fallback = self.fallback_seconds.get(best)
+            fallback = self.fallback(best, cap)
+            last = self._last_suppressed.get(key)
+            if key not in self._quiet_since or (fallback is not None and last is not None and self.now - last > fallback):
+                # A new suspicion (the last one went quiet for longer than the fallback): the
+                # selected detector gets its full time again; a transient L0 suspicion long ago
+                # must not send today's finding out at once.
+                self._quiet_since[key] = self.now
+            self._last_suppressed[key] = self.now
+            since = self._quiet_since[key]
             selected_spoke = self._selected_reported.get(key, -1e18) >= since
             if fallback is not None and not selected_spoke and self.now - since >= fallback:
                 f.evidence["fallback_from"] = best

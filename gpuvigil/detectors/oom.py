@@ -191,7 +191,6 @@ class OomPredictor:
             (pl.col("ts_last") - now).alias("t_max"),
             pl.col("y_last").alias("footprint_gib"),
             pl.col("gap_last").alias("gap_gib"),
-            pl.col("foreign_last").alias("foreign_gib"),
             (pl.col("retries_last") - pl.col("retries_first")).alias("retries_delta"),
             pl.col("capacity_last").alias("capacity"),
             pl.col("node_last").alias("node"),
@@ -220,7 +219,6 @@ class OomPredictor:
                 .alias("r2"),
                 (pl.col("footprint_gib") * GIB).alias("footprint"),
                 (pl.col("gap_gib") * GIB).alias("gap"),
-                (pl.col("foreign_gib") * GIB).alias("foreign"),
             )
             .with_columns(
                 (pl.col("capacity") - c.safety_margin_bytes - pl.col("footprint")).alias("headroom"),

@@ -159,6 +159,9 @@ class DeviceOomPredictor:
     def _finding(self, now: float, w: dict, n_at_risk: int, cause: str, rate: float, tto: float) -> Finding:
         c = self.config
         what = "another process on the GPU is taking more and more memory" if cause == "foreign_process" else "the job's footprint keeps adding segments (a leak, or a workload outgrowing the GPU)"
+        if not w["has_procs"]:
+            # DCGM's FB_USED alone: the GPU's memory grows, whose it is cannot be told.
+            what = "the GPU's used memory keeps growing in segment steps (a leak or a workload outgrowing the GPU; without per-process memory another process's growth cannot be told apart)"
         return Finding(
             kind=FindingKind.OOM_PREDICTED,
             severity=Severity.PAGE if tto <= c.page_within_seconds else Severity.TICKET,

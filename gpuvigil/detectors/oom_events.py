@@ -3,7 +3,12 @@
 The message carries the numbers that tell the causes apart (requested size, free memory, what
 this process holds, PyTorch's reserved-but-unallocated memory, other processes): the parser and
 classifier in `gpuvigil.parsers.oom` turn them into `oom_capacity`,
-`oom_fragmentation` or `oom_foreign_process`. Each OOM is reported once, on the tick it arrives.
+`oom_fragmentation` or `oom_foreign_process`. Each OOM is reported once, on the first tick the
+classifier sees it, however late its line arrives: events are told apart by their content (time,
+node, GPU, job, rank, source, message), not by whether their time is after the previous tick, so a
+line read late (a log file read after a delay) is still reported and the same line read twice is
+not reported again. An OOM older than `report_seconds` when it arrives is not reported (a restarted
+collector's backlog).
 """
 
 from __future__ import annotations
@@ -29,7 +34,8 @@ _CAUSE = {
 
 
 class OomEventsConfig(BaseModel):
-    # On the first tick, OOMs this recent are still reported (a restarted collector).
+    # OOMs are reported while at most this old (on the first tick: a restarted collector's
+    # backlog is not paged again; later: how late a log line may still arrive and be reported).
     report_seconds: float = 600.0
 
 
@@ -39,15 +45,20 @@ class OomEventClassifier:
     def __init__(self, cfg: dict[str, Any] | None = None):
         self.config = settings("oom_events", OomEventsConfig, cfg)
         self.classify_config = load_oom_config(cfg)
-        self._last_now: float | None = None
+        # Events already handled (reported or not classifiable) → their ts; forgotten once older
+        # than report_seconds, when they can no longer be reported anyway.
+        self._seen: dict[tuple[Any, ...], float] = {}
 
     def detect(self, window: Window) -> list[Finding]:
-        now = window.now
-        since = now - self.config.report_seconds if self._last_now is None else self._last_now
-        self._last_now = now
+        since = window.now - self.config.report_seconds
+        self._seen = {k: ts for k, ts in self._seen.items() if ts > since}
         ev = window.get("events").filter((pl.col("kind") == "oom") & (pl.col("ts") > since) & pl.col("message").is_not_null())
         findings = []
         for row in ev.iter_rows(named=True):
+            key = (row["ts"], row["node"], row["gpu"], row["job"], row["rank"], row["source"], row["message"])
+            if key in self._seen:
+                continue
+            self._seen[key] = float(row["ts"])
             report = parse_oom(row["message"], ts=float(row["ts"]), rank=row["rank"])
             if report is None:
                 continue  # an "oom" event without PyTorch's numbers: nothing to classify

@@ -4,18 +4,31 @@ In synchronous training every rank ends a step together, so step times cannot te
 Time blocked in collectives can: the slowest rank arrives last and waits least, while its peers
 wait for it. A rank whose wait is far below its peers' (who wait a real share of each step) is
 computing slower; its slowdown is (step − its wait) / (step − peers' wait).
+
+Cost: O(new rows) per tick, not O(window). Each tick's rows go into per-(job, rank) ring buffers
+holding the last `window_seconds` (detectors/incremental.py: KeyRing), and into per-(job, second)
+counts. A job is judged over max(window_seconds, min_steps × its median step time); the counts
+prove, for almost every job, that its median step is short enough for that to be window_seconds,
+and then its ranks' medians come from the rings (one numpy partition for all ranks). A job the
+counts cannot settle (long steps, or a median near the bound) is judged from the window as before.
+Findings are those of the refit over the window (tests/incremental_oracles.py: RefitStraggler).
 """
 
 from __future__ import annotations
 
 from typing import Any
 
+import numpy as np
 import polars as pl
 from pydantic import BaseModel
 
 from gpuvigil.detectors.common import current_run, settings
+from gpuvigil.detectors.incremental import KeyRing, SlidingRows, masked_median
 from gpuvigil.model import Finding, FindingKind, Severity
 from gpuvigil.pipeline.window import Window
+
+STREAM = "rank_progress"
+NO_GPU = np.iinfo(np.int32).min  # a null gpu in the rings
 
 
 class StragglerConfig(BaseModel):
@@ -35,24 +48,179 @@ class StragglerDetector:
 
     def __init__(self, cfg: dict[str, Any] | None = None):
         self.config = settings("straggler", StragglerConfig, cfg)
+        self._window: Window | None = None
+        self._seq = -1
+        self._now = -np.inf
+        self._reset()
 
+    def lookback_seconds(self) -> dict[str, float]:
+        """History of rank_progress read from the window (pipeline/core.py: declared_horizons):
+        a job's window stretches up to max_window_seconds; rings are rebuilt from it."""
+        c = self.config
+        return {STREAM: max(c.window_seconds, c.max_window_seconds)}
+
+    # -- running state ---------------------------------------------------------------------------
+    def _reset(self) -> None:
+        self._ring = KeyRing(["wait", "step"], ["node", "gpu"])
+        self._node_codes = pl.DataFrame(schema={"node": pl.Utf8, "_n": pl.Int32})
+        self._node_names: list[str | None] = []
+        self._seconds: list[pl.DataFrame] = []  # per (job, second of ts): counts of step times
+
+    def _spans(self, window: Window) -> tuple[float, float, float]:
+        c = self.config
+        # A job whose median step is short is judged over `fast`; `look` bounds every job's window.
+        return min(c.window_seconds, c.max_window_seconds), max(c.window_seconds, c.max_window_seconds), window.horizon(STREAM)
+
+    def ingest(self, window: Window) -> None:
+        """Fold this tick's rows in (called by the pipeline on ticks the detector is not due)."""
+        now = window.now
+        seq = getattr(window, "seq", None)
+        if window is self._window and seq == self._seq:
+            return
+        stepping = window is self._window and seq is not None and seq == self._seq + 1 and now > self._now
+        self._window, self._seq, self._now = window, (seq if seq is not None else -1), now
+        fast, look, horizon = self._spans(window)
+        keep_from = now - min(fast, horizon)
+        if stepping:
+            self._add(window.fresh(STREAM), keep_from)
+            ring = self._ring
+            stale = int((ring.last_ts[: ring.n] < keep_from).sum())
+            if stale > max(4096, ring.n - stale):  # jobs gone long ago: start over, smaller
+                stepping = False
+        if not stepping:
+            # The same rows a refit reads, in the window's (arrival) order.
+            self._reset()
+            self._add(window.get(STREAM), keep_from)
+        lo = now - min(look, horizon)
+        if self._seconds:
+            counts = pl.concat(self._seconds, how="vertical_relaxed") if len(self._seconds) > 1 else self._seconds[0]
+            self._seconds = [counts.filter(pl.col("_hi") >= lo)]
+
+    def _add(self, df: pl.DataFrame, keep_from: float) -> None:
+        df = df.filter(pl.col("collective_wait_seconds").is_not_null())
+        if df.height == 0:
+            return
+        c = self.config
+        self._seconds.append(
+            df.group_by("job", pl.col("ts").floor().alias("_sec")).agg(
+                pl.col("ts").min().alias("_lo"),
+                pl.col("ts").max().alias("_hi"),
+                pl.col("step_time_seconds").count().alias("_steps"),
+                # Steps short enough that, were the median one of them, the job's window is window_seconds.
+                (pl.col("step_time_seconds") * c.min_steps <= c.window_seconds).sum().alias("_short"),
+            )
+        )
+        df = df.filter(pl.col("ts") >= keep_from)
+        if df.height == 0:
+            return
+        codes = df.select("node").join(self._node_codes, on="node", how="left", maintain_order="left", nulls_equal=True)["_n"]
+        if codes.null_count():
+            new = df.filter(codes.is_null()).select("node").unique(maintain_order=True)
+            first = len(self._node_names)
+            self._node_names += new["node"].to_list()
+            self._node_codes = pl.concat([self._node_codes, new.with_columns(pl.int_range(first, first + new.height, dtype=pl.Int32).alias("_n"))])
+            codes = df.select("node").join(self._node_codes, on="node", how="left", maintain_order="left", nulls_equal=True)["_n"]
+        key = self._ring.key_index(df.select(pl.col("job").cast(pl.Utf8), pl.col("rank").cast(pl.Int32)))
+        self._ring.insert(
+            key,
+            df["ts"].to_numpy(),
+            {"wait": df["collective_wait_seconds"].to_numpy(), "step": df["step_time_seconds"].cast(pl.Float64).fill_null(np.nan).to_numpy()},
+            {"node": codes.to_numpy(), "gpu": df["gpu"].fill_null(NO_GPU).to_numpy().astype(np.int32)},
+            keep_from,
+        )
+
+    # -- evaluation ------------------------------------------------------------------------------
     def detect(self, window: Window) -> list[Finding]:
+        self.ingest(window)
         c = self.config
         now = window.now
-        rp = current_run(window, "rank_progress", since=now - max(c.window_seconds, c.max_window_seconds)).filter(pl.col("collective_wait_seconds").is_not_null())
-        if rp.height == 0:
+        fast, look, horizon = self._spans(window)
+        if not self._seconds:
             return []
+        starts = SlidingRows.starts(window)
+        # Which jobs' median step is provably short (window = `fast`): a count of short steps
+        # above half of an upper bound on the job's step count.
+        lo_look = max(now - look, now - horizon)
+        counts = self._seconds[0] if len(self._seconds) == 1 else pl.concat(self._seconds, how="vertical_relaxed")
+        counts = counts.join(starts, on="job", how="left").with_columns(pl.max_horizontal(pl.lit(lo_look), pl.col("_start")).alias("_from"))
+        jobs = counts.group_by("job").agg(
+            pl.col("_short").filter(pl.col("_lo") >= pl.col("_from")).sum().alias("short"),
+            pl.col("_steps").filter(pl.col("_hi") >= pl.col("_from")).sum().alias("steps"),
+        )
+        settled = (pl.col("steps") == 0) | (pl.col("short") >= pl.col("steps") // 2 + 1)
+        unsettled = jobs.filter(~settled)["job"]
+        parts = [self._per_rank_fast(window, starts, unsettled, fast, horizon)]
+        if unsettled.len():
+            parts.append(self._per_rank_refit(window, unsettled))
+        per_rank = pl.concat(parts, how="vertical_relaxed") if len(parts) > 1 else parts[0]
+        return self._judge(per_rank, now)
+
+    def _per_rank_fast(self, window: Window, starts: pl.DataFrame, unsettled: pl.Series, fast: float, horizon: float) -> pl.DataFrame:
+        """Per-rank rows for the jobs judged over `fast` seconds, from the rings.
+
+        Every rank's median wait (its peers' median needs them all); the median step and the
+        newest node/GPU only for ranks whose wait is low enough to be flagged (the others fail
+        `wait <= max_wait_share x peer_wait` whatever their step, so it is left null).
+        """
+        c = self.config
+        ring = self._ring
+        keys = ring.keys
+        if unsettled.len():
+            keys = keys.filter(~pl.col("job").is_in(unsettled.implode(), nulls_equal=True))
+        keys = keys.join(starts, on="job", how="left", maintain_order="left")
+        every = keys.height == ring.n  # keys are numbered in order: plain slices, no copies
+        rows = slice(0, ring.n) if every else keys["_k"].to_numpy()
+        now = window.now
+        lo = np.maximum(max(now - fast, now - horizon), keys["_start"].fill_null(-np.inf).to_numpy())
+        valid = ring.ts[rows] >= lo[:, None]
+        wait, n = masked_median(ring.f["wait"][rows], valid)
+        per = pl.DataFrame({"job": keys["job"], "rank": keys["rank"], "n": pl.Series(n, dtype=pl.UInt32), "wait": wait, "_i": np.arange(keys.height)}).filter(
+            pl.col("n") > 0
+        )
+        peers = per.group_by("job").agg(pl.col("wait").median().alias("_peer"))
+        cand = per.join(peers, on="job").filter(pl.col("wait") <= c.max_wait_share * pl.col("_peer"))["_i"].to_numpy()
+        step = np.full(keys.height, np.nan)
+        gpu = np.full(keys.height, NO_GPU, np.int32)
+        node: list[str | None] = [None] * keys.height
+        if cand.size:
+            krows = np.arange(ring.n)[rows][cand]
+            cvalid = valid[cand]
+            step[cand] = masked_median(ring.f["step"][krows], cvalid)[0]
+            slot = ring.newest(krows, cvalid)
+            gpu[cand] = ring.i["gpu"][krows, slot]
+            names = self._node_names
+            for i, code in zip(cand.tolist(), ring.i["node"][krows, slot].tolist(), strict=True):
+                node[i] = names[code]
+        idx = per["_i"]
+        return per.drop("_i").with_columns(
+            pl.Series("step", step).gather(idx).fill_nan(None),
+            pl.Series("node", node, dtype=pl.Utf8).gather(idx),
+            pl.Series("gpu", gpu, dtype=pl.Int32).gather(idx).replace(NO_GPU, None),
+        )
+
+    def _per_rank_refit(self, window: Window, jobs: pl.Series) -> pl.DataFrame:
+        """The refit, for jobs whose window the counts could not settle."""
+        c = self.config
+        now = window.now
+        rp = current_run(window, STREAM, since=now - max(c.window_seconds, c.max_window_seconds)).filter(
+            pl.col("collective_wait_seconds").is_not_null() & pl.col("job").is_in(jobs.implode(), nulls_equal=True)
+        )
         # Each job is judged over max(window_seconds, min_steps × its step time).
         rp = rp.filter(
             pl.col("ts") >= now - pl.max_horizontal(pl.lit(c.window_seconds), pl.col("step_time_seconds").median().over("job") * c.min_steps).clip(upper_bound=c.max_window_seconds)
         )
-        per_rank = rp.group_by(["job", "rank"]).agg(
+        return rp.group_by(["job", "rank"]).agg(
             pl.len().alias("n"),
             pl.col("collective_wait_seconds").median().alias("wait"),
             pl.col("step_time_seconds").median().alias("step"),
             pl.col("node").last(),
             pl.col("gpu").last(),
         )
+
+    def _judge(self, per_rank: pl.DataFrame, now: float) -> list[Finding]:
+        c = self.config
+        if per_rank.height == 0:
+            return []
         peers = per_rank.group_by("job").agg(
             pl.col("wait").median().alias("peer_wait"), pl.len().alias("ranks"), pl.col("n").min().alias("min_n")
         )

@@ -155,6 +155,94 @@ def time_to_oom_seconds(finding: Finding) -> float | None:
     return None
 
 
+# Per-GPU series: (name, type, column of the latest GPU sample, help, scale). At 10,000 GPUs these
+# are ~240,000 samples, most of a scrape, so they have two renderers: `Snapshot._gpu_families`
+# (Family objects, for OTel and tests) and `gpu_exposition_text` (Prometheus text straight from the
+# frame, for /metrics); tests/test_exporter.py checks that both give the same exposition.
+GPU_SPECS: list[tuple[str, MetricType, str, str, float]] = [
+    ("gpuvigil_gpu_memory_used_bytes", "gauge", "memory_used_bytes", "Device memory in use.", 1),
+    ("gpuvigil_gpu_memory_total_bytes", "gauge", "memory_total_bytes", "Device memory capacity.", 1),
+    ("gpuvigil_gpu_utilization_ratio", "gauge", "util_ratio", "Fraction of time the SMs were busy (0..1).", 1),
+    ("gpuvigil_gpu_memory_utilization_ratio", "gauge", "mem_util_ratio", "Fraction of time the memory controller was busy (0..1).", 1),
+    ("gpuvigil_gpu_power_watts", "gauge", "power_w", "Board power draw.", 1),
+    ("gpuvigil_gpu_temperature_celsius", "gauge", "temperature_c", "GPU core temperature.", 1),
+    ("gpuvigil_gpu_sm_clock_hertz", "gauge", "sm_clock_mhz", "SM clock.", 1e6),
+    ("gpuvigil_gpu_memory_clock_hertz", "gauge", "mem_clock_mhz", "Memory clock.", 1e6),
+    ("gpuvigil_gpu_throttle_reasons", "gauge", "throttle_reasons", "NVML clock-event reasons bitmask (see gpuvigil_gpu_clock_throttled).", 1),
+    ("gpuvigil_gpu_ecc_sbe_errors", "counter", "ecc_sbe_volatile_total", "Corrected (single-bit) ECC errors since the driver loaded.", 1),
+    ("gpuvigil_gpu_ecc_dbe_errors", "counter", "ecc_dbe_volatile_total", "Uncorrected (double-bit) ECC errors since the driver loaded.", 1),
+    ("gpuvigil_gpu_retired_pages", "counter", "retired_pages_total", "Remapped rows (Hopper) or retired pages.", 1),
+    ("gpuvigil_gpu_pcie_replays", "counter", "pcie_replay_total", "PCIe replay events.", 1),
+    ("gpuvigil_gpu_xid_errors", "counter", "xid_total", "XID errors reported for this GPU.", 1),
+    ("gpuvigil_gpu_last_xid", "gauge", "last_xid", "Most recent XID code on this GPU (0 when none).", 1),
+]
+GPU_THROTTLED = ("gpuvigil_gpu_clock_throttled", "gauge", "1 when the clock-event reason is active on the GPU.")
+GPU_FATAL = ("gpuvigil_gpu_last_xid_fatal", "gauge", "1 when the GPU's most recent XID needs an operator (reset, reboot, drain) per the XID table.")
+GPU_REMAP = ("gpuvigil_gpu_row_remap_failure", "gauge", "1 when row remapping failed (the GPU needs service).")
+GPU_INFO = ("gpuvigil_gpu", "info", "GPU identity.")
+_THROTTLE_INDEX = [c for _, _, c, _, _ in GPU_SPECS].index("throttle_reasons")
+
+
+def _with_fatal(latest: pl.DataFrame) -> pl.DataFrame:
+    fatal_codes = sorted(code for code, row in xid.table().items() if row.fatal)
+    return latest.with_columns(pl.col("last_xid").is_in(fatal_codes).fill_null(False).alias("_fatal"))
+
+
+def _escape(value: str) -> str:
+    # As prometheus_client escapes label values in the text format.
+    return value.replace("\\", r"\\").replace("\n", r"\n").replace('"', r'\"')
+
+
+def _help(name: str, typ: str, help: str) -> str:
+    return f"# HELP {name} {help.replace(chr(92), chr(92) * 2).replace(chr(10), chr(92) + 'n')}\n# TYPE {name} {typ}\n"
+
+
+def gpu_exposition_text(latest: pl.DataFrame) -> str:
+    """The per-GPU families in the Prometheus text format, byte for byte what prometheus_client
+    renders from `Snapshot._gpu_families`, written straight from the latest-sample frame (one
+    f-string per sample instead of Sample objects, dicts and sorting: ~8x less CPU at 10k GPUs)."""
+    from prometheus_client.utils import floatToGoString as num
+
+    fams = [*GPU_SPECS]
+    parts: list[str] = []
+    rows = list(_rows(_with_fatal(latest), ["node", "gpu", "gpu_uuid", "remap_failure", "_fatal", *[c for _, _, c, _, _ in fams]])) if latest.height else []
+    # Labels sorted by name, as prometheus_client writes them: gpu, (gpu_uuid,) node, (reason).
+    keys = [f'gpu="{_escape(str(r[1]))}",node="{_escape(str(r[0]))}"' for r in rows]
+    for k, (name, typ, _col, help, scale) in enumerate(fams):
+        mname = name + "_total" if typ == "counter" else name
+        parts.append(_help(mname, typ, help))
+        last_xid = fams[k][2] == "last_xid"
+        for key, r in zip(keys, rows, strict=True):
+            value = r[5 + k]
+            if value is None:
+                if not last_xid:
+                    continue
+                value = 0
+            parts.append(f"{mname}{{{key}}} {num(float(value * scale))}\n")
+    name, typ, help = GPU_THROTTLED
+    parts.append(_help(name, typ, help))
+    reasons = [(f',reason="{_escape(reason)}"}} ', bit) for reason, bit in THROTTLE_REASONS.items()]
+    for key, r in zip(keys, rows, strict=True):
+        mask = r[5 + _THROTTLE_INDEX]
+        if mask is not None:
+            for tail, bit in reasons:
+                parts.append(f"{name}{{{key}{tail}{'1.0' if mask & bit else '0.0'}\n")
+    name, typ, help = GPU_FATAL
+    parts.append(_help(name, typ, help))
+    for key, r in zip(keys, rows, strict=True):
+        parts.append(f"{name}{{{key}}} {'1.0' if r[4] else '0.0'}\n")
+    name, typ, help = GPU_REMAP
+    parts.append(_help(name, typ, help))
+    for key, r in zip(keys, rows, strict=True):
+        if r[3] is not None:
+            parts.append(f"{name}{{{key}}} {'1.0' if r[3] else '0.0'}\n")
+    name, _typ, help = GPU_INFO
+    parts.append(_help(name + "_info", "gauge", help))
+    for r in rows:
+        parts.append(f'{name}_info{{gpu="{_escape(str(r[1]))}",gpu_uuid="{_escape(str(r[2] or ""))}",node="{_escape(str(r[0]))}"}} 1.0\n')
+    return "".join(parts)
+
+
 class Snapshot:
     """Builds the metric families of a runtime; `families()` takes the runtime's lock itself, for
     the reads of mutable state only."""
@@ -169,6 +257,13 @@ class Snapshot:
 
     # -- families ---------------------------------------------------------------------------
     def families(self) -> list[Family]:
+        gpu_latest, out = self.parts()
+        return out[:1] + self._gpu_families(gpu_latest) + out[1:]
+
+    def parts(self) -> tuple[pl.DataFrame, list[Family]]:
+        """(latest GPU sample per GPU, every other family): what needs the lock, taken under it.
+        The per-GPU families are built from the frame, after the lock, by `_gpu_families` or, as
+        exposition text directly, by `gpu_exposition_text`."""
         with self.lock:
             self.stats.catch_up(self.runtime)
             # Under the lock only what reads mutable runtime state. The per-GPU series (most of a
@@ -184,7 +279,7 @@ class Snapshot:
             out += self._pipeline_families()
             for source in self.extra:
                 out += list(source())
-        return out[:1] + self._gpu_families(gpu_latest) + out[1:]
+        return gpu_latest, out
 
     def _build_info(self) -> Family:
         fam = Family("gpuvigil_build", "info", "gpuvigil version.")
@@ -192,34 +287,16 @@ class Snapshot:
         return fam
 
     def _gpu_families(self, latest: pl.DataFrame) -> list[Family]:
-        specs: list[tuple[str, MetricType, str, str, float]] = [
-            ("gpuvigil_gpu_memory_used_bytes", "gauge", "memory_used_bytes", "Device memory in use.", 1),
-            ("gpuvigil_gpu_memory_total_bytes", "gauge", "memory_total_bytes", "Device memory capacity.", 1),
-            ("gpuvigil_gpu_utilization_ratio", "gauge", "util_ratio", "Fraction of time the SMs were busy (0..1).", 1),
-            ("gpuvigil_gpu_memory_utilization_ratio", "gauge", "mem_util_ratio", "Fraction of time the memory controller was busy (0..1).", 1),
-            ("gpuvigil_gpu_power_watts", "gauge", "power_w", "Board power draw.", 1),
-            ("gpuvigil_gpu_temperature_celsius", "gauge", "temperature_c", "GPU core temperature.", 1),
-            ("gpuvigil_gpu_sm_clock_hertz", "gauge", "sm_clock_mhz", "SM clock.", 1e6),
-            ("gpuvigil_gpu_memory_clock_hertz", "gauge", "mem_clock_mhz", "Memory clock.", 1e6),
-            ("gpuvigil_gpu_throttle_reasons", "gauge", "throttle_reasons", "NVML clock-event reasons bitmask (see gpuvigil_gpu_clock_throttled).", 1),
-            ("gpuvigil_gpu_ecc_sbe_errors", "counter", "ecc_sbe_volatile_total", "Corrected (single-bit) ECC errors since the driver loaded.", 1),
-            ("gpuvigil_gpu_ecc_dbe_errors", "counter", "ecc_dbe_volatile_total", "Uncorrected (double-bit) ECC errors since the driver loaded.", 1),
-            ("gpuvigil_gpu_retired_pages", "counter", "retired_pages_total", "Remapped rows (Hopper) or retired pages.", 1),
-            ("gpuvigil_gpu_pcie_replays", "counter", "pcie_replay_total", "PCIe replay events.", 1),
-            ("gpuvigil_gpu_xid_errors", "counter", "xid_total", "XID errors reported for this GPU.", 1),
-            ("gpuvigil_gpu_last_xid", "gauge", "last_xid", "Most recent XID code on this GPU (0 when none).", 1),
-        ]
+        specs = GPU_SPECS
         fams = [Family(name, typ, help) for name, typ, _, help, _ in specs]
-        throttled = Family("gpuvigil_gpu_clock_throttled", "gauge", "1 when the clock-event reason is active on the GPU.")
-        fatal = Family("gpuvigil_gpu_last_xid_fatal", "gauge", "1 when the GPU's most recent XID needs an operator (reset, reboot, drain) per the XID table.")
-        remap = Family("gpuvigil_gpu_row_remap_failure", "gauge", "1 when row remapping failed (the GPU needs service).")
-        info = Family("gpuvigil_gpu", "info", "GPU identity.")
+        throttled = Family(*GPU_THROTTLED)
+        fatal = Family(*GPU_FATAL)
+        remap = Family(*GPU_REMAP)
+        info = Family(*GPU_INFO)
         if latest.height == 0:
             return [*fams, throttled, fatal, remap, info]
-        fatal_codes = sorted(code for code, row in xid.table().items() if row.fatal)
-        latest = latest.with_columns(pl.col("last_xid").is_in(fatal_codes).fill_null(False).alias("_fatal"))
         cols = ["node", "gpu", "gpu_uuid", "remap_failure", "_fatal", *[col for _, _, col, _, _ in specs]]
-        for row in _rows(latest, cols):
+        for row in _rows(_with_fatal(latest), cols):
             node, gpu, uuid, remap_failed, last_fatal, *values = row
             key: Labels = (("node", node), ("gpu", str(gpu)))  # built once per GPU, shared by its series
             for fam, (_, _, col, _, scale), value in zip(fams, specs, values, strict=True):
@@ -229,7 +306,7 @@ class Snapshot:
                     else:
                         continue
                 fam.samples.append((key, float(value * scale)))
-            mask = values[[c for _, _, c, _, _ in specs].index("throttle_reasons")]
+            mask = values[_THROTTLE_INDEX]
             if mask is not None:
                 for reason, bit in THROTTLE_REASONS.items():
                     throttled.samples.append(((*key, ("reason", reason)), 1.0 if mask & bit else 0.0))

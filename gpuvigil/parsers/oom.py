@@ -151,6 +151,10 @@ class OomReport:
 
 def parse_oom(text: str, *, line: int = 0, ts: float = 0.0, rank: int | None = None) -> OomReport | None:
     """The numbers of one CUDA OOM message (any of the three wordings), or None."""
+    # Loggers wrap long messages at word boundaries and tracebacks put clauses on lines of their
+    # own: read the message as one line, or a wrapped "(GPU 0; ... free; ..." or "Process N has
+    # X memory in use" clause loses its figures (and the OOM its cause).
+    text = " ".join(text.split())
     head = _OOM_HEAD.search(text)
     if not head:
         return None

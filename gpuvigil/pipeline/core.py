@@ -59,6 +59,31 @@ class Sink(Protocol):
     def on_tick(self, result: TickResult, window: Window) -> None: ...
 
 
+def declared_horizons(configured: dict[str, float], detectors: Sequence[Any], tick_seconds: float = 1.0) -> dict[str, float]:
+    """History kept per stream: the longest look-back of the detectors that read it, at most
+    the configured horizon (pipeline.horizon_seconds, now a cap).
+
+    A detector declares its look-back with `lookback_seconds()` → {stream: seconds of
+    `window.get(stream)` it reads; 0 for a detector that only reads `window.fresh`}. A stream
+    that some reader (its `streams`) does not declare keeps the configured horizon, as does
+    every stream no detector reads (sinks read their latest rows). At least ten ticks are kept,
+    so the latest row per key (exporter, API) is always there.
+    """
+    default = configured.get("default", 600.0)
+    reads: dict[str, list[float | None]] = {}
+    for d in detectors:
+        fn = getattr(d, "lookback_seconds", None)
+        declared: dict[str, float] = dict(fn()) if callable(fn) else {}
+        for stream in {*(getattr(d, "streams", None) or ()), *declared}:
+            reads.setdefault(stream, []).append(declared.get(stream))
+    out = dict(configured)
+    for stream, seconds in reads.items():
+        if seconds and all(v is not None for v in seconds):
+            cap = configured.get(stream, default)
+            out[stream] = min(cap, max(max(v for v in seconds if v is not None), 10 * tick_seconds))
+    return out
+
+
 class Pipeline:
     def __init__(
         self,
@@ -74,7 +99,7 @@ class Pipeline:
         self.detectors = list(detectors)
         self.sinks = list(sinks)
         self.hint_policy = HintPolicy(cfg)
-        self.window = Window(self.config.horizon_seconds)
+        self.window = Window(declared_horizons(self.config.horizon_seconds, self.detectors, self.config.tick_seconds))
         self.active: dict[str, Finding] = {}
         self.first_seen: dict[str, float] = {}
         self.last_seen: dict[str, float] = {}

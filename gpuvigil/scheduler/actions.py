@@ -50,7 +50,33 @@ def node_mask(job, ssn: Session, *, ignore_reservations: bool = False) -> np.nda
         keep = mask[mine].copy()
         mask &= ~ssn.reserved
         mask[mine] = keep
+    if ssn.held is not None:
+        # Nodes a preemptor's plan counts on while its victims are under notice: no one else
+        # (backfill included) takes them, or the eviction frees room the preemptor cannot use.
+        mine = [i for i, holder in ssn.held_by.items() if holder == job.spec.name]
+        keep = mask[mine].copy()
+        mask &= ~ssn.held
+        mask[mine] = keep
     return mask
+
+
+def hold(ssn: Session, job, nodes) -> None:
+    """Hold these nodes (names) for a preemptor awaiting its victims, for this session."""
+    v = ssn.view
+    if ssn.held is None:
+        ssn.held = np.zeros(len(v.names), dtype=bool)
+    for name in nodes:
+        i = v.index.get(name)
+        if i is not None:
+            ssn.held[i] = True
+            ssn.held_by[i] = job.spec.name
+    ssn.bump()
+
+
+def hold_for_preemptors(ssn: Session) -> None:
+    for js in ssn.pending:
+        if js.awaiting_victims and js.awaiting_nodes:
+            hold(ssn, js, js.awaiting_nodes)
 
 
 def reserve_for(job, ssn: Session) -> list[str]:
@@ -222,6 +248,11 @@ def diagnose(job, ssn: Session) -> tuple[str, list[dict], str | None]:
             mine = np.zeros(len(v.names), dtype=bool)
             mine[[i for i, h in ssn.reserved_by.items() if h == job.spec.name]] = True
             take(ssn.reserved & ~mine, "reservation", f"held for {', '.join(holders[:3])} (blocked, reserving class) until it starts")
+    if ssn.held is not None and ssn.held.any():
+        others = np.array([ssn.held_by.get(i) not in (None, job.spec.name) for i in range(len(v.names))])
+        if (others & left).any():
+            holders = sorted({ssn.held_by[int(i)] for i in np.flatnonzero(others & left)})
+            take(others, "reservation", f"held for {', '.join(holders[:3])} (waiting for its preemption victims)")
     k, per = spec.n_gpus, spec.gpus_per_node
     planner = ssn.scheduler.plugins.gang_planner
     multi = k > 0 and spec.gpu_milli >= MILLI and planner is not None and (per is None or per < k)
@@ -303,7 +334,11 @@ def try_place(job, ssn: Session, how: str = "placed") -> bool:
 
 
 def ordered(jobs, ssn: Session):
-    orders = ssn.scheduler.plugins.orders
+    # Guarantees before classes: a job within its tenant's quota goes before any job that would
+    # borrow, whatever their classes. Otherwise a high-class borrower takes the room, and the
+    # tenant it belongs to reclaims it at once (an eviction for nothing, and the borrower
+    # waits again).
+    orders = sorted(ssn.scheduler.plugins.orders, key=lambda p: p.name != "quota")
 
     def key(js):
         out: tuple = ()
@@ -341,6 +376,7 @@ def allocate(ssn: Session) -> None:
     """Place pending jobs in order. A blocked job of a reserving class holds nodes for itself
     (`reserve_for`); jobs after it place on the rest of the cluster."""
     reserve = set(ssn.cfg.allocate.reserve_classes)
+    hold_for_preemptors(ssn)
     remaining = []
     for js in ssn.pending:
         if js.state != "pending":
@@ -365,14 +401,20 @@ def preempt(ssn: Session) -> None:
     """Evict lower-priority (or borrowed) jobs for blocked jobs that may preempt them."""
     sched = ssn.scheduler
     now = ssn.now
-    # First, preemptions whose grace period is over.
+    # First, preemptions whose grace period is over, or whose victims all saved a checkpoint
+    # since their notice (the grace period was for that).
+    early = ssn.cfg.preemption.end_grace_on_checkpoint
     for js in list(ssn.pending):
-        if js.awaiting_deadline is not None and js.awaiting_deadline <= now and js.state == "pending":
-            victims = [sched.jobs[v] for v in js.awaiting_victims if sched.jobs[v].state == "running"]
-            js.awaiting_victims, js.awaiting_deadline = [], None
+        if js.awaiting_deadline is None or js.state != "pending":
+            continue
+        victims = [sched.jobs[v] for v in js.awaiting_victims if sched.jobs[v].state == "running"]
+        saved = early and all(_checkpointed_since_notice(v) for v in victims)
+        if js.awaiting_deadline <= now or saved:
+            js.awaiting_victims, js.awaiting_deadline, js.awaiting_nodes = [], None, []
             for v in victims:
-                v.preempt_deadline, v.preempted_by = None, None
-                sched._requeue(v, now, f"preempted by {js.spec.name} ({js.spec.priority}; {v.preempt_via}) after its grace period", kind="preempted")
+                when = "after its grace period" if not saved or _deadline_passed(v, now) else f"after its checkpoint at t={v.last_checkpoint_ts:.0f}, before the grace period ended"
+                v.preempt_deadline, v.preempted_by, v.preempt_notice_ts = None, None, None
+                sched._requeue(v, now, f"preempted by {js.spec.name} ({js.spec.priority}; {v.preempt_via}) {when}", kind="preempted")
             sched.sync_view()
             ssn.bump()
             try_place_unrecorded(js, ssn)
@@ -424,6 +466,11 @@ def preempt(ssn: Session) -> None:
             try_place_unrecorded(js, ssn)
             continue
         wait = max(grace[v.spec.name] for v in chosen)
+        notice = ssn.cfg.preemption.checkpoint_notice_seconds
+        if wait <= 0 < notice and any(sched.work_since_checkpoint(v, now) > 0 for v in chosen):
+            # "At once" would throw away their work since the last checkpoint: a short notice
+            # to save it first (ended by their checkpoint report, see above).
+            wait = notice
         if wait <= 0:
             for v in chosen:
                 sched._requeue(v, now, f"preempted by {js.spec.name} ({js.spec.priority}; {via[v.spec.name]}, 0 s grace)", kind="preempted")
@@ -445,11 +492,21 @@ def preempt(ssn: Session) -> None:
                     blocker="victims in their grace period",
                 ),
             )
+            js.awaiting_nodes = [ssn.view.names[n] for n in plan.nodes()]
+            hold(ssn, js, js.awaiting_nodes)
             for v in chosen:
-                v.preempt_deadline, v.preempted_by, v.preempt_via = now + wait, js.spec.name, via[v.spec.name]
+                v.preempt_deadline, v.preempted_by, v.preempt_via, v.preempt_notice_ts = now + wait, js.spec.name, via[v.spec.name], now
                 sched.actions.append(
                     Action(now, "preempt_notice", job=v.spec.name, detail=f"will be preempted by {js.spec.name} at t={now + wait:.0f} ({wait:.0f} s grace): checkpoint now")
                 )
+
+
+def _checkpointed_since_notice(v) -> bool:
+    return v.preempt_notice_ts is not None and v.last_checkpoint_ts is not None and v.last_checkpoint_ts >= v.preempt_notice_ts
+
+
+def _deadline_passed(v, now: float) -> bool:
+    return v.preempt_deadline is not None and v.preempt_deadline <= now
 
 
 def try_place_unrecorded(js, ssn: Session) -> bool:

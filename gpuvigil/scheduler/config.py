@@ -88,6 +88,18 @@ class ExplainConfig(_Strict):
     recent_actions: int = Field(5, ge=0, le=100)  # the job's last actions shown with its decisions
 
 
+class PreemptionConfig(_Strict):
+    """How victims are evicted, whichever plugin chose them (priority or quota reclaim)."""
+
+    # A preemption whose grace is 0 s (e.g. P0) still gives victims with work since their last
+    # checkpoint this long to save it: they lose minutes of work instead of up to a checkpoint
+    # interval, and the preemptor starts when they report the checkpoint. 0 = evict at once.
+    checkpoint_notice_seconds: float = Field(120.0, ge=0)
+    # A victim under notice that reports a checkpoint taken after the notice has what the grace
+    # period was for: it is evicted at that cycle, not at the deadline.
+    end_grace_on_checkpoint: bool = True
+
+
 class HealthConfig(_Strict):
     restart_overhead_seconds: float = Field(0.0, ge=0)
 
@@ -101,9 +113,10 @@ class SchedulerConfig(_Strict):
     gang: GangConfig = Field(default_factory=GangConfig)
     topology: TopologyConfig = Field(default_factory=TopologyConfig)
     fragmentation: FragmentationConfig = Field(default_factory=FragmentationConfig)
-    score_weights: dict[str, float] = Field(default_factory=lambda: {"fragmentation": 1.0, "binpack": 0.05, "topology": 0.01, "health": 10.0})
+    score_weights: dict[str, float] = Field(default_factory=lambda: {"fragmentation": 1.0, "binpack": 0.2, "topology": 0.01, "health": 10.0})
     allocate: AllocateConfig = Field(default_factory=AllocateConfig)
     backfill: BackfillConfig = Field(default_factory=BackfillConfig)
+    preemption: PreemptionConfig = Field(default_factory=PreemptionConfig)
     health: HealthConfig = Field(default_factory=HealthConfig)
     explain: ExplainConfig = Field(default_factory=ExplainConfig)
 

@@ -27,6 +27,7 @@ from gpuvigil.scheduler.state import GIB, Action, DecisionLog, JobSpec, JobState
 
 
 class Scheduler:
+    MAX_PASSES = 3  # passes of one cycle: the first, plus one per round of evictions
     def __init__(self, nodes: list[NodeSpec], cfg: dict[str, Any] | SchedulerConfig | None = None):
         names = [n.name for n in nodes]
         if len(set(names)) != len(names):
@@ -40,6 +41,7 @@ class Scheduler:
             self.nodes[spec.name] = ns
         self.view = ClusterView(list(self.nodes.values()))
         self._dirty.clear()
+        self._evicted = 0  # preemptions so far (a cycle runs another pass after any)
         self.jobs: dict[str, JobState] = {}
         self._pending: dict[str, JobState] = {}
         self._running: dict[str, JobState] = {}
@@ -134,11 +136,12 @@ class Scheduler:
     def _clear_preemption(self, js: JobState) -> None:
         js.preempt_deadline = None
         js.preempted_by = None
+        js.preempt_notice_ts = None
         for victim in js.awaiting_victims:
             v = self.jobs.get(victim)
             if v is not None and v.preempted_by == js.spec.name:
-                v.preempt_deadline, v.preempted_by = None, None
-        js.awaiting_victims, js.awaiting_deadline = [], None
+                v.preempt_deadline, v.preempted_by, v.preempt_notice_ts = None, None, None
+        js.awaiting_victims, js.awaiting_deadline, js.awaiting_nodes = [], None, []
 
     def work_since_checkpoint(self, js: JobState, now: float) -> float:
         """GPU-seconds of progress a restart of the running job now would throw away."""
@@ -156,6 +159,7 @@ class Scheduler:
         js.restarts += 1
         if kind == "preempted":
             js.preemptions += 1
+            self._evicted += 1
         action = Action(
             now,
             kind,
@@ -287,10 +291,18 @@ class Scheduler:
         for js in list(self._running.values()):
             if js.state != "running":
                 self._set_state(js, js.state)
-        ssn = Session(now=now, scheduler=self, view=self.view, pending=pending)
-        for name in self.config.actions:
-            actions_mod.ACTIONS[name](ssn)
-            self.sync_view()
+        evicted_before = self._evicted
+        for _ in range(self.MAX_PASSES):
+            ssn = Session(now=now, scheduler=self, view=self.view, pending=pending)
+            for name in self.config.actions:
+                actions_mod.ACTIONS[name](ssn)
+                self.sync_view()
+            # Jobs evicted in this pass are pending again: they are scheduled now (placed
+            # elsewhere, or reclaiming their tenant's quota), not whenever the next cycle runs.
+            if self._evicted == evicted_before:
+                break
+            evicted_before = self._evicted
+            pending = [js for js in self._pending.values() if js.state == "pending" and js.spec.submit_ts <= now]
         return self.actions[start:]
 
     # -- hints ------------------------------------------------------------------------------

@@ -233,6 +233,10 @@ class Session:
     # get them, backfill (short jobs) may. `reserved_by` names the holder of each held node.
     reserved: Any = None  # np.ndarray[bool] | None
     reserved_by: dict[int, str] = field(default_factory=dict)
+    # Nodes held for preemptors whose victims are under notice (`awaiting_nodes`): closed to
+    # every other job, backfill included.
+    held: Any = None  # np.ndarray[bool] | None
+    held_by: dict[int, str] = field(default_factory=dict)
     backfilling: bool = False  # backfill runs: held nodes are open to short jobs
     version: int = 0  # bumps whenever this cycle binds or evicts (invalidates `memo`)
     memo: dict = field(default_factory=dict)

@@ -189,9 +189,11 @@ class JobState:
     borrowed: bool = False  # running on idle quota of other tenants (reclaimable)
     preempt_deadline: float | None = None  # victim: evicted at this time unless it finishes
     preempted_by: str | None = None
+    preempt_notice_ts: float | None = None  # victim: when it was told
     preempt_via: str = ""  # the plugin that chose it: priority | quota (reclaim)
     awaiting_victims: list[str] = field(default_factory=list)  # preemptor: victims under notice
     awaiting_deadline: float | None = None
+    awaiting_nodes: list[str] = field(default_factory=list)  # preemptor: the nodes its plan uses (held for it)
 
     @property
     def gpu_demand(self) -> float:

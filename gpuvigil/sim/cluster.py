@@ -140,6 +140,9 @@ class SimulatedCluster:
         self.remap_failed = np.zeros(n_gpus, dtype=bool)
         # Ground truth of every CUDA OOM the simulation raised: (ts, job, rank, cause).
         self.oom_events: list[dict] = []
+        # The wording of each of those OOMs' messages (same order): some carry no figures at all
+        # (cuBLAS, NCCL), from which no cause can be read after the fact.
+        self.oom_wordings: list[str] = []
         self.scheduler = scheduler or Scheduler(node_specs(scenario))
         self.jobs: dict[str, SimJob] = {}
         self.injected: list[InjectedFault] = []
@@ -523,13 +526,14 @@ class SimulatedCluster:
             held = live + job.fragmented[r]
             # Worded as one of the PyTorch releases / libraries would (sim/faults.py), sometimes
             # without figures at all (cuBLAS, NCCL), sometimes split over lines.
-            _, message = faults.oom_message(
+            wording, message = faults.oom_message(
                 self.rng, request=request, capacity=capacity, process_in_use=held + CONTEXT_BYTES, allocated=live,
                 unallocated=float(job.fragmented[r]), foreign=float(foreign[r]), rank=r,
             )
             cause = "foreign_process" if foreign[r] > 0 else "fragmentation" if job.fragmented[r] > job.leaked[r] else "capacity"
             node, gpu = job.placement[r]
             self.oom_events.append({"ts": self.now, "job": job.cfg.name, "rank": r, "node": node, "gpu": gpu, "cause": cause})
+            self.oom_wordings.append(wording)
             self._crash(job, f"CUDA out of memory on rank {r}", rank=r, oom_message=message)
             return
 

@@ -83,6 +83,9 @@ OOM_WORDINGS: tuple[tuple[str, float], ...] = (
     ("cublas", 0.08),
     ("nccl", 0.07),
 )
+# Wordings whose message carries no figures (no request, no free memory): ground truth for the
+# benchmark, which cannot expect a cause to be read from them after the fact.
+OOM_WORDINGS_WITHOUT_FIGURES = frozenset({"cublas", "nccl"})
 OOM_SPLIT_SHARE = 0.2  # messages split over lines (wrapped, or the doc hint on its own line)
 
 

@@ -81,7 +81,7 @@ def build_plugins(scheduler: SchedulerLike) -> Registry:
     else:  # ours
         if frag is not None:
             reg.scores.append((frag, w.get("fragmentation", 1.0)))
-        reg.scores.append((BestFitScore(scheduler), w.get("binpack", 0.05)))
+        reg.scores.append((BestFitScore(scheduler), w.get("binpack", 0.2)))
         if topo is not None:
             reg.scores.append((topo, w.get("topology", 0.01)))
     if health is not None:

@@ -1,0 +1,395 @@
+"""`gpuvigil act`: the one place that turns findings into alerts and hints, highly available
+through a KV lease (`act.leader`). Standbys wait for the lease; the leader reads the findings
+stream (the latest state of every agent and partition first, then every update) and runs a
+`Pipeline` whose one detector (`Relay`) reports the findings those sources hold active. So the
+lifecycle (new / active / cleared), the hint rules and cooldown, the alert pusher with its
+durable outbox, the hint store and `--act` are the ones `serve` runs.
+
+A finding processed twice never pages or acts twice:
+- alerts: the pusher re-sends firing alerts with the same labels, which Alertmanager merges into
+  the alert it already notified (a new leader re-sends what the old one sent: no new page);
+- hints: a hint is stored and applied only by the leader that claims it in the ledger bucket
+  (`create` of `hint.<id>` succeeds once), so a new leader, or the same finding read twice, never
+  issues it again. The ledger also records each finding's episode (`finding.<id>`: firing or
+  resolved) for the record of who paged what.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import logging
+import os
+import socket
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from gpuvigil.errors import UserError
+from gpuvigil.fleet import transport
+from gpuvigil.fleet.agent import add_common, install_signals, load
+from gpuvigil.fleet.lease import Leases
+from gpuvigil.fleet.transport import Clock, Subjects
+from gpuvigil.model import Finding
+
+log = logging.getLogger("gpuvigil.fleet")
+NAME = "act"
+LEADER_KEY = "act.leader"
+
+
+def add_parser(sub) -> None:
+    p = sub.add_parser(NAME, help="findings → alerts and hints, one leader through a NATS KV lease")
+    add_common(p)
+    p.add_argument("--id", help="replica id (default: hostname-pid)")
+    p.add_argument("--alertmanager", action="append", default=[], help="Alertmanager base URL; repeat for every peer of a cluster (default: alerts.alertmanagers)")
+    p.add_argument("--outbox", default="gpuvigil-act-outbox.sqlite", help="SQLite alert outbox of this replica")
+    p.add_argument("--hint-db", help="hint store (SQLite) of the hints this replica issues as leader")
+    p.add_argument("--api-port", type=int, help="while leader, also serve the scheduler feedback API over --hint-db on this port (0: a free one)")
+    p.add_argument("--api-host", default="127.0.0.1", help="address of the feedback API (default 127.0.0.1)")
+    p.add_argument("--api-token-file", type=Path, help="bearer token file of the feedback API (else $GPUVIGIL_API_TOKEN)")
+    p.add_argument("--insecure-local", action="store_true", help="feedback API without a token, on 127.0.0.1 only")
+    p.add_argument("--scheduler", choices=["slurm", "kubernetes", "none"], help="the scheduler the leader acts on (sources.scheduler, as serve)")
+    p.add_argument("--act", choices=["off", "dry-run", "on"], help="what the leader does with hints on the scheduler (sources.act, as serve; default dry-run)")
+    p.set_defaults(func=run)
+
+
+class Relay:
+    """The act Pipeline's one detector: the findings the fleet's sources hold active now."""
+
+    name = "fleet_relay"
+    level = "L0"
+    capability = None
+    streams = ()
+
+    def __init__(self, stale_seconds: float):
+        self.stale_seconds = stale_seconds
+        self.sources: dict[str, tuple[float, float, list[Finding]]] = {}  # subject → (data now, wall, findings)
+        self.tenants: dict[str, str] = {}
+        self._tenants_sent: dict[str, str] = {}
+
+    def update(self, subject: str, now: float, findings: list[Finding], tenants: dict[str, str] | None = None) -> None:
+        old = self.sources.get(subject)
+        if old is None or now >= old[0]:
+            self.sources[subject] = (now, time.monotonic(), findings)
+        if tenants:
+            self.tenants.update({j: t for j, t in tenants.items() if j and t is not None})
+
+    def detect(self, window: Any) -> list[Finding]:
+        cutoff = time.monotonic() - self.stale_seconds
+        out: dict[str, Finding] = {}
+        for _now, wall, findings in self.sources.values():
+            if wall < cutoff:
+                continue  # its owner is gone and nobody took over yet: let the finding age out
+            for f in findings:
+                if f.id not in out or f.ts > out[f.id].ts:
+                    out[f.id] = f.model_copy(deep=True)
+        return list(out.values())
+
+
+class TenantFeed:
+    """The act Pipeline's collector: a `jobs` snapshot (job, tenant) from what detect reported,
+    so alerts carry the tenant and route to its team as `serve`'s do."""
+
+    name = "fleet_tenants"
+
+    def __init__(self, relay: Relay):
+        from gpuvigil import schemas
+
+        self.relay = relay
+        self.streams = {"jobs": schemas.JOBS}
+        self.errors = 0
+
+    def collect(self, now: float) -> dict[str, Any]:
+        import polars as pl
+
+        from gpuvigil import schemas
+
+        if self.relay.tenants == self.relay._tenants_sent:
+            return {}
+        self.relay._tenants_sent = dict(self.relay.tenants)
+        df = pl.DataFrame({"job": list(self.relay.tenants), "tenant": list(self.relay.tenants.values())}, schema={"job": pl.Utf8, "tenant": pl.Utf8})
+        return {"jobs": schemas.conform(df, schemas.JOBS, stream="jobs")}
+
+
+class Ledger:
+    """Claims in the ledger bucket: each hint is issued by exactly one leader, once."""
+
+    def __init__(self, kv: Any, owner: str):
+        self.kv = kv
+        self.owner = owner
+        self.claimed = 0
+        self.skipped = 0
+
+    async def claim(self, key: str, doc: dict[str, Any]) -> bool:
+        from nats.js.errors import KeyWrongLastSequenceError
+
+        try:
+            await self.kv.create(key, json.dumps({**doc, "by": self.owner}).encode())
+        except KeyWrongLastSequenceError:
+            return False
+        return True
+
+    async def record(self, key: str, doc: dict[str, Any]) -> None:
+        await self.kv.put(key, json.dumps({**doc, "by": self.owner}).encode())
+
+    async def gate(self, result: Any) -> None:
+        """Keep only the hints this leader is the first to claim; record finding episodes."""
+        kept = []
+        for h in result.new_hints:
+            if await self.claim(f"hint.{h.id}", {"finding": h.finding_id, "action": h.action.value, "ts": h.ts}):
+                kept.append(h)
+                self.claimed += 1
+            else:
+                self.skipped += 1
+        result.new_hints = kept
+        for f in result.new_findings:
+            await self.record(f"finding.{f.id}", {"state": "firing", "kind": f.kind.value, "ts": f.ts})
+        for f in result.cleared_findings:
+            await self.record(f"finding.{f.id}", {"state": "resolved", "kind": f.kind.value, "ts": f.ts})
+            # A cause that comes back later is a new episode: its hints may be issued again
+            # (the pipeline's own hint cooldown still applies).
+            for h in result.expired_hints:
+                if h.finding_id == f.id:
+                    try:
+                        await self.kv.delete(f"hint.{h.id}")
+                    except Exception:  # noqa: BLE001
+                        pass
+
+
+class Act:
+    def __init__(self, args: argparse.Namespace):
+        from gpuvigil import config
+        from gpuvigil.alerts.settings import load_settings
+        from gpuvigil.pipeline.core import Pipeline
+
+        self.args = args
+        self.cfg, self.fleet = load(args)
+        for url in args.alertmanager:
+            if not url.startswith(("http://", "https://")):
+                raise UserError(f"--alertmanager {url!r}: expected an http(s):// URL")
+        if args.api_port is not None:
+            if not args.hint_db:
+                raise UserError("--api-port serves the hint store: give --hint-db too")
+            if args.api_token_file is None and not args.insecure_local and "GPUVIGIL_API_TOKEN" not in os.environ:
+                raise UserError("--api-port needs a token: --api-token-file FILE or $GPUVIGIL_API_TOKEN (or --insecure-local for a token-less API on 127.0.0.1)")
+        try:
+            self.alert_settings = load_settings(self.cfg)
+        except config.ConfigError as exc:
+            raise UserError(str(exc)) from exc
+        # `sources.scheduler` / `sources.act` (or --scheduler / --act), read as `serve` reads them.
+        from gpuvigil import deployconfig
+
+        flags = argparse.Namespace(scheduler=getattr(args, "scheduler", None), act=getattr(args, "act", None))
+        self.sources_cfg = deployconfig.from_config(self.cfg, flags, where=args.config or "config")
+        if self.sources_cfg.scheduler == "kubernetes" and self.sources_cfg.act == "on":
+            # Fail at start, not when this standby becomes leader: credentials are read now
+            # (no API call); the leader builds its own on taking the lease.
+            from gpuvigil.acting import make_acting
+
+            make_acting("kubernetes", "on", store=None, cfg=self.cfg)
+        self.acting = None
+        self.id = args.id or f"{socket.gethostname()}-{os.getpid()}"
+        self.subjects = Subjects(self.fleet)
+        self.clock = Clock()
+        self.stop_event = asyncio.Event()
+        self.relay = Relay(self.fleet.findings_stale_seconds)
+        self.pipeline = Pipeline([TenantFeed(self.relay)], [self.relay], cfg=self.cfg)
+        self.sinks: list[Any] = []
+        self.closers: list[Any] = []
+        self.pusher = None
+        self.api = None
+        self.leader_since: float | None = None
+        self.ticks = 0
+        self.last_tick = float("-inf")
+
+    def _open_outputs(self) -> None:
+        """Outputs open only once leader: a standby holds no outbox writer and pushes nothing."""
+        peers = self.args.alertmanager or self.alert_settings.alertmanagers
+        store = None
+        if peers:
+            from gpuvigil.alerts.pusher import AlertPusher, DeliveryLoop
+
+            # Every Alertmanager peer gets every alert (they dedupe among themselves by gossip).
+            self.pusher = AlertPusher(list(peers), self.args.outbox, self.alert_settings)
+            self.sinks.append(self.pusher)
+            delivery = DeliveryLoop(self.pusher, interval=0.2).start()
+            self.closers += [self.pusher.close, delivery.stop]
+        if self.args.hint_db:
+            from gpuvigil.api import HintStore
+
+            store = HintStore(self.args.hint_db)
+            self.sinks.append(store)
+            self.closers.append(store.close)
+            if self.args.api_port is not None:
+                # The same feedback API `serve --api-port` and `gpuvigil api` serve, over this
+                # leader's store; it moves with the lease (a standby serves nothing).
+                from gpuvigil.api.app import create_app, serve_api_in_thread
+                from gpuvigil.api.auth import resolve_token
+
+                token = resolve_token(self.args.api_token_file)
+                app = create_app(store, token, insecure_local=self.args.insecure_local and token is None, cfg=self.cfg)
+                self.api = serve_api_in_thread(app, self.args.api_host, self.args.api_port)
+                self.closers.append(self.api.stop)
+                print(f"gpuvigil act {self.id}: feedback API {self.api.url}", flush=True)
+        self._open_acting(store)
+
+    def _open_acting(self, store: Any) -> None:
+        """The leader's `Acting`, built by the one function `serve` uses: it applies (act: on) or
+        describes (act: dry-run) the hints this leader claimed, through the Slurm or Kubernetes
+        adapter; with --hint-db it works from the store's pending hints (ack/nack/retry there),
+        without it from each tick's new hints."""
+        from gpuvigil.acting import make_acting
+
+        src = self.sources_cfg
+        self.acting = make_acting(src.scheduler, src.act, store=store, cfg=self.cfg)
+        if self.acting is not None:
+            print(f"gpuvigil act {self.id}: act {self.acting.mode} on {self.acting.scheduler}", flush=True)
+
+    def close(self) -> None:
+        for c in reversed(self.closers):
+            try:
+                c()
+            except Exception:  # noqa: BLE001
+                log.exception("act: close failed")
+        self.closers = []
+
+    async def _findings(self, sub_holder: dict[str, Any]) -> None:
+        """Read the findings stream: the latest message of every subject, then every new one."""
+        from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
+
+        errors = idle = 0
+        last_seq = 0
+        while True:
+            try:
+                if sub_holder.get("sub") is None:
+                    if last_seq:
+                        cfg = ConsumerConfig(deliver_policy=DeliverPolicy.BY_START_SEQUENCE, opt_start_seq=last_seq + 1, ack_policy=AckPolicy.NONE, inactive_threshold=30)
+                    else:
+                        cfg = ConsumerConfig(deliver_policy=DeliverPolicy.LAST_PER_SUBJECT, ack_policy=AckPolicy.NONE, inactive_threshold=30)
+                    sub_holder["sub"] = await self.js.pull_subscribe(f"{self.subjects.prefix}.findings.>", stream=self.subjects.findings_stream, config=cfg)
+                try:
+                    msgs = await sub_holder["sub"].fetch(256, timeout=1.0)
+                except TimeoutError:
+                    idle += 1
+                    if idle % 3 == 0:  # quiet, or its server died with it: ask (raises if it is gone)
+                        await sub_holder["sub"].consumer_info()
+                    continue
+                errors = idle = 0
+                for m in msgs:
+                    last_seq = m.metadata.sequence.stream
+                    try:
+                        doc, found = transport.parse_findings(m.data)
+                    except Exception as exc:  # noqa: BLE001 - a bad message never stops act
+                        log.warning("act: undecodable findings on %s: %s", m.subject, exc)
+                        continue
+                    self.relay.update(m.subject, float(doc.get("now", 0.0)), found, doc.get("tenants"))
+                    self.clock.now = max(self.clock.now, float(doc.get("now", 0.0)))
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:  # noqa: BLE001 - a NATS node died: resubscribe where we were
+                errors += 1
+                log.info("act %s: findings consumer error (%s); resubscribing", self.id, exc)
+                sub_holder["sub"] = None
+                await asyncio.sleep(min(2.0, 0.2 * errors))
+
+    async def _tick(self, now: float, ledger: Ledger) -> None:
+        result = await asyncio.to_thread(self.pipeline.tick, now)
+        await ledger.gate(result)
+        for f in result.new_findings:
+            log.info("act %s: finding %s %s: %s", self.id, f.severity.value, f.kind.value, f.summary)
+        for sink in self.sinks:
+            sink.on_tick(result, self.pipeline.window)
+        if self.acting is not None:
+            # After the store (which records the claimed hints first); scontrol / API calls run
+            # off the event loop so the lease keeps being renewed.
+            await asyncio.to_thread(self.acting.on_tick, result, self.pipeline.window)
+        self.ticks += 1
+
+    async def run(self) -> None:
+        nc = await transport.connect(self.fleet, f"gpuvigil-act-{self.id}")
+        self.js = nc.jetstream(timeout=5)
+        reader: asyncio.Task | None = None
+        try:
+            await transport.ensure(self.js, self.fleet)
+            await self.clock.subscribe(nc, self.subjects)
+            leases = Leases(await self.js.key_value(self.subjects.leases_bucket), self.id, self.fleet.lease_ttl_seconds)
+            ledger = Ledger(await self.js.key_value(self.subjects.ledger_bucket), self.id)
+            renew_every = self.fleet.lease_ttl_seconds / 4
+            state = {"leader": False}
+
+            async def keep_lease() -> None:
+                # Its own task: a slow tick or ledger round trip never delays the renewal.
+                while True:
+                    state["leader"] = await leases.renew(LEADER_KEY) if LEADER_KEY in leases.revision else await leases.take(LEADER_KEY)
+                    await asyncio.sleep(renew_every)
+
+            lease_task = asyncio.create_task(keep_lease())
+            deadline = time.monotonic() + self.args.duration if self.args.duration else None
+            while not self.stop_event.is_set() and (deadline is None or time.monotonic() < deadline):
+                leader = state["leader"] and leases.valid(LEADER_KEY)
+                if leader and self.leader_since is None:
+                    self.leader_since = time.monotonic()
+                    log.warning("act %s: leader now", self.id)
+                    print(f"gpuvigil act {self.id}: leader", flush=True)
+                    self._open_outputs()
+                    reader = asyncio.create_task(self._findings({}))
+                elif not leader and self.leader_since is not None:
+                    # Lost the lease (NATS unreachable for a TTL, or taken): stop at once.
+                    log.error("act %s: lost the leader lease; standing by", self.id)
+                    self.leader_since = None
+                    if reader is not None:
+                        reader.cancel()
+                    self.close()
+                    self.sinks = []
+                    self.acting = None
+                if self.leader_since is not None and leases.valid(LEADER_KEY):
+                    now = self.clock.now
+                    if math_finite(now) and now - self.last_tick >= self.pipeline.config.tick_seconds:
+                        self.last_tick = now
+                        try:
+                            await self._tick(now, ledger)
+                        except Exception:  # noqa: BLE001 - act must keep paging: loud, retried next tick
+                            log.exception("act %s: tick at %.1f FAILED", self.id, now)
+                try:
+                    await asyncio.wait_for(self.stop_event.wait(), 0.1)
+                except TimeoutError:
+                    pass
+            lease_task.cancel()
+            if LEADER_KEY in leases.revision:
+                await leases.release(LEADER_KEY)
+        finally:
+            if reader is not None:
+                reader.cancel()
+            try:
+                await nc.drain()
+            except Exception:  # noqa: BLE001
+                pass
+
+
+def math_finite(x: float) -> bool:
+    return x == x and x not in (float("inf"), float("-inf"))
+
+
+def run(args: argparse.Namespace) -> int:
+    logging.basicConfig(level=getattr(logging, args.log_level.upper()), format="%(asctime)s %(levelname)s %(name)s: %(message)s", stream=sys.stderr)
+    a = Act(args)
+
+    async def main() -> None:
+        install_signals(asyncio.get_running_loop(), a.stop_event)
+        print(f"gpuvigil act {a.id}: standing by for the leader lease; NATS {', '.join(a.fleet.servers)}", flush=True)
+        await a.run()
+
+    left = 0
+    try:
+        asyncio.run(main())
+    finally:
+        if a.pusher is not None and a.closers:
+            left = a.pusher.pending()
+        a.close()
+        print(f"gpuvigil act {a.id}: stopped" + (f"; {left} alert(s) left in the outbox" if left else ""), flush=True)
+    return 0
+
+
+__all__ = ["Act", "Ledger", "Relay"]

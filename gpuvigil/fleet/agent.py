@@ -1,0 +1,382 @@
+"""`gpuvigil agent`: one per node. Runs the node's collectors (the `sources:` section, as `serve`
+does) and the detectors whose scope is one node or GPU (`fleet.agent_detectors`) in a Pipeline,
+serves /metrics, and publishes to NATS JetStream, per tick:
+
+- the job-level rows of every job on the node (rank progress, allocator stats, the job's GPUs'
+  samples, its events, with the job's placement rows), one message per job, Arrow IPC;
+- the node's active findings (on change and every `findings_refresh_seconds`);
+- its tick time on `gv.clock.<node>`.
+
+With `sources: sim: true` (or nothing configured) one process plays every node of the simulated
+cluster: one Pipeline and one publisher per node over a shared simulated world, so tests and
+benchmarks run the code a real node runs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import signal
+import sys
+import threading
+import time
+from collections.abc import Mapping
+from typing import Any
+
+import polars as pl
+
+from gpuvigil import config, schemas
+from gpuvigil.deployconfig import Fleet, fleet_from_config
+from gpuvigil.errors import UserError
+from gpuvigil.fleet import transport
+from gpuvigil.fleet.transport import ROW_STREAMS, Subjects
+
+log = logging.getLogger("gpuvigil.fleet")
+NAME = "agent"
+
+
+def add_common(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--config", help="config file with the `fleet:` section (see deploy/fleet.yaml)")
+    p.add_argument("--nats", action="append", default=[], metavar="URL", help="NATS server URL (repeatable; overrides fleet.servers)")
+    p.add_argument("--duration", type=float, default=0.0, help="stop after this many wall seconds (default: until SIGTERM)")
+    p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+
+
+def add_parser(sub) -> None:
+    p = sub.add_parser(NAME, help="node agent: collectors + node/GPU detectors, publishes rows and findings to NATS JetStream")
+    add_common(p)
+    p.add_argument("--node", help="this node's name (default: sources.node or the hostname)")
+    p.add_argument("--scenario", default="healthy", help="simulated cluster: scenario name or file (when no real source is configured)")
+    p.add_argument("--nodes", type=int, help="simulated nodes (default: the scenario's)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--speed", type=float, default=1.0, help="simulated seconds per wall second")
+    p.add_argument("--host", default="127.0.0.1", help="address for /metrics")
+    p.add_argument("--port", type=int, default=9400, help="port for /metrics (0: a free one; -1: none)")
+    p.add_argument("--print-nats-mapping", action="store_true", help="print the nats-server subject mapping for this config and exit")
+    p.set_defaults(func=run)
+
+
+def load(args: argparse.Namespace) -> tuple[dict[str, Any], Fleet]:
+    try:
+        cfg = config.load(args.config)
+    except config.ConfigError as exc:
+        raise UserError(str(exc)) from exc
+    fleet = fleet_from_config(cfg, args.config or "config")
+    if args.nats:
+        fleet = fleet.model_copy(update={"servers": list(args.nats)})
+        Fleet.model_validate(fleet.model_dump())
+    return cfg, fleet
+
+
+def split_detectors(cfg: dict[str, Any], fleet: Fleet) -> tuple[list[Any], list[Any]]:
+    """(agent detectors, detect detectors) from the one default set `serve` runs. The cluster-wide
+    fragmentation detector needs every node's state and runs in neither (docs/scale.md)."""
+    from gpuvigil.detectors.registry import default_detectors
+
+    dets = default_detectors(cfg)
+    names = {d.name for d in dets}
+    unknown = sorted(set(fleet.agent_detectors) - names)
+    if unknown:
+        raise UserError(f"fleet.agent_detectors: unknown detector(s) {', '.join(unknown)}; known: {', '.join(sorted(names))}")
+    agent = [d for d in dets if d.name in fleet.agent_detectors]
+    detect = [d for d in dets if d.name not in fleet.agent_detectors and d.name != "fragmentation_cluster"]
+    return agent, detect
+
+
+# -- what a node ships ---------------------------------------------------------------------------
+def job_rows(window: Any, node: str) -> dict[str, dict[str, pl.DataFrame]]:
+    """job → {stream: this tick's rows of that job on this node}, plus the job's placement on the
+    node (`allocations`) and its `jobs` row. Per-GPU samples carry no job: a GPU's rows go with
+    the job the node's map places on it."""
+    alloc = window.get("allocations")
+    alloc = alloc.filter(pl.col("node") == node) if alloc.height else alloc
+    out: dict[str, dict[str, pl.DataFrame]] = {}
+    for stream in ROW_STREAMS:
+        df = window.fresh(stream)
+        if df.height == 0:
+            continue
+        if "job" not in df.columns:
+            if alloc.height == 0 or not {"node", "gpu"} <= set(df.columns):
+                continue
+            df = df.join(alloc.select("node", "gpu", "job").unique(["node", "gpu"]), on=["node", "gpu"], how="inner")
+            by_job = df.partition_by("job", as_dict=True, include_key=False)
+        else:
+            by_job = df.filter(pl.col("job").is_not_null()).partition_by("job", as_dict=True)
+        for (job,), part in by_job.items():
+            out.setdefault(job, {})[stream] = part
+    if out:
+        jobs = window.get("jobs")
+        for job, frames in out.items():
+            a = alloc.filter(pl.col("job") == job)
+            if a.height:
+                frames["allocations"] = a
+            if jobs.height:
+                j = jobs.filter(pl.col("job") == job)
+                if j.height:
+                    frames["jobs"] = j
+    return out
+
+
+class NodeView:
+    """The slice of a shared simulated world that one node's instruments see."""
+
+    name = "simulated"
+    streams: Mapping[str, pl.Schema] = {
+        "gpu_samples": schemas.GPU_SAMPLES, "rank_progress": schemas.RANK_PROGRESS, "allocator_stats": schemas.ALLOCATOR_STATS,
+        "events": schemas.EVENTS, "jobs": schemas.JOBS, "allocations": schemas.ALLOCATIONS,
+    }
+
+    def __init__(self, world: SimWorld, node: str):
+        self.world = world
+        self.node = node
+        self.errors = 0
+
+    def collect(self, now: float) -> dict[str, pl.DataFrame]:
+        frames = self.world.frames(now)
+        out: dict[str, pl.DataFrame] = {}
+        for stream, df in frames.items():
+            if stream in ("jobs", "nodes"):
+                continue
+            if "node" in df.columns:
+                out[stream] = df.filter(pl.col("node") == self.node)
+        alloc = out.get("allocations")
+        if alloc is not None and "jobs" in frames:
+            out["jobs"] = frames["jobs"].join(alloc.select("job").unique(), on="job", how="semi")
+        return out
+
+
+class SimWorld:
+    """One simulated cluster read once per tick and sliced per node (`NodeView`)."""
+
+    def __init__(self, scenario: str, nodes: int | None, seed: int, cfg: dict[str, Any]):
+        from gpuvigil.scheduler.core import Scheduler
+        from gpuvigil.sim import scenario as scenario_mod
+        from gpuvigil.sim.cluster import SimulatedCluster, node_specs
+
+        try:
+            sc = scenario_mod.load(scenario)
+        except Exception as exc:  # noqa: BLE001 - name or file: one line either way
+            raise UserError(f"--scenario {scenario}: {exc}") from exc
+        if nodes is not None:
+            sc = scenario_mod.with_nodes(sc, nodes)
+        self.scenario = sc
+        self.node_names = [n.name for n in node_specs(sc)]
+        self.scheduler = Scheduler(node_specs(sc), cfg)
+        self.cluster = SimulatedCluster(sc, self.scheduler, seed=seed)
+        self.scheduler.cycle(0.0)
+        self._now: float | None = None
+        self._frames: dict[str, pl.DataFrame] = {}
+
+    def frames(self, now: float) -> dict[str, pl.DataFrame]:
+        if self._now != now:
+            self._now = now
+            self._frames = {**self.cluster.observe(now), **self.scheduler.state_frames()}
+        return self._frames
+
+    def after_tick(self, now: float) -> None:
+        self.scheduler.cycle(now)
+
+
+class NodeAgent:
+    """One node: its Pipeline (node/GPU detectors) and what it publishes after each tick."""
+
+    def __init__(self, node: str, pipeline: Any, fleet: Fleet):
+        self.node = node
+        self.pipeline = pipeline
+        self.fleet = fleet
+        self.subjects = Subjects(fleet)
+        self._published: tuple[str, ...] | None = None
+        self._published_at = float("-inf")
+        self.rows = 0
+
+    def outbox(self, now: float) -> list[tuple[str, bytes, dict[str, str]]]:
+        """This tick's messages: (subject, body, headers). Built in the tick thread."""
+        msgs = []
+        for job, frames in job_rows(self.pipeline.window, self.node).items():
+            body, index = transport.encode_frames(frames)
+            msgs.append((self.subjects.rows(job), body, {"Gv-Frames": index, "Gv-Node": self.node, "Gv-Job": job, "Gv-Now": repr(now)}))
+            self.rows += sum(df.height for s, df in frames.items() if s in ROW_STREAMS)
+        active = sorted(self.pipeline.active.values(), key=lambda f: f.id)
+        key = tuple(f.id for f in active)
+        if key != self._published or now - self._published_at >= self.fleet.findings_refresh_seconds:
+            self._published, self._published_at = key, now
+            msgs.append((self.subjects.findings_node(self.node), transport.findings_payload("agent", now, active, node=self.node), {}))
+        return msgs
+
+
+class Agent:
+    """Every NodeAgent of this process and the loop that ticks and publishes them."""
+
+    def __init__(self, args: argparse.Namespace):
+        self.args = args
+        self.cfg, self.fleet = load(args)
+        if args.speed <= 0:
+            raise UserError(f"--speed {args.speed}: must be > 0")
+        from gpuvigil import deployconfig
+        from gpuvigil.pipeline.core import Pipeline
+
+        self.src = deployconfig.from_config(self.cfg, argparse.Namespace(node=args.node), where=args.config or "config")
+        self.simulated = not self.src.real
+        self.lock = threading.RLock()
+        self.stop_event = asyncio.Event()
+        self.closers: list[Any] = []
+        self.world: SimWorld | None = None
+        self.agents: list[NodeAgent] = []
+        if self.simulated:
+            self.world = SimWorld(args.scenario, args.nodes, args.seed, self.cfg)
+            for node in self.world.node_names:
+                agent_dets, _ = split_detectors(self.cfg, self.fleet)
+                self.agents.append(NodeAgent(node, Pipeline([NodeView(self.world, node)], agent_dets, cfg=self.cfg), self.fleet))
+            self.scheduler = self.world.scheduler
+        else:
+            self._build_real()
+        self.tick_seconds = self.agents[0].pipeline.config.tick_seconds
+        self.now = 0.0 if self.simulated else time.time()
+        self.metrics_port: int | None = None
+        self.ticks = 0
+        self.tick_cpu_seconds = 0.0
+        self.messages = 0
+        self.bytes = 0
+
+    def _build_real(self) -> None:
+        from gpuvigil import deploysources
+        from gpuvigil.pipeline.core import Pipeline
+        from gpuvigil.scheduler.core import Scheduler, SchedulerStateCollector
+        from gpuvigil.serve import _nodes_from_probe
+
+        sources = deploysources.build(self.src, self.cfg)
+        self.closers += [s.close for s in sources]
+        collectors = [s.collector for s in sources if s.collector is not None]
+        node = self.src.node_name()
+        self.scheduler = Scheduler(_nodes_from_probe([s.collector for s in sources if s.kind in ("nvml", "dcgm")], node), self.cfg)
+        if self.src.scheduler == "none":
+            collectors.append(SchedulerStateCollector(self.scheduler))
+        agent_dets, _ = split_detectors(self.cfg, self.fleet)
+        pipeline = Pipeline(collectors, agent_dets, cfg=self.cfg)
+        for s in sources:
+            s.health = pipeline.health
+        self.agents.append(NodeAgent(node, pipeline, self.fleet))
+
+    def start_metrics(self) -> None:
+        if self.args.port < 0:
+            return
+        from gpuvigil.exporter.metrics import Snapshot, TickStats
+        from gpuvigil.exporter.prometheus import serve_metrics
+        from gpuvigil.runtime import Runtime
+
+        # One process, one /metrics: in simulated mode the first node's (each real node runs its own agent).
+        rt = Runtime(self.agents[0].pipeline, self.scheduler, None)
+        self._runtime = rt
+        try:
+            server, _ = serve_metrics(Snapshot(rt, TickStats(), lock=self.lock), self.args.port, self.args.host)
+        except OSError as exc:
+            raise UserError(f"cannot serve /metrics on {self.args.host}:{self.args.port}: {exc.strerror or exc}") from exc
+        self.metrics_port = server.server_address[1]
+        self.closers += [server.server_close, server.shutdown]
+
+    def tick(self) -> list[tuple[str, bytes, dict[str, str]]]:
+        """One tick of every node (in a worker thread): collect, detect, build the messages."""
+        c0 = time.thread_time()
+        with self.lock:
+            self.now = self.now + self.tick_seconds if self.simulated else time.time()
+            now = self.now
+            msgs: list[tuple[str, bytes, dict[str, str]]] = []
+            for a in self.agents:
+                result = a.pipeline.tick(now)
+                if hasattr(self, "_runtime") and a is self.agents[0]:
+                    self._runtime.now, self._runtime.last_result = now, result
+                for f in result.new_findings:
+                    log.info("agent %s: finding %s %s: %s", a.node, f.severity.value, f.kind.value, f.summary)
+                msgs += a.outbox(now)
+            if self.world is not None:
+                self.world.after_tick(now)
+        self.ticks += 1
+        self.tick_cpu_seconds += time.thread_time() - c0
+        return msgs
+
+    async def run(self) -> None:
+        nc = await transport.connect(self.fleet, f"gpuvigil-agent-{self.agents[0].node}")
+        js = nc.jetstream(timeout=5)
+        subjects = Subjects(self.fleet)
+        try:
+            await transport.ensure(js, self.fleet)
+            period = self.tick_seconds / (self.args.speed if self.simulated else 1.0)
+            deadline = time.monotonic() + self.args.duration if self.args.duration else None
+            next_tick = time.monotonic()
+            while not self.stop_event.is_set():
+                msgs = await asyncio.to_thread(self.tick)
+                await self._publish(js, msgs)
+                for a in self.agents:
+                    await nc.publish(subjects.clock(a.node), b'{"now": %r}' % self.now)
+                next_tick += period
+                if deadline is not None and time.monotonic() >= deadline:
+                    break
+                delay = next_tick - time.monotonic()
+                if delay < 0:  # behind: no burst to catch up (the data clock just runs slower)
+                    next_tick, delay = time.monotonic(), 0.0
+                try:
+                    await asyncio.wait_for(self.stop_event.wait(), delay)
+                except TimeoutError:
+                    pass
+        finally:
+            try:
+                await nc.drain()
+            except Exception:  # noqa: BLE001 - closing anyway
+                pass
+
+    async def _publish(self, js: Any, msgs: list[tuple[str, bytes, dict[str, str]]]) -> None:
+        """JetStream publishes with acks; a message NATS cannot take now (a node died, a leader
+        is being elected) is retried until it is stored or 10 s have passed, then dropped and
+        logged: the rows of one tick are worth less than the agent keeping its clock."""
+        async def one(subject: str, body: bytes, headers: dict[str, str]) -> None:
+            give_up = time.monotonic() + 10.0
+            while True:
+                try:
+                    await js.publish(subject, body, headers=headers or None)
+                    return
+                except Exception as exc:  # noqa: BLE001 - timeout / no responders during failover
+                    if time.monotonic() > give_up or self.stop_event.is_set():
+                        log.warning("agent: dropped a message to %s: %s", subject, exc)
+                        return
+                    await asyncio.sleep(0.2)
+
+        await asyncio.gather(*(one(*m) for m in msgs))
+        self.messages += len(msgs)
+        self.bytes += sum(len(m[1]) for m in msgs)
+
+    def close(self) -> None:
+        for c in reversed(self.closers):
+            try:
+                c()
+            except Exception:  # noqa: BLE001 - best effort at exit
+                log.exception("agent: close failed")
+
+
+def install_signals(loop: asyncio.AbstractEventLoop, stop: asyncio.Event) -> None:
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+
+
+def run(args: argparse.Namespace) -> int:
+    logging.basicConfig(level=getattr(logging, args.log_level.upper()), format="%(asctime)s %(levelname)s %(name)s: %(message)s", stream=sys.stderr)
+    if args.print_nats_mapping:
+        _cfg, fleet = load(args)
+        print(transport.nats_mapping(fleet))
+        return 0
+    agent = Agent(args)
+    agent.start_metrics()
+
+    async def main() -> None:
+        install_signals(asyncio.get_running_loop(), agent.stop_event)
+        what = f"simulated {agent.world.scenario.name}, {len(agent.agents)} nodes x{args.speed:g}" if agent.world else f"node {agent.agents[0].node}"
+        print(f"gpuvigil agent: {what}; NATS {', '.join(agent.fleet.servers)}; metrics "
+              + (f"http://{args.host}:{agent.metrics_port}/metrics" if agent.metrics_port else "off"), flush=True)
+        await agent.run()
+
+    try:
+        asyncio.run(main())
+    finally:
+        agent.close()
+        print(f"gpuvigil agent: stopped after {agent.ticks} ticks; published {agent.messages} messages, {agent.bytes / 1e6:.1f} MB", flush=True)
+    return 0

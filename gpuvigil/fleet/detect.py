@@ -1,0 +1,345 @@
+"""`gpuvigil detect`: the job-level detectors (hang, straggler, cross-rank OOM and Flight Recorder
+analysis, ...), sharded by job partition.
+
+Each replica keeps a membership key and leases partitions (`part.<p>` in the leases bucket) up to
+its fair share, ceil(partitions / live replicas). For every partition it holds it runs one
+`Pipeline` with the detectors `serve` runs (minus the node-scope ones, which run in the agents),
+fed by a durable pull consumer on `gv.part.<p>.>`. Taking a partition (at start or from a replica
+whose lease expired) recreates that consumer from `now - replay_seconds`: the stream is the state,
+and the partition's windows are rebuilt from it before its first findings are published. The
+active findings of each partition go to `gv.findings.part.<p>`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import math
+import os
+import socket
+import sys
+import time
+from datetime import UTC, datetime
+from typing import Any
+
+import polars as pl
+
+from gpuvigil import schemas
+from gpuvigil.fleet import transport
+from gpuvigil.fleet.agent import add_common, install_signals, load, split_detectors
+from gpuvigil.fleet.lease import Leases
+from gpuvigil.fleet.transport import Clock, Subjects
+
+log = logging.getLogger("gpuvigil.fleet")
+NAME = "detect"
+SNAPSHOT_STALE_SECONDS = 60.0  # a job's placement not refreshed for this long (data time) is gone
+
+
+def add_parser(sub) -> None:
+    p = sub.add_parser(NAME, help="job-level detectors over leased job partitions of the NATS rows stream")
+    add_common(p)
+    p.add_argument("--id", help="replica id (default: hostname-pid)")
+    p.set_defaults(func=run)
+
+
+class Feed:
+    """The collector of one partition's Pipeline: the rows received since the last tick, and the
+    union of the latest placement snapshot per (job, node) (several agents send parts of one job)."""
+
+    name = "fleet"
+    streams = {s: schemas.STREAMS[s] for s in (*transport.ROW_STREAMS, *transport.SNAPSHOT_STREAMS)}
+
+    def __init__(self) -> None:
+        self.errors = 0
+        self.pending: dict[str, list[pl.DataFrame]] = {}
+        self.alloc: dict[tuple[str, str], tuple[float, pl.DataFrame]] = {}
+        self.jobs: dict[str, tuple[float, pl.DataFrame]] = {}
+        self.changed = False
+        self.rows = 0
+
+    def add(self, frames: dict[str, pl.DataFrame], node: str, job: str, now: float) -> None:
+        for stream, df in frames.items():
+            if stream == "allocations":
+                self.alloc[(job, node)] = (now, df)
+                self.changed = True
+            elif stream == "jobs":
+                self.jobs[job] = (now, df)
+                self.changed = True
+            else:
+                self.pending.setdefault(stream, []).append(df)
+                self.rows += df.height
+
+    def collect(self, now: float) -> dict[str, pl.DataFrame]:
+        out = {s: pl.concat(parts, how="vertical_relaxed") for s, parts in self.pending.items() if parts}
+        self.pending = {}
+        cutoff = now - SNAPSHOT_STALE_SECONDS
+        stale = [k for k, (t, _) in self.alloc.items() if t < cutoff]
+        for k in stale:
+            del self.alloc[k]
+        for k in [j for j, (t, _) in self.jobs.items() if t < cutoff]:
+            del self.jobs[k]
+        if self.changed or stale:
+            self.changed = False
+            out["allocations"] = pl.concat([df for _, df in self.alloc.values()], how="vertical_relaxed") if self.alloc else schemas.empty("allocations")
+            out["jobs"] = pl.concat([df for _, df in self.jobs.values()], how="vertical_relaxed") if self.jobs else schemas.empty("jobs")
+        return out
+
+
+class Partition:
+    """A held partition: its Pipeline, its feed and its consumer."""
+
+    def __init__(self, p: int, pipeline: Any, feed: Feed):
+        self.p = p
+        self.pipeline = pipeline
+        self.feed = feed
+        self.sub: Any = None
+        self.last_seq = 0
+        self.caught_up = False
+        self.task: asyncio.Task | None = None
+        self.published: tuple[str, ...] | None = None
+        self.published_at = float("-inf")
+        self.messages = 0
+        self.taken_wall = time.monotonic()
+        self.caught_up_wall: float | None = None
+
+
+class Detect:
+    def __init__(self, args: argparse.Namespace):
+        self.args = args
+        self.cfg, self.fleet = load(args)
+        self.id = args.id or f"{socket.gethostname()}-{os.getpid()}"
+        self.subjects = Subjects(self.fleet)
+        self.clock = Clock()
+        self.parts: dict[int, Partition] = {}
+        self.stop_event = asyncio.Event()
+        self.last_tick = float("-inf")
+        from gpuvigil.pipeline.core import PipelineConfig
+        from gpuvigil import config
+
+        self.tick_seconds = config.section("pipeline", PipelineConfig, self.cfg).tick_seconds
+        self.ticks = 0
+        self.tick_cpu_seconds = 0.0
+
+    def _pipeline(self) -> tuple[Any, Feed]:
+        from gpuvigil.pipeline.core import Pipeline
+
+        _, detect_dets = split_detectors(self.cfg, self.fleet)
+        feed = Feed()
+        return Pipeline([feed], detect_dets, cfg=self.cfg), feed
+
+    # -- leases ----------------------------------------------------------------------------------
+    async def balance(self, leases: Leases) -> None:
+        """Renew what we hold, then grow or shrink to the fair share."""
+        me = f"member.{self.id}"
+        held = list(self.parts)
+        # All renewals at once: one slow KV round trip (a NATS node failing over) must not push
+        # the last partition's renewal past the TTL.
+        ok = await asyncio.gather(*(leases.renew(f"part.{p}") for p in held), leases.renew(me) if me in leases.revision else leases.take(me))
+        if me not in leases.revision:
+            await leases.take(me)
+        for p, renewed in zip(held, ok[:-1], strict=True):
+            if not renewed:
+                log.warning("detect %s: lost the lease of partition %d", self.id, p)
+                await self.drop(p)
+        live = await leases.keys()
+        members = max(1, sum(1 for k in live if k.startswith("member.")))
+        share = math.ceil(self.fleet.partitions / members)
+        if len(self.parts) > share:  # a replica joined: hand back the surplus
+            for p in sorted(self.parts)[share:]:
+                await self.drop(p)
+                await leases.release(f"part.{p}")
+        start = abs(hash(self.id)) % self.fleet.partitions
+        # Only partitions nobody holds (one keys() call, not a failed create per held partition).
+        free = [p for p in ((start + i) % self.fleet.partitions for i in range(self.fleet.partitions)) if p not in self.parts and f"part.{p}" not in live]
+        want = share - len(self.parts)
+        if want > 0 and free:
+            taken = await asyncio.gather(*(leases.take(f"part.{p}") for p in free))
+            for p, got in zip(free, taken, strict=True):
+                if not got:
+                    continue
+                if want <= 0:  # took more than the share in one round: hand the rest back
+                    await leases.release(f"part.{p}")
+                    continue
+                want -= 1
+                log.info("detect %s: took partition %d; replaying %gs", self.id, p, self.fleet.replay_seconds)
+                await self.adopt(p)
+
+    async def adopt(self, p: int) -> None:
+        pipeline, feed = self._pipeline()
+        part = Partition(p, pipeline, feed)
+        self.parts[p] = part
+        part.task = asyncio.create_task(self._consume(part))
+
+    async def drop(self, p: int) -> None:
+        part = self.parts.pop(p, None)
+        if part is not None and part.task is not None:
+            part.task.cancel()
+
+    # -- rows ------------------------------------------------------------------------------------
+    async def _subscribe(self, part: Partition, replay: bool) -> Any:
+        from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
+
+        durable = f"{self.subjects.prefix}-detect-p{part.p}"
+        if replay:
+            try:
+                await self.js.delete_consumer(self.subjects.rows_stream, durable)
+            except Exception:  # noqa: BLE001 - none yet
+                pass
+            start = datetime.fromtimestamp(time.time() - self.fleet.replay_seconds, tz=UTC)
+            cfg = ConsumerConfig(durable_name=durable, deliver_policy=DeliverPolicy.BY_START_TIME, opt_start_time=start.isoformat(),
+                                 ack_policy=AckPolicy.NONE, max_waiting=64)
+        else:  # after an error: on from the last sequence seen, nothing lost, nothing twice
+            try:
+                await self.js.delete_consumer(self.subjects.rows_stream, durable)
+            except Exception:  # noqa: BLE001
+                pass
+            cfg = ConsumerConfig(durable_name=durable, deliver_policy=DeliverPolicy.BY_START_SEQUENCE, opt_start_seq=part.last_seq + 1,
+                                 ack_policy=AckPolicy.NONE, max_waiting=64)
+        return await self.js.pull_subscribe(self.subjects.part(part.p), durable=durable, stream=self.subjects.rows_stream, config=cfg)
+
+    async def _consume(self, part: Partition) -> None:
+        replay = True
+        errors = idle = 0
+        while True:
+            try:
+                if part.sub is None:
+                    # Nothing consumed yet: the replay is still owed (a resubscription from
+                    # sequence 1 would read the whole stream instead of replay_seconds of it).
+                    part.sub = await self._subscribe(part, replay or part.last_seq == 0)
+                    replay = False
+                try:
+                    msgs = await part.sub.fetch(512, timeout=1.0)
+                except TimeoutError:
+                    if not part.caught_up:
+                        self._mark_caught_up(part)
+                    idle += 1
+                    if idle % 3 == 0:  # quiet, or its server died with it: ask (raises if it is gone)
+                        await part.sub.consumer_info()
+                    continue
+                errors = idle = 0
+                # Decoding (Arrow IPC) off the event loop, so lease renewals never wait on a replay.
+                decoded = await asyncio.to_thread(lambda batch=msgs: [self._decode(part, m) for m in batch])
+                for m, item in zip(msgs, decoded, strict=True):
+                    self._ingest(part, m, item)
+                if msgs and msgs[-1].metadata.num_pending == 0 and not part.caught_up:
+                    self._mark_caught_up(part)
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:  # noqa: BLE001 - a NATS node died / consumer lost: resubscribe
+                errors += 1
+                log.info("detect %s: partition %d consumer error (%s); resubscribing from seq %d", self.id, part.p, exc, part.last_seq + 1)
+                if part.sub is not None:
+                    try:
+                        await part.sub.unsubscribe()
+                    except Exception:  # noqa: BLE001
+                        pass
+                part.sub = None
+                await asyncio.sleep(min(2.0, 0.2 * errors))
+
+    def _mark_caught_up(self, part: Partition) -> None:
+        part.caught_up = True
+        part.caught_up_wall = time.monotonic()
+        log.info("detect %s: partition %d rebuilt from the stream (%d messages, %.2fs)", self.id, part.p, part.messages, part.caught_up_wall - part.taken_wall)
+
+    def _decode(self, part: Partition, m: Any) -> tuple[dict[str, pl.DataFrame], float] | None:
+        h = m.headers or {}
+        try:
+            return transport.decode_frames(m.data, h.get("Gv-Frames", "")), float(h.get("Gv-Now", "nan"))
+        except Exception as exc:  # noqa: BLE001 - a bad message is counted, never fatal
+            log.warning("detect %s: undecodable message on %s: %s", self.id, m.subject, exc)
+            return None
+
+    def _ingest(self, part: Partition, m: Any, decoded: tuple[dict[str, pl.DataFrame], float] | None) -> None:
+        part.last_seq = m.metadata.sequence.stream
+        part.messages += 1
+        h = m.headers or {}
+        if decoded is None:
+            part.feed.errors += 1
+            return
+        frames, now = decoded
+        if not math.isnan(now):
+            self.clock.now = max(self.clock.now, now)
+        part.feed.add(frames, h.get("Gv-Node", ""), h.get("Gv-Job", ""), now)
+
+    # -- ticks -----------------------------------------------------------------------------------
+    def tick(self, now: float) -> list[tuple[str, bytes]]:
+        c0 = time.thread_time()
+        out = []
+        for part in list(self.parts.values()):
+            if not part.caught_up:
+                continue  # never judge a half-replayed window
+            result = part.pipeline.tick(now)
+            for f in result.new_findings:
+                log.info("detect %s: p%d finding %s %s: %s", self.id, part.p, f.severity.value, f.kind.value, f.summary)
+            active = sorted(part.pipeline.active.values(), key=lambda f: f.id)
+            key = tuple(f.id for f in active)
+            if key != part.published or now - part.published_at >= self.fleet.findings_refresh_seconds:
+                part.published, part.published_at = key, now
+                jobs = part.pipeline.window.get("jobs")
+                # Tenants of the partition's jobs: act routes alerts by tenant (alerts.team_of_tenant).
+                tenants = dict(zip(jobs["job"].to_list(), jobs["tenant"].to_list(), strict=True)) if jobs.height else {}
+                out.append((self.subjects.findings_part(part.p), transport.findings_payload("detect", now, active, partition=part.p, owner=self.id, tenants=tenants)))
+        self.ticks += 1
+        self.tick_cpu_seconds += time.thread_time() - c0
+        return out
+
+    async def run(self) -> None:
+        self.nc = nc = await transport.connect(self.fleet, f"gpuvigil-detect-{self.id}")
+        self.js = nc.jetstream(timeout=5)
+        try:
+            await transport.ensure(self.js, self.fleet)
+            await self.clock.subscribe(nc, self.subjects)
+            kv = await self.js.key_value(self.subjects.leases_bucket)
+            leases = Leases(kv, self.id, self.fleet.lease_ttl_seconds)
+            renew_every = self.fleet.lease_ttl_seconds / 4
+
+            async def keep_leases() -> None:
+                # Its own task: a slow tick or a findings publish during a NATS failover never
+                # delays the renewals.
+                while True:
+                    try:
+                        await self.balance(leases)
+                    except Exception as exc:  # noqa: BLE001 - retried next round; leases expire only after the TTL
+                        log.info("detect %s: lease round failed: %s", self.id, exc)
+                    await asyncio.sleep(renew_every)
+
+            lease_task = asyncio.create_task(keep_leases())
+            deadline = time.monotonic() + self.args.duration if self.args.duration else None
+            while not self.stop_event.is_set() and (deadline is None or time.monotonic() < deadline):
+                now = self.clock.now
+                if now - self.last_tick >= self.tick_seconds and math.isfinite(now):
+                    self.last_tick = now
+                    for subject, body in await asyncio.to_thread(self.tick, now):
+                        try:
+                            await self.js.publish(subject, body)
+                        except Exception as exc:  # noqa: BLE001 - republished on the next refresh
+                            log.info("detect %s: findings publish failed: %s", self.id, exc)
+                try:
+                    await asyncio.wait_for(self.stop_event.wait(), 0.1)
+                except TimeoutError:
+                    pass
+            lease_task.cancel()
+            for p in list(self.parts):  # a clean stop hands the partitions over at once
+                await self.drop(p)
+                await leases.release(f"part.{p}")
+            await leases.release(f"member.{self.id}")
+        finally:
+            try:
+                await nc.drain()
+            except Exception:  # noqa: BLE001
+                pass
+
+
+def run(args: argparse.Namespace) -> int:
+    logging.basicConfig(level=getattr(logging, args.log_level.upper()), format="%(asctime)s %(levelname)s %(name)s: %(message)s", stream=sys.stderr)
+    d = Detect(args)
+
+    async def main() -> None:
+        install_signals(asyncio.get_running_loop(), d.stop_event)
+        print(f"gpuvigil detect {d.id}: {d.fleet.partitions} partitions; NATS {', '.join(d.fleet.servers)}", flush=True)
+        await d.run()
+
+    asyncio.run(main())
+    print(f"gpuvigil detect {d.id}: stopped after {d.ticks} ticks", flush=True)
+    return 0

@@ -1,0 +1,200 @@
+"""What travels on NATS and how: subjects, streams, buckets, and the wire form of rows and findings.
+
+Subjects (prefix `gv` by default):
+
+- `gv.rows.<job>`: an agent's rows of one job for one tick (Arrow IPC frames, one per stream). The
+  server's subject mapping `gv.rows.*` → `gv.part.{{partition(N,1)}}.{{wildcard(1)}}` rewrites it
+  before the stream stores it, so every row of a job lands in one partition whichever node sent it
+  (`nats_mapping` writes the line; `partition_of` is the same FNV-1a hash, for tests and tools).
+- `gv.findings.node.<node>` / `gv.findings.part.<p>`: the active findings of an agent or of a
+  detect partition, republished on change and every `findings_refresh_seconds`.
+- `gv.clock.<node>`: each agent's tick time (core NATS, not stored). Detect and act tick on the
+  fleet's data clock, so the simulator and real nodes run the same code.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import io
+import json
+import logging
+import re
+from typing import Any
+
+import polars as pl
+
+from gpuvigil import schemas
+from gpuvigil.deployconfig import Fleet
+from gpuvigil.model import Finding
+
+log = logging.getLogger("gpuvigil.fleet")
+
+# Job-level streams an agent ships (the job-scope detectors read these), and the snapshots of the
+# job's placement that go with them.
+ROW_STREAMS = ("rank_progress", "allocator_stats", "gpu_samples", "events", "gpu_processes", "collective_progress", "fr_analysis", "fr_pipes")
+SNAPSHOT_STREAMS = ("allocations", "jobs")
+_TOKEN_OK = re.compile(r"^[A-Za-z0-9_-]{1,200}$")
+
+
+def token(name: str) -> str:
+    """A NATS subject token for a job or node name: kept as is when safe, else made safe with a
+    digest suffix so two names never share a token."""
+    if _TOKEN_OK.match(name):
+        return name
+    safe = re.sub(r"[^A-Za-z0-9_-]", "_", name)[:160]
+    return f"{safe}~{hashlib.sha1(name.encode()).hexdigest()[:10]}".replace("~", "_x")
+
+
+def fnv1a32(data: bytes) -> int:
+    h = 0x811C9DC5
+    for b in data:
+        h = ((h ^ b) * 0x01000193) & 0xFFFFFFFF
+    return h
+
+
+def partition_of(job: str, partitions: int) -> int:
+    """The partition nats-server's `{{partition(N,1)}}` picks for this job's subject token."""
+    return fnv1a32(token(job).encode()) % partitions
+
+
+class Subjects:
+    def __init__(self, fleet: Fleet):
+        p = fleet.prefix
+        self.prefix = p
+        self.rows_stream = f"{p.upper()}_ROWS"
+        self.findings_stream = f"{p.upper()}_FINDINGS"
+        self.leases_bucket = f"{p}_leases"
+        self.ledger_bucket = f"{p}_act_ledger"
+
+    def rows(self, job: str) -> str:
+        return f"{self.prefix}.rows.{token(job)}"
+
+    def part(self, partition: int) -> str:
+        return f"{self.prefix}.part.{partition}.>"
+
+    def partition_from_subject(self, subject: str) -> int:
+        return int(subject.split(".")[2])
+
+    def findings_node(self, node: str) -> str:
+        return f"{self.prefix}.findings.node.{token(node)}"
+
+    def findings_part(self, partition: int) -> str:
+        return f"{self.prefix}.findings.part.{partition}"
+
+    def clock(self, node: str) -> str:
+        return f"{self.prefix}.clock.{token(node)}"
+
+
+def nats_mapping(fleet: Fleet) -> str:
+    """The nats-server config line that partitions job subjects (account-level subject mapping)."""
+    p = fleet.prefix
+    return f'mappings = {{ "{p}.rows.*": "{p}.part.{{{{partition({fleet.partitions},1)}}}}.{{{{wildcard(1)}}}}" }}'
+
+
+# -- rows on the wire ------------------------------------------------------------------------------
+def encode_frames(frames: dict[str, pl.DataFrame]) -> tuple[bytes, str]:
+    """Frames → one body (Arrow IPC streams back to back) and the index header 'name:offset:len,…'."""
+    body = io.BytesIO()
+    index = []
+    for name, df in frames.items():
+        start = body.tell()
+        df.write_ipc_stream(body, compression="lz4")
+        index.append(f"{name}:{start}:{body.tell() - start}")
+    return body.getvalue(), ",".join(index)
+
+
+def decode_frames(body: bytes, index: str) -> dict[str, pl.DataFrame]:
+    out: dict[str, pl.DataFrame] = {}
+    for item in filter(None, index.split(",")):
+        name, start, length = item.rsplit(":", 2)
+        if name not in schemas.STREAMS:
+            continue  # a newer agent's stream this replica does not know: skip, never fail
+        a, n = int(start), int(length)
+        out[name] = pl.read_ipc_stream(io.BytesIO(body[a : a + n]))
+    return out
+
+
+def findings_payload(origin: str, now: float, findings: list[Finding], **extra: Any) -> bytes:
+    return json.dumps({"origin": origin, "now": now, "findings": [f.to_json_dict() for f in findings], **extra}, sort_keys=True).encode()
+
+
+def parse_findings(data: bytes) -> tuple[dict[str, Any], list[Finding]]:
+    doc = json.loads(data)
+    found = []
+    for d in doc.get("findings", []):
+        d = dict(d)
+        d.pop("id", None)
+        found.append(Finding.model_validate(d))
+    return doc, found
+
+
+# -- connection and set-up ---------------------------------------------------------------------------
+async def connect(fleet: Fleet, name: str, first_connect_seconds: float = 60.0):
+    """A connection that reconnects forever (a NATS node may die; the cluster keeps serving)."""
+    from gpuvigil.extras import require
+
+    nats = require("nats", "gpuvigil agent/detect/act")
+
+    async def _error(exc: Exception) -> None:
+        log.debug("nats %s: %s", name, exc)
+
+    # The first connect is retried too (a fleet's processes may start before NATS is up).
+    last: Exception | None = None
+    for _ in range(max(1, int(first_connect_seconds / 0.5))):
+        try:
+            return await nats.connect(
+                servers=fleet.servers, name=name, max_reconnect_attempts=-1, reconnect_time_wait=0.5,
+                connect_timeout=2, allow_reconnect=True, error_cb=_error, ping_interval=5, max_outstanding_pings=2,
+            )
+        except Exception as exc:  # noqa: BLE001 - no server reachable yet
+            last = exc
+            await asyncio.sleep(0.5)
+    from gpuvigil.errors import UserError
+
+    raise UserError(f"cannot reach NATS at {', '.join(fleet.servers)}: {last}")
+
+
+async def ensure(js: Any, fleet: Fleet, *, attempts: int = 60) -> None:
+    """Create the streams and buckets (idempotent). A freshly started cluster elects its meta
+    leader first: retried for up to `attempts` × 0.5 s."""
+    from nats.js.api import DiscardPolicy, RetentionPolicy, StorageType, StreamConfig
+
+    s = Subjects(fleet)
+    configs = [
+        StreamConfig(name=s.rows_stream, subjects=[f"{s.prefix}.part.>"], retention=RetentionPolicy.LIMITS, max_age=fleet.rows_max_age_seconds,
+                     storage=StorageType.FILE, num_replicas=fleet.replicas, discard=DiscardPolicy.OLD, duplicate_window=min(120.0, fleet.rows_max_age_seconds)),
+        StreamConfig(name=s.findings_stream, subjects=[f"{s.prefix}.findings.>"], retention=RetentionPolicy.LIMITS, max_age=3600.0,
+                     max_msgs_per_subject=1000, storage=StorageType.FILE, num_replicas=fleet.replicas, discard=DiscardPolicy.OLD),
+    ]
+    last: Exception | None = None
+    for _ in range(attempts):
+        try:
+            for cfg in configs:
+                try:
+                    await js.stream_info(cfg.name)
+                except Exception:  # noqa: BLE001 - not found (or not yet): create it
+                    await js.add_stream(cfg)
+            await js.create_key_value(bucket=s.leases_bucket, ttl=fleet.lease_ttl_seconds, history=1, replicas=fleet.replicas)
+            await js.create_key_value(bucket=s.ledger_bucket, history=1, replicas=fleet.replicas)
+            return
+        except Exception as exc:  # noqa: BLE001 - JetStream not ready yet (no meta leader): retry
+            last = exc
+            await asyncio.sleep(0.5)
+    raise RuntimeError(f"JetStream set-up failed: {last}")
+
+
+class Clock:
+    """The fleet's data clock: the newest tick time any agent announced."""
+
+    def __init__(self) -> None:
+        self.now = float("-inf")
+
+    async def subscribe(self, nc: Any, subjects: Subjects) -> Any:
+        async def on(msg: Any) -> None:
+            try:
+                self.now = max(self.now, float(json.loads(msg.data)["now"]))
+            except (ValueError, KeyError, TypeError):
+                pass
+
+        return await nc.subscribe(f"{subjects.prefix}.clock.>", cb=on)

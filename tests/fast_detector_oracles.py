@@ -1,0 +1,252 @@
+"""The per-GPU detectors as they were before their state moved to numpy slots (thermal, pcie) and
+before ECC's quiet-tick shortcut: verbatim copies of their frame-join code. The fast detectors
+must give the same findings, in the same order, on the same rows
+(tests/test_detectors_fast_oracles.py).
+
+One fix is applied to both: a throttled GPU without a temperature reading crashed the summary.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import polars as pl
+
+from gpuvigil import throttle
+from gpuvigil import xid as xid_table
+from gpuvigil.detectors.common import gpu_jobs, settings
+from gpuvigil.detectors.ecc import EccConfig
+from gpuvigil.detectors.pcie import PcieConfig
+from gpuvigil.detectors.thermal import ThermalConfig
+from gpuvigil.model import Finding, FindingKind, Severity
+from gpuvigil.pipeline.window import Window
+
+class JoinThermal:
+    name = "thermal"
+
+    def __init__(self, cfg: dict[str, Any] | None = None):
+        self.config = settings("thermal", ThermalConfig, cfg)
+        self._state: pl.DataFrame | None = None
+
+    def _update(self, window: Window) -> pl.DataFrame:
+        """Per GPU: an exponentially weighted share of recent samples that were throttled
+        (time constant `window_seconds`), updated from this tick's samples only."""
+        c = self.config
+        fresh = window.fresh("gpu_samples").filter(pl.col("throttle_reasons").is_not_null()).select(
+            "node", "gpu", "ts", "temperature_c", "sm_clock_mhz", "power_w", pl.col("throttle_reasons").alias("reasons"),
+            ((pl.col("throttle_reasons") & c.reason_mask) != 0).cast(pl.Float64).alias("_hit"),
+        )
+        # One row per GPU: a tick may bring several samples of one GPU (a fast sampler, or NVML
+        # and DCGM both on); joined row by row they would multiply the state every tick.
+        fresh = fresh.sort("ts").group_by(["node", "gpu"], maintain_order=True).agg(
+            pl.col("ts", "temperature_c", "sm_clock_mhz", "power_w", "reasons").last(), pl.col("_hit").mean()
+        )
+        if self._state is None:
+            state = fresh.with_columns(pl.col("_hit").alias("share"), pl.lit(1).alias("n"))
+        else:
+            prev = self._state.select("node", "gpu", pl.col("ts").alias("_pts"), pl.col("share").alias("_ps"), pl.col("n").alias("_pn"))
+            alpha = 1.0 - (-(pl.col("ts") - pl.col("_pts")) / c.window_seconds).exp()
+            updated = fresh.join(prev, on=["node", "gpu"], how="left").with_columns(
+                pl.when(pl.col("_ps").is_null()).then(pl.col("_hit")).otherwise(alpha * pl.col("_hit") + (1 - alpha) * pl.col("_ps")).alias("share"),
+                (pl.col("_pn").fill_null(0) + 1).alias("n"),
+            ).drop("_pts", "_ps", "_pn")
+            kept = self._state.join(fresh.select("node", "gpu"), on=["node", "gpu"], how="anti")
+            state = pl.concat([kept, updated], how="vertical_relaxed")
+        self._state = state
+        return state
+
+    def detect(self, window: Window) -> list[Finding]:
+        c = self.config
+        now = window.now
+        state = self._update(window)
+        hot = (
+            state.filter((pl.col("n") >= c.min_samples) & (pl.col("share") >= c.min_throttled_share) & (pl.col("_hit") > 0))
+            .rename({"temperature_c": "max_temp", "sm_clock_mhz": "clock", "power_w": "power"})
+            .join(gpu_jobs(window), on=["node", "gpu"], how="left")
+        )
+        findings = []
+        for row in hot.iter_rows(named=True):
+            reasons = int(row["reasons"] or 0)
+            kinds = throttle.active(reasons, c.reason_mask, short=True)
+            findings.append(
+                Finding(
+                    kind=FindingKind.THERMAL_THROTTLE,
+                    severity=Severity.TICKET,
+                    ts=now,
+                    job=row["job"],
+                    ranks=[int(row["rank"])] if row["rank"] is not None else [],
+                    node=row["node"],
+                    gpu=row["gpu"],
+                    cause="hardware",
+                    source=self.name,
+                    evidence={
+                        "throttled_share": round(float(row["share"]), 2),
+                        "max_temperature_c": float(row["max_temp"] or 0),
+                        "sm_clock_mhz": float(row["clock"] or 0),
+                        "reasons": kinds,
+                        "reasons_bitmask": reasons,
+                        "power_w": round(float(row["power"] or 0), 1),
+                    },
+                    summary=(
+                        f"{row['node']} GPU {row['gpu']} is throttling ({', '.join(kinds) or 'clock events'})"
+                        # a replay may have clock-event reasons but no temperature series
+                        + (f" at {row['max_temp']:.0f} °C" if row["max_temp"] is not None else "")
+                        + f", SM clock {row['clock'] or 0:.0f} MHz"
+                        + (f", slowing job {row['job']} rank {row['rank']}" if row["job"] else "")
+                        + ": check its cooling."
+                    ),
+                )
+            )
+        return findings
+
+
+class JoinPcie:
+    name = "pcie"
+
+    def __init__(self, cfg: dict[str, Any] | None = None):
+        self.config = settings("pcie", PcieConfig, cfg)
+        self._base: pl.DataFrame | None = None
+        self._flagged: pl.DataFrame | None = None
+
+    def detect(self, window: Window) -> list[Finding]:
+        c = self.config
+        fresh = window.fresh("gpu_samples").filter(pl.col("pcie_replay_total").is_not_null()).select("node", "gpu", "ts", pl.col("pcie_replay_total").alias("count"))
+        # One row per GPU (its latest reading): several samples of one GPU in a tick would
+        # otherwise multiply the baseline rows on every join.
+        fresh = fresh.sort("ts").group_by(["node", "gpu"], maintain_order=True).last()
+        if fresh.height:
+            if self._base is None:
+                self._base = fresh
+            else:
+                joined = fresh.join(self._base.rename({"ts": "ts0", "count": "count0"}), on=["node", "gpu"], how="left")
+                due = joined.filter(pl.col("ts0").is_null() | (pl.col("ts") - pl.col("ts0") >= c.window_seconds))
+                if due.height:
+                    rated = due.filter(pl.col("ts0").is_not_null()).with_columns(
+                        ((pl.col("count") - pl.col("count0")) * 60.0 / (pl.col("ts") - pl.col("ts0"))).alias("per_minute")
+                    )
+                    hot = rated.filter(pl.col("per_minute") >= c.min_replays_per_minute)
+                    # Re-evaluated GPUs replace their previous verdict; others keep theirs.
+                    kept = self._flagged.join(due.select("node", "gpu"), on=["node", "gpu"], how="anti") if self._flagged is not None else None
+                    self._flagged = hot if kept is None else pl.concat([kept, hot], how="vertical_relaxed")
+                    self._base = pl.concat([self._base.join(due.select("node", "gpu"), on=["node", "gpu"], how="anti"), due.select("node", "gpu", "ts", "count")])
+        if self._flagged is None or self._flagged.height == 0:
+            return []
+        findings = []
+        for row in self._flagged.join(gpu_jobs(window), on=["node", "gpu"], how="left").iter_rows(named=True):
+            findings.append(
+                Finding(
+                    kind=FindingKind.ANOMALY,
+                    severity=Severity.TICKET,
+                    ts=window.now,
+                    job=row["job"],
+                    ranks=[int(row["rank"])] if row["rank"] is not None else [],
+                    node=row["node"],
+                    gpu=row["gpu"],
+                    cause="pcie_replay",
+                    source=self.name,
+                    evidence={
+                        "pcie_replays_per_minute": round(float(row["per_minute"]), 1),
+                        "pcie_replay_total": int(row["count"]),
+                        "window_seconds": round(float(row["ts"] - row["ts0"]), 1),
+                    },
+                    summary=(
+                        f"{row['node']} GPU {row['gpu']} PCIe link replays {row['per_minute']:.0f} packets/min ({int(row['count'])} so far): "
+                        "the link is degrading; schedule the node for maintenance before the GPU falls off the bus."
+                    ),
+                )
+            )
+        return findings
+
+
+class JoinEcc:
+    name = "ecc"
+
+    def __init__(self, cfg: dict[str, Any] | None = None):
+        self.config = settings("ecc", EccConfig, cfg)
+        self._counters: pl.DataFrame | None = None
+        self._last_now: float | None = None
+
+    def detect(self, window: Window) -> list[Finding]:
+        now = window.now
+        # Each incident is reported once, on the tick it arrives (on the first tick: the recent
+        # past); the pipeline keeps the finding active for `clear_after_seconds.ecc`.
+        since = now - self.config.report_seconds if self._last_now is None else self._last_now
+        self._last_now = now
+        ev = (
+            window.get("events")
+            .filter(
+                (pl.col("ts") > since)
+                & (pl.col("kind").is_in(["ecc_dbe", "ecc"]) | ((pl.col("kind") == "xid") & pl.col("xid").is_in(self.config.ecc_codes)))
+            )
+            .group_by(["node", "gpu"])
+            .agg(pl.len().alias("events"), pl.col("xid").drop_nulls().unique().sort().alias("xids"), pl.col("ts").max().alias("event_ts"), pl.col("job").drop_nulls().last().alias("event_job"))
+        )
+        # Counters: compare this tick's readings with the previous ones. Only GPUs that ever had
+        # a DBE or a remap failure are kept: O(GPUs) filter per tick, tiny state.
+        gs = (
+            window.fresh("gpu_samples")
+            .filter((pl.col("ecc_dbe_volatile_total") > 0) | pl.col("remap_failure").fill_null(False))
+            .select("node", "gpu", "ecc_dbe_volatile_total", "retired_pages_total", "remap_failure")
+        )
+        if ev.height == 0 and gs.height == 0:
+            return []
+        prev = self._counters
+        self._counters = gs if prev is None else pl.concat([prev.join(gs.select("node", "gpu"), on=["node", "gpu"], how="anti"), gs])
+        if prev is None:
+            prev = gs.clear()
+        counters = (
+            gs.join(prev.select("node", "gpu", pl.col("ecc_dbe_volatile_total").alias("_dbe0")), on=["node", "gpu"], how="left")
+            .select(
+                "node",
+                "gpu",
+                # A counter lower than before was reset (GPU reset): all of it is new.
+                pl.when(pl.col("ecc_dbe_volatile_total") < pl.col("_dbe0").fill_null(0))
+                .then(pl.col("ecc_dbe_volatile_total"))
+                .otherwise(pl.col("ecc_dbe_volatile_total") - pl.col("_dbe0").fill_null(0))
+                .alias("dbe_delta"),
+                pl.col("ecc_dbe_volatile_total").alias("dbe_total"),
+                pl.col("retired_pages_total").alias("remapped"),
+                pl.col("remap_failure").fill_null(False),
+            )
+            .filter((pl.col("dbe_delta") > 0) | pl.col("remap_failure"))
+        )
+        hits = ev.join(counters, on=["node", "gpu"], how="full", coalesce=True).join(gpu_jobs(window), on=["node", "gpu"], how="left")
+        findings = []
+        for row in hits.iter_rows(named=True):
+            xids = row["xids"] or []
+            job = row["job"] or row["event_job"]
+            actions = sorted({xid_table.xid_info(x).action for x in xids if xid_table.xid_info(x)})
+            findings.append(
+                Finding(
+                    kind=FindingKind.ECC,
+                    severity=Severity.PAGE,
+                    ts=float(row["event_ts"] or now),
+                    job=job,
+                    node=row["node"],
+                    gpu=row["gpu"],
+                    xid=xids[0] if xids else None,
+                    cause="hardware",
+                    source=self.name,
+                    evidence={
+                        "xids": xids,
+                        "dbe_new": int(row["dbe_delta"] or 0),
+                        "dbe_volatile_total": int(row["dbe_total"] or 0),
+                        "remapped_rows": int(row["remapped"] or 0),
+                        "remap_failure": bool(row["remap_failure"]),
+                        "nvidia_action": ",".join(actions) or "DRAIN_AND_RESET",
+                    },
+                    summary=(
+                        (
+                            f"Row remapping failed on {row['node']} GPU {row['gpu']}"
+                            if row["remap_failure"] and not (row["dbe_delta"] or 0) and not set(xids) & {48, 63, 94, 95}
+                            else f"Uncorrectable ECC error on {row['node']} GPU {row['gpu']}"
+                        )
+                        + (f" (XID {', '.join(map(str, xids))})" if xids else "")
+                        + (f", under job {job}" if job else "")
+                        + ": drain the node and reset the GPU before it runs anything again."
+                    ),
+                )
+            )
+        return findings
+
+

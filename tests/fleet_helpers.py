@@ -1,0 +1,164 @@
+"""A real NATS cluster for the fleet tests: Debian's nats-server, N nodes clustered with JetStream
+on loopback (free ports, temporary store folders), and a probe client that reads the fleet's
+clock and leases from the test."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import shutil
+import signal
+import subprocess
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+
+from services import free_port
+
+
+def nats_binary() -> str:
+    pytest.importorskip("nats", reason="nats-py not installed (pip install 'gpuvigil[fleet]')")
+    path = shutil.which("nats-server")
+    if not path:
+        pytest.skip("nats-server not installed (Debian package nats-server; `make system-deps` installs it)")
+    return path
+
+
+class NatsCluster:
+    def __init__(self, workdir: Path, n: int = 3, mapping: str = ""):
+        exe = nats_binary()
+        self.workdir = workdir
+        self.client_ports = [free_port() for _ in range(n)]
+        self.route_ports = [free_port() for _ in range(n)]
+        self.http_ports = [free_port() for _ in range(n)]
+        self.procs: list[subprocess.Popen | None] = []
+        for i in range(n):
+            routes = ", ".join(f"nats-route://127.0.0.1:{p}" for j, p in enumerate(self.route_ports) if j != i)
+            store = workdir / f"js{i}"
+            conf = workdir / f"nats{i}.conf"
+            conf.write_text(
+                f'server_name: n{i}\nlisten: 127.0.0.1:{self.client_ports[i]}\nhttp: 127.0.0.1:{self.http_ports[i]}\n'
+                f'jetstream {{ store_dir: "{store}", max_memory_store: 64MB, max_file_store: 2GB }}\n'
+                f'cluster {{ name: gvtest, listen: 127.0.0.1:{self.route_ports[i]}, routes: [{routes}] }}\n'
+                f"{mapping}\n"
+            )
+            log = (workdir / f"nats{i}.log").open("ab")
+            self.procs.append(subprocess.Popen([exe, "-c", str(conf)], stdout=log, stderr=subprocess.STDOUT))
+        self.urls = [f"nats://127.0.0.1:{p}" for p in self.client_ports]
+
+    def wait_ready(self, timeout: float = 60.0) -> None:
+        """Every node answers /healthz (JetStream included: a meta leader was elected)."""
+        deadline = time.monotonic() + timeout
+        for i, port in enumerate(self.http_ports):
+            while True:
+                proc = self.procs[i]
+                if proc is not None and proc.poll() is not None:
+                    raise RuntimeError(f"nats-server n{i} exited: {(self.workdir / f'nats{i}.log').read_text()[-2000:]}")
+                try:
+                    if httpx.get(f"http://127.0.0.1:{port}/healthz", timeout=1.0).status_code == 200:
+                        break
+                except httpx.HTTPError:
+                    pass
+                if time.monotonic() > deadline:
+                    raise TimeoutError(f"nats-server n{i} not healthy after {timeout}s")
+                time.sleep(0.2)
+
+    def kill(self, i: int) -> None:
+        proc = self.procs[i]
+        if proc is not None:
+            proc.send_signal(signal.SIGKILL)
+            proc.wait(10)
+            self.procs[i] = None
+
+    def stop(self) -> None:
+        for proc in self.procs:
+            if proc is not None and proc.poll() is None:
+                proc.terminate()
+        for i, proc in enumerate(self.procs):
+            if proc is not None:
+                try:
+                    proc.wait(10)
+                except subprocess.TimeoutExpired:
+                    proc.kill()
+                    proc.wait(5)
+            self.procs[i] = None
+
+
+class Probe:
+    """A NATS client on its own event loop thread: the fleet's clock as the test sees it (first wall
+    time each data time was announced), the lease holders, stream info."""
+
+    def __init__(self, urls: list[str], prefix: str = "gv"):
+        self.urls = urls
+        self.prefix = prefix
+        self.first_wall: list[tuple[float, float]] = []  # (data now, wall monotonic)
+        self.loop = asyncio.new_event_loop()
+        self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
+        self.thread.start()
+        self.nc: Any = self.call(self._connect())
+
+    def call(self, coro: Any, timeout: float = 30.0) -> Any:
+        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout)
+
+    async def _connect(self) -> Any:
+        import nats
+
+        nc = await nats.connect(servers=self.urls, max_reconnect_attempts=-1, reconnect_time_wait=0.3, connect_timeout=2)
+
+        async def on(msg: Any) -> None:
+            now = float(json.loads(msg.data)["now"])
+            if not self.first_wall or now > self.first_wall[-1][0]:
+                self.first_wall.append((now, time.monotonic()))
+
+        await nc.subscribe(f"{self.prefix}.clock.>", cb=on)
+        return nc
+
+    @property
+    def now(self) -> float:
+        return self.first_wall[-1][0] if self.first_wall else float("-inf")
+
+    def wall_of(self, data_ts: float) -> float | None:
+        """When (wall, monotonic) the fleet's clock first reached `data_ts`."""
+        for now, wall in self.first_wall:
+            if now >= data_ts:
+                return wall
+        return None
+
+    def holders(self) -> dict[str, str]:
+        async def go() -> dict[str, str]:
+            kv = await self.nc.jetstream(timeout=5).key_value(f"{self.prefix}_leases")
+            out = {}
+            try:
+                keys = await kv.keys()
+            except Exception:  # noqa: BLE001 - empty bucket
+                return out
+            for k in keys:
+                try:
+                    out[k] = (await kv.get(k)).value.decode()
+                except Exception:  # noqa: BLE001 - expired meanwhile
+                    pass
+            return out
+
+        try:
+            return self.call(go(), timeout=15)
+        except Exception:  # noqa: BLE001 - a failover in progress: ask again later
+            return {}
+
+    def stream_replicas(self, name: str) -> int:
+        async def go() -> int:
+            info = await self.nc.jetstream(timeout=5).stream_info(name)
+            return int(info.config.num_replicas or 1)
+
+        return self.call(go())
+
+    def close(self) -> None:
+        try:
+            self.call(self.nc.close(), timeout=10)
+        except Exception:  # noqa: BLE001
+            pass
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self.thread.join(5)
