@@ -106,7 +106,7 @@ def test_hint_store_from_a_newer_gpuvigil_is_refused(tmp_path, how):
 
 
 def test_alert_outbox_from_before_user_version_keeps_its_rows(tmp_path):
-    from gpuvigil.alerts.pusher import SCHEMA, AlertPusher
+    from gpuvigil.alerts.pusher import MIGRATIONS, SCHEMA, AlertPusher
     from gpuvigil.alerts.settings import load_settings
 
     path = tmp_path / "outbox.db"
@@ -118,7 +118,8 @@ def test_alert_outbox_from_before_user_version_keeps_its_rows(tmp_path):
     pusher = AlertPusher("http://127.0.0.1:9", path, load_settings())
     try:
         assert pusher.pending() == 1
-        assert sqlitedb.user_version(pusher.db) == 1
+        # Migrated through every step, from the unversioned file to the newest schema.
+        assert sqlitedb.user_version(pusher.db) == len(MIGRATIONS) == 3
     finally:
         pusher.close()
     db = sqlite3.connect(path)

@@ -36,6 +36,10 @@ _SIZE = r"(\d+(?:\.\d+)?)\s*(bytes?|[KMGT]iB|[KMGT]B|B)"
 
 
 _OOM_HEAD = re.compile(r"CUDA out of memory\. Tried to allocate " + _SIZE, re.IGNORECASE)
+# Where a head starts, found before whitespace is normalised (a logger may wrap inside it).
+_OOM_HEAD_START = re.compile(r"CUDA\s+out\s+of\s+memory\.\s+Tried\s+to\s+allocate\s", re.IGNORECASE)
+# An OOM message with every "Process N has ..." line of a crowded GPU fits in far less.
+_OOM_MAX_CHARS = 64 * 1024
 _OOM_OLD = re.compile(
     r"\(GPU (?P<gpu>\d+); " + _SIZE + r" total capacity; " + _SIZE + r" already allocated; " + _SIZE + r" free;"
     # torch.cuda.set_per_process_memory_fraction adds "X allowed;"
@@ -154,11 +158,16 @@ def parse_oom(text: str, *, line: int = 0, ts: float = 0.0, rank: int | None = N
     # Loggers wrap long messages at word boundaries and tracebacks put clauses on lines of their
     # own: read the message as one line, or a wrapped "(GPU 0; ... free; ..." or "Process N has
     # X memory in use" clause loses its figures (and the OOM its cause).
-    text = " ".join(text.split())
-    head = _OOM_HEAD.search(text)
+    # Every clause follows the head, so only a bounded stretch from the head is normalised: a
+    # runaway line from a hostile log is not copied whole.
+    start = _OOM_HEAD_START.search(text)
+    if not start:
+        return None
+    text = " ".join(text[start.start() : start.start() + _OOM_MAX_CHARS].split())
+    head = _OOM_HEAD.match(text)
     if not head:
         return None
-    rep = OomReport(line=line, ts=ts, rank=rank, gpu=None, requested_bytes=_bytes(head[1], head[2]), text=text[head.start():][:800])
+    rep = OomReport(line=line, ts=ts, rank=rank, gpu=None, requested_bytes=_bytes(head[1], head[2]), text=text[:800])
     if m := _OOM_OLD.search(text):
         g = m.groups()
         rep.wording = "old"
