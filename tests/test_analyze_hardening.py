@@ -50,19 +50,29 @@ def _run(paths: list[Path], *extra: str) -> tuple[int, str, str]:
     return rc, out.getvalue(), err.getvalue()
 
 
-def _child(args: list[str], cwd: Path) -> tuple[subprocess.CompletedProcess, int]:
-    """Run `gpuvigil analyze` in a child; return it and that child's own peak RSS in MB.
+# A small interpreter starts `gpuvigil analyze` and reports that grandchild's peak RSS. Forked
+# straight from pytest, the child's peak would include pytest's own pages at the fork (ru_maxrss
+# keeps the pre-exec high-water mark), which grows with the suite, not with gpuvigil.
+_LAUNCHER = """
+import os, sys
+pid = os.posix_spawn(sys.executable, [sys.executable, "-m", "gpuvigil", "analyze", *sys.argv[2:]], os.environ)
+_, status, usage = os.wait4(pid, 0)
+with open(sys.argv[1], "w") as fh:
+    fh.write(f"{os.waitstatus_to_exitcode(status)} {usage.ru_maxrss}")
+"""
 
-    os.wait4 gives the rusage of this one child: RUSAGE_CHILDREN would be the peak of every child
-    the test process ever waited for (torch ranks of other tests included)."""
-    with tempfile.TemporaryFile() as out, tempfile.TemporaryFile() as err:
-        child = subprocess.Popen([sys.executable, "-m", "gpuvigil", "analyze", *args], cwd=cwd, stdout=out, stderr=err)
-        _, status, usage = os.wait4(child.pid, 0)
-        child.returncode = os.waitstatus_to_exitcode(status)
+
+def _child(args: list[str], cwd: Path) -> tuple[subprocess.CompletedProcess, int]:
+    """Run `gpuvigil analyze` in a grandchild; return it and its own peak RSS in MB."""
+    with tempfile.TemporaryFile() as out, tempfile.TemporaryFile() as err, tempfile.TemporaryDirectory() as tmp:
+        report = Path(tmp) / "rusage"
+        launcher = subprocess.run([sys.executable, "-c", _LAUNCHER, str(report), *args], cwd=cwd, stdout=out, stderr=err)
+        assert launcher.returncode == 0, "the launcher failed"
+        code, maxrss_kb = (int(x) for x in report.read_text().split())
         out.seek(0)
         err.seek(0)
-        proc = subprocess.CompletedProcess(child.args, child.returncode, out.read().decode(errors="replace"), err.read().decode(errors="replace"))
-    return proc, usage.ru_maxrss // 1024
+        proc = subprocess.CompletedProcess(args, code, out.read().decode(errors="replace"), err.read().decode(errors="replace"))
+    return proc, maxrss_kb // 1024
 
 
 # -- isolation ------------------------------------------------------------------------------
