@@ -174,12 +174,7 @@ def nats_cost(msgs: list[tuple[str, bytes, dict[str, str]]], workdir: Path) -> d
     fleet = fleet.model_copy(update={"servers": [url]})
 
     async def go() -> dict[str, Any]:
-        for _ in range(100):
-            try:
-                nc = await transport.connect(fleet, "bench")
-                break
-            except Exception:  # noqa: BLE001 - not listening yet
-                await asyncio.sleep(0.1)
+        nc = await transport.connect(fleet, "bench")  # retries until the server listens
         js = nc.jetstream(timeout=10)
         await transport.ensure(js, fleet)
         subjects = transport.Subjects(fleet)

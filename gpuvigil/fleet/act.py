@@ -20,6 +20,7 @@ import argparse
 import asyncio
 import json
 import logging
+import math
 import os
 import socket
 import sys
@@ -346,7 +347,7 @@ class Act:
                     self.acting = None
                 if self.leader_since is not None and leases.valid(LEADER_KEY):
                     now = self.clock.now
-                    if math_finite(now) and now - self.last_tick >= self.pipeline.config.tick_seconds:
+                    if math.isfinite(now) and now - self.last_tick >= self.pipeline.config.tick_seconds:
                         self.last_tick = now
                         try:
                             await self._tick(now, ledger)
@@ -366,10 +367,6 @@ class Act:
                 await nc.drain()
             except Exception:  # noqa: BLE001
                 pass
-
-
-def math_finite(x: float) -> bool:
-    return x == x and x not in (float("inf"), float("-inf"))
 
 
 def run(args: argparse.Namespace) -> int:
