@@ -30,6 +30,15 @@ TOKEN = "bench-token-0123456789abcdef"
 
 def fill_store(path: Path, findings: int, per_job: int) -> tuple[list[str], list[str]]:
     from gpuvigil.api.store import HintStore
+
+    fs, hs = make_findings(findings, per_job)
+    with HintStore(path) as store:
+        for start in range(0, len(fs), 2000):
+            store.record(now=1000.0, active_findings=fs[start : start + 2000], new_hints=hs[start : start + 2000])
+    return sorted({f.job for f in fs if f.job}), sorted({f.node for f in fs if f.node})
+
+
+def make_findings(findings: int, per_job: int) -> tuple[list[Any], list[Any]]:
     from gpuvigil.model import Finding, FindingKind, Hint, HintAction, Severity
 
     jobs = max(1, findings // per_job)
@@ -47,10 +56,72 @@ def fill_store(path: Path, findings: int, per_job: int) -> tuple[list[str], list
         )
         fs.append(f)
         hs.append(Hint(action=HintAction.AVOID_GPU, ts=f.ts, reason=f.summary, finding_id=f.id, finding_kind=f.kind, job=job, node=node, gpu=f.gpu))
-    with HintStore(path) as store:
-        for start in range(0, len(fs), 2000):
-            store.record(now=1000.0, active_findings=fs[start : start + 2000], new_hints=hs[start : start + 2000])
-    return sorted({f.job for f in fs if f.job}), sorted({f.node for f in fs if f.node})
+    return fs, hs
+
+
+def build_costs(db: Path, jobs: list[str], nodes: list[str], findings: int, per_job: int, rounds: int = 3) -> dict[str, Any]:
+    """CPU (process time, so independent of how loaded the machine is) of what a store write
+    costs the API and the writer:
+
+    - `miss_cpu_ms`: per endpoint, one answer built with the read cache emptied first (what the
+      first request after a write costs), through the whole ASGI app in this process;
+    - `hit_cpu_ms`: the same request answered from the read cache;
+    - `tick_write_cpu_s`: one pipeline tick's write of every active finding (`HintStore.record`,
+      as `gpuvigil serve` writes each tick), which keeps the verdicts up to date."""
+    import asyncio
+
+    from gpuvigil.api.app import create_app
+    from gpuvigil.api.store import HintStore
+
+    paths = {
+        "verdict": [f"/v1/jobs/{j}/verdict" for j in jobs[:20]],
+        "node_health": [f"/v1/nodes/{n}/health" for n in nodes[:20]],
+        "findings_of_job": [f"/v1/findings?job={j}&limit=100" for j in jobs[:20]],
+        "findings_newest": ["/v1/findings?limit=100"] * 5,
+        "hints_newest": ["/v1/hints?limit=100"] * 5,
+    }
+    miss: dict[str, list[float]] = {n: [] for n in paths}
+    hit: dict[str, list[float]] = {n: [] for n in paths}
+    with HintStore(db) as store:
+        app = create_app(store, TOKEN)
+        cache = app.state.read_cache
+
+        async def get(url: str) -> int:
+            path, _, query = url.partition("?")
+            scope = {"type": "http", "method": "GET", "path": path, "raw_path": path.encode(), "query_string": query.encode(), "root_path": "",
+                     "scheme": "http", "server": ("127.0.0.1", 80), "client": ("127.0.0.1", 1), "http_version": "1.1",
+                     "headers": [(b"host", b"x"), (b"authorization", f"Bearer {TOKEN}".encode())]}
+            status = [0]
+
+            async def receive() -> dict:
+                return {"type": "http.request", "body": b"", "more_body": False}
+
+            async def send(message: dict) -> None:
+                if message["type"] == "http.response.start":
+                    status[0] = message["status"]
+
+            await app(scope, receive, send)
+            return status[0]
+
+        async def measure() -> None:
+            for _ in range(rounds):
+                for name, urls in paths.items():
+                    for url in urls:
+                        with cache._lock:
+                            cache._entries.clear()
+                        t0 = time.process_time()
+                        assert await get(url) == 200, url
+                        miss[name].append(time.process_time() - t0)
+                        t0 = time.process_time()
+                        await get(url)
+                        hit[name].append(time.process_time() - t0)
+
+        asyncio.run(measure())
+        fs, _ = make_findings(findings, per_job)
+        t0 = time.process_time()
+        store.record(now=2000.0, active_findings=fs)
+        tick = time.process_time() - t0
+    return {"miss_cpu_ms": {n: _pct(v) for n, v in miss.items()}, "hit_cpu_ms": {n: _pct(v) for n, v in hit.items()}, "tick_write_cpu_s": tick}
 
 
 def start_api(db: Path, core: int | None) -> tuple[subprocess.Popen, str]:
@@ -176,9 +247,9 @@ def load(url: str, jobs: list[str], nodes: list[str], seconds: float, threads: i
 
 def _pct(values: list[float]) -> dict[str, float]:
     if not values:
-        return {"n": 0, "p50_ms": float("nan"), "p99_ms": float("nan")}
+        return {"n": 0, "p50_ms": float("nan"), "p99_ms": float("nan"), "max_ms": float("nan")}
     v = sorted(values)
-    return {"n": len(v), "p50_ms": 1000 * v[len(v) // 2], "p99_ms": 1000 * v[min(len(v) - 1, int(0.99 * len(v)))]}
+    return {"n": len(v), "p50_ms": 1000 * v[len(v) // 2], "p99_ms": 1000 * v[min(len(v) - 1, int(0.99 * len(v)))], "max_ms": 1000 * v[-1]}
 
 
 def cpu_seconds(pid: int) -> float:
@@ -206,6 +277,7 @@ def run(findings: int, per_job: int, seconds: float, threads: int, core: int | N
         t0 = time.monotonic()
         jobs, nodes = fill_store(db, findings, per_job)
         fill = time.monotonic() - t0
+        costs = build_costs(db, jobs, nodes, findings, per_job)
         proc, url = start_api(db, core)
         try:
             reuse = latency_on_reused_connection(url, jobs[0])
@@ -220,6 +292,7 @@ def run(findings: int, per_job: int, seconds: float, threads: int, core: int | N
     # much of the core a loaded machine gave it).
     res["req_per_cpu_second"] = res["requests"] / res["server_cpu_seconds"] if res["server_cpu_seconds"] > 0 else float("nan")
     res["machine"] = _machine()
+    res["costs"] = costs
     res.update(findings=findings, per_job=per_job, jobs=len(jobs), nodes=len(nodes), fill_seconds=fill, threads=threads, core=core, healthz_reused_connection=reuse)
     return res
 
@@ -248,6 +321,20 @@ def markdown(res: dict[str, Any]) -> str:
     ]
     for name, p in res["latency"].items():
         lines.append(f"| {name} | {p['n']} | {p['p50_ms']:.1f} | {p['p99_ms']:.1f} |")
+    c = res.get("costs")
+    if c:
+        lines += [
+            "",
+            "What a store write costs, in CPU time (process time: independent of the machine's load). A miss is the first request "
+            "after a write, built by the route (the read cache emptied first); a hit is answered from the cache's bytes. "
+            f"The writer's side: one tick's write of all {res['findings']} active findings (`HintStore.record`, which also rebuilds the "
+            f"verdicts of the jobs it touched) took **{c['tick_write_cpu_s']:.2f} s** of CPU.",
+            "",
+            "| endpoint | miss CPU p50 / max ms | hit CPU p50 ms |",
+            "| --- | ---: | ---: |",
+        ]
+        for name, p in c["miss_cpu_ms"].items():
+            lines.append(f"| {name} | {p['p50_ms']:.2f} / {p['max_ms']:.2f} | {c['hit_cpu_ms'][name]['p50_ms']:.2f} |")
     r = res["healthz_reused_connection"]
     lines += [
         "",

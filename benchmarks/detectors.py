@@ -127,6 +127,7 @@ class RunResult:
     mode: str | None = None  # the fault's mode (hang: outside/inside; straggler: host/gpu)
     telemetry: str | None = None
     oom_wordings: list[str] = field(default_factory=list)  # wording of each OOM message (same order as oom_events)
+    cpu_seconds: float | None = None  # process CPU time of the run (wall time on a loaded machine measures the others)
 
 
 def _log_uniform(rng: np.random.Generator, lo: float, hi: float) -> float:
@@ -289,6 +290,7 @@ def run_case(case: Case) -> RunResult:
     from gpuvigil.runtime import build_simulated
 
     t0 = time.perf_counter()
+    c0 = time.process_time()
     try:
         sc = Scenario.model_validate(case.scenario)
         cfg = config.load(overrides={"pipeline": {"tick_seconds": case.tick_seconds}, "hints": {"rules": []}})
@@ -326,6 +328,7 @@ def run_case(case: Case) -> RunResult:
             mode=next((f.get("mode") for f in case.scenario.get("faults", [])), None),
             telemetry=case.scenario.get("telemetry"),
             oom_wordings=list(getattr(rt.cluster, "oom_wordings", [])),
+            cpu_seconds=time.process_time() - c0,
         )
     except Exception as exc:  # a crashed run is reported, not hidden
         return RunResult(case.index, case.case_type, case.gpus, case.step_time_seconds, case.tick_seconds, None, [], [], [], {}, [], time.perf_counter() - t0, 0, error=f"{type(exc).__name__}: {exc}")
@@ -355,6 +358,8 @@ class KindScore:
     leads: list[float] = field(default_factory=list)
     warned_before_oom: int = 0
     ooms: int = 0
+    culprit_outside_right: int = 0
+    culprit_outside_runs: int = 0  # hang runs whose culprit is outside the collective (found or not)
 
     def to_dict(self) -> dict[str, Any]:
         tp = self.detected
@@ -373,10 +378,15 @@ class KindScore:
             "latency_p90_seconds_step_le_2s": _pct(self.latencies_short_steps, 90),
             "latency_p90_steps_step_gt_2s": _pct(self.latency_in_steps, 90),
             "culprit_accuracy": _ratio(self.culprit_right, self.culprit_checked),
+            "culprit_right": self.culprit_right,
             "cause_accuracy": _ratio(self.cause_right, self.cause_checked),
         }
+        # The counts a confidence bound needs (`target_rows`): a p90 latency target holds when
+        # at least 90% of the expected runs are found within it (a missed run counts as late).
+        out["found_within_seconds"] = {str(t): sum(x <= t + 1e-9 for x in self.latencies) for t in (30, 60)}
         if self.ooms:
             out.update(
+                leads_at_least_60s=sum(x >= 60 - 1e-9 for x in self.leads),
                 oom_runs=self.ooms,
                 warned_before_oom=self.warned_before_oom,
                 oom_recall=_ratio(self.warned_before_oom, self.ooms),
@@ -460,6 +470,8 @@ def score(results: list[RunResult], level: str = "L2") -> dict[str, Any]:
         for k in must:
             s = kinds[k]
             s.expected += 1
+            if k == "collective_hang" and (res.case_type == "gpu_lost" or res.mode in (None, "outside")):
+                s.culprit_outside_runs += 1
             f = matched_first.get(k)
             if f is None:
                 continue
@@ -475,6 +487,7 @@ def score(results: list[RunResult], level: str = "L2") -> dict[str, Any]:
             if k == "collective_hang" and (res.case_type == "gpu_lost" or res.mode in (None, "outside")):
                 outside["checked"] += 1
                 outside["right"] += _culprit_right(f, target)
+                s.culprit_outside_right += _culprit_right(f, target)
             want_cause = {"nccl_hang": "software", "gpu_lost": "hardware"}.get(res.case_type) if k == "collective_hang" else MEMORY_FAULTS.get(res.case_type) if k == "oom_predicted" else None
             if f["evidence"].get("level") == "L0" and want_cause == "fragmentation":
                 want_cause = None  # an L0 finding says it cannot see fragmentation (docs/levels.md)
@@ -525,6 +538,8 @@ def score(results: list[RunResult], level: str = "L2") -> dict[str, Any]:
     out: dict[str, Any] = {k: kinds[k].to_dict() for k in sorted(kinds)}
     if "collective_hang" in out:
         out["collective_hang"]["culprit_accuracy_outside"] = _ratio(outside["right"], outside["checked"])
+        out["collective_hang"]["culprit_outside_right"] = kinds["collective_hang"].culprit_outside_right
+        out["collective_hang"]["culprit_outside_runs"] = kinds["collective_hang"].culprit_outside_runs
     out["baseline_watchdog_600s"] = watchdog.to_dict()
     out["baseline_static_memory_95pct_1m"] = static.to_dict()
     out["oom_messages_without_figures"] = no_figures
@@ -629,6 +644,117 @@ def measure_cost(n_gpus: int = 100_000, history_seconds: float = 60.0, repeats: 
     }
 
 
+# -- what a sample proves --------------------------------------------------------------------------
+CONFIDENCE = 0.95
+
+
+def _binom_cdf(k: int, n: int, p: float) -> float:
+    """P(X <= k) for X ~ Binomial(n, p), summed in log space (n up to many thousands)."""
+    if k < 0:
+        return 0.0
+    if k >= n:
+        return 1.0
+    if p <= 0.0:
+        return 1.0
+    if p >= 1.0:
+        return 0.0
+    lp, lq = math.log(p), math.log1p(-p)
+    lg = math.lgamma
+    terms = [lg(n + 1) - lg(i + 1) - lg(n - i + 1) + i * lp + (n - i) * lq for i in range(k + 1)]
+    m = max(terms)
+    return min(1.0, math.exp(m) * sum(math.exp(t - m) for t in terms))
+
+
+def clopper_pearson(k: int, n: int, confidence: float = CONFIDENCE) -> tuple[float, float]:
+    """Exact one-sided Clopper–Pearson bounds of a proportion from k successes in n trials.
+
+    Returns (lower, upper): the true rate is >= lower with probability `confidence` (and,
+    separately, <= upper). lower solves P(X >= k | p) = 1 - confidence, upper solves
+    P(X <= k | p) = 1 - confidence; both by bisection on the exact binomial tail (the CDF is
+    monotone in p), so no statistics library is needed. With no failure the lower bound is
+    (1 - confidence) ** (1 / n): 149 runs for 98%, 598 for 99.5% at 95%."""
+    if n <= 0:
+        return 0.0, 1.0
+    if not 0 <= k <= n:
+        raise ValueError(f"k={k} outside 0..{n}")
+    alpha = 1.0 - confidence
+
+    def solve(f, want_increasing: bool) -> float:
+        lo, hi = 0.0, 1.0
+        for _ in range(100):
+            mid = (lo + hi) / 2
+            if (f(mid) < alpha) == want_increasing:
+                lo = mid
+            else:
+                hi = mid
+        return (lo + hi) / 2
+
+    # P(X >= k | p) grows with p: the lower bound is where it reaches alpha.
+    lower = 0.0 if k == 0 else solve(lambda p: 1.0 - _binom_cdf(k - 1, n, p), True)
+    # P(X <= k | p) falls with p: the upper bound is where it falls to alpha.
+    upper = 1.0 if k == n else solve(lambda p: _binom_cdf(k, n, p), False)
+    return lower, upper
+
+
+def runs_needed(target: float, confidence: float = CONFIDENCE) -> int:
+    """Runs, all successful, whose lower bound reaches `target`."""
+    return math.ceil(math.log(1.0 - confidence) / math.log(target))
+
+
+def target_rows(by_level: dict[str, dict[str, Any]]) -> list[dict[str, Any]]:
+    """The issue 9 targets as proportions (k of n), with what the sample proves about each.
+
+    A p90 latency target is the share of expected runs found within it (>= 90%); a median lead
+    target is the share of OOMs warned at least that long before (>= 50%)."""
+    rows: list[dict[str, Any]] = []
+
+    def add(target: str, level: str, k: int | None, n: int | None, goal: float) -> None:
+        if not n:
+            return
+        lo, hi = clopper_pearson(int(k or 0), int(n))
+        rows.append({"target": target, "level": level, "k": int(k or 0), "n": int(n), "share": k / n, "lower": lo, "upper": hi, "goal": goal, "shown": lo >= goal, "refuted": hi < goal})
+
+    for lvl in LEVELS:
+        sm = by_level.get(lvl) or {}
+        h = sm.get("collective_hang")
+        if h:
+            if lvl == "L0":
+                add("hang found ≤ 60 s (p90 ≤ 60 s)", lvl, h["found_within_seconds"]["60"], h["expected"], 0.90)
+                add("culprit GPU named, culprit outside the collective", lvl, h.get("culprit_outside_right"), h.get("culprit_outside_runs"), 0.80)
+            if lvl == "L1":
+                add("exact culprit ranks", lvl, h["culprit_right"], h["expected"], 0.98)
+                add("hang found ≤ 30 s (p90 ≤ 30 s)", lvl, h["found_within_seconds"]["30"], h["expected"], 0.90)
+        o = sm.get("oom_predicted")
+        if lvl == "L0" and o and o.get("oom_runs"):
+            add("OOM warned before the OOM (recall)", lvl, o["warned_before_oom"], o["oom_runs"], 0.90)
+            add("OOM warning precision", lvl, o["detected"], o["detected"] + o["false_positives"], 0.95)
+            add("OOM warned ≥ 60 s ahead (median lead ≥ 60 s)", lvl, o.get("leads_at_least_60s"), o["oom_runs"], 0.50)
+        hn = sm.get("hard_negatives")
+        if hn and hn["runs"]:
+            add("hard negatives page-free", lvl, hn["page_free_runs"], hn["runs"], 0.995)
+    return rows
+
+
+def targets_markdown(by_level: dict[str, dict[str, Any]]) -> list[str]:
+    rows = target_rows(by_level)
+    if not rows:
+        return []
+    pc = lambda v: f"{100 * v:.1f}%"  # noqa: E731
+    lines = [
+        f"| target (issue 9) | level | runs k / n | share | one-sided {int(100 * CONFIDENCE)}% bound (Clopper–Pearson) | goal | what the sample shows |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for r in rows:
+        if r["shown"]:
+            verdict = "shown"
+        elif r["refuted"]:
+            verdict = f"missed (true rate ≤ {pc(r['upper'])})"
+        else:
+            verdict = f"not shown: {runs_needed(r['goal'])} runs without a miss would show it" if r["k"] == r["n"] else "not shown"
+        lines.append(f"| {r['target']} | {r['level']} | {r['k']} / {r['n']} | {pc(r['share'])} | ≥ {pc(r['lower'])} | ≥ {pc(r['goal'])} | {verdict} |")
+    return lines
+
+
 # -- report -------------------------------------------------------------------------------------
 def _fmt(v: Any, pct: bool = False) -> str:
     if v is None:
@@ -652,6 +778,7 @@ def markdown(summary: dict[str, Any], meta: dict[str, Any], cost: dict[str, Any]
         + f"; job sizes {meta['gpus_min']}–{meta['gpus_max']} GPUs, "
         f"step times {meta['step_min']:.2f}–{meta['step_max']:.1f} s, random onset, noise, checkpoints and background jobs; hints off so faults run their course. "
         f"{meta['sim_seconds']:.0f} simulated s in {meta['wall_seconds']:.0f} s wall on {meta['workers']} worker(s)"
+        + (f", {meta['cpu_seconds']:.0f} s of CPU in the runs" if meta.get("cpu_seconds") is not None else "")
         + (" (reduced `--quick` suite: jobs of at most 32 GPUs, steps of at most 4 s, faults that play out within minutes)" if meta.get("quick") else "")
         + "; wall time on a shared, loaded machine is not a performance figure.",
         "",
@@ -659,6 +786,18 @@ def markdown(summary: dict[str, Any], meta: dict[str, Any], cost: dict[str, Any]
         "the same simulated world: L2 (the in-process hook: the main runtime), L1 (device telemetry + NCCL Inspector + Flight Recorder dumps through the "
         "debug-info pipes) and L0 (device telemetry, per-process memory, logs and the scheduler's job map only).",
         "",
+    ]
+    tl = targets_markdown(by_level)
+    if tl:
+        lines += [
+            "What the sample proves about each target: k of n runs, and the rate the true one is at least, with 95% confidence (exact one-sided "
+            "Clopper–Pearson bound; a target is shown when that bound reaches it). The p90 latency targets are read as \"at least 90% of the runs found "
+            "within the limit\", a miss counting as late; the median lead as \"at least half the OOMs warned 60 s ahead\".",
+            "",
+            *tl,
+            "",
+        ]
+    lines += [
         "| kind | level | expected | detected | FP | precision | recall | F1 | latency p50 / p90 (s) | p90 step ≤ 2 s (s) | p90 step > 2 s (steps) | culprit | cause |",
         "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
@@ -735,19 +874,28 @@ def parse_cases(spec: str | None) -> list[str] | None:
     return out or None
 
 
-def run_suite(runs: int, seed: int, workers: int, max_gpus: int = 1024, progress: bool = False, quick: bool = False, types: list[str] | None = None) -> tuple[list[RunResult], float]:
+def run_suite(
+    runs: int, seed: int, workers: int, max_gpus: int = 1024, progress: bool = False, quick: bool = False, types: list[str] | None = None, on_result=None
+) -> tuple[list[RunResult], float]:
     cases = [make_case(i, seed, max_gpus, quick, types) for i in range(runs)]
-    # Biggest first so that the pool's tail is short.
-    order = sorted(cases, key=lambda c: -(c.gpus * c.scenario["duration_seconds"] / c.tick_seconds))
+    # Biggest first so that the pool's tail is short; on one worker, in index order instead, so
+    # that a long suite cut short has a prefix of the case cycle (its mix as asked).
+    order = sorted(cases, key=lambda c: -(c.gpus * c.scenario["duration_seconds"] / c.tick_seconds)) if workers > 1 else cases
     t0 = time.perf_counter()
     results: list[RunResult] = []
     if workers <= 1:
-        results = [run_case(c) for c in order]
+        for c in order:
+            r = run_case(c)
+            results.append(r)
+            if on_result is not None:
+                on_result(r)
     else:
         # spawn, not fork: a forked child of a process whose polars thread pool ran can deadlock.
         with ProcessPoolExecutor(max_workers=workers, mp_context=multiprocessing.get_context("spawn")) as pool:
             for i, r in enumerate(pool.map(run_case, order, chunksize=1)):
                 results.append(r)
+                if on_result is not None:
+                    on_result(r)
                 if progress:
                     sys.stderr.write(f"\r{i + 1}/{len(order)} runs")
         if progress:
@@ -767,32 +915,64 @@ def cmd(args) -> int:
     max_gpus = 32 if args.quick else 1024
     workers = args.workers or max(1, os.cpu_count() or 1)
     types = parse_cases(getattr(args, "cases", None))
-    results, wall = run_suite(runs, args.seed, workers, max_gpus, progress=not args.json and sys.stderr.isatty(), quick=args.quick, types=types)
-    if getattr(args, "dump_runs", None):
-        from dataclasses import asdict
+    if getattr(args, "from_dumps", None):
+        return _report(args, load_dumps(args.from_dumps.split(",")), sum_wall=True, workers=1, types=types)
+    dump = open(args.dump_runs, "w") if getattr(args, "dump_runs", None) else None
 
-        # Every run's ground truth and findings, one JSON object a line: the table can be audited
-        # (and rescored) without rerunning the simulations.
-        with open(args.dump_runs, "w") as fh:
-            for r in results:
-                fh.write(json.dumps(asdict(r), default=str) + "\n")
+    def on_result(r: RunResult) -> None:
+        # Every run's ground truth and findings, one JSON object a line, written as each run
+        # ends: the table can be audited and rescored (`--from-dumps`) without rerunning the
+        # simulations, and a long suite stopped early keeps the runs it finished.
+        if dump is not None:
+            from dataclasses import asdict
+
+            dump.write(json.dumps(asdict(r), default=str) + "\n")
+            dump.flush()
+
+    try:
+        results, wall = run_suite(runs, args.seed, workers, max_gpus, progress=not args.json and sys.stderr.isatty(), quick=args.quick, types=types, on_result=on_result)
+    finally:
+        if dump is not None:
+            dump.close()
+    return _report(args, results, wall=wall, workers=workers, types=types)
+
+
+def load_dumps(paths: list[str]) -> list[RunResult]:
+    """Runs written by `--dump-runs` (several files: several seeds), for `--from-dumps`."""
+    from gpuvigil.errors import UserError
+
+    out: list[RunResult] = []
+    for path in paths:
+        try:
+            with open(path) as fh:
+                out += [RunResult(**json.loads(line)) for line in fh if line.strip()]
+        except (OSError, ValueError, TypeError) as exc:
+            raise UserError(f"--from-dumps: cannot read {path}: {exc}") from exc
+    if not out:
+        raise UserError("--from-dumps: no runs in " + ", ".join(paths))
+    return out
+
+
+def _report(args, results: list[RunResult], wall: float = 0.0, workers: int = 1, types: list[str] | None = None, sum_wall: bool = False) -> int:
     summary = score(results)
     levels = {lvl: score(results, lvl) for lvl in ("L0", "L1")}
     errors = [r for r in results if r.error]
+    cpu = [r.cpu_seconds for r in results if r.cpu_seconds is not None]
     meta = {
         "runs": len(results),
-        "seed": args.seed,
+        "seed": args.seed if not getattr(args, "from_dumps", None) else f"as dumped; rescored from {args.from_dumps}",
         "errors": len(errors),
         "workers": workers,
-        "wall_seconds": wall,
+        "wall_seconds": sum(r.wall_seconds for r in results) if sum_wall else wall,
+        "cpu_seconds": sum(cpu) if len(cpu) == len(results) else None,
         "sim_seconds": sum(r.ticks * r.tick_seconds for r in results),
         "gpus_min": min(r.gpus for r in results),
         "gpus_max": max(r.gpus for r in results),
         "step_min": min(r.step_time_seconds for r in results),
         "step_max": max(r.step_time_seconds for r in results),
         "quick": bool(args.quick),
-        "cases": getattr(args, "cases", None),
-        "case_counts": {t: sum(r.case_type == t for r in results) for t in dict.fromkeys(types or CASE_TYPES)},
+        "cases": getattr(args, "cases", None) or ("as in the dumps" if getattr(args, "from_dumps", None) else None),
+        "case_counts": {t: sum(r.case_type == t for r in results) for t in dict.fromkeys(types or (sorted({r.case_type for r in results}) if getattr(args, "from_dumps", None) else CASE_TYPES))},
     }
     cost = None if args.quick or args.cost_gpus == 0 else measure_cost(args.cost_gpus)
     md = markdown(summary, meta, cost, levels)
@@ -821,5 +1001,6 @@ def add_parser(sub) -> None:
     p.add_argument("--json", action="store_true", help="print the figures as one JSON object")
     p.add_argument("--dump-runs", default=None, metavar="FILE.jsonl", help="also write every run (ground truth and findings per level) as JSON lines")
     p.add_argument("--cases", default=None, help="case types to cycle through, comma-separated (`all` = every type; a repeated type weighs more), e.g. all,nccl_hang,gpu_lost")
+    p.add_argument("--from-dumps", default=None, metavar="FILE.jsonl[,FILE.jsonl]", help="score runs written by --dump-runs (comma-separated files, e.g. several seeds) instead of simulating")
     p.add_argument("--section", default=None, help="docs/benchmarks.md section to write (default: detectors), e.g. detectors-levels for a reduced per-level run beside the full one")
     p.set_defaults(func=cmd)

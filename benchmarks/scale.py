@@ -384,22 +384,32 @@ def markdown(r: dict[str, Any]) -> str:
 # 16 B messages, R1 memory (nats-io/nats.docs, nats bench page); one large Prometheus server.
 JETSTREAM_PUB_MSGS = 272_497
 PROMETHEUS_SAMPLES_PER_S = 1_000_000
+# Budget of one rows stream (an assumption, not a measurement; docs/scale.md says why): one stream
+# is one RAFT group whose leader takes every write and sends it to two followers (R3), so one
+# stream's intake is bounded by one server's disk and NIC. 250 MB/s in (750 MB/s written over
+# three servers) leaves a 10 GbE NIC (1,250 MB/s) half free for consumers and replication.
+STREAM_BUDGET_MB_S = 250.0
 
 
 def model(r: dict[str, Any], per_core_msgs: float) -> list[str]:
     """Cores, NATS messages and bandwidth for 10k, 100k and 1M GPUs, linear in nodes from the
     measured per-node figures (8 GPUs per node, 1 Hz, one job per node)."""
+    import math
+
     a = r["agent"]
-    lines = ["Model (linear in nodes from the figures above; 8 GPUs per node, 1 Hz, one job per node; R3 streams):", "",
-             "| GPUs | nodes | agent CPU, whole fleet (1 per node) | NATS msgs/s in | rows payload in | written by JetStream (R3) | detect cores | vs JetStream 1-publisher anchor |",
-             "|---|---|---|---|---|---|---|---|"]
+    lines = ["Model (linear in nodes from the figures above; 8 GPUs per node, 1 Hz, one job per node; R3 streams; "
+             f"`fleet.rows_streams` chosen so no rows stream takes more than {STREAM_BUDGET_MB_S:.0f} MB/s, an assumed budget):", "",
+             "| GPUs | nodes | agent CPU, whole fleet (1 per node) | NATS msgs/s in | rows payload in | written by JetStream (R3) | `rows_streams` | per rows stream in | detect cores | vs JetStream 1-publisher anchor |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
     for gpus in (10_000, 100_000, 1_000_000):
         nodes = gpus / 8
         msgs = nodes * a["msgs_per_node_tick"]
         mb = nodes * a["bytes_per_node_tick"] / 1e6
         cores = nodes * a["rows_msgs_per_node_tick"] / per_core_msgs
+        streams = max(1, math.ceil(mb / STREAM_BUDGET_MB_S))
         lines.append(f"| {gpus:,} | {nodes:,.0f} | {nodes * a['cpu_ms_per_node_tick'] / 1000:,.1f} cores ({a['cpu_ms_per_node_tick'] / 10:.2f}% of one per node) "
-                     f"| {msgs:,.0f} | {mb:,.0f} MB/s ({mb * 8 / 1000:.2f} Gbit/s) | {3 * mb:,.0f} MB/s | {cores:,.1f} | {msgs / JETSTREAM_PUB_MSGS:.2f}x |")
+                     f"| {msgs:,.0f} | {mb:,.0f} MB/s ({mb * 8 / 1000:.2f} Gbit/s) | {3 * mb:,.0f} MB/s | {streams} | {mb / streams:,.0f} MB/s "
+                     f"| {cores:,.1f} | {msgs / JETSTREAM_PUB_MSGS:.2f}x |")
     return lines
 
 

@@ -1,8 +1,10 @@
 """`gpuvigil bench soak`: `gpuvigil serve` for minutes (or hours) at 10,000 simulated GPUs while
 things go wrong around it, and what it kept doing.
 
-Set-up: the simulated cluster (1,250 nodes × 8 GPUs by default) with jobs arriving through the run
-and leaving (crashes, preemptions), and node faults replayed from the InfiniteHBD trace
+Set-up: the simulated cluster (1,250 nodes × 8 GPUs by default) in a steady state: about 60% of the
+GPUs busy from the start, training jobs arriving as a Poisson stream and each completing after an
+exponential run time (`job_plan`), so the number of running jobs stays level while jobs come and go;
+node faults replayed from the InfiniteHBD trace
 (tests/data/traces/infinitehbd-faults-full: 584 faults on 231 servers over 349 days) in the
 trace's order and spacing, time compressed (`--day-seconds` simulated seconds per trace day; the
 trace's 231 faulty servers are mapped onto 231 of the simulated nodes' jobs). A real Alertmanager
@@ -15,14 +17,17 @@ During the run: Alertmanager is restarted; `serve` is killed with SIGKILL and st
 simulated cluster lives in the killed process, so the new one is rebuilt and continues the fault
 schedule where the old one stopped); the tmpfs is filled until writes fail, held, and freed.
 
-Reported (docs/reliability.md): serve's RSS slope, tick time p99 against the tick period, page
-findings raised vs paged (none lost, none paged twice), API requests/s and p99. The simulator
-has no job completion: jobs leave by crashing or being preempted (`restart` faults).
+Reported (docs/reliability.md): serve's RSS slope, read only once the last serve's windows are full
+and the disk is free again, with the running-job count in that window (from `/metrics`); tick time
+p99 against the tick period; page findings raised vs paged (none lost, none paged twice); API
+requests/s and p99 (serve runs the API as its own process; the polling clients run in theirs);
+CPU time of serve and of its API process, which the shared machine's load does not inflate.
 """
 
 from __future__ import annotations
 
 import json
+import multiprocessing
 import os
 import random
 import re
@@ -80,34 +85,78 @@ def trace_faults(day_seconds: float, horizon: float, seed: int) -> list[dict[str
     return out
 
 
-def scenario(gpus: int, sim_seconds: float, day_seconds: float, seed: int, offset: float = 0.0) -> dict[str, Any]:
-    """The soak scenario; `offset` drops what happened before it (a restarted serve continues
-    the schedule) and shifts the rest to start at 0."""
+JOB_MEAN_SECONDS = 240.0  # mean run time of a training job in the soak (exponential)
+JOB_STARTUP_SECONDS = 10.0  # the simulator's default start-up time of a job
+
+
+def job_plan(gpus: int, sim_seconds: float, seed: int) -> list[dict[str, Any]]:
+    """Jobs in a steady state from the start: a Poisson stream of arrivals, each running an
+    exponential time (mean JOB_MEAN_SECONDS), plus the population such a stream leaves running at
+    any moment (Little's law: arrival rate x mean run time), submitted at 0 with residual run times
+    (the exponential's own). The number of running jobs then stays level while jobs keep arriving
+    and completing (JobConfig.total_steps), so serve's memory can be read for growth."""
     rng = random.Random(seed)
     nodes = max(2, gpus // 8)
-    jobs = []
-    # 60% of GPUs in jobs that arrive over the run (sizes like a shared training cluster).
-    budget = int(0.6 * nodes * 8)
-    i = 0
-    while budget > 0:
-        size = min(budget, rng.choice([8, 8, 16, 16, 32, 64, 128]))
-        if size % 8:
+    sizes = [8, 8, 16, 16, 32, 64, 128]
+    sizes = [x for x in sizes if x <= 0.1 * nodes * 8] or [8]
+    running = max(1, round(0.6 * nodes * 8 / statistics.fmean(sizes)))  # 60% of GPUs busy on average
+    rate = running / JOB_MEAN_SECONDS
+    submits = [0.0] * running
+    t = 0.0
+    while True:
+        t += rng.expovariate(rate)
+        if t >= sim_seconds:
             break
-        submit = rng.uniform(0, 0.8 * sim_seconds)
+        submits.append(t)
+    jobs = []
+    for i, submit in enumerate(submits):
+        step = round(rng.uniform(0.5, 3.0), 2)
+        run = rng.expovariate(1.0 / JOB_MEAN_SECONDS)
         jobs.append(
-            {"name": f"train-{i:03d}", "gpus": size, "gpus_per_node": 8, "step_time_seconds": round(rng.uniform(0.5, 3.0), 2),
+            {"name": f"train-{i:04d}", "gpus": rng.choice(sizes), "gpus_per_node": 8, "step_time_seconds": step,
              "collectives_per_step": 4, "checkpoint_every_steps": 400, "checkpoint_seconds": 10, "memory_base_gib": 30,
-             "memory_peak_gib": round(rng.uniform(60, 110), 1), "tenant": rng.choice(["research", "prod", "vision"]), "submit_at": round(submit, 1)}
+             "memory_peak_gib": round(rng.uniform(60, 110), 1), "tenant": rng.choice(["research", "prod", "vision"]), "submit_at": round(submit, 1),
+             "total_steps": max(1, round(run / step))}
         )
-        budget -= size
-        i += 1
+    return jobs
+
+
+def _end(job: dict[str, Any]) -> float:
+    """When the job is expected to complete (no queueing, slowdowns or checkpoints counted)."""
+    return job["submit_at"] + JOB_STARTUP_SECONDS + job["total_steps"] * job["step_time_seconds"]
+
+
+def scenario(gpus: int, sim_seconds: float, day_seconds: float, seed: int, offset: float = 0.0) -> dict[str, Any]:
+    """The soak scenario; `offset` drops what happened before it (a restarted serve continues
+    the schedule: jobs running then continue with the steps they had left) and shifts the rest
+    to start at 0."""
+    rng = random.Random(seed + 1)
+    nodes = max(2, gpus // 8)
+    jobs = job_plan(gpus, sim_seconds, seed)
     faults = []
     node_to_job: dict[str, str] = {}
+    by_name = {j["name"]: j for j in jobs}
     for f in trace_faults(day_seconds, sim_seconds + offset, seed):
-        job = node_to_job.setdefault(f["node_id"], rng.choice(jobs)["name"])
+        # A trace server's faults hit the job running on it; when that job has left, another one.
+        job = node_to_job.get(f["node_id"])
+        if job is None or not by_name[job]["submit_at"] + JOB_STARTUP_SECONDS <= f["at"] < _end(by_name[job]) - 30:
+            live = [j["name"] for j in jobs if j["submit_at"] + JOB_STARTUP_SECONDS <= f["at"] < _end(j) - 30]
+            if not live:
+                continue
+            job = node_to_job[f["node_id"]] = rng.choice(live)
         faults.append({"type": f["type"], "at": f["at"], "job": job})
-    shifted_jobs = [{**j, "submit_at": max(0.0, j["submit_at"] - offset)} for j in jobs]
-    shifted_faults = [{**f, "at": round(f["at"] - offset, 1)} for f in faults if f["at"] >= offset]
+    shifted_jobs = []
+    for j in jobs:
+        if _end(j) <= offset:
+            continue  # completed before the restart
+        if j["submit_at"] < offset:
+            done = max(0.0, offset - j["submit_at"] - JOB_STARTUP_SECONDS) / j["step_time_seconds"]
+            j = {**j, "submit_at": 0.0, "total_steps": max(1, round(j["total_steps"] - done))}
+        else:
+            j = {**j, "submit_at": round(j["submit_at"] - offset, 1)}
+        shifted_jobs.append(j)
+    kept = {j["name"] for j in shifted_jobs}
+    shifted_faults = [{**f, "at": round(f["at"] - offset, 1)} for f in faults if f["at"] >= offset and f["job"] in kept]
     return {
         "name": "soak",
         "description": "soak: InfiniteHBD fault arrivals, time-compressed, on a 10k-GPU simulated cluster",
@@ -242,6 +291,28 @@ def start_serve(workdir: Path, db_dir: Path, scen: dict[str, Any], am_url: str, 
     return proc
 
 
+def _api_child(pid: int) -> int | None:
+    """serve's API process (gpuvigil/api/process.py): its one child."""
+    try:
+        for task in Path(f"/proc/{pid}/task").iterdir():
+            kids = (task / "children").read_text().split()
+            if kids:
+                return int(kids[0])
+    except OSError:
+        return None
+    return None
+
+
+def _cpu_seconds(pid: int | None) -> float | None:
+    if pid is None:
+        return None
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except OSError:
+        return None
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
 def rss_mb(pid: int) -> float | None:
     try:
         for line in Path(f"/proc/{pid}/status").read_text().splitlines():
@@ -332,6 +403,19 @@ class Clients:
             self.stop.wait(1.0)
 
 
+def _poll_process(api: str, n: int, stop: Any, out: Any) -> None:
+    """The polling clients (their own process; see `run`): latencies, errors, refusals back."""
+    clients = Clients(api)
+    threads = [threading.Thread(target=clients.poll, args=(k,), daemon=True) for k in range(n)]
+    for t in threads:
+        t.start()
+    stop.wait()
+    clients.stop.set()
+    for t in threads:
+        t.join(35)
+    out.put((clients.latencies, clients.errors, clients.refused))
+
+
 # -- the run ------------------------------------------------------------------------------------
 def _mount_tmpfs(path: Path, mb: int) -> bool:
     path.mkdir(parents=True, exist_ok=True)
@@ -376,6 +460,8 @@ def _scrape(url: str) -> tuple[dict[str, float], dict[float, float], float | Non
         if line.startswith("gpuvigil_pipeline_tick_duration_seconds_bucket{"):
             le = line.split('le="', 1)[1].split('"', 1)[0]
             buckets[float("inf") if le == "+Inf" else float(le)] = float(line.rsplit(" ", 1)[1])
+        elif line.startswith("gpuvigil_job_info{") and 'state="running"' in line and 'job="train-' in line:
+            out["running_training_jobs"] = out.get("running_training_jobs", 0) + 1
         elif line.startswith(("gpuvigil_pipeline_last_tick_duration_seconds ", "gpuvigil_pipeline_ticks_total ", "gpuvigil_pipeline_ticks ")):
             name, value = line.rsplit(" ", 1)
             out[name] = float(value)
@@ -409,11 +495,18 @@ def run(minutes: float, gpus: int, day_seconds: float, tick_seconds: float, seed
     serve = start_serve(workdir, db_dir, scen0, am_url, metrics_port, api_port, tick_seconds, 0)
     t_start = time.monotonic()
     clients = Clients(f"http://127.0.0.1:{api_port}")
-    threads = [threading.Thread(target=clients.poll, args=(k,), daemon=True) for k in range(3)]
-    threads += [threading.Thread(target=clients.stream, daemon=True) for _ in range(2)]
+    # The polling clients run in a process of their own: in this one they would wait for its
+    # GIL behind the scraper (which parses ~240,000 lines of /metrics) and count that as API time.
+    mp = multiprocessing.get_context("spawn")
+    poll_stop, poll_out = mp.Event(), mp.Queue()
+    pollers = mp.Process(target=_poll_process, args=(clients.api, 3, poll_stop, poll_out), daemon=True)
+    pollers.start()
+    threads = [threading.Thread(target=clients.stream, daemon=True) for _ in range(2)]
     for t in threads:
         t.start()
     rss: list[tuple[float, float, int]] = []
+    api_rss: list[tuple[float, float, int]] = []
+    running_jobs: list[tuple[float, int, int]] = []
     ticks: list[float] = []
     events: list[str] = []
     hist_by_gen: dict[int, dict[float, float]] = {}
@@ -428,6 +521,7 @@ def run(minutes: float, gpus: int, day_seconds: float, tick_seconds: float, seed
             m, hist, took = _scrape(f"http://127.0.0.1:{metrics_port}/metrics")
             if took is not None:
                 scrape_seconds.append(took)
+                running_jobs.append((time.monotonic() - t_start, int(m.get("running_training_jobs", 0)), current_gen[0]))
             if hist:
                 hist_by_gen[current_gen[0]] = hist  # cumulative per process: the latest scrape holds all its ticks
             n = m.get("gpuvigil_pipeline_ticks_total", m.get("gpuvigil_pipeline_ticks"))
@@ -438,9 +532,12 @@ def run(minutes: float, gpus: int, day_seconds: float, tick_seconds: float, seed
 
     scrape_thread = threading.Thread(target=scraper, daemon=True)
     scrape_thread.start()
-    # serve is killed early, so that the process that runs to the end has its windows full
-    # (HORIZON after its start) for most of the run: its RSS slope is read from then on.
-    plan = {0.15: "kill_serve", 0.35: "restart_alertmanager", 0.6: "fill_disk", 0.7: "free_disk"}
+    # Everything that disturbs serve happens in the first half: serve is killed early, so that
+    # the process that runs to the end has its windows full (HORIZON after its start) for most of
+    # the run, and the disk is full and freed again (the ticks that could not be written are
+    # kept in memory meanwhile) before the RSS slope is read, from the later of the two on.
+    plan = {0.1: "kill_serve", 0.25: "fill_disk", 0.35: "free_disk", 0.45: "restart_alertmanager"}
+    freed_at = 0.0
     loads = [os.getloadavg()[0]]
     last_start = 0.0
     done: set[float] = set()
@@ -471,6 +568,7 @@ def run(minutes: float, gpus: int, day_seconds: float, tick_seconds: float, seed
             elif what == "free_disk" and tmpfs:
                 serve_alive_through_full_disk = serve.poll() is None
                 (db_dir / "filler").unlink(missing_ok=True)
+                freed_at = elapsed
                 events.append(f"{elapsed:.0f} s: filler deleted; serve {'still running' if serve_alive_through_full_disk else 'HAD EXITED'}")
         current_gen[0] = gen
         if len(loads) < 1 + int(elapsed // 60):
@@ -478,6 +576,10 @@ def run(minutes: float, gpus: int, day_seconds: float, tick_seconds: float, seed
         r = rss_mb(serve.pid)
         if r is not None:
             rss.append((elapsed, r, gen))
+        api_pid = _api_child(serve.pid)
+        r = rss_mb(api_pid) if api_pid else None
+        if r is not None:
+            api_rss.append((elapsed, r, gen))
         if serve.poll() is not None and not any("serve exited" in e for e in events):
             events.append(f"{elapsed:.0f} s: serve exited with {serve.returncode} (see serve-{gen}.log)")
         time.sleep(min(1.0, tick_seconds / 2))
@@ -486,7 +588,19 @@ def run(minutes: float, gpus: int, day_seconds: float, tick_seconds: float, seed
         hist_by_gen[gen] = hist
     if took is not None:
         scrape_seconds.append(took)
+    # CPU time (not polluted by the shared machine's load, unlike wall time) of the last serve
+    # and of its API process, over their lives.
+    api_pid = _api_child(serve.pid)
+    serve_cpu = _cpu_seconds(serve.pid)
+    api_cpu = _cpu_seconds(api_pid) if api_pid else None
+    serve_life = time.monotonic() - t_start - last_start
     clients.stop.set()
+    poll_stop.set()
+    try:
+        clients.latencies, clients.errors, clients.refused = poll_out.get(timeout=120)
+    except Exception:  # noqa: BLE001 - the figures are then missing, not the rest of the report
+        log("soak: the polling clients' process did not report")
+    pollers.join(30)
     serve.terminate()
     try:
         serve.wait(60)
@@ -519,17 +633,29 @@ def run(minutes: float, gpus: int, day_seconds: float, tick_seconds: float, seed
     for h in hist_by_gen.values():
         for le, n in h.items():
             merged[le] = merged.get(le, 0.0) + n
-    # RSS slope over the last serve process once its windows are full: HORIZON of simulated time
-    # (= wall time, speed 1) after it answered, plus one minute for detector state to settle.
+    # RSS slope over the last serve process once its windows are full (HORIZON of simulated time,
+    # = wall time at speed 1, after it answered, plus one minute for detector state to settle)
+    # and the disk is free again (plus a minute to write the kept ticks).
     last = [(t, r) for t, r, g in rss if g == gen]
-    full_at = last_start + HORIZON + 60
+    full_at = max(last_start + HORIZON + 60, freed_at + 60)
     steady = [(t, r) for t, r in last if t >= full_at]
     slope = _slope(steady) * 3600 if len(steady) > 10 else float("nan")
+    api_steady = [(t, r) for t, r, g in api_rss if g == gen and t >= full_at]
+    api_slope = _slope(api_steady) * 3600 if len(api_steady) > 10 else float("nan")
+    jobs_steady = [n for t, n, g in running_jobs if g == gen and t >= full_at]
+    window_end = steady[-1][0] if steady else wall
+    arrived = sum(1 for j in scen0["jobs"] if full_at <= j["submit_at"] < window_end)
+    completed = sum(1 for j in scen0["jobs"] if full_at <= _end(j) < window_end)
     return {
         "minutes": minutes, "gpus": gpus, "nodes": scen0["nodes"], "jobs": len(scen0["jobs"]), "tick_seconds": tick_seconds, "day_seconds": day_seconds,
         "faults_scheduled": len(injected), "fault_kinds": _count(f["type"] for f in injected), "events": events, "tmpfs": tmpfs,
         "rss_first_mb": last[0][1] if last else None, "rss_last_mb": last[-1][1] if last else None, "rss_max_mb": max((r for _, r, _ in rss), default=None),
         "rss_slope_mb_per_hour": slope, "steady_window_s": (steady[-1][0] - steady[0][0]) if steady else 0,
+        "api_rss_slope_mb_per_hour": api_slope, "api_rss_steady_first_mb": api_steady[0][1] if api_steady else None,
+        "api_rss_steady_last_mb": api_steady[-1][1] if api_steady else None,
+        "running_jobs_steady": jobs_steady, "running_jobs_all": [(round(t), n) for t, n, _ in running_jobs],
+        "jobs_arrived_in_window": arrived, "jobs_completed_in_window": completed,
+        "serve_cpu_s": serve_cpu, "api_cpu_s": api_cpu, "serve_life_s": serve_life,
         "steady_from_s": full_at, "rss_steady_first_mb": steady[0][1] if steady else None, "rss_steady_last_mb": steady[-1][1] if steady else None,
         "load_avg_per_minute": [round(x, 1) for x in loads + [os.getloadavg()[0]]],
         "tick_count": len(tick_rows), "tick_expected": wall / tick_seconds,
@@ -568,6 +694,14 @@ def _mb(value: float | None) -> str:
     return "–" if value is None else f"{value:.0f}"
 
 
+def _range(values: list[int]) -> str:
+    return f"{min(values)}–{max(values)}" if values else "–"
+
+
+def _num(value: float | None, per: float = 1.0, digits: int = 0) -> str:
+    return "–" if value is None or not per else f"{value / per:.{digits}f}"
+
+
 def _q(values: list[float], q: float) -> float:
     if not values:
         return float("nan")
@@ -594,8 +728,9 @@ def markdown(r: dict[str, Any]) -> str:
     lines = [
         "## Soak (`gpuvigil bench soak`)",
         "",
-        f"`gpuvigil serve` on the simulated cluster: {r['gpus']} GPUs ({r['nodes']} nodes), {r['jobs']} training jobs arriving over the run "
-        f"plus background jobs; tick period {r['tick_seconds']:g} s; {r['minutes']:g} min of wall time. Faults: the InfiniteHBD trace's fault "
+        f"`gpuvigil serve` on the simulated cluster: {r['gpus']} GPUs ({r['nodes']} nodes), {r['jobs']} training jobs in a steady state: "
+        f"about 60% of the GPUs busy from the start, jobs arriving as a Poisson stream and each completing after an exponential run time "
+        f"(mean {JOB_MEAN_SECONDS:g} s), so that as many leave as arrive; plus background jobs; tick period {r['tick_seconds']:g} s; {r['minutes']:g} min of wall time. Faults: the InfiniteHBD trace's fault "
         f"arrivals in order, 1 trace day = {r['day_seconds']:g} s ({r['faults_scheduled']} faults scheduled: "
         + ", ".join(f"{k} {v}" for k, v in sorted(r["fault_kinds"].items()))
         + "). Real Alertmanager → webhook pager; the feedback API polled by 3 clients and followed by 2 SSE streams. "
@@ -613,6 +748,12 @@ def markdown(r: dict[str, Any]) -> str:
         f"| serve RSS slope (last process, once its windows were full: from {r['steady_from_s']:.0f} s, over {r['steady_window_s']:.0f} s) | "
         f"{r['rss_slope_mb_per_hour']:.1f} MB/h (RSS {_mb(r['rss_steady_first_mb'])} → {_mb(r['rss_steady_last_mb'])} MB in that window; "
         f"{_mb(r['rss_first_mb'])} → {_mb(r['rss_last_mb'])} MB over the process, max {_mb(r['rss_max_mb'])} MB) | ≈ 0 |",
+        f"| training jobs running in that window (counted in `/metrics` at each scrape) / arriving / completing in it (the plan) | "
+        f"{_range(r['running_jobs_steady'])} / {r['jobs_arrived_in_window']} / {r['jobs_completed_in_window']} | level |",
+        f"| API process RSS slope in the same window | {r['api_rss_slope_mb_per_hour']:.1f} MB/h (RSS {_mb(r['api_rss_steady_first_mb'])} → "
+        f"{_mb(r['api_rss_steady_last_mb'])} MB) | ≈ 0 |",
+        f"| CPU time of the last serve process / of its API process over {r['serve_life_s']:.0f} s (wall time is polluted by the shared machine) | "
+        f"{_num(r['serve_cpu_s'])} s ({_num(r['serve_cpu_s'], r['serve_life_s'] / r['tick_seconds'], 3)} s per tick period) / {_num(r['api_cpu_s'])} s | |",
         f"| tick duration p50 / p99 / max ({r['tick_count']} ticks of {r['tick_expected']:.0f} scheduled; serve's --tick-log) | "
         f"{r['tick_p50_s']:.2f} / {r['tick_p99_s']:.2f} / {r['tick_max_s']:.2f} s; with the wait for the tick lock p99 {r['tick_locked_p99_s']:.2f} s; "
         f"started late p99 {r['tick_late_p99_s']:.2f} s; {r['ticks_over_period']} ticks longer than the period | p99 < period {r['tick_seconds']:g} s |",
@@ -623,7 +764,7 @@ def markdown(r: dict[str, Any]) -> str:
         f"| findings paged twice for one incident (a notification with nothing new) | {len(r['paged_twice'])} | 0 |",
         f"| findings paged again after they cleared (a new incident, new startsAt) | {len(r['repaged_new_incident'])} | |",
         f"| alerts left in the outbox / dead letters at the end | {r['outbox_left']} / {r['dead_letters']} | 0 / 0 |",
-        f"| API reads | {r['api_requests']} ({r['api_req_per_s']:.0f} req/s), p50 {r['api_p50_ms']:.1f} ms, p99 {r['api_p99_ms']:.0f} ms; "
+        f"| API reads (serve's API process) | {r['api_requests']} ({r['api_req_per_s']:.0f} req/s), p50 {r['api_p50_ms']:.1f} ms, p99 {r['api_p99_ms']:.0f} ms; "
         f"{r['api_errors']} 5xx/other, {r['api_refused']} refused while serve restarted | p99 < 50 ms |",
         f"| SSE hint events received / reconnections | {r['sse_events']} / {r['sse_reconnects']} | |",
     ]
@@ -651,9 +792,11 @@ def summary(r: dict[str, Any]) -> str:
         "| --- | --- |",
         f"| page findings raised / paged / lost / paged twice | {r['page_findings_raised']} / {r['paged']} / {len(r['lost'])} / {len(r['paged_twice'])} |",
         f"| tick p50 / p99 (period {r['tick_seconds']:g} s) | {r['tick_p50_s']:.2f} / {r['tick_p99_s']:.2f} s |",
-        f"| serve RSS slope once the windows were full | {r['rss_slope_mb_per_hour']:.1f} MB/h over {r['steady_window_s']:.0f} s |",
+        f"| serve RSS slope once the windows were full, jobs level | {r['rss_slope_mb_per_hour']:.1f} MB/h over {r['steady_window_s']:.0f} s "
+        f"({_range(r['running_jobs_steady'])} training jobs running) |",
         f"| `/metrics` scrape p50 / max | {r['scrape_p50_s']:.2f} / {r['scrape_max_s']:.2f} s |",
-        f"| API reads during the run | {r['api_req_per_s']:.0f} req/s, p50 {r['api_p50_ms']:.1f} ms, p99 {r['api_p99_ms']:.0f} ms |",
+        f"| API reads during the run (API in its own process) | {r['api_req_per_s']:.0f} req/s, p50 {r['api_p50_ms']:.1f} ms, p99 {r['api_p99_ms']:.0f} ms |",
+        f"| CPU of serve / its API process | {_num(r['serve_cpu_s'])} / {_num(r['api_cpu_s'])} s over {r['serve_life_s']:.0f} s |",
     ])
 
 

@@ -216,12 +216,19 @@ class Fleet(BaseModel):
     prefix: str = Field("gv", pattern=r"^[A-Za-z][A-Za-z0-9_-]{0,31}$", description="first token of every subject; names streams and buckets")
     # Must equal N in the server's subject mapping {{partition(N,1)}} (`fleet.nats_mapping`).
     partitions: int = Field(16, ge=1, le=4096, description="job partitions: the unit a detect replica leases")
+    # One stream is one RAFT group whose leader takes every write: the bandwidth limit near 1M GPUs
+    # (docs/scale.md). Partition p's rows go to stream p % rows_streams; changing it needs the rows
+    # streams recreated (their subject sets would overlap).
+    rows_streams: int = Field(1, ge=1, le=64, description="rows streams the partitions are spread over (partition p -> stream p % N)")
     replicas: int = Field(1, ge=1, le=5, description="JetStream replicas of every stream and bucket (3 in production)")
     rows_max_age_seconds: float = Field(900.0, gt=0, description="how long the rows stream keeps job rows (>= replay_seconds)")
     replay_seconds: float = Field(600.0, gt=0, description="a replica that takes a partition replays this much of it (the detectors' window)")
     lease_ttl_seconds: float = Field(10.0, ge=1, le=3600, description="a lease not renewed for this long expires and another replica takes it")
     findings_refresh_seconds: float = Field(5.0, gt=0, description="agents and detect replicas republish unchanged active findings this often")
     findings_stale_seconds: float = Field(60.0, gt=0, description="act forgets a source that has said nothing for this long")
+    # A node summary is sent when it changes and at least this often (act's liveness of the node):
+    # at 125k nodes, 20 s is ~6k small messages/s into the act leader besides the changes.
+    cluster_refresh_seconds: float = Field(20.0, gt=0, description="agents resend an unchanged node summary (fragmentation_cluster at act) this often; < findings_stale_seconds")
     agent_detectors: list[str] = Field(default_factory=lambda: ["xid", "ecc", "thermal", "pcie", "anomaly"],
                                        description="detectors whose scope is one node or GPU: they run in the agent, every other one in detect")
 
@@ -232,6 +239,22 @@ class Fleet(BaseModel):
             if not url.startswith(("nats://", "tls://", "ws://", "wss://")):
                 raise ValueError(f"{url!r} is not a nats:// (or tls://) URL")
         return urls
+
+    @field_validator("rows_streams")
+    @classmethod
+    def _rows_streams(cls, value: int, info: Any) -> int:
+        parts = info.data.get("partitions")
+        if parts is not None and value > parts:
+            raise ValueError(f"rows_streams {value} exceeds partitions {parts}: a stream would hold no partition")
+        return value
+
+    @field_validator("cluster_refresh_seconds")
+    @classmethod
+    def _cluster_refresh(cls, value: float, info: Any) -> float:
+        stale = info.data.get("findings_stale_seconds")
+        if stale is not None and value >= stale:
+            raise ValueError(f"cluster_refresh_seconds {value:g} must be below findings_stale_seconds {stale:g}: act would drop live nodes")
+        return value
 
     @field_validator("replay_seconds")
     @classmethod

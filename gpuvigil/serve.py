@@ -18,6 +18,7 @@ exits 0.
 from __future__ import annotations
 
 import argparse
+import json
 import logging
 import os
 import signal
@@ -246,16 +247,33 @@ class Server:
         return store
 
     def _start_api(self, store) -> None:
-        from gpuvigil.api.app import create_app, serve_api_in_thread
-        from gpuvigil.api.auth import resolve_token
+        from gpuvigil.api.auth import check_bind, resolve_token
+        from gpuvigil.api.process import ApiProcess
 
         args = self.args
         token = resolve_token(args.api_token_file)  # the file, else $GPUVIGIL_API_TOKEN
-        app = create_app(store, token, insecure_local=args.insecure_local and token is None, cfg=self.cfg, why=self._why)
+        insecure = args.insecure_local and token is None
+        check_bind(args.api_host, token, insecure)
         cert = getattr(args, "api_tls_cert", None)
         tls = None if cert is None else (str(cert), str(args.api_tls_key))
-        self.api_server = serve_api_in_thread(app, args.api_host, args.api_port, tls=tls)
+        # Its own process on the same store file: in this one it would wait for the GIL whenever
+        # a tick runs Python (gpuvigil/api/process.py).
+        if str(store.path) == ":memory:":  # nothing another process could open: served from here
+            from gpuvigil.api.app import create_app, serve_api_in_thread
+
+            app = create_app(store, token, insecure_local=insecure, cfg=self.cfg, why=self._why)
+            self.api_server = serve_api_in_thread(app, args.api_host, args.api_port, tls=tls)
+        else:
+            self.api_server = ApiProcess(
+                store.path, args.api_host, args.api_port, token=token, insecure_local=insecure, config=args.config, tls=tls, why=self._why_json,
+                log_level={"debug": "debug", "error": "error"}.get(args.log_level, "warning"),  # uvicorn's per-request lines stay off at info
+            )
         self._stack.callback(self.api_server.stop)
+
+    def _why_json(self, job: str) -> dict[str, Any] | None:
+        """`_why` as plain JSON values (it crosses to the API process)."""
+        got = self._why(job)
+        return None if got is None else json.loads(json.dumps(got, default=str))
 
     def _why(self, job: str) -> dict[str, Any] | None:
         """GET /v1/jobs/{job}/why: the built-in scheduler's decision records, read under the tick lock."""

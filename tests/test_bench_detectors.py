@@ -5,12 +5,26 @@ asserted: a benchmark is not a unit test, beyond a hang being named before the 6
 from __future__ import annotations
 
 import json
+import math
 import subprocess
 import sys
 
 import pytest
 
-from benchmarks.detectors import CASE_TYPES, MUST, NEGATIVE, POSITIVE, RunResult, make_case, parse_cases, score
+from benchmarks.detectors import (
+    CASE_TYPES,
+    MUST,
+    NEGATIVE,
+    POSITIVE,
+    RunResult,
+    clopper_pearson,
+    make_case,
+    parse_cases,
+    runs_needed,
+    score,
+    target_rows,
+    targets_markdown,
+)
 from gpuvigil.errors import UserError
 
 
@@ -120,3 +134,91 @@ def test_l0_oom_cause_is_scored_only_where_l0_can_tell_it():
     nvml = _f("oom_predicted", 180.0, cause="leak", level="L0", per_process_memory=True)
     assert score([_leak_run("torch_2x", [dcgm])])["oom_predicted"]["cause_accuracy"] is None
     assert score([_leak_run("torch_2x", [nvml])])["oom_predicted"]["cause_accuracy"] == 1.0
+
+
+# -- what a sample proves (confidence bounds in the report) ---------------------------------------
+def _binom_tail_ge(k: int, n: int, p: float) -> float:
+    """P(X >= k), summed exactly with integer binomial coefficients (independent of the code)."""
+    return sum(math.comb(n, i) * p**i * (1 - p) ** (n - i) for i in range(k, n + 1))
+
+
+@pytest.mark.parametrize("k, n", [(0, 10), (5, 10), (9, 10), (10, 10), (18, 18), (94, 94), (147, 150), (100, 100)])
+def test_clopper_pearson_bounds_solve_the_exact_binomial_tails(k, n):
+    lower, upper = clopper_pearson(k, n)
+    assert 0.0 <= lower <= k / n <= upper <= 1.0
+    # The lower bound is the rate at which k or more successes become a 5% event; the upper one
+    # the rate at which k or fewer do.
+    if k > 0:
+        assert _binom_tail_ge(k, n, lower) == pytest.approx(0.05, abs=1e-6)
+    else:
+        assert lower == 0.0
+    if k < n:
+        assert 1 - _binom_tail_ge(k + 1, n, upper) == pytest.approx(0.05, abs=1e-6)
+    else:
+        assert upper == 1.0
+
+
+def test_clopper_pearson_matches_published_values_and_the_runs_needed():
+    # Beta(0.05; 5, 6) = 0.2224 (tables of the exact interval); no failure: 0.05 ** (1 / n).
+    assert clopper_pearson(5, 10)[0] == pytest.approx(0.22244, abs=1e-5)
+    assert clopper_pearson(100, 100)[0] == pytest.approx(0.05 ** (1 / 100), abs=1e-9)  # 97.0%: the bound of the last round
+    assert runs_needed(0.98) == 149 and clopper_pearson(149, 149)[0] >= 0.98 > clopper_pearson(148, 148)[0]
+    assert runs_needed(0.995) == 598 and clopper_pearson(598, 598)[0] >= 0.995 > clopper_pearson(597, 597)[0]
+    # More misses, lower bound; more runs at the same share, tighter bound.
+    assert clopper_pearson(95, 100)[0] < clopper_pearson(99, 100)[0]
+    assert clopper_pearson(990, 1000)[0] > clopper_pearson(99, 100)[0]
+    with pytest.raises(ValueError):
+        clopper_pearson(11, 10)
+
+
+def _hang_run(index: int, found_at: float, culprit: list[int], case_type: str = "nccl_hang") -> RunResult:
+    target = {"kind": case_type, "ts": 100.0, "job": "train", "ranks": [2]}
+    f = {**_f("collective_hang", found_at, level="L1"), "culprit_ranks": culprit, "cause": "software"}
+    return RunResult(
+        index=index, case_type=case_type, gpus=8, step_time_seconds=0.5, tick_seconds=1.0, onset=100.0, injected=[target],
+        findings=[f], oom_events=[], watchdog_fire_ts={}, static_rule_fires=[], wall_seconds=1.0, ticks=300,
+        level_findings={"L0": [f], "L1": [f]}, mode="outside",
+    )
+
+
+def test_target_rows_count_misses_and_late_findings_against_the_target():
+    runs = [_hang_run(i, 105.0, [2]) for i in range(8)] + [_hang_run(8, 150.0, [2]), _hang_run(9, 105.0, [5])]
+    negatives = [
+        RunResult(index=10 + i, case_type="checkpoint_pause", gpus=8, step_time_seconds=0.5, tick_seconds=1.0, onset=100.0, injected=[],
+                  findings=[_f("collective_hang", 120.0)] if i == 0 else [], oom_events=[], watchdog_fire_ts={}, static_rule_fires=[],
+                  wall_seconds=1.0, ticks=300, level_findings={"L0": [], "L1": []})
+        for i in range(4)
+    ]
+    by_level = {lvl: score(runs + negatives, lvl) for lvl in ("L0", "L1", "L2")}
+    rows = {(r["target"], r["level"]): r for r in target_rows(by_level)}
+    exact = rows[("exact culprit ranks", "L1")]
+    assert (exact["k"], exact["n"]) == (9, 10) and exact["lower"] == pytest.approx(clopper_pearson(9, 10)[0]) and not exact["shown"]
+    # Found 50 s after onset: late for the 30 s target, in time for the 60 s one.
+    assert (rows[("hang found ≤ 30 s (p90 ≤ 30 s)", "L1")]["k"], rows[("hang found ≤ 60 s (p90 ≤ 60 s)", "L0")]["k"]) == (9, 10)
+    assert rows[("culprit GPU named, culprit outside the collective", "L0")]["k"] == 9
+    # The page on a checkpoint counts at L2 only (the shadows saw nothing).
+    assert (rows[("hard negatives page-free", "L2")]["k"], rows[("hard negatives page-free", "L2")]["n"]) == (3, 4)
+    assert rows[("hard negatives page-free", "L0")]["k"] == 4
+    md = "\n".join(targets_markdown(by_level))
+    assert "| exact culprit ranks | L1 | 9 / 10 | 90.0% |" in md and "not shown" in md
+
+
+def test_from_dumps_rescores_runs_without_simulating(tmp_path):
+    from dataclasses import asdict
+
+    dump = tmp_path / "runs.jsonl"
+    dump.write_text("".join(json.dumps(asdict(_hang_run(i, 104.0, [2]))) + "\n" for i in range(149)))
+    proc = subprocess.run(
+        [sys.executable, "-m", "gpuvigil", "bench", "detectors", "--quick", "--from-dumps", str(dump), "--no-write", "--json"],
+        capture_output=True, text=True, timeout=120,
+    )
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    result = json.loads(proc.stdout)
+    assert result["meta"]["runs"] == 149 and result["levels"]["L1"]["collective_hang"]["culprit_right"] == 149
+    proc = subprocess.run(
+        [sys.executable, "-m", "gpuvigil", "bench", "detectors", "--quick", "--from-dumps", str(dump), "--no-write"],
+        capture_output=True, text=True, timeout=120,
+    )
+    assert "| exact culprit ranks | L1 | 149 / 149 | 100.0% | ≥ 98.0% | ≥ 98.0% | shown |" in proc.stdout
+    bad = subprocess.run([sys.executable, "-m", "gpuvigil", "bench", "detectors", "--from-dumps", str(tmp_path / "none.jsonl")], capture_output=True, text=True, timeout=60)
+    assert bad.returncode == 2 and "--from-dumps: cannot read" in bad.stderr and "Traceback" not in bad.stderr

@@ -97,6 +97,20 @@ def firing_pages(webhook: WebhookSink) -> list[dict]:
     return out
 
 
+def scrape(proc: Proc) -> dict[tuple[str, tuple], float]:
+    """A replica's /metrics (the URL it printed at start) as (sample, sorted labels) → value."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    m = re.search(r"metrics (http://\S+/metrics)", proc.log.read_text(errors="replace"))
+    assert m, proc.tail()
+    text = httpx.get(m.group(1), timeout=10).text
+    return {(s.name, tuple(sorted(s.labels.items()))): s.value for fam in text_string_to_metric_families(text) for s in fam.samples}
+
+
+def value(samples: dict, name: str, **labels: str) -> float:
+    return sum(v for (n, ls), v in samples.items() if n == name and labels.items() <= dict(ls).items())
+
+
 def test_fleet_survives_nats_detect_and_act_failures(tmp_path):
     nats_binary()
     binary("prometheus-alertmanager", "alertmanager")
@@ -119,8 +133,8 @@ def test_fleet_survives_nats_detect_and_act_failures(tmp_path):
         (tmp_path / "fleet.yaml").write_text(yaml.safe_dump({"fleet": fleet_cfg, "alerts": {"resend_seconds": 2, "end_after_seconds": 60}}))
         probe = Probe(cluster.urls)
         common = ["--config", "fleet.yaml", "--log-level", "info"]
-        detects = {name: Proc(name, ["detect", *common, "--id", name], tmp_path) for name in ("detect-1", "detect-2")}
-        acts = {name: Proc(name, ["act", *common, "--id", name, "--alertmanager", am.url, "--outbox", f"{name}-outbox.sqlite",
+        detects = {name: Proc(name, ["detect", *common, "--id", name, "--metrics-port", "0"], tmp_path) for name in ("detect-1", "detect-2")}
+        acts = {name: Proc(name, ["act", *common, "--id", name, "--metrics-port", "0", "--alertmanager", am.url, "--outbox", f"{name}-outbox.sqlite",
                                   "--hint-db", f"{name}-hints.sqlite", "--api-port", "0", "--insecure-local",
                                   "--scheduler", "slurm", "--act", "dry-run"], tmp_path) for name in ("act-1", "act-2")}
         procs += [*detects.values(), *acts.values()]
@@ -134,7 +148,7 @@ def test_fleet_survives_nats_detect_and_act_failures(tmp_path):
         wait_for(settled, 90, 0.5, "both detect replicas sharing the partitions and an act leader")
         agent = Proc("agent", ["agent", *common, "--scenario", "scenario.yaml", "--speed", str(SPEED), "--port", "-1"], tmp_path)
         procs.append(agent)
-        assert probe.stream_replicas("GV_ROWS") == 3 and probe.stream_replicas("GV_FINDINGS") == 3
+        assert probe.stream_replicas("GV_ROWS") == 3 and probe.stream_replicas("GV_FINDINGS") == 3 and probe.stream_replicas("GV_CLUSTER") == 3
 
         wait_for(lambda: probe.now >= KILL_AT, 120, 0.2, f"the fleet clock to reach {KILL_AT}s")
         holders = wait_for(settled, 30, 0.2, "a readable lease table at the kill point")
@@ -222,6 +236,21 @@ def test_fleet_survives_nats_detect_and_act_failures(tmp_path):
             return [h for h in hints if h["finding_id"] == hang_id] or None
 
         assert wait_for(served, 30, 0.5, "the hang's hints on the new leader's feedback API")
+
+        # The survivors' /metrics (prometheus_client) after the failovers.
+        m_act = scrape(acts[survivor_act])
+        assert value(m_act, "gpuvigil_act_leader") == 1 and value(m_act, "gpuvigil_act_lease_held") == 1
+        # The hang (found after the kill) and the lost GPU (injected after it) were handed to the
+        # survivor's pusher; the thermal page may have been the killed leader's.
+        assert value(m_act, "gpuvigil_act_pages_total") >= 2
+        assert value(m_act, "gpuvigil_act_alerts_delivered_total") >= 2
+        assert value(m_act, "gpuvigil_act_hints_claimed_total") >= 1
+        # The hang's hints were claimed and described by the survivor (the kill came before them).
+        assert value(m_act, "gpuvigil_act_hints_applied_total", outcome="dry_run") >= 1
+        assert value(m_act, "gpuvigil_act_cluster_nodes") == SCENARIO["nodes"]
+        m_detect = scrape(detects[survivor_detect])
+        assert value(m_detect, "gpuvigil_detect_partitions_held") == PARTITIONS
+        assert value(m_detect, "gpuvigil_detect_partitions_taken_total") >= PARTITIONS
 
         # Fault → page, failovers included, within the level's target plus the lease time.
         for fault in SCENARIO["faults"]:

@@ -14,7 +14,7 @@ from gpuvigil import config
 from gpuvigil.deployconfig import Fleet, fleet_from_config
 from gpuvigil.errors import UserError
 from gpuvigil.fleet import transport
-from gpuvigil.fleet.agent import NodeView, SimWorld, job_rows, split_detectors
+from gpuvigil.fleet.agent import NodeView, SimWorld, cluster_detectors, job_rows, node_summary, split_detectors
 from gpuvigil.fleet.detect import Feed
 from gpuvigil.pipeline.core import Pipeline
 from gpuvigil.runtime import build_simulated
@@ -27,6 +27,8 @@ def test_config_section_is_strict():
         fleet_from_config({"fleet": {"partiton": 4}})
     with pytest.raises(UserError, match="replay_seconds 900 exceeds rows_max_age_seconds 600"):
         fleet_from_config({"fleet": {"rows_max_age_seconds": 600, "replay_seconds": 900}})
+    with pytest.raises(UserError, match="cluster_refresh_seconds 60 must be below findings_stale_seconds 60"):
+        fleet_from_config({"fleet": {"cluster_refresh_seconds": 60}})
     with pytest.raises(UserError, match="not a nats://"):
         fleet_from_config({"fleet": {"servers": ["http://x:4222"]}})
     with pytest.raises(config.ConfigError, match="fleet"):
@@ -38,8 +40,12 @@ def test_detectors_split_is_serves_set():
     from gpuvigil.detectors.registry import default_detectors
 
     agent, detect = split_detectors(cfg, Fleet())
+    cluster = cluster_detectors(cfg)
     assert {d.name for d in agent} == {"xid", "ecc", "thermal", "pcie", "anomaly"}
-    assert {d.name for d in agent} | {d.name for d in detect} == {d.name for d in default_detectors(cfg)} - {"fragmentation_cluster"}
+    assert [d.name for d in cluster] == ["fragmentation_cluster"]  # run by the act leader
+    # Every detector serve runs runs somewhere in the fleet, and in one place only.
+    names = [d.name for d in (*agent, *detect, *cluster)]
+    assert sorted(names) == sorted(d.name for d in default_detectors(cfg))
     with pytest.raises(UserError, match="unknown detector"):
         split_detectors(cfg, Fleet(agent_detectors=["xid", "thermo"]))
 
@@ -94,22 +100,40 @@ def test_partition_hash_is_the_servers(tmp_path):
     assert len(set(got.values())) == 7  # 46 names use every partition
 
 
-def test_same_findings_as_serve():
-    """The nccl_hang scenario through serve's single Pipeline and through the fleet's Pipelines
-    (one per node with the node detectors, one per job partition with the job detectors, rows
-    carried in the wire format): the same findings, at the same data time, up to the first one
-    (after it serve's built-in scheduler acts on hints and the two worlds part)."""
+# A 16-GPU job over two nodes whose one GPU draws more power than its peers: `anomaly` runs in
+# the agent, which sees only its node's 8 GPUs of the job, where serve compares all 16.
+POWER_TWO_NODES = {
+    "name": "power_two_nodes", "description": "one GPU of a two-node job draws more power than its peers", "duration_seconds": 600, "nodes": 2,
+    "jobs": [{"name": "big", "gpus": 16, "gpus_per_node": 8, "step_time_seconds": 1.0, "collectives_per_step": 4, "checkpoint_every_steps": 1000,
+              "memory_base_gib": 40, "memory_peak_gib": 80, "priority": "P1", "tenant": "research"}],
+    "faults": [{"type": "power_excursion", "at": 100, "job": "big", "ranks": [3], "power_excess_w": 250}],
+}
+
+
+@pytest.mark.parametrize(("scenario", "horizon", "kind"), [("nccl_hang", 140.0, "collective_hang"), ("leak_to_oom", 150.0, "oom_predicted"),
+                                                           ("power_two_nodes", 200.0, "anomaly")])
+def test_same_findings_as_serve(tmp_path, scenario, horizon, kind):
+    """A scenario through serve's single Pipeline and through the fleet's Pipelines (one per node
+    with the node detectors, one per job partition with the job detectors, rows carried in the
+    wire format): the same findings, at the same data time, up to the first one (after it serve's
+    built-in scheduler acts on hints and the two worlds part). leak_to_oom: the L0 per-GPU memory
+    trend (`oom_device`) runs in detect next to `oom`, whose L2 finding supersedes it there as in
+    serve (in the agent it would raise a second finding for the same leak)."""
+    import yaml
+
+    if scenario == "power_two_nodes":
+        (tmp_path / "s.yaml").write_text(yaml.safe_dump(POWER_TWO_NODES))
+        scenario = str(tmp_path / "s.yaml")
     cfg = config.defaults()
     fleet = Fleet(partitions=4)
-    horizon = 140.0
 
-    rt = build_simulated("nccl_hang", seed=3, cfg=cfg)
+    rt = build_simulated(scenario, seed=3, cfg=cfg)
     serve_found = []
     while rt.now < horizon and not serve_found:
         new = rt.step().new_findings  # step() advances rt.now to the tick's time
-        serve_found = [(f.kind.value, f.job, f.node, f.gpu, tuple(f.culprit_ranks), rt.now) for f in new]
+        serve_found = [(f.kind.value, f.job, f.node, f.gpu, tuple(f.culprit_ranks), f.source, rt.now) for f in new]
 
-    world = SimWorld("nccl_hang", None, 3, cfg)
+    world = SimWorld(scenario, None, 3, cfg)
     nodes = {n: Pipeline([NodeView(world, n)], split_detectors(cfg, fleet)[0], cfg=cfg) for n in world.node_names}
     feeds = {p: Feed() for p in range(fleet.partitions)}
     parts = {p: Pipeline([feeds[p]], split_detectors(cfg, fleet)[1], cfg=cfg) for p in feeds}
@@ -118,16 +142,16 @@ def test_same_findings_as_serve():
     while now < horizon and not fleet_found:
         now += 1.0
         for node, pipe in nodes.items():
-            fleet_found += [(f.kind.value, f.job, f.node, f.gpu, tuple(f.culprit_ranks), now) for f in pipe.tick(now).new_findings]
+            fleet_found += [(f.kind.value, f.job, f.node, f.gpu, tuple(f.culprit_ranks), f.source, now) for f in pipe.tick(now).new_findings]
             for job, frames in job_rows(pipe.window, node).items():
                 body, index = transport.encode_frames(frames)
                 feeds[transport.partition_of(job, fleet.partitions)].add(transport.decode_frames(body, index), node, job, now)
         world.after_tick(now)
         for pipe in parts.values():
-            fleet_found += [(f.kind.value, f.job, f.node, f.gpu, tuple(f.culprit_ranks), now) for f in pipe.tick(now).new_findings]
+            fleet_found += [(f.kind.value, f.job, f.node, f.gpu, tuple(f.culprit_ranks), f.source, now) for f in pipe.tick(now).new_findings]
     assert serve_found, "serve found nothing: the comparison would be empty"
     assert sorted(fleet_found) == sorted(serve_found)
-    assert any(k == "collective_hang" for k, *_ in fleet_found)
+    assert any(k == kind for k, *_ in fleet_found)
 
 
 def test_deploy_example_validates_and_names_its_mapping():
@@ -188,3 +212,83 @@ def test_act_api_needs_a_store_and_a_token(tmp_path, capsys, monkeypatch):
     assert "give --hint-db too" in capsys.readouterr().err
     assert main(["act", "--api-port", "0", "--hint-db", str(tmp_path / "h.sqlite")]) == 2
     assert "needs a token" in capsys.readouterr().err
+
+
+def test_fragmentation_cluster_at_act_as_in_serve():
+    """`fragmentation_cluster` needs every node: in the fleet each agent publishes its node summary
+    (JSON, through the wire form) and the act leader runs serve's detector over their union. The
+    cluster_fragmentation scenario gives the same first finding, at the same data time, as serve,
+    and act's Pipeline issues serve's `compact` hint for it."""
+    import json
+
+    from gpuvigil.fleet.act import ClusterView, Relay, TenantFeed
+
+    cfg = config.defaults()
+    fleet = Fleet(partitions=4)
+    horizon = 90.0
+
+    def key(f, now):
+        return (f.kind.value, f.job, f.node, json.dumps(f.evidence, sort_keys=True), now)
+
+    rt = build_simulated("cluster_fragmentation", seed=1, cfg=cfg)
+    serve_found = []
+    while rt.now < horizon and not serve_found:
+        new = rt.step().new_findings
+        serve_found = [key(f, rt.now) for f in new if f.kind.value == "fragmentation_cluster"]
+
+    world = SimWorld("cluster_fragmentation", None, 1, cfg)
+    nodes = {n: Pipeline([NodeView(world, n)], split_detectors(cfg, fleet)[0], cfg=cfg) for n in world.node_names}
+    relay, view = Relay(stale_seconds=60), ClusterView(stale_seconds=60)
+    act = Pipeline([TenantFeed(relay, view)], [relay, *cluster_detectors(cfg)], cfg=cfg)
+    fleet_found, hints = [], []
+    now = 0.0
+    while now < horizon and not fleet_found:
+        now += 1.0
+        for i, (node, pipe) in enumerate(nodes.items()):
+            pipe.tick(now)
+            doc = node_summary(pipe.window, node, world.queue() if i == 0 else None)
+            view.update(json.loads(json.dumps(doc, default=str)), now)
+        world.after_tick(now)
+        result = act.tick(now)
+        fleet_found = [key(f, now) for f in result.new_findings if f.kind.value == "fragmentation_cluster"]
+        hints = [h for h in result.new_hints if h.finding_id in {f.id for f in result.new_findings}]
+    assert serve_found, "serve found no fragmentation: the comparison would be empty"
+    assert fleet_found == serve_found
+    assert fleet_found[0][1] == "moe-gang"
+    assert {h.action.value for h in hints} == {"compact"}
+    # A malformed summary is refused whole (never half-applied into the view).
+    before = view.version
+    assert not view.update({"node": "node-x", "row": None, "allocations": [["j", 0]]}, now)
+    assert not view.update({"node": "node-x", "row": "up"}, now)
+    assert "node-x" not in view.nodes and view.version == before
+    # A node whose agent went silent leaves the view (its free GPUs are no longer counted).
+    view.nodes[world.node_names[0]] = (view.nodes[world.node_names[0]][0] - 120.0, view.nodes[world.node_names[0]][1])
+    view.expire()
+    assert world.node_names[0] not in view.nodes and len(view.nodes) == len(world.node_names) - 1
+
+
+def test_simulated_agent_serves_every_nodes_metrics():
+    """One `gpuvigil agent` process playing the whole simulated cluster serves every node's GPU
+    series on its one /metrics (node-labelled, none twice), as one agent per node would."""
+    import argparse
+
+    import httpx
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from gpuvigil.fleet.agent import Agent
+
+    args = argparse.Namespace(config=None, nats=[], node=None, scenario="nccl_hang", nodes=3, seed=0, speed=1.0, host="127.0.0.1", port=0, duration=0.0)
+    agent = Agent(args)
+    try:
+        agent.start_metrics()
+        for _ in range(3):
+            agent.tick()
+        text = httpx.get(f"http://127.0.0.1:{agent.metrics_port}/metrics", timeout=10).text
+    finally:
+        agent.close()
+    series = [(s.name, tuple(sorted(s.labels.items()))) for fam in text_string_to_metric_families(text) for s in fam.samples]
+    assert len(series) == len(set(series)), "a series appears twice"
+    util_nodes = {dict(labels)["node"] for name, labels in series if name == "gpuvigil_gpu_utilization_ratio"}
+    assert util_nodes == set(agent.world.node_names) and len(util_nodes) == 3
+    ticks = [v for fam in text_string_to_metric_families(text) for s in fam.samples if s.name == "gpuvigil_pipeline_ticks_total" for v in [s.value]]
+    assert ticks == [3.0]

@@ -446,6 +446,36 @@ def test_fgd_delta_values_hand_checked():
     np.testing.assert_allclose(score, [[-350, -350], [-350, 300]])
 
 
+
+def test_node_fragmentation_counts_memory_only_when_asked():
+    """A node without the class's typical memory cannot host it: all its idle GPU is a fragment,
+    but only in the memory-aware measure; the published one (no `mem_free`) ignores memory."""
+    w = wl((0, 1, 1000, 1)).with_memory({(0, 1, 1000): 32768})
+    free, cpu_free = np.array([[1000, 500]]), np.array([8000])
+    assert node_fragmentation(free, cpu_free, w)[0] == pytest.approx(500)
+    assert node_fragmentation(free, cpu_free, w, np.array([10240]))[0] == pytest.approx(1500)
+    assert node_fragmentation(free, cpu_free, w, np.array([65536]))[0] == pytest.approx(500)
+
+
+@pytest.mark.parametrize(
+    "placement, want",
+    [
+        # Worked by hand: nB has memory to spare, nA only 10 GiB, and the target workload is
+        # whole-GPU tasks of 32 GiB. A 0.5-GPU task of 1 GiB grows the published FGD measure by
+        # 500 milli-GPU on either node (tie: the first node, nB). Counting memory, nA's GPUs are
+        # stranded already (F = 2000), so using one of them shrinks F by 500; on nB F grows by 500.
+        ("fgd", ("nB", 0)),
+        ("ours", ("nA", 0)),
+    ],
+)
+def test_ours_uses_gpus_stranded_by_memory(placement, want):
+    s = sched([NodeSpec("nB", n_gpus=2, memory_mib=102400), NodeSpec("nA", n_gpus=2, memory_mib=10240)], placement=placement)
+    s.plugin("fragmentation").set_workload({(0, 1, 1000): 1}, memory={(0, 1, 1000): 32768})
+    s.submit(JobSpec("t", 1, gpu_milli=500, memory_mib=1024), 0)
+    s.cycle(0)
+    assert tuple(s.jobs["t"].placement[0]) == want
+
+
 def test_gpu_sharing_packs_shares_onto_one_gpu():
     s = sched(cluster(1, gpus=2))
     s.submit(JobSpec("a", 1, gpu_milli=500), 0)

@@ -26,11 +26,13 @@ class OldWindow:
         for stream, parts in self.pending.items():
             old = self.frames.get(stream)
             frames = ([old] if old is not None and old.height else []) + parts
-            df = pl.concat(frames, how="vertical_relaxed") if len(frames) > 1 else frames[0]
-            cutoff = now - self.horizon
+            self.frames[stream] = pl.concat(frames, how="vertical_relaxed") if len(frames) > 1 else frames[0]
+        # Every stream ages on every seal, rows or not (the old layout aged only the streams
+        # that got rows: a quiet stream kept rows past its horizon; fixed in both).
+        cutoff = now - self.horizon
+        for stream, df in self.frames.items():
             if df.height and df["ts"].min() < cutoff:
-                df = df.filter(pl.col("ts") >= cutoff)
-            self.frames[stream] = df
+                self.frames[stream] = df.filter(pl.col("ts") >= cutoff)
         self.pending.clear()
 
 
@@ -79,3 +81,18 @@ def test_sparse_stream_stays_in_few_chunks():
     assert w.get("events").height == 2000
     assert len(w._chunks["events"]) <= 2
     assert w.get("events")["v"].to_list() == list(range(1, 2001))
+
+
+def test_a_quiet_stream_still_ages_out():
+    """A tick with no rows for a stream must still drop its rows older than the horizon (it
+    used to keep them until the stream's next row: straggler's refit then read rows its
+    incremental twin had already cut, tests/test_straggler_incremental.py)."""
+    w = Window(8.0)
+    w.add("rank_progress_like", pl.DataFrame({"ts": [1.0, 4.25, 6.0], "v": [1, 2, 3]}))
+    w.seal(6.0)
+    assert w.get("rank_progress_like")["v"].to_list() == [1, 2, 3]
+    w.seal(12.5)  # no rows this tick: cutoff 4.5
+    assert w.get("rank_progress_like")["v"].to_list() == [3]
+    w.seal(30.0)
+    assert w.get("rank_progress_like").height == 0
+    assert w.get("rank_progress_like").columns == ["ts", "v"]

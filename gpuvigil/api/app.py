@@ -498,25 +498,21 @@ def create_app(
         return await cached(json.dumps(["job", job]), lambda: _job_verdict(job))
 
     def _job_verdict(job: str) -> Response:
+        # The store keeps every job's verdict parts up to date as it is written: this is one row.
         got = store.job_summary(job)
-        if not got["findings"] and not store.knows(job=job):
-            raise HTTPException(404, f"gpuvigil has never seen job {job!r}")
-        n = len(got["findings"])
-        if got["worst"] is not None:
-            kind, text = got["worst"]
-            summary = f"{kind}: {text}" + (f" (+{n - 1} more finding(s))" if n > 1 else "")
-        else:
-            summary = "no active findings"
-        return _json_response(
-            {
-                "job": job,
-                "status": _status_of(got["severities"]),
-                "summary": summary,
-                "culprit_ranks": got["culprit_ranks"],
-                "culprit_nodes": got["culprit_nodes"],
-            },
-            {"recommended_actions": got["hints"], "findings": got["findings"]},
+        if got is None:
+            if not store.knows(job=job):
+                raise HTTPException(404, f"gpuvigil has never seen job {job!r}")
+            head = {"job": job, "status": "healthy", "summary": "no active findings"}
+            return _json_response({**head, "culprit_ranks": [], "culprit_nodes": []}, {"recommended_actions": [], "findings": []})
+        n = got["n_findings"]
+        summary = f"{got['worst_kind']}: {got['worst_summary']}" + (f" (+{n - 1} more finding(s))" if n > 1 else "")
+        head = json.dumps({"job": job, "status": _status_of(got["severities"]), "summary": summary}, separators=(",", ":"))[:-1]
+        body = (
+            f'{head},"culprit_ranks":{got["culprit_ranks"]},"culprit_nodes":{got["culprit_nodes"]},'
+            f'"recommended_actions":{got["hints"]},"findings":{got["findings"]}}}'
         )
+        return Response(content=body.encode(), media_type="application/json")
 
     add_why_route(router, why)  # GET /v1/jobs/{job}/why (gpuvigil/api/why.py)
     app.include_router(router)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 from pathlib import Path
 
 from gpuvigil import config
@@ -32,6 +33,9 @@ def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
     p.add_argument("--tls-cert", type=Path, default=None, help="serve HTTPS with this PEM certificate (with --tls-key)")
     p.add_argument("--tls-key", type=Path, default=None, help="the certificate's PEM private key")
     p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
+    # Used by `gpuvigil serve`, which runs this command as its API process (gpuvigil/api/process.py).
+    p.add_argument("--parent-pid", type=int, default=None, help=argparse.SUPPRESS)
+    p.add_argument("--why-socket", default=None, help=argparse.SUPPRESS)
     p.set_defaults(func=run)
     return p
 
@@ -54,7 +58,14 @@ def run(args: argparse.Namespace) -> int:
     tls = None if args.tls_cert is None else (str(args.tls_cert), str(args.tls_key))
     token = resolve_token(args.token_file)
     check_bind(host, token, args.insecure_local)  # before touching the store: refuse early
+    why = None
+    if getattr(args, "parent_pid", None) is not None:
+        from gpuvigil.api.process import WHY_KEY_ENV, WhyClient, watch_parent
+
+        watch_parent(args.parent_pid)
+        if args.why_socket:
+            why = WhyClient(args.why_socket, bytes.fromhex(os.environ.get(WHY_KEY_ENV, "")))
     with HintStore(args.db) as store:
-        app = create_app(store, token, insecure_local=args.insecure_local, cfg=cfg)
+        app = create_app(store, token, insecure_local=args.insecure_local, cfg=cfg, why=why)
         serve_forever(app, host, port, token, args.insecure_local, log_level=args.log_level, tls=tls)
     return 0

@@ -118,13 +118,9 @@ CREATE TABLE IF NOT EXISTS known_jobs (name TEXT PRIMARY KEY, last_seen REAL NOT
 DELETE FROM meta WHERE key = 'schema_version'
 """
 
-MIGRATIONS: list[sqlitedb.Migration] = [_adopt_v1, _V2]
 log = logging.getLogger(__name__)
-# Hint JSON texts kept by `_hint_texts` (each a few hundred bytes).
-_HINT_TEXT_CACHE = 200_000
 # Cleared findings and new/expired hints kept per kind while writes fail (a full disk).
 _MAX_BACKLOG = 100_000
-SCHEMA_VERSION = len(MIGRATIONS)
 
 
 class HintState(StrEnum):
@@ -193,7 +189,7 @@ class FindingRecord(Finding):
         return self.cause_key
 
 
-# Records are assembled as JSON inside SQLite (json_set over the stored body): the API sends
+# Records are assembled as JSON inside SQLite (stored generated columns, version 3): the API sends
 # these bytes as they are, and Python callers parse the same text into the models above.
 _HINT_COLUMNS = ("state", "state_reason", "state_wall", "first_seen", "last_seen", "occurrences", "updated_wall", "attempts", "last_error", "seq")
 
@@ -225,6 +221,146 @@ _FINDING_JSON = _record_json(
 )
 # Worst first: page, ticket, info; then the most recently seen.
 _SEVERITY_ORDER = "CASE severity WHEN 'page' THEN 0 WHEN 'ticket' THEN 1 ELSE 2 END"
+
+
+# Version 3: every record's JSON text, and what verdicts aggregate, are kept as STORED generated
+# columns: SQLite computes them when a row is written (a tick, an ack), once, instead of on every
+# read after every write. A 400-finding verdict is then a concatenation of stored texts (issue 13:
+# a cache miss built each record from its body and parsed each body three times, 6-8 ms).
+_FINDINGS_V3 = f"""CREATE TABLE findings_v3 (
+    id TEXT PRIMARY KEY, kind TEXT NOT NULL, severity TEXT NOT NULL, job TEXT, node TEXT, gpu INTEGER,
+    first_seen REAL NOT NULL, last_seen REAL NOT NULL, cleared_ts REAL, active INTEGER NOT NULL,
+    occurrences INTEGER NOT NULL, body TEXT NOT NULL,
+    record TEXT GENERATED ALWAYS AS ({_FINDING_JSON}) STORED,
+    summary TEXT GENERATED ALWAYS AS (json_extract(body, '$.summary')) STORED,
+    culprit_ranks TEXT GENERATED ALWAYS AS (json_extract(body, '$.culprit_ranks')) STORED,
+    culprit_nodes TEXT GENERATED ALWAYS AS (
+        CASE json_type(body, '$.evidence.culprit_nodes') WHEN 'array' THEN json_extract(body, '$.evidence.culprit_nodes') END) STORED
+)"""
+_HINTS_V3 = f"""CREATE TABLE hints_v3 (
+    id TEXT PRIMARY KEY, action TEXT NOT NULL, finding_id TEXT NOT NULL, finding_kind TEXT NOT NULL,
+    job TEXT, node TEXT, gpu INTEGER, first_seen REAL NOT NULL, last_seen REAL NOT NULL,
+    occurrences INTEGER NOT NULL, state TEXT NOT NULL, state_reason TEXT, state_wall REAL,
+    updated_wall REAL NOT NULL, attempts INTEGER NOT NULL DEFAULT 0, last_error TEXT,
+    seq INTEGER NOT NULL, body TEXT NOT NULL,
+    record TEXT GENERATED ALWAYS AS ({_HINT_JSON}) STORED
+)"""
+_FINDING_COLUMNS = "id, kind, severity, job, node, gpu, first_seen, last_seen, cleared_ts, active, occurrences, body"
+_HINT_TABLE_COLUMNS = (
+    "id, action, finding_id, finding_kind, job, node, gpu, first_seen, last_seen, occurrences, state, state_reason, "
+    "state_wall, updated_wall, attempts, last_error, seq, body"
+)
+
+
+# Each job's verdict, kept by the writer: the jobs whose findings or hints changed are marked in
+# `verdict_dirty`, and every write transaction rebuilds those jobs' rows before it commits
+# (`_refresh_verdicts`). The API's read is then one row, whatever the verdict's size; the status
+# and summary are left to the API, whose config says which severities make a job unhealthy.
+_VERDICTS_V3 = [
+    """CREATE TABLE job_verdicts (
+        job TEXT PRIMARY KEY, n_findings INTEGER NOT NULL, severities TEXT NOT NULL, worst_kind TEXT, worst_summary TEXT,
+        culprit_ranks TEXT NOT NULL, culprit_nodes TEXT NOT NULL, hints TEXT NOT NULL, findings TEXT NOT NULL)""",
+    "CREATE TABLE verdict_dirty (job TEXT PRIMARY KEY) WITHOUT ROWID",
+    # Hints change a few at a time (acks, nacks, new and expired hints): triggers mark their jobs.
+    # A tick rewrites every active finding, and a trigger per row would cost ~40 µs (0.8 s a tick
+    # at 20k findings): `record` marks the jobs of the findings it writes itself. Plain INSERTs
+    # guarded by NOT IN: an OR IGNORE inside a trigger would be overridden by the conflict policy
+    # of the statement that fired it.
+    """CREATE TRIGGER hints_verdict_ins AFTER INSERT ON hints
+       BEGIN INSERT INTO verdict_dirty(job) SELECT DISTINCT job FROM findings WHERE id = NEW.finding_id AND job IS NOT NULL
+             AND job NOT IN (SELECT job FROM verdict_dirty); END""",
+    """CREATE TRIGGER hints_verdict_upd AFTER UPDATE ON hints
+       BEGIN INSERT INTO verdict_dirty(job) SELECT DISTINCT job FROM findings WHERE id IN (NEW.finding_id, OLD.finding_id) AND job IS NOT NULL
+             AND job NOT IN (SELECT job FROM verdict_dirty); END""",
+    """CREATE TRIGGER hints_verdict_del AFTER DELETE ON hints
+       BEGIN INSERT INTO verdict_dirty(job) SELECT DISTINCT job FROM findings WHERE id = OLD.finding_id AND job IS NOT NULL
+             AND job NOT IN (SELECT job FROM verdict_dirty); END""",
+]
+
+
+def _v3(db: sqlite3.Connection) -> None:
+    # A stored generated column cannot be added by ALTER TABLE: each table is rebuilt (rows,
+    # then its indexes as they were).
+    for table, create, columns in (("findings", _FINDINGS_V3, _FINDING_COLUMNS), ("hints", _HINTS_V3, _HINT_TABLE_COLUMNS)):
+        indexes = [r[0] for r in db.execute("SELECT sql FROM sqlite_master WHERE type = 'index' AND tbl_name = ? AND sql IS NOT NULL", (table,))]
+        db.execute(create)
+        db.execute(f"INSERT INTO {table}_v3({columns}) SELECT {columns} FROM {table}")
+        db.execute(f"DROP TABLE {table}")
+        db.execute(f"ALTER TABLE {table}_v3 RENAME TO {table}")
+        for sql in indexes:
+            db.execute(sql)
+    for stmt in _VERDICTS_V3:
+        db.execute(stmt)
+    db.execute("INSERT INTO verdict_dirty(job) SELECT DISTINCT job FROM findings WHERE job IS NOT NULL")
+    _refresh_verdicts(db)
+
+
+def _job_verdict_row(db: sqlite3.Connection, job: str) -> tuple[Any, ...] | None:
+    """A job's verdict parts from its active findings and their live hints (None: no active
+    finding)."""
+    rows = db.execute(
+        f"""SELECT record, severity, kind, summary FROM findings INDEXED BY findings_job
+            WHERE job = ? AND active = 1 ORDER BY {_SEVERITY_ORDER}, last_seen DESC, id""",
+        (job,),
+    ).fetchall()
+    if not rows:
+        return None
+    ranks = [
+        r[0]
+        for r in db.execute(
+            """SELECT DISTINCT r.value FROM findings AS f INDEXED BY findings_job, json_each(f.culprit_ranks) AS r
+               WHERE f.job = ? AND f.active = 1 AND r.type = 'integer' ORDER BY r.value""",
+            (job,),
+        )
+    ]
+    # A finding names its culprit nodes in evidence.culprit_nodes, else its own node.
+    nodes = [
+        r[0]
+        for r in db.execute(
+            """SELECT CAST(n.value AS TEXT) AS name FROM findings AS f INDEXED BY findings_job, json_each(f.culprit_nodes) AS n
+               WHERE f.job = ? AND f.active = 1 AND n.value IS NOT NULL
+               UNION
+               SELECT node AS name FROM findings INDEXED BY findings_job
+               WHERE job = ? AND active = 1 AND culprit_nodes IS NULL AND node IS NOT NULL AND node <> ''
+               ORDER BY name""",
+            (job, job),
+        )
+    ]
+    # The job's own live hints in change order, then live hints other jobs got for the same
+    # findings (e.g. a drain of the culprit node), by finding. From the job's findings to their
+    # hints (CROSS JOIN keeps that order: the finding_id index, not a scan of every live hint).
+    hints = [
+        r[0]
+        for r in db.execute(
+            """SELECT h.record FROM findings AS f INDEXED BY findings_job CROSS JOIN hints AS h ON h.finding_id = f.id
+               WHERE f.job = ? AND f.active = 1 AND h.state IN ('pending', 'acked')
+               ORDER BY (h.job IS NOT ?), CASE WHEN h.job IS ? THEN '' ELSE h.finding_id END, h.seq""",
+            (job, job, job),
+        )
+    ]
+    severities = sorted({r[1] for r in rows})
+    return (
+        job, len(rows), json.dumps(severities), rows[0][2], rows[0][3], json.dumps(ranks, separators=(",", ":")), json.dumps(nodes, separators=(",", ":")),
+        "[" + ",".join(hints) + "]", "[" + ",".join(r[0] for r in rows) + "]",
+    )
+
+
+def _refresh_verdicts(db: sqlite3.Connection) -> None:
+    """Rebuild the verdict rows of the jobs marked dirty in this transaction."""
+    dirty = [r[0] for r in db.execute("SELECT job FROM verdict_dirty")]
+    if not dirty:
+        return
+    for job in dirty:
+        row = _job_verdict_row(db, job)
+        if row is None:
+            db.execute("DELETE FROM job_verdicts WHERE job = ?", (job,))
+        else:
+            db.execute("INSERT OR REPLACE INTO job_verdicts VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)", row)
+    db.execute("DELETE FROM verdict_dirty")
+
+
+MIGRATIONS: list[sqlitedb.Migration] = [_adopt_v1, _V2, _v3]
+SCHEMA_VERSION = len(MIGRATIONS)
 
 
 class HintStore:
@@ -265,7 +401,6 @@ class HintStore:
         self._readers: list[sqlite3.Connection] = []
         self._all_readers: list[sqlite3.Connection] = []
         self._readers_lock = threading.Lock()
-        self._hint_text_cache: dict[str, tuple[int, str]] = {}
         # PRAGMA data_version on one connection that never writes changes whenever any other
         # connection (this process's writer, or another process) commits.
         self._version_db = None if self._shared else self._open_reader()
@@ -282,6 +417,7 @@ class HintStore:
     def _tx(self) -> Iterator[sqlite3.Connection]:
         with sqlitedb.transaction(self._db, self._lock) as db:
             yield db
+            _refresh_verdicts(db)  # the verdicts of jobs this transaction touched, in it
         self._generation += 1
 
     def _open_reader(self) -> sqlite3.Connection:
@@ -457,6 +593,9 @@ class HintStore:
                         for f in active
                     ],
                 )
+            touched = {f.job for f in active if f.job} | {f.job for f in cleared if f.job}
+            if touched:
+                db.executemany("INSERT OR IGNORE INTO verdict_dirty(job) VALUES (?)", [(j,) for j in sorted(touched)])
             for hint in new_hints:
                 self._upsert_hint(db, hint, now, wall)
             for table, kind in (("known_nodes", "node"), ("known_jobs", "job")):
@@ -561,7 +700,7 @@ class HintStore:
 
     # -- reads: JSON text built by SQLite, and models parsed from it --------------------------
     def get_hint(self, hint_id: str) -> HintRecord:
-        rows = self._column(f"SELECT {_HINT_JSON} FROM hints WHERE id = ?", (hint_id,))
+        rows = self._column("SELECT record FROM hints WHERE id = ?", (hint_id,))
         if not rows:
             raise HintNotFound(hint_id)
         return HintRecord.model_validate_json(rows[0])
@@ -589,7 +728,7 @@ class HintStore:
         """Hints as JSON text, oldest change first. `since` filters on the last change
         (`updated_wall`, wall clock)."""
         where, params = self._hint_where(**filters)
-        sql = f"SELECT {_HINT_JSON} FROM hints WHERE {where} ORDER BY seq"
+        sql = f"SELECT record FROM hints WHERE {where} ORDER BY seq"
         if limit is not None:
             sql += " LIMIT ?"
             params.append(int(limit))
@@ -604,7 +743,7 @@ class HintStore:
 
     def changes_after(self, seq: int, limit: int = 500) -> list[HintRecord]:
         """Hints changed after log position `seq`, in change order (each once, latest state)."""
-        rows = self._column(f"SELECT {_HINT_JSON} FROM hints WHERE seq > ? ORDER BY seq LIMIT ?", (seq, limit))
+        rows = self._column("SELECT record FROM hints WHERE seq > ? ORDER BY seq LIMIT ?", (seq, limit))
         return [HintRecord.model_validate_json(t) for t in rows]
 
     def latest_seq(self) -> int:
@@ -642,7 +781,7 @@ class HintStore:
         # Without statistics SQLite prefers walking findings_active_seen (every active finding)
         # to avoid a sort; for one job's or node's few hundred findings the sort is far cheaper.
         index = " INDEXED BY findings_job" if job is not None else " INDEXED BY findings_node" if node is not None else ""
-        sql = f"SELECT {_FINDING_JSON} FROM findings{index} WHERE {' AND '.join(where)} ORDER BY {order}"
+        sql = f"SELECT record FROM findings{index} WHERE {' AND '.join(where)} ORDER BY {order}"
         if limit is not None:
             sql += " LIMIT ?"
             params.append(int(limit))
@@ -652,72 +791,33 @@ class HintStore:
         """Findings, most recently seen first (filters as `findings_json`)."""
         return [FindingRecord.model_validate_json(t) for t in self.findings_json(**filters)]
 
-    def job_summary(self, job: str) -> dict[str, Any]:
-        """What a job verdict needs, in a few indexed queries: active findings worst first (JSON),
-        their severities, culprit ranks and nodes, and the live hints for them (JSON)."""
+    def job_summary(self, job: str) -> dict[str, Any] | None:
+        """A job verdict's parts as the writer stored them (None: no active finding): the active
+        findings worst first and the live hints for them (each a JSON array text), their
+        distinct severities, the worst finding's kind and summary, culprit ranks and nodes (JSON
+        texts)."""
         with self._reading() as db:
-            rows = db.execute(
-                f"""SELECT {_FINDING_JSON}, severity, kind, json_extract(body, '$.summary'), node,
-                           json_extract(body, '$.culprit_ranks'),
-                           CASE json_type(body, '$.evidence.culprit_nodes') WHEN 'array' THEN json_extract(body, '$.evidence.culprit_nodes') END
-                    FROM findings INDEXED BY findings_job WHERE job = ? AND active = 1 ORDER BY {_SEVERITY_ORDER}, last_seen DESC, id""",
+            row = db.execute(
+                "SELECT n_findings, severities, worst_kind, worst_summary, culprit_ranks, culprit_nodes, hints, findings FROM job_verdicts WHERE job = ?",
                 (job,),
-            ).fetchall()
-            # The job's own live hints in change order, then live hints other jobs got for the
-            # same findings (e.g. a drain of the culprit node), by finding.
-            # From the job's findings to their hints (CROSS JOIN keeps that order: the finding_id
-            # index, not a scan of every live hint).
-            order = db.execute(
-                """SELECT h.id, h.seq, (h.job IS NOT ?) AS other
-                   FROM findings AS f INDEXED BY findings_job CROSS JOIN hints AS h ON h.finding_id = f.id
-                   WHERE f.job = ? AND f.active = 1 AND h.state IN ('pending', 'acked')
-                   ORDER BY other, CASE WHEN h.job IS ? THEN '' ELSE h.finding_id END, h.seq""",
-                (job, job, job),
-            ).fetchall()
-            hints = self._hint_texts(db, [(r[0], r[1]) for r in order])
-        ranks: set[int] = set()
-        nodes: set[str] = set()
-        for r in rows:
-            ranks.update(int(x) for x in json.loads(r[5] or "[]") if isinstance(x, int))
-            culprit_nodes = json.loads(r[6]) if r[6] else None
-            if isinstance(culprit_nodes, list):
-                nodes.update(str(n) for n in culprit_nodes)
-            elif r[4]:
-                nodes.add(r[4])
-        return {
-            "findings": [r[0] for r in rows],
-            "severities": [r[1] for r in rows],
-            "worst": (rows[0][2], rows[0][3]) if rows else None,
-            "culprit_ranks": sorted(ranks),
-            "culprit_nodes": sorted(nodes),
-            "hints": hints,
-        }
-
-    def _hint_texts(self, db: sqlite3.Connection, wanted: list[tuple[str, int]]) -> list[str]:
-        """The JSON text of hints (id, seq), from a cache keyed by seq: every change of a hint
-        gives it a new seq (a new change-log row, never reused), so a cached text with the same
-        seq is the row's text. Saves building ~400 texts per verdict after each tick."""
-        cache = self._hint_text_cache
-        missing = [hid for hid, seq in wanted if cache.get(hid, (None, ""))[0] != seq]
-        for start in range(0, len(missing), 500):
-            chunk = missing[start : start + 500]
-            for hid, seq, text in db.execute(f"SELECT id, seq, {_HINT_JSON} FROM hints WHERE id IN ({','.join('?' * len(chunk))})", chunk):
-                cache[hid] = (seq, text)
-        if len(cache) > _HINT_TEXT_CACHE:
-            cache.clear()  # rare (that many live hints): start over rather than track recency
-            return self._hint_texts(db, wanted)
-        return [cache[hid][1] for hid, _ in wanted]
+            ).fetchone()
+        if row is None:
+            return None
+        keys = ("n_findings", "severities", "worst_kind", "worst_summary", "culprit_ranks", "culprit_nodes", "hints", "findings")
+        out = dict(zip(keys, row, strict=True))
+        out["severities"] = json.loads(out["severities"])
+        return out
 
     def node_summary(self, node: str) -> dict[str, Any]:
         """Active findings on the node worst first (JSON, with severity, kind, summary) and the
         live hints that target it (JSON)."""
         with self._reading() as db:
             rows = db.execute(
-                f"""SELECT {_FINDING_JSON}, severity, kind, json_extract(body, '$.summary')
+                f"""SELECT record, severity, kind, summary
                     FROM findings INDEXED BY findings_node WHERE node = ? AND active = 1 ORDER BY {_SEVERITY_ORDER}, last_seen DESC, id""",
                 (node,),
             ).fetchall()
-            hints = [r[0] for r in db.execute(f"SELECT {_HINT_JSON} FROM hints WHERE node = ? AND state IN ('pending', 'acked') ORDER BY seq", (node,))]
+            hints = [r[0] for r in db.execute("SELECT record FROM hints WHERE node = ? AND state IN ('pending', 'acked') ORDER BY seq", (node,))]
         return {"findings": [r[0] for r in rows], "rows": [(r[1], r[2], r[3]) for r in rows], "hints": hints}
 
     def knows(self, *, node: str | None = None, job: str | None = None) -> bool:

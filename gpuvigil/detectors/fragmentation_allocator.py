@@ -78,6 +78,18 @@ class AllocatorFragmentationDetector:
         self._rows = SlidingRows("allocator_stats", c.window_seconds, c.warmup_seconds)
         self._state: pl.DataFrame | None = None
 
+    def lookback_seconds(self) -> dict[str, float]:
+        """History of allocator_stats read from the window (pipeline/core.py: declared_horizons):
+        the look-back, plus 30 s in which rows leaving it can still be subtracted (SlidingRows)."""
+        return {"allocator_stats": self.config.window_seconds + 30.0}
+
+    def window_columns(self) -> dict[str, tuple[str, ...]]:
+        """Columns of allocator_stats' history it reads (`_values`; pipeline/core.py: declared_columns)."""
+        cols = ("ts", "job", "rank", "node", "gpu", "reserved_bytes", "peak_allocated_bytes", "inactive_split_bytes", "alloc_retries", "largest_free_block_bytes", "device_capacity_bytes")
+        # ... and the step's request, for the ranks it finds (`_evaluate`).
+        cols += ("allocated_bytes",)
+        return {"allocator_stats": cols}
+
     def ingest(self, window: Window) -> None:
         """Per-key counts and oldest/newest samples, from this tick's rows (O(new rows))."""
         if self._state is None and window.get("allocator_stats").height == 0:

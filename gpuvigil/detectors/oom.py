@@ -119,6 +119,16 @@ class OomPredictor:
         self._rows = SlidingRows("allocator_stats", c.fit_window_seconds, c.warmup_seconds)
         self._state = _empty_state()
 
+    def lookback_seconds(self) -> dict[str, float]:
+        """History of allocator_stats read from the window (pipeline/core.py: declared_horizons):
+        the fit's look-back, plus 30 s in which rows leaving it can still be subtracted
+        (SlidingRows steps while the gap between two ticks is under that; else it rebuilds)."""
+        return {"allocator_stats": self.config.fit_window_seconds + 30.0}
+
+    def window_columns(self) -> dict[str, tuple[str, ...]]:
+        """Columns of allocator_stats' history it reads (`_values`; pipeline/core.py: declared_columns)."""
+        return {"allocator_stats": ("ts", "job", "rank", "node", "gpu", "device_capacity_bytes", "reserved_bytes", "peak_allocated_bytes", "foreign_used_bytes", "alloc_retries")}
+
     def ingest(self, window: Window) -> None:
         """Fold this tick's rows into the running sums (called on ticks the fit is not due)."""
         c = self.config

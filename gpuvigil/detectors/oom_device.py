@@ -54,6 +54,13 @@ class DeviceOomPredictor:
     def __init__(self, cfg: dict[str, Any] | None = None):
         self.config = settings("oom_device", OomDeviceConfig, cfg)
 
+    def lookback_seconds(self) -> dict[str, float]:
+        """History read from the window (pipeline/core.py: declared_horizons, declared_columns)."""
+        return {"gpu_samples": self.config.fit_window_seconds}
+
+    def window_columns(self) -> dict[str, tuple[str, ...]]:
+        return {"gpu_samples": ("ts", "node", "gpu", "memory_used_bytes", "memory_total_bytes", "memory_reserved_bytes")}
+
     def _series(self, window: Window, since: float) -> pl.DataFrame:
         """(ts, job, rank, node, gpu, own, gpu_used, capacity, foreign) per process sample."""
         gs = window.get("gpu_samples").filter(pl.col("ts") >= since)

@@ -44,12 +44,28 @@ DECLARED: dict[str, tuple[str, str | None, tuple[str, ...]]] = {
     "anomaly": ("L0", None, ("gpu_samples",)),
 }
 
+# Detectors that read only each tick's fresh rows of these streams (`window.fresh`), never their
+# history: look-back 0, so they neither lengthen the streams' horizons nor keep their columns
+# (pipeline/core.py: declared_horizons, declared_columns).
+FRESH_ONLY: dict[str, tuple[str, ...]] = {
+    "hang": ("rank_progress",),
+    "xid": ("gpu_samples",),
+    "ecc": ("gpu_samples",),
+    "thermal": ("gpu_samples",),
+    "pcie": ("gpu_samples",),
+    "anomaly": ("gpu_samples",),
+    "hang_device": ("gpu_samples",),
+}
+
 
 def _declare(d: Any) -> Any:
     level, capability, streams = DECLARED.get(d.name, (getattr(d, "level", "L0"), getattr(d, "capability", None), getattr(d, "streams", ())))
     for attr, value in (("level", level), ("capability", capability), ("streams", streams)):
         if not hasattr(d, attr):
             setattr(d, attr, value)
+    fresh = FRESH_ONLY.get(d.name)
+    if fresh and not hasattr(d, "lookback_seconds"):
+        d.lookback_seconds = lambda fresh=fresh: dict.fromkeys(fresh, 0.0)
     return d
 
 

@@ -59,6 +59,10 @@ class StragglerDetector:
         c = self.config
         return {STREAM: max(c.window_seconds, c.max_window_seconds)}
 
+    def window_columns(self) -> dict[str, tuple[str, ...]]:
+        """The columns of that history it reads (pipeline/core.py: declared_columns)."""
+        return {STREAM: ("ts", "job", "rank", "node", "gpu", "step_time_seconds", "collective_wait_seconds")}
+
     # -- running state ---------------------------------------------------------------------------
     def _reset(self) -> None:
         self._ring = KeyRing(["wait", "step"], ["node", "gpu"])

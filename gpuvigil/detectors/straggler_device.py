@@ -45,6 +45,13 @@ class DeviceStragglerDetector:
         self.config = settings("straggler_device", StragglerDeviceConfig, cfg)
         self._persistence = Persistence()
 
+    def lookback_seconds(self) -> dict[str, float]:
+        """History read from the window (pipeline/core.py: declared_horizons, declared_columns)."""
+        return {"gpu_samples": max(self.config.window_seconds, self.config.recent_seconds)}
+
+    def window_columns(self) -> dict[str, tuple[str, ...]]:
+        return {"gpu_samples": ("ts", "node", "gpu", "util_ratio", "sm_clock_mhz", "power_w", "sm_active_ratio")}
+
     def detect(self, window: Window) -> list[Finding]:
         c = self.config
         now = window.now

@@ -2,8 +2,8 @@
 owned through KV leases) and `gpuvigil act` (one leader through a KV lease).
 
 Same code, another transport: the agents and detect replicas run `pipeline.core.Pipeline` with the
-detectors of `detectors.registry`; act runs a Pipeline whose one detector relays the findings the
-others publish, so the findings lifecycle, the hint rules (`pipeline.hints`), the alert pusher and
+detectors of `detectors.registry`; act runs a Pipeline with a detector that relays the findings the
+others publish, plus the cluster-scope `fragmentation_cluster` over the agents' node summaries, so the findings lifecycle, the hint rules (`pipeline.hints`), the alert pusher and
 outbox (`alerts.pusher`) and the hint store (`api.store`) are the ones `serve` runs. Only what
 feeds the windows (rows from the stream) and what carries the findings (the findings stream)
 change. The stream is the state: a replica that takes a partition rebuilds its windows by

@@ -3,7 +3,10 @@ through a KV lease (`act.leader`). Standbys wait for the lease; the leader reads
 stream (the latest state of every agent and partition first, then every update) and runs a
 `Pipeline` whose one detector (`Relay`) reports the findings those sources hold active. So the
 lifecycle (new / active / cleared), the hint rules and cooldown, the alert pusher with its
-durable outbox, the hint store and `--act` are the ones `serve` runs.
+durable outbox, the hint store and `--act` are the ones `serve` runs. The same Pipeline runs the
+cluster-scope detector `fragmentation_cluster` over the agents' node summaries (`ClusterView`,
+read from `gv.cluster.>`), so its findings take that path too. `--metrics-port` serves /metrics
+(gpuvigil.fleet.metrics: leader and lease state, findings processed, pages, hints, lag).
 
 A finding processed twice never pages or acts twice:
 - alerts: the pusher re-sends firing alerts with the same labels, which Alertmanager merges into
@@ -30,8 +33,9 @@ from typing import Any
 
 from gpuvigil.errors import UserError
 from gpuvigil.fleet import transport
-from gpuvigil.fleet.agent import add_common, install_signals, load
+from gpuvigil.fleet.agent import add_common, add_metrics_args, install_signals, load
 from gpuvigil.fleet.lease import Leases
+from gpuvigil.fleet.metrics import ActStats
 from gpuvigil.fleet.transport import Clock, Subjects
 from gpuvigil.model import Finding
 
@@ -53,6 +57,7 @@ def add_parser(sub) -> None:
     p.add_argument("--insecure-local", action="store_true", help="feedback API without a token, on 127.0.0.1 only")
     p.add_argument("--scheduler", choices=["slurm", "kubernetes", "none"], help="the scheduler the leader acts on (sources.scheduler, as serve)")
     p.add_argument("--act", choices=["off", "dry-run", "on"], help="what the leader does with hints on the scheduler (sources.act, as serve; default dry-run)")
+    add_metrics_args(p)
     p.set_defaults(func=run)
 
 
@@ -89,29 +94,89 @@ class Relay:
         return list(out.values())
 
 
+class ClusterView:
+    """The cluster as the agents' node summaries (`gv.cluster.node.<node>`) describe it: the
+    `nodes`, `allocations` and pending `jobs` that `fragmentation_cluster` reads in `serve`.
+    A node silent for `stale_seconds` (its agent died) leaves the view; the queue is the newest
+    one any agent reported (every Slurm-reading agent sees the same queue)."""
+
+    def __init__(self, stale_seconds: float):
+        self.stale_seconds = stale_seconds
+        self.nodes: dict[str, tuple[float, dict[str, Any]]] = {}  # node → (wall, summary)
+        self.queue: tuple[float, list[dict[str, Any]]] = (float("-inf"), [])  # (data now, pending jobs)
+        self.version = 0
+        self.messages = 0
+
+    def update(self, doc: dict[str, Any], now: float) -> bool:
+        """Take a node's summary; False (and nothing taken) when it is malformed."""
+        node, row, allocs, pending = doc.get("node"), doc.get("row"), doc.get("allocations", []), doc.get("pending", [])
+        if not (isinstance(node, str) and (row is None or isinstance(row, dict)) and isinstance(allocs, list) and isinstance(pending, list)
+                and all(isinstance(a, list) and len(a) == 3 for a in allocs) and all(isinstance(j, dict) and isinstance(j.get("job"), str) for j in pending)):
+            return False
+        self.messages += 1
+        old = self.nodes.get(node)
+        if old is None or old[1] != doc:
+            self.version += 1
+        self.nodes[node] = (time.monotonic(), doc)
+        if "pending" in doc and now >= self.queue[0]:
+            if doc["pending"] != self.queue[1]:
+                self.version += 1
+            self.queue = (now, list(doc["pending"]))
+        return True
+
+    def expire(self) -> None:
+        cutoff = time.monotonic() - self.stale_seconds
+        gone = [n for n, (wall, _) in self.nodes.items() if wall < cutoff]
+        for n in gone:
+            del self.nodes[n]
+        if gone:
+            self.version += 1
+
+    def frames(self) -> dict[str, Any]:
+        from gpuvigil import schemas
+
+        rows = [doc["row"] for _, doc in self.nodes.values() if doc.get("row")]
+        alloc = [{"job": j, "rank": r, "node": doc["node"], "gpu": g} for _, doc in self.nodes.values() for j, r, g in doc.get("allocations", [])]
+        return {"nodes": schemas.frame(rows, schemas.NODES), "allocations": schemas.frame(alloc, schemas.ALLOCATIONS), "pending": self.queue[1]}
+
+
 class TenantFeed:
     """The act Pipeline's collector: a `jobs` snapshot (job, tenant) from what detect reported,
-    so alerts carry the tenant and route to its team as `serve`'s do."""
+    so alerts carry the tenant and route to its team as `serve`'s do; and, from the agents' node
+    summaries (`ClusterView`), the `nodes`, `allocations` and pending jobs that the
+    cluster-scope detectors read."""
 
     name = "fleet_tenants"
 
-    def __init__(self, relay: Relay):
+    def __init__(self, relay: Relay, cluster: ClusterView | None = None):
         from gpuvigil import schemas
 
         self.relay = relay
-        self.streams = {"jobs": schemas.JOBS}
+        self.cluster = cluster
+        self.streams = {"jobs": schemas.JOBS, "nodes": schemas.NODES, "allocations": schemas.ALLOCATIONS}
         self.errors = 0
+        self._version = -1
 
     def collect(self, now: float) -> dict[str, Any]:
-        import polars as pl
-
         from gpuvigil import schemas
 
-        if self.relay.tenants == self.relay._tenants_sent:
+        if self.cluster is not None:
+            self.cluster.expire()
+        version = self.cluster.version if self.cluster is not None else 0
+        if self.relay.tenants == self.relay._tenants_sent and version == self._version:
             return {}
         self.relay._tenants_sent = dict(self.relay.tenants)
-        df = pl.DataFrame({"job": list(self.relay.tenants), "tenant": list(self.relay.tenants.values())}, schema={"job": pl.Utf8, "tenant": pl.Utf8})
-        return {"jobs": schemas.conform(df, schemas.JOBS, stream="jobs")}
+        self._version = version
+        out: dict[str, Any] = {}
+        pending: list[dict[str, Any]] = []
+        if self.cluster is not None:
+            view = self.cluster.frames()
+            pending = view.pop("pending")
+            out.update(view)
+        queued = {r["job"] for r in pending}
+        rows = [*pending, *({"job": j, "tenant": t} for j, t in self.relay.tenants.items() if j not in queued)]
+        out["jobs"] = schemas.frame(rows, schemas.JOBS)
+        return out
 
 
 class Ledger:
@@ -196,7 +261,16 @@ class Act:
         self.clock = Clock()
         self.stop_event = asyncio.Event()
         self.relay = Relay(self.fleet.findings_stale_seconds)
-        self.pipeline = Pipeline([TenantFeed(self.relay)], [self.relay], cfg=self.cfg)
+        self.cluster = ClusterView(self.fleet.findings_stale_seconds)
+        # The relay, plus the detectors of serve's set that need the whole cluster
+        # (fragmentation_cluster), over the agents' node summaries.
+        from gpuvigil.fleet.agent import cluster_detectors
+
+        self.pipeline = Pipeline([TenantFeed(self.relay, self.cluster)], [self.relay, *cluster_detectors(self.cfg)], cfg=self.cfg)
+        self.stats = ActStats()
+        self.leases: Leases | None = None
+        self.ledger: Ledger | None = None
+        self.metrics_port: int | None = None
         self.sinks: list[Any] = []
         self.closers: list[Any] = []
         self.pusher = None
@@ -256,43 +330,66 @@ class Act:
                 log.exception("act: close failed")
         self.closers = []
 
-    async def _findings(self, sub_holder: dict[str, Any]) -> None:
-        """Read the findings stream: the latest message of every subject, then every new one."""
+    def _on_findings(self, m: Any) -> None:
+        try:
+            doc, found = transport.parse_findings(m.data)
+        except Exception as exc:  # noqa: BLE001 - a bad message never stops act
+            log.warning("act: undecodable findings on %s: %s", m.subject, exc)
+            self.stats.bad_messages += 1
+            return
+        now = float(doc.get("now", 0.0))
+        self.relay.update(m.subject, now, found, doc.get("tenants"))
+        self.clock.now = max(self.clock.now, now)
+        self.stats.findings_messages += 1
+        self.stats.newest_findings_now = max(self.stats.newest_findings_now, now)
+
+    def _on_cluster(self, m: Any) -> None:
+        try:
+            doc = json.loads(m.data)
+            now = float((m.headers or {}).get("Gv-Now", "nan"))
+        except (ValueError, TypeError) as exc:
+            log.warning("act: undecodable node summary on %s: %s", m.subject, exc)
+            self.stats.bad_messages += 1
+            return
+        if not (isinstance(doc, dict) and self.cluster.update(doc, now if math.isfinite(now) else float("-inf"))):
+            log.warning("act: malformed node summary on %s", m.subject)
+            self.stats.bad_messages += 1
+
+    async def _read(self, stream: str, subject: str, handle: Any, kind: str) -> None:
+        """Read a stream: the latest message of every subject, then every new one."""
         from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
 
         errors = idle = 0
         last_seq = 0
+        sub = None
         while True:
             try:
-                if sub_holder.get("sub") is None:
+                if sub is None:
                     if last_seq:
                         cfg = ConsumerConfig(deliver_policy=DeliverPolicy.BY_START_SEQUENCE, opt_start_seq=last_seq + 1, ack_policy=AckPolicy.NONE, inactive_threshold=30)
                     else:
                         cfg = ConsumerConfig(deliver_policy=DeliverPolicy.LAST_PER_SUBJECT, ack_policy=AckPolicy.NONE, inactive_threshold=30)
-                    sub_holder["sub"] = await self.js.pull_subscribe(f"{self.subjects.prefix}.findings.>", stream=self.subjects.findings_stream, config=cfg)
+                    sub = await self.js.pull_subscribe(subject, stream=stream, config=cfg)
                 try:
-                    msgs = await sub_holder["sub"].fetch(256, timeout=1.0)
+                    msgs = await sub.fetch(256, timeout=1.0)
                 except TimeoutError:
+                    self.stats.pending[kind] = 0
                     idle += 1
                     if idle % 3 == 0:  # quiet, or its server died with it: ask (raises if it is gone)
-                        await sub_holder["sub"].consumer_info()
+                        await sub.consumer_info()
                     continue
                 errors = idle = 0
                 for m in msgs:
                     last_seq = m.metadata.sequence.stream
-                    try:
-                        doc, found = transport.parse_findings(m.data)
-                    except Exception as exc:  # noqa: BLE001 - a bad message never stops act
-                        log.warning("act: undecodable findings on %s: %s", m.subject, exc)
-                        continue
-                    self.relay.update(m.subject, float(doc.get("now", 0.0)), found, doc.get("tenants"))
-                    self.clock.now = max(self.clock.now, float(doc.get("now", 0.0)))
+                    handle(m)
+                if msgs:
+                    self.stats.pending[kind] = msgs[-1].metadata.num_pending
             except asyncio.CancelledError:
                 raise
             except Exception as exc:  # noqa: BLE001 - a NATS node died: resubscribe where we were
                 errors += 1
-                log.info("act %s: findings consumer error (%s); resubscribing", self.id, exc)
-                sub_holder["sub"] = None
+                log.info("act %s: %s consumer error (%s); resubscribing", self.id, kind, exc)
+                sub = None
                 await asyncio.sleep(min(2.0, 0.2 * errors))
 
     async def _tick(self, now: float, ledger: Ledger) -> None:
@@ -300,6 +397,7 @@ class Act:
         await ledger.gate(result)
         for f in result.new_findings:
             log.info("act %s: finding %s %s: %s", self.id, f.severity.value, f.kind.value, f.summary)
+        self.stats.on_tick(self, result, now)
         for sink in self.sinks:
             sink.on_tick(result, self.pipeline.window)
         if self.acting is not None:
@@ -315,8 +413,8 @@ class Act:
         try:
             await transport.ensure(self.js, self.fleet)
             await self.clock.subscribe(nc, self.subjects)
-            leases = Leases(await self.js.key_value(self.subjects.leases_bucket), self.id, self.fleet.lease_ttl_seconds)
-            ledger = Ledger(await self.js.key_value(self.subjects.ledger_bucket), self.id)
+            self.leases = leases = Leases(await self.js.key_value(self.subjects.leases_bucket), self.id, self.fleet.lease_ttl_seconds)
+            self.ledger = ledger = Ledger(await self.js.key_value(self.subjects.ledger_bucket), self.id)
             renew_every = self.fleet.lease_ttl_seconds / 4
             state = {"leader": False}
 
@@ -334,17 +432,23 @@ class Act:
                     self.leader_since = time.monotonic()
                     log.warning("act %s: leader now", self.id)
                     print(f"gpuvigil act {self.id}: leader", flush=True)
+                    self.stats.leader_terms += 1
                     self._open_outputs()
-                    reader = asyncio.create_task(self._findings({}))
+                    reader = asyncio.gather(
+                        self._read(self.subjects.findings_stream, f"{self.subjects.prefix}.findings.>", self._on_findings, "findings"),
+                        self._read(self.subjects.cluster_stream, f"{self.subjects.prefix}.cluster.>", self._on_cluster, "cluster"),
+                    )
                 elif not leader and self.leader_since is not None:
                     # Lost the lease (NATS unreachable for a TTL, or taken): stop at once.
                     log.error("act %s: lost the leader lease; standing by", self.id)
                     self.leader_since = None
                     if reader is not None:
                         reader.cancel()
+                    self.stats.end_term(self)
                     self.close()
                     self.sinks = []
                     self.acting = None
+                    self.pusher = None
                 if self.leader_since is not None and leases.valid(LEADER_KEY):
                     now = self.clock.now
                     if math.isfinite(now) and now - self.last_tick >= self.pipeline.config.tick_seconds:
@@ -372,6 +476,12 @@ class Act:
 def run(args: argparse.Namespace) -> int:
     logging.basicConfig(level=getattr(logging, args.log_level.upper()), format="%(asctime)s %(levelname)s %(name)s: %(message)s", stream=sys.stderr)
     a = Act(args)
+    if args.metrics_port is not None:
+        from gpuvigil.fleet.metrics import act_families, serve
+
+        server, a.metrics_port = serve(lambda: act_families(a), args.metrics_host, args.metrics_port)
+        a.closers_at_exit = [server.shutdown, server.server_close]
+        print(f"gpuvigil act {a.id}: metrics http://{args.metrics_host}:{a.metrics_port}/metrics", flush=True)
 
     async def main() -> None:
         install_signals(asyncio.get_running_loop(), a.stop_event)
@@ -385,6 +495,8 @@ def run(args: argparse.Namespace) -> int:
         if a.pusher is not None and a.closers:
             left = a.pusher.pending()
         a.close()
+        for c in getattr(a, "closers_at_exit", []):
+            c()
         print(f"gpuvigil act {a.id}: stopped" + (f"; {left} alert(s) left in the outbox" if left else ""), flush=True)
     return 0
 

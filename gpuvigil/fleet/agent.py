@@ -5,7 +5,10 @@ serves /metrics, and publishes to NATS JetStream, per tick:
 - the job-level rows of every job on the node (rank progress, allocator stats, the job's GPUs'
   samples, its events, with the job's placement rows), one message per job, Arrow IPC;
 - the node's active findings (on change and every `findings_refresh_seconds`);
-- its tick time on `gv.clock.<node>`.
+- its tick time on `gv.clock.<node>`;
+- its node summary on `gv.cluster.node.<node>` (on change and every `cluster_refresh_seconds`):
+  the node's row, its GPUs' allocations and, where the agent sees the scheduler's queue, the
+  pending jobs. The act leader runs `fragmentation_cluster` over the union of them.
 
 With `sources: sim: true` (or nothing configured) one process plays every node of the simulated
 cluster: one Pipeline and one publisher per node over a shared simulated world, so tests and
@@ -16,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import json
 import logging
 import signal
 import sys
@@ -41,6 +45,11 @@ def add_common(p: argparse.ArgumentParser) -> None:
     p.add_argument("--nats", action="append", default=[], metavar="URL", help="NATS server URL (repeatable; overrides fleet.servers)")
     p.add_argument("--duration", type=float, default=0.0, help="stop after this many wall seconds (default: until SIGTERM)")
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+
+
+def add_metrics_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--metrics-port", type=int, help="serve this replica's /metrics on this port (0: a free one; default: none)")
+    p.add_argument("--metrics-host", default="127.0.0.1", help="address for /metrics (default 127.0.0.1)")
 
 
 def add_parser(sub) -> None:
@@ -71,7 +80,8 @@ def load(args: argparse.Namespace) -> tuple[dict[str, Any], Fleet]:
 
 def split_detectors(cfg: dict[str, Any], fleet: Fleet) -> tuple[list[Any], list[Any]]:
     """(agent detectors, detect detectors) from the one default set `serve` runs. The cluster-wide
-    fragmentation detector needs every node's state and runs in neither (docs/scale.md)."""
+    fragmentation detector needs every node's state: it runs in the act leader over the agents'
+    node summaries (`cluster_detectors`)."""
     from gpuvigil.detectors.registry import default_detectors
 
     dets = default_detectors(cfg)
@@ -82,6 +92,37 @@ def split_detectors(cfg: dict[str, Any], fleet: Fleet) -> tuple[list[Any], list[
     agent = [d for d in dets if d.name in fleet.agent_detectors]
     detect = [d for d in dets if d.name not in fleet.agent_detectors and d.name != "fragmentation_cluster"]
     return agent, detect
+
+
+def cluster_detectors(cfg: dict[str, Any]) -> list[Any]:
+    """The detectors of serve's default set that need the whole cluster: run by the act leader."""
+    from gpuvigil.detectors.registry import default_detectors
+
+    return [d for d in default_detectors(cfg) if d.name in CLUSTER_DETECTORS]
+
+
+CLUSTER_DETECTORS = ("fragmentation_cluster",)
+_QUEUE_COLUMNS = ("job", "tenant", "priority", "n_gpus", "gpus_per_node", "state", "submit_ts")
+
+
+def node_summary(window: Any, node: str, queue: pl.DataFrame | None = None) -> dict[str, Any]:
+    """What the cluster-scope detectors need from one node: its `nodes` row (state, rack, GPUs,
+    free GPUs), its GPUs' allocations and, from an agent that sees the scheduler's queue, the
+    pending jobs. Small (one row, a few allocations) and JSON, so act unions thousands of them."""
+    nodes = window.get("nodes")
+    row = nodes.filter(pl.col("node") == node) if nodes.height else nodes
+    alloc = window.get("allocations")
+    alloc = alloc.filter(pl.col("node") == node) if alloc.height else alloc
+    doc: dict[str, Any] = {
+        "node": node,
+        "row": row.row(0, named=True) if row.height else None,
+        "allocations": [list(r) for r in alloc.select("job", "rank", "gpu").iter_rows()],
+    }
+    if queue is not None and queue.height:
+        pending = queue.filter(pl.col("state") == "pending")
+        if pending.height:
+            doc["pending"] = pending.select(_QUEUE_COLUMNS).sort("job").to_dicts()
+    return doc
 
 
 # -- what a node ships ---------------------------------------------------------------------------
@@ -124,7 +165,7 @@ class NodeView:
     name = "simulated"
     streams: Mapping[str, pl.Schema] = {
         "gpu_samples": schemas.GPU_SAMPLES, "rank_progress": schemas.RANK_PROGRESS, "allocator_stats": schemas.ALLOCATOR_STATS,
-        "events": schemas.EVENTS, "jobs": schemas.JOBS, "allocations": schemas.ALLOCATIONS,
+        "events": schemas.EVENTS, "jobs": schemas.JOBS, "allocations": schemas.ALLOCATIONS, "nodes": schemas.NODES,
     }
 
     def __init__(self, world: SimWorld, node: str):
@@ -136,7 +177,7 @@ class NodeView:
         frames = self.world.frames(now)
         out: dict[str, pl.DataFrame] = {}
         for stream, df in frames.items():
-            if stream in ("jobs", "nodes"):
+            if stream == "jobs":
                 continue
             if "node" in df.columns:
                 out[stream] = df.filter(pl.col("node") == self.node)
@@ -177,17 +218,26 @@ class SimWorld:
     def after_tick(self, now: float) -> None:
         self.scheduler.cycle(now)
 
+    def queue(self) -> pl.DataFrame:
+        """The simulated scheduler's jobs (its queue included): what a Slurm-reading agent sees."""
+        return self._frames.get("jobs", schemas.empty("jobs"))
+
 
 class NodeAgent:
     """One node: its Pipeline (node/GPU detectors) and what it publishes after each tick."""
 
-    def __init__(self, node: str, pipeline: Any, fleet: Fleet):
+    def __init__(self, node: str, pipeline: Any, fleet: Fleet, queue: Any = None):
         self.node = node
         self.pipeline = pipeline
         self.fleet = fleet
         self.subjects = Subjects(fleet)
         self._published: tuple[str, ...] | None = None
         self._published_at = float("-inf")
+        self._summary: bytes | None = None
+        self._summary_at = float("-inf")
+        # Where this node sees the scheduler's queue: () -> jobs frame (a real agent: its own
+        # window's `jobs`, filled by a Slurm state source; the simulator: one designated node).
+        self.queue = queue
         self.rows = 0
 
     def outbox(self, now: float) -> list[tuple[str, bytes, dict[str, str]]]:
@@ -202,7 +252,69 @@ class NodeAgent:
         if key != self._published or now - self._published_at >= self.fleet.findings_refresh_seconds:
             self._published, self._published_at = key, now
             msgs.append((self.subjects.findings_node(self.node), transport.findings_payload("agent", now, active, node=self.node), {}))
+        summary = json.dumps(node_summary(self.pipeline.window, self.node, self.queue() if self.queue else None), sort_keys=True, default=str).encode()
+        if summary != self._summary or now - self._summary_at >= self.fleet.cluster_refresh_seconds:
+            self._summary, self._summary_at = summary, now
+            msgs.append((self.subjects.cluster_node(self.node), summary, {"Gv-Now": repr(now)}))
         return msgs
+
+
+class _MergedWindow:
+    """The windows of every simulated node as one (each holds only its own node's rows, so the
+    union is exact): what the exporter reads."""
+
+    def __init__(self, windows: list[Any]):
+        self.windows = windows
+
+    def _concat(self, frames: list[pl.DataFrame]) -> pl.DataFrame:
+        frames = [f for f in frames if f.height] or frames[:1]
+        return pl.concat(frames, how="vertical_relaxed") if len(frames) > 1 else frames[0]
+
+    def latest(self, stream: str, by: list[str]) -> pl.DataFrame:
+        return self._concat([w.latest(stream, by) for w in self.windows])
+
+    def get(self, stream: str) -> pl.DataFrame:
+        return self._concat([w.get(stream) for w in self.windows])
+
+    def streams(self) -> list[str]:
+        return sorted({s for w in self.windows for s in w.streams()})
+
+
+class MergedPipeline:
+    """Every simulated node's Pipeline seen as one by the exporter, so the one /metrics of a
+    process that plays the whole cluster serves every node's series (each labelled with its
+    node), as one agent per node would. `all_findings` is append-only across nodes (the
+    exporter keeps a cursor into it)."""
+
+    def __init__(self, pipelines: list[Any]):
+        self.pipelines = pipelines
+        self.window = _MergedWindow([p.window for p in pipelines])
+        self.all_findings: list[Any] = []
+        self.config = pipelines[0].config
+
+    @property
+    def active(self) -> dict[str, Any]:
+        out: dict[str, Any] = {}
+        for p in self.pipelines:
+            out.update(p.active)
+        return out
+
+    @property
+    def ticks(self) -> int:
+        return self.pipelines[0].ticks  # the nodes tick together
+
+    @property
+    def samples_ingested_total(self) -> int:
+        return sum(p.samples_ingested_total for p in self.pipelines)
+
+    @property
+    def collectors(self) -> list[Any]:
+        # One series per collector name (every node's simulated reader is called the same).
+        errors: dict[str, int] = {}
+        for p in self.pipelines:
+            for c in p.collectors:
+                errors[c.name] = errors.get(c.name, 0) + c.errors
+        return [argparse.Namespace(name=n, errors=e) for n, e in errors.items()]
 
 
 class Agent:
@@ -225,9 +337,11 @@ class Agent:
         self.agents: list[NodeAgent] = []
         if self.simulated:
             self.world = SimWorld(args.scenario, args.nodes, args.seed, self.cfg)
-            for node in self.world.node_names:
+            for i, node in enumerate(self.world.node_names):
                 agent_dets, _ = split_detectors(self.cfg, self.fleet)
-                self.agents.append(NodeAgent(node, Pipeline([NodeView(self.world, node)], agent_dets, cfg=self.cfg), self.fleet))
+                # One node reports the simulated scheduler's queue, as one Slurm reader would.
+                self.agents.append(NodeAgent(node, Pipeline([NodeView(self.world, node)], agent_dets, cfg=self.cfg), self.fleet,
+                                             queue=self.world.queue if i == 0 else None))
             self.scheduler = self.world.scheduler
         else:
             self._build_real()
@@ -256,7 +370,8 @@ class Agent:
         pipeline = Pipeline(collectors, agent_dets, cfg=self.cfg)
         for s in sources:
             s.health = pipeline.health
-        self.agents.append(NodeAgent(node, pipeline, self.fleet))
+        # With a Slurm state source the window holds the cluster's queue: report its pending jobs.
+        self.agents.append(NodeAgent(node, pipeline, self.fleet, queue=(lambda: pipeline.window.get("jobs")) if self.src.scheduler == "slurm" else None))
 
     def start_metrics(self) -> None:
         if self.args.port < 0:
@@ -265,8 +380,11 @@ class Agent:
         from gpuvigil.exporter.prometheus import serve_metrics
         from gpuvigil.runtime import Runtime
 
-        # One process, one /metrics: in simulated mode the first node's (each real node runs its own agent).
-        rt = Runtime(self.agents[0].pipeline, self.scheduler, None)
+        # One process, one /metrics: in simulated mode every node's series (with their node
+        # label) through a merged view; a real node runs its own agent and serves its own.
+        pipeline = self.agents[0].pipeline if len(self.agents) == 1 else MergedPipeline([a.pipeline for a in self.agents])
+        self._merged = pipeline if isinstance(pipeline, MergedPipeline) else None
+        rt = Runtime(pipeline, self.scheduler, None)
         self._runtime = rt
         try:
             server, _ = serve_metrics(Snapshot(rt, TickStats(), lock=self.lock), self.args.port, self.args.host)
@@ -286,6 +404,8 @@ class Agent:
                 result = a.pipeline.tick(now)
                 if hasattr(self, "_runtime") and a is self.agents[0]:
                     self._runtime.now, self._runtime.last_result = now, result
+                if getattr(self, "_merged", None) is not None:
+                    self._merged.all_findings += result.new_findings
                 for f in result.new_findings:
                     log.info("agent %s: finding %s %s: %s", a.node, f.severity.value, f.kind.value, f.summary)
                 msgs += a.outbox(now)

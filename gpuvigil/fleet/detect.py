@@ -4,10 +4,12 @@ analysis, ...), sharded by job partition.
 Each replica keeps a membership key and leases partitions (`part.<p>` in the leases bucket) up to
 its fair share, ceil(partitions / live replicas). For every partition it holds it runs one
 `Pipeline` with the detectors `serve` runs (minus the node-scope ones, which run in the agents),
-fed by a durable pull consumer on `gv.part.<p>.>`. Taking a partition (at start or from a replica
+fed by a durable pull consumer on `gv.part.<p>.>` of the rows stream that stores p
+(`Subjects.rows_stream_of`: `GV_ROWS`, or `GV_ROWS_<p % rows_streams>`). Taking a partition (at start or from a replica
 whose lease expired) recreates that consumer from `now - replay_seconds`: the stream is the state,
 and the partition's windows are rebuilt from it before its first findings are published. The
-active findings of each partition go to `gv.findings.part.<p>`.
+active findings of each partition go to `gv.findings.part.<p>`. `--metrics-port` serves
+/metrics (gpuvigil.fleet.metrics: partitions, leases, messages and rows per stream, lag).
 """
 
 from __future__ import annotations
@@ -27,7 +29,7 @@ import polars as pl
 
 from gpuvigil import schemas
 from gpuvigil.fleet import transport
-from gpuvigil.fleet.agent import add_common, install_signals, load, split_detectors
+from gpuvigil.fleet.agent import add_common, add_metrics_args, install_signals, load, split_detectors
 from gpuvigil.fleet.lease import Leases
 from gpuvigil.fleet.transport import Clock, Subjects
 
@@ -40,6 +42,7 @@ def add_parser(sub) -> None:
     p = sub.add_parser(NAME, help="job-level detectors over leased job partitions of the NATS rows stream")
     add_common(p)
     p.add_argument("--id", help="replica id (default: hostname-pid)")
+    add_metrics_args(p)
     p.set_defaults(func=run)
 
 
@@ -102,6 +105,8 @@ class Partition:
         self.messages = 0
         self.taken_wall = time.monotonic()
         self.caught_up_wall: float | None = None
+        self.pending = 0  # the consumer's num_pending at the last fetch (its lag in messages)
+        self.newest_now = float("-inf")  # the newest data time read
 
 
 class Detect:
@@ -120,6 +125,14 @@ class Detect:
         self.tick_seconds = config.section("pipeline", PipelineConfig, self.cfg).tick_seconds
         self.ticks = 0
         self.tick_cpu_seconds = 0.0
+        # For /metrics (gpuvigil.fleet.metrics.detect_families).
+        self.leases: Leases | None = None
+        self.partitions_taken = 0
+        self.partitions_lost = 0
+        self.stream_messages: dict[str, int] = {}
+        self.stream_rows: dict[str, int] = {}
+        self.findings_published = 0
+        self.metrics_port: int | None = None
 
     def _pipeline(self) -> tuple[Any, Feed]:
         from gpuvigil.pipeline.core import Pipeline
@@ -141,6 +154,7 @@ class Detect:
         for p, renewed in zip(held, ok[:-1], strict=True):
             if not renewed:
                 log.warning("detect %s: lost the lease of partition %d", self.id, p)
+                self.partitions_lost += 1
                 await self.drop(p)
         live = await leases.keys()
         members = max(1, sum(1 for k in live if k.startswith("member.")))
@@ -162,7 +176,8 @@ class Detect:
                     await leases.release(f"part.{p}")
                     continue
                 want -= 1
-                log.info("detect %s: took partition %d; replaying %gs", self.id, p, self.fleet.replay_seconds)
+                log.info("detect %s: took partition %d (stream %s); replaying %gs", self.id, p, self.subjects.rows_stream_of(p), self.fleet.replay_seconds)
+                self.partitions_taken += 1
                 await self.adopt(p)
 
     async def adopt(self, p: int) -> None:
@@ -183,7 +198,7 @@ class Detect:
         durable = f"{self.subjects.prefix}-detect-p{part.p}"
         if replay:
             try:
-                await self.js.delete_consumer(self.subjects.rows_stream, durable)
+                await self.js.delete_consumer(self.subjects.rows_stream_of(part.p), durable)
             except Exception:  # noqa: BLE001 - none yet
                 pass
             start = datetime.fromtimestamp(time.time() - self.fleet.replay_seconds, tz=UTC)
@@ -191,12 +206,12 @@ class Detect:
                                  ack_policy=AckPolicy.NONE, max_waiting=64)
         else:  # after an error: on from the last sequence seen, nothing lost, nothing twice
             try:
-                await self.js.delete_consumer(self.subjects.rows_stream, durable)
+                await self.js.delete_consumer(self.subjects.rows_stream_of(part.p), durable)
             except Exception:  # noqa: BLE001
                 pass
             cfg = ConsumerConfig(durable_name=durable, deliver_policy=DeliverPolicy.BY_START_SEQUENCE, opt_start_seq=part.last_seq + 1,
                                  ack_policy=AckPolicy.NONE, max_waiting=64)
-        return await self.js.pull_subscribe(self.subjects.part(part.p), durable=durable, stream=self.subjects.rows_stream, config=cfg)
+        return await self.js.pull_subscribe(self.subjects.part(part.p), durable=durable, stream=self.subjects.rows_stream_of(part.p), config=cfg)
 
     async def _consume(self, part: Partition) -> None:
         replay = True
@@ -211,6 +226,7 @@ class Detect:
                 try:
                     msgs = await part.sub.fetch(512, timeout=1.0)
                 except TimeoutError:
+                    part.pending = 0
                     if not part.caught_up:
                         self._mark_caught_up(part)
                     idle += 1
@@ -222,6 +238,8 @@ class Detect:
                 decoded = await asyncio.to_thread(lambda batch=msgs: [self._decode(part, m) for m in batch])
                 for m, item in zip(msgs, decoded, strict=True):
                     self._ingest(part, m, item)
+                if msgs:
+                    part.pending = msgs[-1].metadata.num_pending
                 if msgs and msgs[-1].metadata.num_pending == 0 and not part.caught_up:
                     self._mark_caught_up(part)
             except asyncio.CancelledError:
@@ -260,6 +278,10 @@ class Detect:
         frames, now = decoded
         if not math.isnan(now):
             self.clock.now = max(self.clock.now, now)
+            part.newest_now = max(part.newest_now, now)
+        stream = self.subjects.rows_stream_of(part.p)
+        self.stream_messages[stream] = self.stream_messages.get(stream, 0) + 1
+        self.stream_rows[stream] = self.stream_rows.get(stream, 0) + sum(df.height for s, df in frames.items() if s in transport.ROW_STREAMS)
         part.feed.add(frames, h.get("Gv-Node", ""), h.get("Gv-Job", ""), now)
 
     # -- ticks -----------------------------------------------------------------------------------
@@ -291,7 +313,7 @@ class Detect:
             await transport.ensure(self.js, self.fleet)
             await self.clock.subscribe(nc, self.subjects)
             kv = await self.js.key_value(self.subjects.leases_bucket)
-            leases = Leases(kv, self.id, self.fleet.lease_ttl_seconds)
+            self.leases = leases = Leases(kv, self.id, self.fleet.lease_ttl_seconds)
             renew_every = self.fleet.lease_ttl_seconds / 4
 
             async def keep_leases() -> None:
@@ -313,6 +335,7 @@ class Detect:
                     for subject, body in await asyncio.to_thread(self.tick, now):
                         try:
                             await self.js.publish(subject, body)
+                            self.findings_published += 1
                         except Exception as exc:  # noqa: BLE001 - republished on the next refresh
                             log.info("detect %s: findings publish failed: %s", self.id, exc)
                 try:
@@ -334,12 +357,23 @@ class Detect:
 def run(args: argparse.Namespace) -> int:
     logging.basicConfig(level=getattr(logging, args.log_level.upper()), format="%(asctime)s %(levelname)s %(name)s: %(message)s", stream=sys.stderr)
     d = Detect(args)
+    server = None
+    if args.metrics_port is not None:
+        from gpuvigil.fleet.metrics import detect_families, serve
+
+        server, d.metrics_port = serve(lambda: detect_families(d), args.metrics_host, args.metrics_port)
+        print(f"gpuvigil detect {d.id}: metrics http://{args.metrics_host}:{d.metrics_port}/metrics", flush=True)
 
     async def main() -> None:
         install_signals(asyncio.get_running_loop(), d.stop_event)
         print(f"gpuvigil detect {d.id}: {d.fleet.partitions} partitions; NATS {', '.join(d.fleet.servers)}", flush=True)
         await d.run()
 
-    asyncio.run(main())
+    try:
+        asyncio.run(main())
+    finally:
+        if server is not None:
+            server.shutdown()
+            server.server_close()
     print(f"gpuvigil detect {d.id}: stopped after {d.ticks} ticks", flush=True)
     return 0

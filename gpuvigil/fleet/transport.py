@@ -6,8 +6,14 @@ Subjects (prefix `gv` by default):
   server's subject mapping `gv.rows.*` → `gv.part.{{partition(N,1)}}.{{wildcard(1)}}` rewrites it
   before the stream stores it, so every row of a job lands in one partition whichever node sent it
   (`nats_mapping` writes the line; `partition_of` is the same FNV-1a hash, for tests and tools).
+  With `fleet.rows_streams: N > 1` the partitions are spread over N rows streams
+  (`GV_ROWS_<k>` holds partitions p with p % N == k), so no one stream leader takes every write.
 - `gv.findings.node.<node>` / `gv.findings.part.<p>`: the active findings of an agent or of a
   detect partition, republished on change and every `findings_refresh_seconds`.
+- `gv.cluster.node.<node>`: each agent's node summary (its node row, its GPUs' allocations and,
+  from an agent that reads the scheduler's queue, the pending jobs), on change and every
+  `cluster_refresh_seconds`; the stream keeps the last one per node. The act leader runs
+  `fragmentation_cluster`, the one detector that needs every node, over their union.
 - `gv.clock.<node>`: each agent's tick time (core NATS, not stored). Detect and act tick on the
   fleet's data clock, so the simulator and real nodes run the same code.
 """
@@ -62,10 +68,31 @@ class Subjects:
     def __init__(self, fleet: Fleet):
         p = fleet.prefix
         self.prefix = p
-        self.rows_stream = f"{p.upper()}_ROWS"
+        self.n_rows_streams = fleet.rows_streams
+        self.partitions = fleet.partitions
+        self.rows_stream = self.rows_stream_of(0)
+        self.cluster_stream = f"{p.upper()}_CLUSTER"
         self.findings_stream = f"{p.upper()}_FINDINGS"
         self.leases_bucket = f"{p}_leases"
         self.ledger_bucket = f"{p}_act_ledger"
+
+    def rows_stream_of(self, partition: int) -> str:
+        """The rows stream that stores `partition` (deterministic: p % rows_streams)."""
+        if self.n_rows_streams == 1:
+            return f"{self.prefix.upper()}_ROWS"
+        return f"{self.prefix.upper()}_ROWS_{partition % self.n_rows_streams}"
+
+    def rows_streams(self) -> dict[str, list[str]]:
+        """stream name → the partition subjects it stores."""
+        if self.n_rows_streams == 1:
+            return {self.rows_stream_of(0): [f"{self.prefix}.part.>"]}
+        out: dict[str, list[str]] = {}
+        for p in range(self.partitions):
+            out.setdefault(self.rows_stream_of(p), []).append(self.part(p))
+        return out
+
+    def cluster_node(self, node: str) -> str:
+        return f"{self.prefix}.cluster.node.{token(node)}"
 
     def rows(self, job: str) -> str:
         return f"{self.prefix}.rows.{token(job)}"
@@ -162,14 +189,34 @@ async def ensure(js: Any, fleet: Fleet, *, attempts: int = 60) -> None:
 
     s = Subjects(fleet)
     configs = [
-        StreamConfig(name=s.rows_stream, subjects=[f"{s.prefix}.part.>"], retention=RetentionPolicy.LIMITS, max_age=fleet.rows_max_age_seconds,
-                     storage=StorageType.FILE, num_replicas=fleet.replicas, discard=DiscardPolicy.OLD, duplicate_window=min(120.0, fleet.rows_max_age_seconds)),
+        StreamConfig(name=name, subjects=subjects, retention=RetentionPolicy.LIMITS, max_age=fleet.rows_max_age_seconds,
+                     storage=StorageType.FILE, num_replicas=fleet.replicas, discard=DiscardPolicy.OLD, duplicate_window=min(120.0, fleet.rows_max_age_seconds))
+        for name, subjects in s.rows_streams().items()
+    ] + [
+        # The last summary of every node: a new act leader reads the cluster's state at once.
+        StreamConfig(name=s.cluster_stream, subjects=[f"{s.prefix}.cluster.>"], retention=RetentionPolicy.LIMITS, max_age=max(600.0, 4 * fleet.findings_stale_seconds),
+                     max_msgs_per_subject=1, storage=StorageType.FILE, num_replicas=fleet.replicas, discard=DiscardPolicy.OLD),
         StreamConfig(name=s.findings_stream, subjects=[f"{s.prefix}.findings.>"], retention=RetentionPolicy.LIMITS, max_age=3600.0,
                      max_msgs_per_subject=1000, storage=StorageType.FILE, num_replicas=fleet.replicas, discard=DiscardPolicy.OLD),
     ]
+    from nats.js.errors import NotFoundError
+
+    rows = s.rows_streams()
+    # The rows streams of another `rows_streams` (their subjects overlap ours): say so, once.
+    other = [f"{s.prefix.upper()}_ROWS"] if fleet.rows_streams > 1 else [f"{s.prefix.upper()}_ROWS_0"]
     last: Exception | None = None
     for _ in range(attempts):
         try:
+            for name in [*other, *rows]:
+                try:
+                    info = await js.stream_info(name)
+                except NotFoundError:
+                    continue
+                if name not in rows or sorted(info.config.subjects or []) != sorted(rows[name]):
+                    from gpuvigil.errors import UserError
+
+                    raise UserError(f"rows stream {name} was made for another fleet.rows_streams (subjects {info.config.subjects}); "
+                                    f"delete the {s.prefix.upper()}_ROWS* streams (they hold only rows_max_age_seconds of rows) and start again")
             for cfg in configs:
                 try:
                     await js.stream_info(cfg.name)
@@ -179,6 +226,10 @@ async def ensure(js: Any, fleet: Fleet, *, attempts: int = 60) -> None:
             await js.create_key_value(bucket=s.ledger_bucket, history=1, replicas=fleet.replicas)
             return
         except Exception as exc:  # noqa: BLE001 - JetStream not ready yet (no meta leader): retry
+            from gpuvigil.errors import UserError
+
+            if isinstance(exc, UserError):
+                raise
             last = exc
             await asyncio.sleep(0.5)
     raise RuntimeError(f"JetStream set-up failed: {last}")

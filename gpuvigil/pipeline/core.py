@@ -84,6 +84,31 @@ def declared_horizons(configured: dict[str, float], detectors: Sequence[Any], ti
     return out
 
 
+def declared_columns(detectors: Sequence[Any]) -> dict[str, list[str]]:
+    """Columns of each stream's history that some detector reads (Window: `columns`).
+
+    A detector declares them with `window_columns()` → {stream: columns of `window.get(stream)`
+    it reads}. A reader that reads only fresh rows (look-back 0, see declared_horizons) needs no
+    history; a stream with a reader of its history that declares no columns keeps them all.
+    """
+    cols: dict[str, set[str] | None] = {}
+    for d in detectors:
+        fn = getattr(d, "lookback_seconds", None)
+        lookback: dict[str, float] = dict(fn()) if callable(fn) else {}
+        fn = getattr(d, "window_columns", None)
+        declared: dict[str, Sequence[str]] = dict(fn()) if callable(fn) else {}
+        for stream in {*(getattr(d, "streams", None) or ()), *lookback, *declared}:
+            if lookback.get(stream) == 0:
+                cols.setdefault(stream, set())
+                continue
+            have = cols.setdefault(stream, set())
+            if stream not in declared or have is None:
+                cols[stream] = None
+            else:
+                have.update(declared[stream])
+    return {stream: sorted(c) for stream, c in cols.items() if c is not None}
+
+
 class Pipeline:
     def __init__(
         self,
@@ -99,7 +124,10 @@ class Pipeline:
         self.detectors = list(detectors)
         self.sinks = list(sinks)
         self.hint_policy = HintPolicy(cfg)
-        self.window = Window(declared_horizons(self.config.horizon_seconds, self.detectors, self.config.tick_seconds))
+        self.window = Window(
+            declared_horizons(self.config.horizon_seconds, self.detectors, self.config.tick_seconds),
+            columns=declared_columns(self.detectors),
+        )
         self.active: dict[str, Finding] = {}
         self.first_seen: dict[str, float] = {}
         self.last_seen: dict[str, float] = {}

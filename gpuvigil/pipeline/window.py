@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 
 import polars as pl
 
@@ -12,6 +12,9 @@ from gpuvigil import schemas
 SNAPSHOT_STREAMS = frozenset({"jobs", "nodes", "allocations", "gpu_jobs"})
 # Chunks smaller than this are merged with a small neighbour when sealed.
 SMALL_CHUNK_ROWS = 16_384
+# The key of `latest` for a stream whose history keeps only some columns: every column of a
+# key's newest row is kept apart, so the exporter still sees it (see Window, `columns`).
+LATEST_KEYS: Mapping[str, tuple[str, ...]] = {"gpu_samples": ("node", "gpu"), "rank_progress": ("job", "rank"), "allocator_stats": ("job", "rank")}
 
 
 def _min_ts(df: pl.DataFrame) -> float:
@@ -27,10 +30,25 @@ class Window:
     seal costs O(new rows): whole chunks older than the horizon are dropped, and only a chunk
     that straddles it is filtered (the old layout copied the whole window on every seal, which
     doubled its memory for a moment and cost O(window) per tick).
+
+    `columns` names, per stream, the columns its history keeps (pipeline/core.py:
+    declared_columns, from what the detectors that read its history declare). Memory is the
+    window's cost at scale (at 100,000 GPUs a full `gpu_samples` row is ~250 bytes, the columns
+    read over time ~85), so for such a stream `get` returns only those columns (plus `ts` and the
+    `LATEST_KEYS`), `fresh` still returns every column of the latest tick, and `latest` every
+    column of each key's newest row, kept apart (one row per key). Streams not named keep all.
     """
 
-    def __init__(self, horizon_seconds: Mapping[str, float] | float = 600.0):
+    def __init__(self, horizon_seconds: Mapping[str, float] | float = 600.0, columns: Mapping[str, Sequence[str]] | None = None):
         self._horizon = horizon_seconds
+        self._columns: dict[str, list[str]] = {}
+        for stream, cols in (columns or {}).items():
+            if stream in SNAPSHOT_STREAMS or stream not in LATEST_KEYS:
+                continue  # snapshots are small and whole; a stream without a latest key keeps all
+            keep = {"ts", *LATEST_KEYS[stream], *cols}
+            order = list(schemas.STREAMS[stream]) if stream in schemas.STREAMS else []
+            self._columns[stream] = [c for c in order if c in keep] + sorted(keep - set(order))
+        self._latest: dict[str, pl.DataFrame] = {}  # pruned streams: every column of each key's newest row
         self._frames: dict[str, pl.DataFrame] = {}  # snapshots, and time series stacked (cache)
         self._chunks: dict[str, list[tuple[float, pl.DataFrame]]] = {}  # time series: (min ts, rows) per seal
         self._pending: dict[str, list[pl.DataFrame]] = {}
@@ -63,6 +81,11 @@ class Window:
         for stream, parts in self._pending.items():
             fresh = pl.concat(parts, how="vertical_relaxed") if len(parts) > 1 else parts[0]
             self._fresh[stream] = fresh
+            keep = self._columns.get(stream)
+            if keep is not None:
+                self._fold_latest(stream, fresh, now)
+                # select shares the fresh frame's buffers: the dropped columns are freed with it.
+                fresh = fresh.select([c for c in keep if c in fresh.columns])
             chunks = self._chunks.setdefault(stream, [])
             old = self._frames.get(stream)
             add = fresh
@@ -82,19 +105,52 @@ class Window:
                     # hold thousands of tiny chunks; small neighbours are merged (O(small)).
                     (lo_a, a), (lo_b, b) = chunks[-2], chunks[-1]
                     chunks[-2:] = [(min(lo_a, lo_b), pl.concat([a, b], how="vertical", rechunk=True))]
-            cutoff = now - self.horizon(stream)
-            if chunks[0][0] < cutoff or any(lo < cutoff for lo, _ in chunks):
-                kept = []
-                for lo, df in chunks:
-                    if lo < cutoff:
-                        df = df.filter(pl.col("ts") >= cutoff)
-                        if df.height == 0:
-                            continue
-                        lo = _min_ts(df)
-                    kept.append((lo, df))
-                chunks[:] = kept
+            self._evict(stream, now)
             self._frames[stream] = self._stack(chunks, fresh)
+        # A stream with no rows this tick still ages: without this, its rows older than the
+        # horizon stayed until its next row arrived (detectors that cut at now - horizon
+        # themselves then disagreed with those that read the window).
+        for stream, chunks in self._chunks.items():
+            if stream not in self._pending and self._evict(stream, now):
+                self._frames[stream] = self._stack(chunks, self._frames[stream])
+                if stream in self._latest:
+                    self._latest[stream] = self._latest[stream].filter(pl.col("ts") >= now - self.horizon(stream))
         self._pending.clear()
+
+    def _evict(self, stream: str, now: float) -> bool:
+        """Drop the stream's rows older than its horizon; True if any were dropped."""
+        chunks = self._chunks[stream]
+        cutoff = now - self.horizon(stream)
+        if not any(lo < cutoff for lo, _ in chunks):
+            return False
+        kept = []
+        for lo, df in chunks:
+            if lo < cutoff:
+                df = df.filter(pl.col("ts") >= cutoff)
+                if df.height == 0:
+                    continue
+                lo = _min_ts(df)
+            kept.append((lo, df))
+        chunks[:] = kept
+        return True
+
+    def _fold_latest(self, stream: str, fresh: pl.DataFrame, now: float) -> None:
+        """Keep every column of each key's newest row (by ts; ties: the later arrival)."""
+        keys = list(LATEST_KEYS[stream])
+        prev = self._latest.get(stream)
+        if prev is not None and prev.height == fresh.height and prev.schema == fresh.schema and prev.select(keys).equals(fresh.select(keys)) and bool((fresh["ts"] >= prev["ts"]).all()):
+            # The usual tick: every key once, in the same order, each newer than before.
+            self._latest[stream] = fresh
+            return
+        both = fresh if prev is None else pl.concat([prev, fresh], how="vertical_relaxed")
+        newest = both.sort("ts", maintain_order=True).unique(keys, keep="last", maintain_order=True)
+        # A key whose newest row left the horizon has no row in the window any more.
+        self._latest[stream] = newest.filter(pl.col("ts") >= now - self.horizon(stream))
+
+    def columns(self, stream: str) -> list[str] | None:
+        """The columns `get(stream)` returns, or None where the stream keeps every column."""
+        keep = self._columns.get(stream)
+        return list(keep) if keep is not None else None
 
     @staticmethod
     def _stack(chunks: list[tuple[float, pl.DataFrame]], like: pl.DataFrame) -> pl.DataFrame:
@@ -108,7 +164,10 @@ class Window:
     def get(self, stream: str) -> pl.DataFrame:
         df = self._frames.get(stream)
         if df is None:
-            return schemas.empty(stream) if stream in schemas.STREAMS else pl.DataFrame()
+            if stream not in schemas.STREAMS:
+                return pl.DataFrame()
+            keep = self._columns.get(stream)
+            return schemas.empty(stream) if keep is None else schemas.empty(stream).select(keep)
         return df
 
     def fresh(self, stream: str) -> pl.DataFrame:
@@ -125,8 +184,22 @@ class Window:
         """The most recent row per key (e.g. per node+gpu)."""
         df = self.get(stream)
         if df.height == 0:
-            return df
-        return df.sort("ts").group_by(by, maintain_order=True).last()
+            if stream not in self._columns:
+                return df
+            rows = self._latest.get(stream)
+            return rows.clear() if rows is not None else schemas.empty(stream)
+        if stream not in self._columns:
+            return df.sort("ts").group_by(by, maintain_order=True).last()
+        if tuple(by) != LATEST_KEYS[stream]:
+            raise ValueError(f"window: the history of {stream!r} keeps {self._columns[stream]}; its latest rows are kept per {list(LATEST_KEYS[stream])}, not {list(by)}")
+        # The keys in the order the whole-window expression above gives them (first row of each
+        # after the same sort of the same ts column), with every column of their newest row.
+        order = df.select(*by, "ts").sort("ts").unique(list(by), keep="first", maintain_order=True).select(by)
+        rows = self._latest[stream]
+        if order.schema != rows.select(by).schema:
+            order = order.cast(dict(rows.select(by).schema))  # type: ignore[arg-type]
+        rest = [c for c in rows.columns if c not in by]
+        return order.join(rows, on=list(by), how="left", maintain_order="left", nulls_equal=True).select(*by, *rest)
 
     def streams(self) -> list[str]:
         return sorted(self._frames)

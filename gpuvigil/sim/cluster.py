@@ -394,6 +394,10 @@ class SimulatedCluster:
         job.steps_since_restart += steps
         job.leaked += job.leak_bytes_per_step * steps
         job.fragmented += job.frag_bytes_per_step * steps
+        if job.cfg.total_steps is not None and job.phase >= job.cfg.total_steps:
+            self.scheduler.job_completed(job.cfg.name, self.now)
+            job.placement = []
+            return
         if job.phase >= job.next_ckpt_step > before:
             job.phase = float(job.next_ckpt_step)
             job.next_ckpt_step += job.cfg.checkpoint_every_steps

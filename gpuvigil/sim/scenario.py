@@ -54,6 +54,8 @@ class JobConfig(_Strict):
     tenant: str = "default"
     submit_at: float = Field(0.0, ge=0)
     startup_seconds: float = Field(10.0, ge=0)
+    # The job completes (and leaves the cluster) after this many steps; None: it runs to the end.
+    total_steps: int | None = Field(None, ge=1)
 
     @model_validator(mode="after")
     def _peak_above_base(self) -> JobConfig:

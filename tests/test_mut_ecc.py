@@ -1,0 +1,110 @@
+"""ECC detector (gpuvigil/detectors/ecc.py): behaviour that mutation testing (`make mutate`,
+docs/testing.md) showed no other test pinned down: the whole finding (time, job, XIDs, counters,
+NVIDIA's action, the summary), a row-remap failure seen only in the counters, and counters that
+stay put between ticks.
+
+Sources:
+- public: `kernel_dbe_syslog.log` (NVIDIA/gpu-operator#1146: XID 48, a double-bit ECC error,
+  then XID 64, a failed page retirement, on worker4), read by the real KernelLogCollector as in
+  tests/test_detectors_real.py. The kernel lines carry no GPU index; as a collector that maps
+  the PCI address would, they are put on GPU 0;
+- constructed: NVML counter samples (`ecc_dbe_volatile_total`, `retired_pages_total`,
+  `remap_failure`), as in tests/test_detectors_guards.py.
+"""
+
+from __future__ import annotations
+
+import polars as pl
+from test_detectors_real import _kernel_events, _window_of
+
+from gpuvigil import config, schemas
+from gpuvigil.detectors.ecc import EccDetector
+from gpuvigil.pipeline.window import Window
+
+DRAIN = ": drain the node and reset the GPU before it runs anything again."
+
+
+def _samples(t, node="n0", gpu=0, dbe=0, retired=0, remap_failure=False):
+    return schemas.frame([{"ts": t, "node": node, "gpu": gpu, "ecc_dbe_volatile_total": dbe, "retired_pages_total": retired, "remap_failure": remap_failure}], schemas.GPU_SAMPLES)
+
+
+def test_real_dbe_finding_says_when_where_whose_job_and_what_to_do():
+    ev = _kernel_events("kernel_dbe_syslog.log").with_columns(pl.lit(0, pl.Int32).alias("gpu"))
+    t48 = float(ev.filter(pl.col("xid") == 48)["ts"][0])
+    last = float(ev["ts"].max())
+    alloc = schemas.frame([{"job": "train", "rank": 5, "node": "worker4", "gpu": 0}], schemas.ALLOCATIONS)
+    [f] = EccDetector().detect(_window_of({"events": ev, "allocations": alloc}, last + 1))
+    assert (f.kind.value, f.severity.value, f.cause, f.source) == ("ecc", "page", "hardware", "ecc")
+    assert (f.ts, f.job, f.node, f.gpu, f.xid) == (last, "train", "worker4", 0, 48) and t48 <= last
+    assert f.evidence == {"xids": [48, 64], "dbe_new": 0, "dbe_volatile_total": 0, "remapped_rows": 0, "remap_failure": False,
+                          "nvidia_action": "RESET_GPU,WORKFLOW_XID_48"}
+    assert f.summary == "Uncorrectable ECC error on worker4 GPU 0 (XID 48, 64), under job train" + DRAIN
+
+
+def test_real_dbe_with_the_counters_of_the_same_gpu_is_one_finding():
+    """The same two XIDs, and NVML's counters of that GPU on the same tick: one DBE counted, two
+    pages retired, the remap failure flag up. One finding carries both."""
+    ev = _kernel_events("kernel_dbe_syslog.log").with_columns(pl.lit(0, pl.Int32).alias("gpu"))
+    now = float(ev["ts"].max()) + 1
+    samples = _samples(now, node="worker4", dbe=1, retired=2, remap_failure=True)
+    [f] = EccDetector().detect(_window_of({"events": ev, "gpu_samples": samples}, now))
+    assert f.evidence == {"xids": [48, 64], "dbe_new": 1, "dbe_volatile_total": 1, "remapped_rows": 2, "remap_failure": True,
+                          "nvidia_action": "RESET_GPU,WORKFLOW_XID_48"}
+    assert (f.job, f.summary) == (None, "Uncorrectable ECC error on worker4 GPU 0 (XID 48, 64)" + DRAIN)
+
+
+def test_a_remap_failure_seen_only_in_the_counters_pages_as_such():
+    """No kernel line, no DBE: NVML reports the row-remap failure flag on n0 GPU 0, under job j."""
+    alloc = schemas.frame([{"job": "j", "rank": 1, "node": "n0", "gpu": 0}], schemas.ALLOCATIONS)
+    [f] = EccDetector().detect(_window_of({"gpu_samples": _samples(100.0, retired=7, remap_failure=True), "allocations": alloc}, 100.0))
+    assert (f.ts, f.job, f.node, f.gpu, f.xid, f.severity.value) == (100.0, "j", "n0", 0, None, "page")
+    assert f.evidence == {"xids": [], "dbe_new": 0, "dbe_volatile_total": 0, "remapped_rows": 7, "remap_failure": True, "nvidia_action": "DRAIN_AND_RESET"}
+    assert f.summary == "Row remapping failed on n0 GPU 0, under job j" + DRAIN
+
+
+def test_counters_that_stay_put_page_once_and_a_second_gpu_pages_on_its_own():
+    """Ticks 0-4: n0 GPU 0 reads 2 DBEs from tick 1 on (one page, at tick 1). At tick 3 n1 GPU 2
+    reads 1 DBE too: one page for it only; n0's unchanged counter stays quiet."""
+    det = EccDetector()
+    w = Window(1e9)
+    got = []
+    for t in range(5):
+        rows = [_samples(float(t), dbe=2 if t >= 1 else 0)]
+        if t >= 3:
+            rows.append(_samples(float(t), node="n1", gpu=2, dbe=1))
+        w.add("gpu_samples", pl.concat(rows))
+        w.seal(float(t))
+        got.append([(f.node, f.gpu, f.evidence["dbe_new"], f.evidence["dbe_volatile_total"]) for f in det.detect(w)])
+    assert got == [[], [("n0", 0, 2, 2)], [], [("n1", 2, 1, 1)], []]
+
+
+def test_report_seconds_from_the_configuration_bounds_the_first_tick():
+    """public kernel_dbe_syslog.log, first tick 1 s after its last line: with the default hour
+    it pages; configured to look back only half a second, the lines are too old to report."""
+    ev = _kernel_events("kernel_dbe_syslog.log")
+    now = float(ev["ts"].max()) + 1
+    assert len(EccDetector().detect(_window_of({"events": ev}, now))) == 1
+    short = config.load(overrides={"detectors": {"ecc": {"report_seconds": 0.5}}})
+    assert EccDetector(short).detect(_window_of({"events": ev}, now)) == []
+
+
+def test_a_real_non_memory_xid_is_not_an_ecc_error():
+    """public kernel_fallen_off_bus.log (XID 79, 31, 32, 3): none is a memory error; the XID
+    detector reports them, the ECC detector does not."""
+    ev = _kernel_events("kernel_fallen_off_bus.log")
+    assert EccDetector(config.load(overrides={"detectors": {"ecc": {"report_seconds": 1e10}}})).detect(_window_of({"events": ev}, float(ev["ts"].max()) + 1)) == []
+
+
+def test_an_event_is_reported_once_even_when_the_next_tick_brings_other_news():
+    """Tick 10: an XID 94 on n0 GPU 1 stamped exactly 10.0: paged. Tick 11: n0 GPU 0's DBE counter
+    rises (news, so the tick is fully evaluated): only that is paged; the XID stamped at the
+    previous tick's instant is not reported again."""
+    det = EccDetector()
+    w = Window(1e9)
+    w.add("events", schemas.frame([{"ts": 10.0, "node": "n0", "gpu": 1, "source": "kernel", "kind": "xid", "xid": 94, "message": "contained ECC"}], schemas.EVENTS))
+    w.add("gpu_samples", _samples(10.0))
+    w.seal(10.0)
+    assert [(f.gpu, f.xid) for f in det.detect(w)] == [(1, 94)]
+    w.add("gpu_samples", _samples(11.0, dbe=1))
+    w.seal(11.0)
+    assert [(f.gpu, f.xid, f.evidence["dbe_new"]) for f in det.detect(w)] == [(0, None, 1)]
