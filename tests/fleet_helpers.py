@@ -6,9 +6,12 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
+import re
 import shutil
 import signal
 import subprocess
+import sys
 import threading
 import time
 from pathlib import Path
@@ -162,3 +165,40 @@ class Probe:
             pass
         self.loop.call_soon_threadsafe(self.loop.stop)
         self.thread.join(5)
+
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+class GvProc:
+    """A `python -m gpuvigil <argv>` process (agent, detect, act) with its output in <name>.log."""
+
+    def __init__(self, name: str, argv: list[str], cwd: Path):
+        self.name = name
+        self.log = cwd / f"{name}.log"
+        self.proc = subprocess.Popen([sys.executable, "-m", "gpuvigil", *argv], cwd=cwd, stdout=self.log.open("ab"), stderr=subprocess.STDOUT,
+                                     env={**os.environ, "PYTHONPATH": str(REPO)})  # fmt: skip
+
+    def text(self) -> str:
+        return self.log.read_text(errors="replace") if self.log.exists() else ""
+
+    def tail(self) -> str:
+        return f"--- {self.name} ---\n" + self.text()[-3000:]
+
+    def metrics_url(self) -> str | None:
+        """The /metrics URL the process printed at start (None until it has)."""
+        m = re.search(r"metrics (http://\S+/metrics)", self.text())
+        return m.group(1) if m else None
+
+    def kill(self) -> None:
+        self.proc.send_signal(signal.SIGKILL)
+        self.proc.wait(10)
+
+    def stop(self, sig: int = signal.SIGTERM) -> None:
+        if self.proc.poll() is None:
+            self.proc.send_signal(sig)
+            try:
+                self.proc.wait(20)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(5)

@@ -12,27 +12,21 @@ partitions, and that fault→page time stays within the level's target plus the 
 
 from __future__ import annotations
 
-import os
 import re
-import signal
 import sqlite3
-import subprocess
-import sys
 import time
-from pathlib import Path
 
 import httpx
 import pytest
 import yaml
 
-from fleet_helpers import NatsCluster, Probe, nats_binary
+from fleet_helpers import GvProc as Proc, NatsCluster, Probe, nats_binary
 from services import WebhookSink, binary, start_alertmanager, wait_for
 
 from gpuvigil.deployconfig import Fleet
 from gpuvigil.fleet.transport import nats_mapping, partition_of
 
 pytestmark = [pytest.mark.services, pytest.mark.timeout(420)]
-REPO = Path(__file__).resolve().parents[1]
 PARTITIONS = 8
 LEASE_TTL = 4.0
 SPEED = 4.0
@@ -63,30 +57,6 @@ EXPECTED = {"thermal": ("thermal_throttle", "train-b"), "nccl_hang": ("collectiv
 KILL_AT = 42.0  # data time: after the hang (40), before any detector could have confirmed it
 
 
-class Proc:
-    def __init__(self, name: str, argv: list[str], cwd: Path):
-        self.name = name
-        self.log = cwd / f"{name}.log"
-        self.proc = subprocess.Popen([sys.executable, "-m", "gpuvigil", *argv], cwd=cwd, stdout=self.log.open("ab"), stderr=subprocess.STDOUT,
-                                     env={**os.environ, "PYTHONPATH": str(REPO)})
-
-    def kill(self) -> None:
-        self.proc.send_signal(signal.SIGKILL)
-        self.proc.wait(10)
-
-    def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(20)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait(5)
-
-    def tail(self) -> str:
-        return f"--- {self.name} ---\n" + (self.log.read_text(errors="replace")[-3000:] if self.log.exists() else "")
-
-
 def firing_pages(webhook: WebhookSink) -> list[dict]:
     """Every alert in every firing notification (one alert per group: group_by ['...'])."""
     out = []
@@ -101,9 +71,9 @@ def scrape(proc: Proc) -> dict[tuple[str, tuple], float]:
     """A replica's /metrics (the URL it printed at start) as (sample, sorted labels) → value."""
     from prometheus_client.parser import text_string_to_metric_families
 
-    m = re.search(r"metrics (http://\S+/metrics)", proc.log.read_text(errors="replace"))
-    assert m, proc.tail()
-    text = httpx.get(m.group(1), timeout=10).text
+    url = proc.metrics_url()
+    assert url, proc.tail()
+    text = httpx.get(url, timeout=10).text
     return {(s.name, tuple(sorted(s.labels.items()))): s.value for fam in text_string_to_metric_families(text) for s in fam.samples}
 
 

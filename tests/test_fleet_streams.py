@@ -17,27 +17,23 @@ Asserts:
 
 from __future__ import annotations
 
-import os
 import re
 import signal
 import sqlite3
 import subprocess
-import sys
-from pathlib import Path
 
 import httpx
 import pytest
 import yaml
 from prometheus_client.parser import text_string_to_metric_families
 
-from fleet_helpers import Probe, nats_binary
+from fleet_helpers import GvProc as Proc, Probe, nats_binary
 from services import free_port, wait_for
 
 from gpuvigil.deployconfig import Fleet
 from gpuvigil.fleet.transport import Subjects, nats_mapping, partition_of
 
 pytestmark = [pytest.mark.services, pytest.mark.timeout(300)]
-REPO = Path(__file__).resolve().parents[1]
 PARTITIONS = 4
 HUNG = "train-y"  # partition 3 of 4: stored in the second stream, GV_ROWS_1
 
@@ -53,30 +49,6 @@ SCENARIO = {
                                     "memory_peak_gib": 100, "priority": "P1", "tenant": "research", "submit_at": 20}},
     "faults": [{"type": "nccl_hang", "at": 30, "job": HUNG, "ranks": [1], "mode": "outside"}],
 }
-
-
-class Proc:
-    def __init__(self, name: str, argv: list[str], cwd: Path):
-        self.name = name
-        self.log = cwd / f"{name}.log"
-        self.proc = subprocess.Popen([sys.executable, "-m", "gpuvigil", *argv], cwd=cwd, stdout=self.log.open("ab"), stderr=subprocess.STDOUT,
-                                     env={**os.environ, "PYTHONPATH": str(REPO)})
-
-    def text(self) -> str:
-        return self.log.read_text(errors="replace") if self.log.exists() else ""
-
-    def metrics_url(self) -> str | None:
-        m = re.search(r"metrics (http://\S+/metrics)", self.text())
-        return m.group(1) if m else None
-
-    def stop(self, sig: int = signal.SIGTERM) -> None:
-        if self.proc.poll() is None:
-            self.proc.send_signal(sig)
-            try:
-                self.proc.wait(20)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait(5)
 
 
 def scrape(proc: Proc) -> dict[tuple[str, tuple], float]:
@@ -128,7 +100,7 @@ def test_rows_over_two_streams_fragmentation_at_act_and_metrics(tmp_path):
         try:
             m_act = wait_for(found, 150, 1.0, "act to raise the fragmentation and to relay the hang")
         except AssertionError:
-            raise AssertionError("\n".join(f"--- {p.name} ---\n{p.text()[-3000:]}" for p in procs)) from None
+            raise AssertionError("\n".join(p.tail() for p in procs)) from None
 
         # Each stream stores exactly its partitions, and both carry rows.
         subjects = Subjects(fleet)

@@ -34,11 +34,6 @@ RANK = {lvl: i for i, lvl in enumerate(LEVELS)}
 STREAM_LEVEL = {"collective_progress": "L1", "fr_pipes": "L1", "fr_analysis": "L1", "rank_progress": "L2", "allocator_stats": "L2"}
 
 
-class LevelsConfig(BaseModel):
-    memory_seconds: float = Field(900.0, gt=0)
-    fallback_seconds: dict[str, float] = Field(default_factory=lambda: {"L1": 60.0, "L2.hang": 30.0})
-
-
 def level_of(detector: Any) -> str:
     return getattr(detector, "level", "L0")
 

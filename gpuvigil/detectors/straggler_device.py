@@ -50,7 +50,7 @@ class DeviceStragglerDetector:
         return {"gpu_samples": max(self.config.window_seconds, self.config.recent_seconds)}
 
     def window_columns(self) -> dict[str, tuple[str, ...]]:
-        return {"gpu_samples": ("ts", "node", "gpu", "util_ratio", "sm_clock_mhz", "power_w", "sm_active_ratio")}
+        return {"gpu_samples": ("ts", "node", "gpu", "util_ratio", "sm_clock_mhz", "power_w")}
 
     def detect(self, window: Window) -> list[Finding]:
         c = self.config
@@ -60,7 +60,7 @@ class DeviceStragglerDetector:
         if gs.height == 0 or alloc.height == 0:
             return []
         jobs = window.get("jobs")
-        df = gs.select("ts", "node", "gpu", "util_ratio", "sm_clock_mhz", "power_w", "sm_active_ratio").join(alloc, on=["node", "gpu"], how="inner")
+        df = gs.select("ts", "node", "gpu", "util_ratio", "sm_clock_mhz", "power_w").join(alloc, on=["node", "gpu"], how="inner")
         if jobs.height:
             df = df.join(jobs.select("job", pl.col("start_ts").alias("_s")), on="job", how="left").filter(pl.col("_s").is_null() | (pl.col("ts") >= pl.col("_s") + 30.0))
         per = df.group_by(["job", "rank", "node", "gpu"]).agg(

@@ -80,7 +80,7 @@ class XidDetector:
                         "message": row["message"],
                     },
                     summary=(
-                        f"XID {code} ({meaning}) on {row['node']} GPU {row['gpu']}"
+                        f"XID {code} ({meaning}) on {row['node']} " + (f"GPU {row['gpu']}" if row["gpu"] is not None else "a GPU whose index the kernel line does not give")
                         + (f" under job {job}" if job else "")
                         + (f": {'fatal, cordon the node' if fatal else 'application-level'}; NVIDIA action {action}.")
                     ),
