@@ -40,7 +40,9 @@ _MAX_MESSAGE = 16 << 20  # a why answer is a few KB; a job name far less
 
 
 def _die_with_parent() -> None:
-    """preexec_fn of the child: SIGKILL when the parent dies (Linux prctl PR_SET_PDEATHSIG)."""
+    """In the child: SIGKILL when the parent dies (Linux prctl PR_SET_PDEATHSIG). Set by the child
+    itself at start, not as a preexec_fn: `serve` has threads by then, and a preexec_fn runs
+    between fork and exec, where a lock another thread held can deadlock the child."""
     if sys.platform.startswith("linux"):
         import ctypes
 
@@ -49,7 +51,11 @@ def _die_with_parent() -> None:
 
 
 def watch_parent(parent_pid: int, interval: float = 1.0) -> None:
-    """In the child: exit when the parent is gone (where the parent-death signal does not exist)."""
+    """In the child: die with the parent (parent-death signal where Linux has it), and exit when
+    the parent is gone in any case (it may have died before the signal was set up)."""
+    _die_with_parent()
+    if os.getppid() != parent_pid:
+        os._exit(0)
 
     def loop() -> None:
         while True:
@@ -169,7 +175,7 @@ class ApiProcess:
         self._stderr_tail: list[str] = []
         try:
             self.proc = subprocess.Popen(
-                cmd, env=env, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, preexec_fn=_die_with_parent,
+                cmd, env=env, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
             )
         except OSError as exc:
             self._close_why()
