@@ -475,13 +475,9 @@ class Act:
 
 def run(args: argparse.Namespace) -> int:
     logging.basicConfig(level=getattr(logging, args.log_level.upper()), format="%(asctime)s %(levelname)s %(name)s: %(message)s", stream=sys.stderr)
-    a = Act(args)
-    if args.metrics_port is not None:
-        from gpuvigil.fleet.metrics import act_families, serve
+    from gpuvigil.fleet.metrics import act_families, endpoint
 
-        server, a.metrics_port = serve(lambda: act_families(a), args.metrics_host, args.metrics_port)
-        a.closers_at_exit = [server.shutdown, server.server_close]
-        print(f"gpuvigil act {a.id}: metrics http://{args.metrics_host}:{a.metrics_port}/metrics", flush=True)
+    a = Act(args)
 
     async def main() -> None:
         install_signals(asyncio.get_running_loop(), a.stop_event)
@@ -489,15 +485,14 @@ def run(args: argparse.Namespace) -> int:
         await a.run()
 
     left = 0
-    try:
-        asyncio.run(main())
-    finally:
-        if a.pusher is not None and a.closers:
-            left = a.pusher.pending()
-        a.close()
-        for c in getattr(a, "closers_at_exit", []):
-            c()
-        print(f"gpuvigil act {a.id}: stopped" + (f"; {left} alert(s) left in the outbox" if left else ""), flush=True)
+    with endpoint("act", a.id, lambda: act_families(a), args.metrics_host, args.metrics_port) as a.metrics_port:
+        try:
+            asyncio.run(main())
+        finally:
+            if a.pusher is not None and a.closers:
+                left = a.pusher.pending()
+            a.close()
+    print(f"gpuvigil act {a.id}: stopped" + (f"; {left} alert(s) left in the outbox" if left else ""), flush=True)
     return 0
 
 

@@ -356,24 +356,16 @@ class Detect:
 
 def run(args: argparse.Namespace) -> int:
     logging.basicConfig(level=getattr(logging, args.log_level.upper()), format="%(asctime)s %(levelname)s %(name)s: %(message)s", stream=sys.stderr)
-    d = Detect(args)
-    server = None
-    if args.metrics_port is not None:
-        from gpuvigil.fleet.metrics import detect_families, serve
+    from gpuvigil.fleet.metrics import detect_families, endpoint
 
-        server, d.metrics_port = serve(lambda: detect_families(d), args.metrics_host, args.metrics_port)
-        print(f"gpuvigil detect {d.id}: metrics http://{args.metrics_host}:{d.metrics_port}/metrics", flush=True)
+    d = Detect(args)
 
     async def main() -> None:
         install_signals(asyncio.get_running_loop(), d.stop_event)
         print(f"gpuvigil detect {d.id}: {d.fleet.partitions} partitions; NATS {', '.join(d.fleet.servers)}", flush=True)
         await d.run()
 
-    try:
+    with endpoint("detect", d.id, lambda: detect_families(d), args.metrics_host, args.metrics_port) as d.metrics_port:
         asyncio.run(main())
-    finally:
-        if server is not None:
-            server.shutdown()
-            server.server_close()
     print(f"gpuvigil detect {d.id}: stopped after {d.ticks} ticks", flush=True)
     return 0

@@ -7,10 +7,11 @@ small dicts, copied before iterating, so a scrape sees a value at most one updat
 
 from __future__ import annotations
 
+import contextlib
 import math
 import time
 from collections import Counter
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
 from gpuvigil.errors import UserError
@@ -38,6 +39,22 @@ def serve(families: Callable[[], Iterable[Any]], host: str, port: int) -> tuple[
     except OSError as exc:
         raise UserError(f"cannot serve /metrics on {host}:{port}: {exc.strerror or exc}") from exc
     return server, server.server_address[1]
+
+
+@contextlib.contextmanager
+def endpoint(role: str, ident: str, families: Callable[[], Iterable[Any]], host: str, port: int | None) -> Iterator[int | None]:
+    """`--metrics-port` of agent-side processes: serve /metrics for the block (none when port is
+    None), print where, and shut the server down on the way out. Yields the bound port."""
+    if port is None:
+        yield None
+        return
+    server, bound = serve(families, host, port)
+    print(f"gpuvigil {role} {ident}: metrics http://{host}:{bound}/metrics", flush=True)
+    try:
+        yield bound
+    finally:
+        server.shutdown()
+        server.server_close()
 
 
 def _gauge(name: str, doc: str, value: float, labels: dict[str, str] | None = None) -> Any:
