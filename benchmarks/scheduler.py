@@ -237,7 +237,7 @@ def placement_study(
     out: dict[str, Any] = {"pod_file": pod_file, "nodes": len(nodes), "gpus": capacity, "trace_tasks": tasks.height, "seeds": seeds, "policies": {}}
     for policy in policies:
         t0 = time.perf_counter()
-        # Seeds from 1000 on: the weights of `ours` were chosen on seeds 0-1, so evaluate elsewhere.
+        # Seeds from 1000 on (held out): the choices in `ours` were made on seeds 0-3.
         runs = [placement_run(nodes, tasks, policy, 1000 + seed, levels[-1], levels) for seed in range(seeds)]
         per_level = []
         for j, level in enumerate(levels):
@@ -259,7 +259,11 @@ def placement_study(
 
 
 PAPER_RESULTS = Path(__file__).resolve().parent / "fgd_paper_results.json"
-VARIANTS = ("openb_pod_list_default.csv", "openb_pod_list_multigpu50.csv", "openb_pod_list_gpushare100.csv")
+# The default trace first; the bench runs every variant whose pod list is in the trace folder.
+VARIANTS = tuple(
+    f"openb_pod_list_{v}.csv"
+    for v in ("default", "multigpu20", "multigpu30", "multigpu40", "multigpu50", "gpushare40", "gpushare60", "gpushare80", "gpushare100", "cpu100", "cpu200")
+)
 
 
 def paper_values() -> dict[str, Any]:
@@ -877,6 +881,114 @@ def targets(study: dict[str, Any]) -> list[str]:
     return missed
 
 
+def paired_differences(study: dict[str, Any], seed0: int = 1000) -> list[str]:
+    """Ours - FGD per seed at each load >= 100%: the same seed replays the same task sequence
+    for both, so the paired difference removes the sequence's share of the spread."""
+    pol = study["policies"]
+    if "ours" not in pol or "fgd" not in pol:
+        return []
+    rows = []
+    for j, lv in enumerate(pol["ours"]["levels"]):
+        if lv["arrived_load"] < 1.0:
+            continue
+        a, b = lv.get("unallocated_gpu_share_per_seed"), pol["fgd"]["levels"][j].get("unallocated_gpu_share_per_seed")
+        if not a or not b or len(a) != len(b):
+            return []
+        d = 100 * (np.asarray(a) - np.asarray(b))
+        sd = float(np.std(d, ddof=1)) if len(d) > 1 else 0.0
+        rows.append(f"| {100 * lv['arrived_load']:.0f}% | {d.mean():+.2f} ± {sd:.2f} | " + " ".join(f"{x:+.2f}" for x in d) + f" | {int((d <= 0).sum())} of {len(d)} |")
+    n = len(pol["ours"]["levels"][0].get("unallocated_gpu_share_per_seed") or [])
+    return [
+        f"Paired: ours - FGD in points of unallocated share, per seed (seeds {seed0}-{seed0 + n - 1}; a seed gives both the same task sequence).",
+        "",
+        "| arrived load | ours - FGD, mean ± std | per seed | seeds with ours <= FGD |",
+        "| --- | ---: | --- | ---: |",
+        *rows,
+        "",
+    ]
+
+
+def target_summary(variants: dict[str, dict[str, Any]]) -> list[str]:
+    """One row per trace: both halves of the target at every load >= 100% (means over seeds, as
+    `targets`), the seeds on which ours <= FGD at every such load, and the published FGD / best-fit
+    at 100%, which says how close the paper's own FGD comes to 0.7 x best-fit on that trace."""
+    pubs = paper_values()["traces"]
+    rows = []
+    for pod_file, st in variants.items():
+        pol = st["policies"]
+        if not all(p in pol for p in ("best_fit", "fgd", "ours")):
+            continue
+        high = [j for j, lv in enumerate(pol["ours"]["levels"]) if lv["arrived_load"] >= 1.0]
+        at100 = next((j for j in high if round(100 * pol["ours"]["levels"][j]["arrived_load"]) == 100), None)
+        if at100 is None:
+            continue
+        u = {p: 100 * pol[p]["levels"][at100]["unallocated_gpu_share"] for p in ("best_fit", "fgd", "ours")}
+        missed = targets(st)
+        fgd_ok = not [m for m in missed if "FGD" in m]
+        bf_ok = not [m for m in missed if "best-fit" in m]
+        per = {p: [pol[p]["levels"][j].get("unallocated_gpu_share_per_seed") or [] for j in high] for p in ("ours", "fgd")}
+        n = len(per["ours"][0])
+        if n and all(len(x) == n for p in per for x in per[p]):
+            wins = sum(all(o[s] <= f[s] + 1e-12 for o, f in zip(per["ours"], per["fgd"], strict=True)) for s in range(n))
+            seeds = f"{wins} of {n}"
+        else:
+            seeds = "–"
+        pub = pubs.get(pod_file.removesuffix(".csv"))
+        ratio = f"{pub['fgd']['100']['mean'] / pub['best_fit']['100']['mean']:.2f}" if pub and all("100" in pub[p] for p in ("best_fit", "fgd")) else "–"
+        verdict = "met" if fgd_ok and bf_ok else "misses " + " and ".join(h for h, ok in (("<= FGD", fgd_ok), ("<= 0.7 x best-fit", bf_ok)) if not ok)
+        name = pod_file.removeprefix("openb_pod_list_").removesuffix(".csv")
+        rows.append(
+            f"| `{name}` | {ratio} | {u['fgd'] / u['best_fit']:.2f} | {u['best_fit']:.2f} | {u['fgd']:.2f} | {u['ours']:.2f} | "
+            f"{0.7 * u['best_fit']:.2f} | {u['ours'] / u['best_fit']:.2f} | {'yes' if fgd_ok else 'no'} | {seeds} | {'yes' if bf_ok else 'no'} | {verdict} |"
+        )
+    if not rows:
+        return []
+    return [
+        "Summary over the traces (target: ours <= FGD and <= 0.7 x best-fit at every load >= 100%). Unallocated GPU share (%) "
+        "at 100% load, mean over seeds; the yes/no columns hold at every load >= 100% (means over seeds); 'seeds' counts the "
+        "seeds on which ours <= FGD at every load >= 100%. FGD / best-fit, published: the authors' results at 100% "
+        "(`benchmarks/fgd_paper_results.json`); a trace where it is above 0.7 is one where the paper's own FGD misses the "
+        "0.7 x best-fit half too.",
+        "",
+        "| trace | FGD / best-fit, published | FGD / best-fit, our replay | best-fit | FGD | ours | 0.7 x best-fit | ours / best-fit "
+        "| ours <= FGD | seeds with ours <= FGD | ours <= 0.7 x best-fit | target |",
+        "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- | ---: | --- | --- |",
+        *rows,
+        "",
+    ]
+
+
+
+def replay_vs_published(variants: dict[str, dict[str, Any]]) -> list[str]:
+    """Best-fit and FGD in our replay next to the authors' published values at 100% load, per
+    trace that has published values: how faithful the baselines are on each task mix."""
+    pubs = paper_values()["traces"]
+    rows = []
+    for pod_file, st in variants.items():
+        pub, pol = pubs.get(pod_file.removesuffix(".csv")), st["policies"]
+        if not pub or not all(p in pol and "100" in pub[p] for p in ("best_fit", "fgd")):
+            continue
+        lv = {p: next((x for x in pol[p]["levels"] if round(100 * x["arrived_load"]) == 100), None) for p in ("best_fit", "fgd")}
+        if None in lv.values():
+            continue
+        name = pod_file.removeprefix("openb_pod_list_").removesuffix(".csv")
+        cells = []
+        for p in ("fgd", "best_fit"):
+            ours, ref = 100 * lv[p]["unallocated_gpu_share"], pub[p]["100"]
+            cells += [_cell(lv[p]), f"{ref['mean']:.2f} ± {ref['std']:.2f}", f"{ours - ref['mean']:+.2f}"]
+        rows.append(f"| `{name}` | " + " | ".join(cells) + " |")
+    if not rows:
+        return []
+    return [
+        "Our replay of the baselines against the published values (authors' simulator, all 1213 nodes, 10 seeds), unallocated GPU share (%) "
+        "at 100% load, mean ± std over seeds (ours: the seeds above):",
+        "",
+        "| trace | FGD (our replay) | FGD (published) | difference | best-fit (our replay) | best-fit (published) | difference |",
+        "| --- | ---: | ---: | ---: | ---: | ---: | ---: |",
+        *rows,
+        "",
+    ]
+
 # How the replay maps to the authors' simulator (hkust-adsl/kubernetes-scheduler-simulator at
 # 8f3d641); file:line references into that repository. Static: it describes code, not results.
 FIDELITY = [
@@ -970,11 +1082,16 @@ def placement_markdown(res: dict[str, Any]) -> list[str]:
     lines += [
         "### Placement: ours against the baselines, default trace and variants",
         "",
-        "Same replay; unallocated GPU share (%), mean ± std over seeds (seeds from 1000 on; the weights of `ours` were chosen "
-        "on seeds 0-3: best-fit weight 0.2 of {0.05, 0.1, 0.15, 0.2, 0.3, 0.5, 1}). Ours = the unquantised FGD gradient, where a "
-        "class also needs its median host memory to count as hostable, plus a best-fit term and rack packing.",
+        "Same replay; unallocated GPU share (%), mean ± std over seeds. Protocol: choices in `ours` (terms, weights) are made on "
+        "tuning seeds 0-3 and reported here on held-out seeds from 1000 on: best-fit weight 0.2 of "
+        "{0.05, 0.1, 0.15, 0.2, 0.3, 0.5, 1}; the best-fit term packs a GPU-sharing task by GPU only (no CPU half), chosen on "
+        "seeds 0-3 of default, multigpu50 and gpushare100 before any held-out run. One exception: the memory term was adopted "
+        "after one run on seed 1000 (default trace). Ours = the unquantised FGD gradient, where a "
+        "class also needs its median host memory to count as hostable, plus that best-fit term (its rack-packing term is off in this replay: the trace has no racks).",
         "",
     ]
+    lines += target_summary(variants)
+    lines += replay_vs_published(variants)
     for pod_file, st in variants.items():
         name = pod_file.removeprefix("openb_pod_list_").removesuffix(".csv")
         lines += [
@@ -986,7 +1103,15 @@ def placement_markdown(res: dict[str, Any]) -> list[str]:
         for j, lv in enumerate(st["policies"][POLICIES[0]]["levels"]):
             lines.append(f"| {100 * lv['arrived_load']:.0f}% | " + " | ".join(_cell(st["policies"][p]["levels"][j]) for p in POLICIES) + " |")
         missed = targets(st)
-        lines += ["", ("Target (ours <= FGD and <= 0.7 x best-fit at every load >= 100%): met." if not missed else "Target NOT met at: " + "; ".join(missed) + "."), ""]
+        if not missed:
+            verdict = "Target (ours <= FGD and <= 0.7 x best-fit at every load >= 100%): met."
+        else:  # say which half is missed
+            halves = [("ours <= FGD", [m for m in missed if "FGD" in m]), ("ours <= 0.7 x best-fit", [m for m in missed if "best-fit" in m])]
+            verdict = "Target (ours <= FGD and <= 0.7 x best-fit at every load >= 100%): NOT met. " + " ".join(
+                f"{half}: " + (f"missed at {'; '.join(m)}." if m else "met at every load >= 100%.") for half, m in halves
+            )
+        lines += ["", verdict, ""]
+        lines += paired_differences(st)
         pub = paper_values()["traces"].get(pod_file.removesuffix(".csv"))
         if pub and all(k in pub[p] for p in ("best_fit", "fgd") for k in ("100", "130")):
             # What the published FGD reaches against the published best-fit on this variant.

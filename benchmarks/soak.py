@@ -2,8 +2,9 @@
 things go wrong around it, and what it kept doing.
 
 Set-up: the simulated cluster (1,250 nodes × 8 GPUs by default) in a steady state: about 60% of the
-GPUs busy from the start, training jobs arriving as a Poisson stream and each completing after an
-exponential run time (`job_plan`), so the number of running jobs stays level while jobs come and go;
+GPUs busy from the start, training jobs each completing after an exponential run time and replaced
+by the next job of its slot when it completes (a closed loop, `job_plan`), so the number of running
+jobs and of busy GPUs stays level while jobs come and go;
 node faults replayed from the InfiniteHBD trace
 (tests/data/traces/infinitehbd-faults-full: 584 faults on 231 servers over 349 days) in the
 trace's order and spacing, time compressed (`--day-seconds` simulated seconds per trace day; the
@@ -27,6 +28,7 @@ CPU time of serve and of its API process, which the shared machine's load does n
 from __future__ import annotations
 
 import json
+import math
 import multiprocessing
 import os
 import random
@@ -90,35 +92,35 @@ JOB_STARTUP_SECONDS = 10.0  # the simulator's default start-up time of a job
 
 
 def job_plan(gpus: int, sim_seconds: float, seed: int) -> list[dict[str, Any]]:
-    """Jobs in a steady state from the start: a Poisson stream of arrivals, each running an
-    exponential time (mean JOB_MEAN_SECONDS), plus the population such a stream leaves running at
-    any moment (Little's law: arrival rate x mean run time), submitted at 0 with residual run times
-    (the exponential's own). The number of running jobs then stays level while jobs keep arriving
-    and completing (JobConfig.total_steps), so serve's memory can be read for growth."""
+    """Jobs in a steady state from the start, as a closed loop: a fixed number of job slots (60%
+    of the GPUs busy on average), each running jobs of its own size back to back; each job runs an
+    exponential time (mean JOB_MEAN_SECONDS; the first one of a slot the residual time, which for
+    an exponential is the same distribution) and its successor is submitted when it completes
+    (JobConfig.total_steps). Jobs keep arriving and completing at the rate of a Poisson stream of
+    the same mean, but the number of running jobs and of busy GPUs stays level by construction.
+    An open Poisson stream wandered too much for the RSS slope: with seed 0 the busy GPUs rose
+    from 5,200 to 7,100 (+36%) inside the 7-minute window where the slope is read, and serve's
+    memory follows the number of running ranks, so the slope measured the workload."""
     rng = random.Random(seed)
     nodes = max(2, gpus // 8)
     sizes = [8, 8, 16, 16, 32, 64, 128]
     sizes = [x for x in sizes if x <= 0.1 * nodes * 8] or [8]
-    running = max(1, round(0.6 * nodes * 8 / statistics.fmean(sizes)))  # 60% of GPUs busy on average
-    rate = running / JOB_MEAN_SECONDS
-    submits = [0.0] * running
-    t = 0.0
-    while True:
-        t += rng.expovariate(rate)
-        if t >= sim_seconds:
-            break
-        submits.append(t)
-    jobs = []
-    for i, submit in enumerate(submits):
-        step = round(rng.uniform(0.5, 3.0), 2)
-        run = rng.expovariate(1.0 / JOB_MEAN_SECONDS)
-        jobs.append(
-            {"name": f"train-{i:04d}", "gpus": rng.choice(sizes), "gpus_per_node": 8, "step_time_seconds": step,
-             "collectives_per_step": 4, "checkpoint_every_steps": 400, "checkpoint_seconds": 10, "memory_base_gib": 30,
-             "memory_peak_gib": round(rng.uniform(60, 110), 1), "tenant": rng.choice(["research", "prod", "vision"]), "submit_at": round(submit, 1),
-             "total_steps": max(1, round(run / step))}
-        )
-    return jobs
+    slots = max(1, round(0.6 * nodes * 8 / statistics.fmean(sizes)))  # 60% of GPUs busy
+    plan = []
+    for k in range(slots):
+        size = sizes[k % len(sizes)]  # every size in its proportion, for good
+        submit = 0.0
+        while submit < sim_seconds:
+            step = round(rng.uniform(0.5, 3.0), 2)
+            run = rng.expovariate(1.0 / JOB_MEAN_SECONDS)
+            job = {"gpus": size, "gpus_per_node": 8, "step_time_seconds": step,
+                   "collectives_per_step": 4, "checkpoint_every_steps": 400, "checkpoint_seconds": 10, "memory_base_gib": 30,
+                   "memory_peak_gib": round(rng.uniform(60, 110), 1), "tenant": rng.choice(["research", "prod", "vision"]), "submit_at": round(submit, 1),
+                   "total_steps": max(1, round(run / step))}
+            plan.append(job)
+            submit = math.ceil(_end(job) * 10) / 10  # the slot's next job, when this one completes
+    plan.sort(key=lambda j: j["submit_at"])
+    return [{"name": f"train-{i:04d}", **j} for i, j in enumerate(plan)]
 
 
 def _end(job: dict[str, Any]) -> float:
@@ -313,6 +315,16 @@ def _cpu_seconds(pid: int | None) -> float | None:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
+def rss_parts_mb(pid: int) -> tuple[float, float] | None:
+    """(anonymous, file-backed) resident MB: growth of a heap shows in the first, of mapped files
+    (SQLite, libraries) in the second."""
+    try:
+        fields = dict(line.split(":", 1) for line in Path(f"/proc/{pid}/status").read_text().splitlines() if ":" in line)
+        return int(fields["RssAnon"].split()[0]) / 1024, int(fields["RssFile"].split()[0]) / 1024
+    except (OSError, KeyError, ValueError):
+        return None
+
+
 def rss_mb(pid: int) -> float | None:
     try:
         for line in Path(f"/proc/{pid}/status").read_text().splitlines():
@@ -505,6 +517,7 @@ def run(minutes: float, gpus: int, day_seconds: float, tick_seconds: float, seed
     for t in threads:
         t.start()
     rss: list[tuple[float, float, int]] = []
+    rss_parts: list[tuple[float, float, float, int]] = []
     api_rss: list[tuple[float, float, int]] = []
     running_jobs: list[tuple[float, int, int]] = []
     ticks: list[float] = []
@@ -576,6 +589,9 @@ def run(minutes: float, gpus: int, day_seconds: float, tick_seconds: float, seed
         r = rss_mb(serve.pid)
         if r is not None:
             rss.append((elapsed, r, gen))
+        parts = rss_parts_mb(serve.pid)
+        if parts is not None:
+            rss_parts.append((elapsed, *parts, gen))
         api_pid = _api_child(serve.pid)
         r = rss_mb(api_pid) if api_pid else None
         if r is not None:
@@ -640,6 +656,16 @@ def run(minutes: float, gpus: int, day_seconds: float, tick_seconds: float, seed
     full_at = max(last_start + HORIZON + 60, freed_at + 60)
     steady = [(t, r) for t, r in last if t >= full_at]
     slope = _slope(steady) * 3600 if len(steady) > 10 else float("nan")
+    # The same least-squares fit over the second half of the window alone: warm-up that levels
+    # off shows as a late slope well below the whole window's; a leak keeps its slope.
+    late = steady[len(steady) // 2:]
+    slope_late = _slope(late) * 3600 if len(late) > 10 else float("nan")
+    parts_steady = [(a, f) for t, a, f, g in rss_parts if g == gen and t >= full_at]
+    # And through each minute's median: RSS peaks for a few seconds after every /metrics render
+    # (until the next tick's trim), and a peak near either end of a short window tilts the plain
+    # fit; a minute's median is the level serve returns to.
+    medians = _minute_medians(steady, full_at)
+    slope_medians = _slope(medians) * 3600 if len(medians) >= 4 else float("nan")
     api_steady = [(t, r) for t, r, g in api_rss if g == gen and t >= full_at]
     api_slope = _slope(api_steady) * 3600 if len(api_steady) > 10 else float("nan")
     jobs_steady = [n for t, n, g in running_jobs if g == gen and t >= full_at]
@@ -651,6 +677,10 @@ def run(minutes: float, gpus: int, day_seconds: float, tick_seconds: float, seed
         "faults_scheduled": len(injected), "fault_kinds": _count(f["type"] for f in injected), "events": events, "tmpfs": tmpfs,
         "rss_first_mb": last[0][1] if last else None, "rss_last_mb": last[-1][1] if last else None, "rss_max_mb": max((r for _, r, _ in rss), default=None),
         "rss_slope_mb_per_hour": slope, "steady_window_s": (steady[-1][0] - steady[0][0]) if steady else 0,
+        "rss_slope_medians_mb_per_hour": slope_medians, "rss_minute_medians_mb": [round(m) for _, m in medians],
+        "rss_slope_late_mb_per_hour": slope_late, "rss_late_window_s": (late[-1][0] - late[0][0]) if late else 0,
+        "rss_anon_steady_mb": (parts_steady[0][0], parts_steady[-1][0]) if parts_steady else None,
+        "rss_file_steady_mb": (parts_steady[0][1], parts_steady[-1][1]) if parts_steady else None,
         "api_rss_slope_mb_per_hour": api_slope, "api_rss_steady_first_mb": api_steady[0][1] if api_steady else None,
         "api_rss_steady_last_mb": api_steady[-1][1] if api_steady else None,
         "running_jobs_steady": jobs_steady, "running_jobs_all": [(round(t), n) for t, n, _ in running_jobs],
@@ -694,6 +724,10 @@ def _mb(value: float | None) -> str:
     return "–" if value is None else f"{value:.0f}"
 
 
+def _pair(values: tuple[float, float] | None) -> str:
+    return "–" if not values else f"{values[0]:.0f} → {values[1]:.0f}"
+
+
 def _range(values: list[int]) -> str:
     return f"{min(values)}–{max(values)}" if values else "–"
 
@@ -707,6 +741,18 @@ def _q(values: list[float], q: float) -> float:
         return float("nan")
     v = sorted(values)
     return v[min(len(v) - 1, int(q * len(v)))]
+
+
+def _minute_medians(points: list[tuple[float, float]], start: float) -> list[tuple[float, float]]:
+    """(mid time, median RSS) of each whole minute of samples from `start`."""
+    by_minute: dict[int, list[tuple[float, float]]] = {}
+    for t, r in points:
+        by_minute.setdefault(int((t - start) // 60), []).append((t, r))
+    out = []
+    for _, pts in sorted(by_minute.items()):
+        if pts[-1][0] - pts[0][0] >= 50:  # a whole minute (the last one may be cut short)
+            out.append((statistics.fmean(t for t, _ in pts), statistics.median(r for _, r in pts)))
+    return out
 
 
 def _slope(points: list[tuple[float, float]]) -> float:
@@ -729,8 +775,8 @@ def markdown(r: dict[str, Any]) -> str:
         "## Soak (`gpuvigil bench soak`)",
         "",
         f"`gpuvigil serve` on the simulated cluster: {r['gpus']} GPUs ({r['nodes']} nodes), {r['jobs']} training jobs in a steady state: "
-        f"about 60% of the GPUs busy from the start, jobs arriving as a Poisson stream and each completing after an exponential run time "
-        f"(mean {JOB_MEAN_SECONDS:g} s), so that as many leave as arrive; plus background jobs; tick period {r['tick_seconds']:g} s; {r['minutes']:g} min of wall time. Faults: the InfiniteHBD trace's fault "
+        f"about 60% of the GPUs busy from the start, each job completing after an exponential run time (mean {JOB_MEAN_SECONDS:g} s) "
+        f"and replaced by the next job of its slot (a closed loop: as many leave as arrive, and the busy GPUs stay level); plus background jobs; tick period {r['tick_seconds']:g} s; {r['minutes']:g} min of wall time. Faults: the InfiniteHBD trace's fault "
         f"arrivals in order, 1 trace day = {r['day_seconds']:g} s ({r['faults_scheduled']} faults scheduled: "
         + ", ".join(f"{k} {v}" for k, v in sorted(r["fault_kinds"].items()))
         + "). Real Alertmanager → webhook pager; the feedback API polled by 3 clients and followed by 2 SSE streams. "
@@ -748,6 +794,10 @@ def markdown(r: dict[str, Any]) -> str:
         f"| serve RSS slope (last process, once its windows were full: from {r['steady_from_s']:.0f} s, over {r['steady_window_s']:.0f} s) | "
         f"{r['rss_slope_mb_per_hour']:.1f} MB/h (RSS {_mb(r['rss_steady_first_mb'])} → {_mb(r['rss_steady_last_mb'])} MB in that window; "
         f"{_mb(r['rss_first_mb'])} → {_mb(r['rss_last_mb'])} MB over the process, max {_mb(r['rss_max_mb'])} MB) | ≈ 0 |",
+        f"| the same fit through each minute's median RSS (robust to the few seconds after each `/metrics` render) / the minute medians | "
+        f"{r['rss_slope_medians_mb_per_hour']:.1f} MB/h / {', '.join(str(m) for m in r['rss_minute_medians_mb'])} MB | ≈ 0 |",
+        f"| the same fit over the second half of that window ({r['rss_late_window_s']:.0f} s) / anonymous and file-backed RSS, start → end of the window | "
+        f"{r['rss_slope_late_mb_per_hour']:.1f} MB/h / anonymous {_pair(r['rss_anon_steady_mb'])} MB, file-backed {_pair(r['rss_file_steady_mb'])} MB | ≈ 0 |",
         f"| training jobs running in that window (counted in `/metrics` at each scrape) / arriving / completing in it (the plan) | "
         f"{_range(r['running_jobs_steady'])} / {r['jobs_arrived_in_window']} / {r['jobs_completed_in_window']} | level |",
         f"| API process RSS slope in the same window | {r['api_rss_slope_mb_per_hour']:.1f} MB/h (RSS {_mb(r['api_rss_steady_first_mb'])} → "
@@ -793,7 +843,7 @@ def summary(r: dict[str, Any]) -> str:
         f"| page findings raised / paged / lost / paged twice | {r['page_findings_raised']} / {r['paged']} / {len(r['lost'])} / {len(r['paged_twice'])} |",
         f"| tick p50 / p99 (period {r['tick_seconds']:g} s) | {r['tick_p50_s']:.2f} / {r['tick_p99_s']:.2f} s |",
         f"| serve RSS slope once the windows were full, jobs level | {r['rss_slope_mb_per_hour']:.1f} MB/h over {r['steady_window_s']:.0f} s "
-        f"({_range(r['running_jobs_steady'])} training jobs running) |",
+        f"({_range(r['running_jobs_steady'])} training jobs running); through the minute medians {r['rss_slope_medians_mb_per_hour']:.1f} MB/h |",
         f"| `/metrics` scrape p50 / max | {r['scrape_p50_s']:.2f} / {r['scrape_max_s']:.2f} s |",
         f"| API reads during the run (API in its own process) | {r['api_req_per_s']:.0f} req/s, p50 {r['api_p50_ms']:.1f} ms, p99 {r['api_p99_ms']:.0f} ms |",
         f"| CPU of serve / its API process | {_num(r['serve_cpu_s'])} / {_num(r['api_cpu_s'])} s over {r['serve_life_s']:.0f} s |",

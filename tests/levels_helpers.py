@@ -18,16 +18,21 @@ def window() -> Window:
     return Window(config.section("pipeline", PipelineConfig, config.defaults()).horizon_seconds)
 
 
-def play(detector, ticks: Iterable[tuple[float, dict[str, pl.DataFrame]]]) -> list:
-    """Feed (now, frames) in order; return every finding with the tick it came on."""
+def play_per_tick(detector, ticks: Iterable[tuple[float, dict[str, pl.DataFrame]]]) -> list[list]:
+    """Feed (now, frames) in order; return each tick's findings, one list per tick."""
     w = window()
     out = []
     for now, frames in ticks:
         for stream, df in frames.items():
             w.add(stream, df)
         w.seal(now)
-        out += detector.detect(w)
+        out.append(detector.detect(w))
     return out
+
+
+def play(detector, ticks: Iterable[tuple[float, dict[str, pl.DataFrame]]]) -> list:
+    """Feed (now, frames) in order; return every finding with the tick it came on."""
+    return [f for tick in play_per_tick(detector, ticks) for f in tick]
 
 
 def allocations(job: str, gpus: list[tuple[str, int]]) -> pl.DataFrame:

@@ -54,6 +54,7 @@ def test_quick_bench_json_is_well_formed(quick_result):
     # The trace variants in tests/data/traces are compared too (same nodes, other task mixes).
     assert set(res["variants"]) == set(bench.VARIANTS)
     assert res["variants"]["openb_pod_list_multigpu50.csv"]["trace_tasks"] == 567
+    assert res["variants"]["openb_pod_list_gpushare40.csv"]["trace_tasks"] == 510
     assert res["paper_setting"] is None  # the whole-cluster paper comparison is not part of --quick
 
 
@@ -255,3 +256,66 @@ def test_markdown_matches_golden_file():
     # The paper's published values sit next to ours: 130% row, best-fit paper 6.92, FGD paper 4.61.
     assert "| 130% | 6.92 ± 0.13 | 7.10 ± 0.20 | 4.61 ± 0.08 | 5.40 ± 0.20 | 4.50 ± 0.20 |" in text.splitlines()
     check_text(DATA / "golden_bench_scheduler.md", text)
+
+
+def test_paired_differences_are_per_seed_ours_minus_fgd():
+    """Same seeds, same task sequences: the table gives ours - FGD per seed, in points."""
+    levels = [
+        {"arrived_load": lv, "unallocated_gpu_share": 0.0, "unallocated_gpu_share_per_seed": per}
+        for lv, per in ((0.9, [0.1, 0.1]), (1.0, [0.130, 0.135]))
+    ]
+    fgd = [{**lv, "unallocated_gpu_share_per_seed": per} for lv, per in zip(levels, ([0.1, 0.1], [0.132, 0.134]), strict=True)]
+    lines = bench.paired_differences({"policies": {"ours": {"levels": levels}, "fgd": {"levels": fgd}}})
+    assert "seeds 1000-1001" in lines[0]
+    rows = [line for line in lines if line.startswith("| 1")]
+    assert rows == ["| 100% | -0.05 ± 0.21 | -0.20 +0.10 | 1 of 2 |"]  # loads below 100% are left out
+    # Without per-seed values (older results) there is nothing to pair.
+    bare = [{k: v for k, v in lv.items() if k != "unallocated_gpu_share_per_seed"} for lv in levels]
+    assert bench.paired_differences({"policies": {"ours": {"levels": bare}, "fgd": {"levels": bare}}}) == []
+
+
+def test_target_summary_says_which_half_each_trace_misses():
+    """One row per trace: the two halves of the target over every load >= 100% (means), the
+    seeds on which ours <= FGD at every such load, and the published FGD / best-fit at 100%."""
+
+    def study(per_seed: dict[str, list[list[float]]]) -> dict:
+        return {
+            "policies": {
+                p: {
+                    "levels": [
+                        {"arrived_load": lv, "unallocated_gpu_share": sum(xs) / len(xs), "unallocated_gpu_share_per_seed": xs}
+                        for lv, xs in zip((0.9, 1.0, 1.3), seeds, strict=True)
+                    ]
+                }
+                for p, seeds in per_seed.items()
+            }
+        }
+
+    bf = [[0.1, 0.1], [0.10, 0.10], [0.09, 0.09]]
+    # default: ours below FGD and 0.7 x best-fit in the means, but the second seed loses to FGD at 130%.
+    met = study({"best_fit": bf, "fgd": [[0.1, 0.1], [0.07, 0.07], [0.06, 0.06]], "ours": [[0.1, 0.1], [0.06, 0.06], [0.05, 0.061]]})
+    # ours below FGD but above 0.7 x best-fit (6.5 > 6.3) at 130%; a trace without published values.
+    half = study({"best_fit": bf, "fgd": [[0.1, 0.1], [0.07, 0.07], [0.07, 0.07]], "ours": [[0.1, 0.1], [0.065, 0.065], [0.065, 0.065]]})
+    lines = bench.target_summary({"openb_pod_list_default.csv": met, "openb_pod_list_made_up.csv": half})
+    rows = [line for line in lines if line.startswith("| `")]
+    ref = bench.paper_values()["traces"]["openb_pod_list_default"]
+    ratio = ref["fgd"]["100"]["mean"] / ref["best_fit"]["100"]["mean"]
+    assert rows == [
+        f"| `default` | {ratio:.2f} | 0.70 | 10.00 | 7.00 | 6.00 | 7.00 | 0.60 | yes | 1 of 2 | yes | met |",
+        "| `made_up` | – | 0.70 | 10.00 | 7.00 | 6.50 | 7.00 | 0.65 | yes | 2 of 2 | no | misses <= 0.7 x best-fit |",
+    ]
+    # A study that lacks one of best-fit, FGD and ours adds no row.
+    assert bench.target_summary({"x.csv": {"policies": {"fgd": met["policies"]["fgd"]}}}) == []
+
+
+def test_replay_vs_published_puts_the_paper_next_to_our_baselines():
+    """Per trace with published values: our FGD and best-fit at 100%, the paper's, and the difference."""
+    levels = {"best_fit": 0.07, "fgd": 0.05}
+    st = {"policies": {p: {"levels": [{"arrived_load": 0.9, "unallocated_gpu_share": 0.1}, {"arrived_load": 1.0, "unallocated_gpu_share": u}]} for p, u in levels.items()}}
+    lines = bench.replay_vs_published({"openb_pod_list_default.csv": st, "openb_pod_list_made_up.csv": st})
+    ref = bench.paper_values()["traces"]["openb_pod_list_default"]
+    fg, bf = ref["fgd"]["100"], ref["best_fit"]["100"]
+    rows = [line for line in lines if line.startswith("| `")]
+    assert rows == [  # no published values for made_up: no row
+        f"| `default` | 5.00 | {fg['mean']:.2f} ± {fg['std']:.2f} | {5 - fg['mean']:+.2f} | 7.00 | {bf['mean']:.2f} ± {bf['std']:.2f} | {7 - bf['mean']:+.2f} |"
+    ]

@@ -476,6 +476,52 @@ def test_ours_uses_gpus_stranded_by_memory(placement, want):
     assert tuple(s.jobs["t"].placement[0]) == want
 
 
+@pytest.mark.parametrize(
+    "task, want",
+    [
+        # Worked by hand. Both nodes have 2 GPUs, GPU 0 half used; nA's GPU 1 is idle and it has
+        # 4 CPUs free, nB's GPU 1 is in use and it has 64 CPUs free. Target workload: 0.5-GPU
+        # shares without CPU, so no option grows the fragmentation and the packing term decides.
+        # A 0.5 share packs by GPU only: nB (0 idle GPU after it) over nA (1 GPU idle after it),
+        # although nA has less CPU left; with the CPU half (0.5 x CPU left / 64 CPUs) nA's
+        # 0.25 + 0.5 x 2/64 = 0.27 would beat nB's 0 + 0.5 x 62/64 = 0.48.
+        (JobSpec("t", 1, gpu_milli=500, cpu_milli=2000), ("nB", 0)),
+        # A whole-GPU task still counts CPU; only nA has a whole GPU free.
+        (JobSpec("t", 1, cpu_milli=2000), ("nA", 1)),
+    ],
+)
+def test_ours_packs_a_gpu_share_by_gpu_not_cpu(task, want):
+    s = sched([NodeSpec("nA", n_gpus=2, cpu_milli=64000), NodeSpec("nB", n_gpus=2, cpu_milli=64000)], placement="ours")
+    s.nodes["nA"].shared[0] = {"x": 500}
+    s.nodes["nA"].cpu_used = 60000
+    s.nodes["nB"].shared[0] = {"y": 500}
+    s.nodes["nB"].used[1] = "z"
+    s.plugin("fragmentation").set_workload({(0, 1, 500): 1})
+    s.submit(task, 0)
+    s.cycle(0)
+    assert tuple(s.jobs["t"].placement[0]) == want
+
+
+def test_best_fit_term_ignores_cpu_for_a_share_only():
+    s = sched([NodeSpec("nA", n_gpus=2, cpu_milli=64000), NodeSpec("nB", n_gpus=2, cpu_milli=64000)], placement="ours")
+    s.nodes["nA"].cpu_used = 60000
+    s.sync_view()
+    bf = next(p for p, _ in s.plugins.scores if p.name == "best_fit")
+
+    def node_scores(spec):
+        s.submit(spec, 0)
+        js = s.jobs[spec.name]
+        ssn = Session(now=0, scheduler=s, view=s.view, pending=[js])
+        shape = (2, 2) if spec.n_gpus == 1 and spec.gpu_milli < 1000 else (2,)
+        out = bf.score(js, ssn, np.ones(shape, dtype=bool))
+        return out.max(axis=1) if out.ndim == 2 else out
+
+    share = node_scores(JobSpec("share", 1, gpu_milli=500, cpu_milli=2000))
+    assert share[0] == pytest.approx(share[1], abs=1e-5)  # same GPUs idle: CPU makes no difference
+    whole = node_scores(JobSpec("whole", 1, cpu_milli=2000))
+    assert whole[0] - whole[1] == pytest.approx(0.5 * 60000 / 64000)  # nA has 60 CPUs less left
+
+
 def test_gpu_sharing_packs_shares_onto_one_gpu():
     s = sched(cluster(1, gpus=2))
     s.submit(JobSpec("a", 1, gpu_milli=500), 0)

@@ -68,3 +68,32 @@ def test_a_job_with_total_steps_completes_and_frees_its_gpus():
     assert jobs["short"].state == "completed" and jobs["long"].state == "running"
     assert rt.scheduler.placements().get("short") is None
     assert sum(1 for ns in rt.scheduler.nodes.values() for owner in ns.used.values() if owner == "short") == 0
+
+
+def test_the_busy_gpus_stay_level_so_the_rss_slope_measures_serve_not_the_workload():
+    # A closed loop (each job's successor starts when it completes): an open Poisson stream let the
+    # busy GPUs rise 36% inside the window where the slope is read (seed 0, 12.5 min), and serve's
+    # memory follows the running ranks.
+    for minutes in (12.5, 25.0):
+        jobs = job_plan(10_000, minutes * 60, seed=0)
+        busy = {sum(j["gpus"] for j in _running(jobs, t)) for t in range(0, int(minutes * 60), 10)}
+        running = {len(_running(jobs, t)) for t in range(0, int(minutes * 60), 10)}
+        assert len(busy) == 1 and len(running) == 1, (busy, running)
+        assert 0.55 * 10_000 <= busy.pop() <= 0.65 * 10_000
+    # Sizes keep their mix; run times are exponential with the planned mean.
+    jobs = job_plan(10_000, 3600, seed=0)
+    assert {j["gpus"] for j in jobs} == {8, 16, 32, 64, 128}
+    runs = [j["total_steps"] * j["step_time_seconds"] for j in jobs]
+    assert abs(statistics.fmean(runs) - 240.0) < 0.15 * 240.0
+
+
+def test_the_minute_median_slope_ignores_render_peaks_and_keeps_real_growth():
+    from benchmarks.soak import _minute_medians, _slope
+
+    # 1 s samples over 7 minutes; a 5 s peak of +50 MB after each minute's /metrics render,
+    # the last one right at the window's end, where it tilts a plain least-squares fit.
+    flat = [(float(t), 300.0 + (50.0 if t % 60 >= 55 else 0.0)) for t in range(0, 420)]
+    assert _slope(flat) * 3600 > 10  # the plain fit reads the peaks as growth
+    assert abs(_slope(_minute_medians(flat, 0.0)) * 3600) < 1e-6
+    growing = [(t, r + t * 100 / 3600) for t, r in flat]  # plus 100 MB/h of real growth
+    assert abs(_slope(_minute_medians(growing, 0.0)) * 3600 - 100) < 1
