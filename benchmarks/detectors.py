@@ -318,7 +318,7 @@ def run_case(case: Case) -> RunResult:
             tick_seconds=case.tick_seconds,
             onset=onset,
             injected=[f.to_json_dict() for f in rt.cluster.injected],
-            findings=[f.to_json_dict() for f in rt.pipeline.all_findings],
+            findings=[f.to_json_dict() for f in rt.pipeline.all_findings.every()],
             oom_events=list(rt.cluster.oom_events),
             watchdog_fire_ts={j: t for j, t in wd.items() if t <= sc.duration_seconds or case.case_type in ("nccl_hang", "gpu_lost")},
             static_rule_fires=[{"node": n, "gpu": g, "ts": t} for (n, g), t in baseline.static_fires.items()],

@@ -92,10 +92,10 @@ class LevelShadows:
         out = {}
         for lvl, p in self.pipelines.items():
             shared = [
-                f for f in self.rt.pipeline.all_findings
+                f for f in self.rt.pipeline.all_findings.every()
                 if f.source in self.levels and self.levels[f.source][1] is None and RANK[self.levels[f.source][0]] <= RANK[lvl]
             ]
-            out[lvl] = sorted((f.to_json_dict() for f in [*p.all_findings, *shared]), key=lambda d: d["ts"])
+            out[lvl] = sorted((f.to_json_dict() for f in [*p.all_findings.every(), *shared]), key=lambda d: d["ts"])
         return out
 
     def close(self) -> None:

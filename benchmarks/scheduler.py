@@ -473,8 +473,8 @@ def fault_sim(faults: list[FaultEvent], p: FaultSimParams, hints: bool, sched_ov
         for name in running_since:
             checkpoint_at(sched.jobs[name], now_t)
 
-    def follow_actions(start: int) -> None:
-        for a in sched.actions[start:]:
+    def follow_actions(taken) -> None:
+        for a in taken:
             if a.action == "preempt_notice" and a.job:
                 notices[a.job] = (a.ts, sched.jobs[a.job].preempted_by or "")
                 victim = sched.jobs[a.job]
@@ -640,9 +640,7 @@ def fault_sim(faults: list[FaultEvent], p: FaultSimParams, hints: bool, sched_ov
         before_cycle(now)
         was_running = list(sched._running.values())  # only running jobs can be preempted
         lost_before = sum(js.lost_gpu_seconds for js in was_running)
-        first_action = len(sched.actions)
-        sched.cycle(now)
-        follow_actions(first_action)
+        follow_actions(sched.cycle(now))
         on_cycle(now, sum(js.lost_gpu_seconds for js in was_running) - lost_before)
         for js in sched._pending.values():
             if js.awaiting_deadline is not None and js.awaiting_deadline > now and js.awaiting_deadline not in wakes:

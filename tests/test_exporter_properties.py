@@ -12,6 +12,7 @@ from gpuvigil import schemas
 from gpuvigil.exporter.metrics import Snapshot, TickStats
 from gpuvigil.exporter.prometheus import exposition
 from gpuvigil.pipeline.window import Window
+from gpuvigil.recentlog import RecentLog
 
 label_text = st.text(st.characters(blacklist_categories=("Cs",)), min_size=1, max_size=40)
 
@@ -36,7 +37,7 @@ class FrameRuntime:
         self.pipeline = P()
         self.pipeline.window = window
         self.pipeline.active = {}
-        self.pipeline.all_findings = []
+        self.pipeline.all_findings = RecentLog()
         self.pipeline.collectors = []
         self.pipeline.ticks = 1
         self.pipeline.samples_ingested_total = 0
@@ -47,7 +48,7 @@ class FrameRuntime:
         self.scheduler = S()
         self.scheduler.jobs = {j: FakeJob(j) for j in jobs}
         self.scheduler.nodes = {}
-        self.scheduler.actions = []
+        self.scheduler.actions = RecentLog()
         self.now = 1.0
         self.last_result = None
 

@@ -123,12 +123,12 @@ class TickStats:
     def catch_up(self, runtime: RuntimeLike) -> None:
         """Fold in findings and scheduler actions appended since the last call."""
         findings = runtime.pipeline.all_findings
-        for f in findings[self._finding_cursor :]:
+        for f in findings.since(self._finding_cursor):
             self.findings_by_kind[(f.kind.value, f.severity.value)] += 1
-        self._finding_cursor = len(findings)
+        self._finding_cursor = findings.total
         sched = runtime.scheduler
         actions = sched.actions
-        for a in actions[self._action_cursor :]:
+        for a in actions.since(self._action_cursor):
             self.actions_by_kind[a.action] += 1
             js = sched.jobs.get(a.job) if a.job else None
             if js is None:
@@ -140,7 +140,7 @@ class TickStats:
             elif a.action == "placed":
                 since = self._requeued_at.pop(a.job, js.spec.submit_ts)
                 self.waits.observe(max(0.0, a.ts - since), (("priority", key[0]), ("tenant", key[1])))
-        self._action_cursor = len(actions)
+        self._action_cursor = actions.total
 
 
 def _rows(df: pl.DataFrame, cols: Iterable[str]) -> Iterable[tuple]:

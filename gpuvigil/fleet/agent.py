@@ -35,6 +35,7 @@ from gpuvigil.deployconfig import Fleet, fleet_from_config
 from gpuvigil.errors import UserError
 from gpuvigil.fleet import transport
 from gpuvigil.fleet.transport import ROW_STREAMS, Subjects
+from gpuvigil.recentlog import RecentLog
 
 log = logging.getLogger("gpuvigil.fleet")
 NAME = "agent"
@@ -289,8 +290,8 @@ class MergedPipeline:
     def __init__(self, pipelines: list[Any]):
         self.pipelines = pipelines
         self.window = _MergedWindow([p.window for p in pipelines])
-        self.all_findings: list[Any] = []
         self.config = pipelines[0].config
+        self.all_findings: RecentLog[Any] = RecentLog(self.config.findings_kept)
 
     @property
     def active(self) -> dict[str, Any]:
@@ -405,7 +406,7 @@ class Agent:
                 if hasattr(self, "_runtime") and a is self.agents[0]:
                     self._runtime.now, self._runtime.last_result = now, result
                 if getattr(self, "_merged", None) is not None:
-                    self._merged.all_findings += result.new_findings
+                    self._merged.all_findings.extend(result.new_findings)
                 for f in result.new_findings:
                     log.info("agent %s: finding %s %s: %s", a.node, f.severity.value, f.kind.value, f.summary)
                 msgs += a.outbox(now)

@@ -18,6 +18,7 @@ from gpuvigil.pipeline.health import HealthTracker
 from gpuvigil.pipeline.hints import HintPolicy
 from gpuvigil.pipeline.jobjoin import JobJoin
 from gpuvigil.pipeline.window import Window
+from gpuvigil.recentlog import RecentLog
 
 
 class PipelineConfig(BaseModel):
@@ -33,6 +34,9 @@ class PipelineConfig(BaseModel):
     # A collector target that fails this many collects in a row is down: a warning, up=0 on
     # /metrics and a `collector_down` finding until it recovers (pipeline/health.py).
     collector_down_after_failures: int = Field(3, ge=1)
+    # The newest findings and hints kept in memory (`all_findings`/`all_hints`, for /metrics and
+    # tests); the hint store keeps them all on disk. Bounded so a long-running serve stays flat.
+    findings_kept: int = Field(10_000, ge=1)
 
 
 @dataclass
@@ -132,8 +136,9 @@ class Pipeline:
         self.first_seen: dict[str, float] = {}
         self.last_seen: dict[str, float] = {}
         self.active_hints: dict[str, list[Hint]] = {}  # finding id → its hints
-        self.all_findings: list[Finding] = []  # every finding when first raised, in order
-        self.all_hints: list[Hint] = []
+        # Every finding and hint when first raised, in order: the newest `findings_kept` of each.
+        self.all_findings: RecentLog[Finding] = RecentLog(self.config.findings_kept)
+        self.all_hints: RecentLog[Hint] = RecentLog(self.config.findings_kept)
         self.ticks = 0
         self.samples_ingested_total = 0
         self._detector_last_run: dict[str, float] = {}

@@ -86,6 +86,7 @@ class ExplainConfig(_Strict):
     per_job: int = Field(8, ge=1, le=1000)  # distinct decisions kept per job (repeats merge)
     max_jobs: int = Field(20000, ge=1)  # jobs remembered; the least recently decided go first
     recent_actions: int = Field(5, ge=0, le=100)  # the job's last actions shown with its decisions
+    actions_kept: int = Field(100_000, ge=1)  # the scheduler's newest actions kept in memory
 
 
 class PreemptionConfig(_Strict):

@@ -19,6 +19,7 @@ import polars as pl
 
 from gpuvigil import schemas
 from gpuvigil.model import Hint
+from gpuvigil.recentlog import RecentLog
 from gpuvigil.scheduler import actions as actions_mod
 from gpuvigil.scheduler.config import SchedulerConfig, load_scheduler_config
 from gpuvigil.scheduler.framework import MILLI, ClusterView, Plan, Session
@@ -45,8 +46,8 @@ class Scheduler:
         self.jobs: dict[str, JobState] = {}
         self._pending: dict[str, JobState] = {}
         self._running: dict[str, JobState] = {}
-        self.actions: list[Action] = []
         ex = self.config.explain
+        self.actions: RecentLog[Action] = RecentLog(ex.actions_kept)
         self.decisions = DecisionLog(per_job=ex.per_job, max_jobs=ex.max_jobs, enabled=ex.enabled)
         self.total_gpus = int(sum(n.n_gpus for n in nodes))
         self.plugins = build_plugins(self)
@@ -281,7 +282,11 @@ class Scheduler:
 
     def cycle(self, now: float) -> list[Action]:
         """One scheduling cycle: open a session, run the configured actions, return what changed."""
-        start = len(self.actions)
+        with self.actions.capture() as taken:
+            self._cycle(now)
+        return taken
+
+    def _cycle(self, now: float) -> None:
         self.sync_view()
         pending = [js for js in self._pending.values() if js.state == "pending" and js.spec.submit_ts <= now]
         # Others may set a job running by hand (the simulator pins a scatter): follow them.
@@ -303,7 +308,6 @@ class Scheduler:
                 break
             evicted_before = self._evicted
             pending = [js for js in self._pending.values() if js.state == "pending" and js.spec.submit_ts <= now]
-        return self.actions[start:]
 
     # -- hints ------------------------------------------------------------------------------
     def apply_hint(self, hint: Hint, now: float) -> list[Action]:
@@ -328,7 +332,7 @@ class Scheduler:
         history = self.decisions.history(job)
         recent: list[dict[str, Any]] = []
         want = self.config.explain.recent_actions
-        for a in reversed(self.actions[-50_000:]):
+        for a in reversed(self.actions.recent(50_000)):
             if len(recent) >= want:
                 break
             if a.job == job:
@@ -430,7 +434,7 @@ class SchedulerStateCollector:
     def _state_signature(self) -> tuple:
         # Placements, cordons and requeues all leave an action; checkpoints move a job's step.
         sched = self.scheduler
-        return (len(sched.actions), len(sched.jobs), sum(js.last_checkpoint_step for js in sched.jobs.values()))
+        return (sched.actions.total, len(sched.jobs), sum(js.last_checkpoint_step for js in sched.jobs.values()))
 
     def collect(self, now: float) -> dict[str, pl.DataFrame]:
         """Snapshots only when the state changed (or every `refresh_seconds`): rebuilding them

@@ -25,6 +25,7 @@ from typing import Any, Protocol, runtime_checkable
 
 import numpy as np
 
+from gpuvigil.recentlog import RecentLog
 from gpuvigil.scheduler.state import MILLI, Action, JobState, NodeState
 
 # Layers, each importing only those below it: state <- framework <- plugins <- actions <- core.
@@ -190,7 +191,7 @@ class SchedulerLike(Protocol):
     config: Any  # SchedulerConfig
     nodes: dict[str, NodeState]
     jobs: dict[str, JobState]
-    actions: list[Action]
+    actions: RecentLog[Action]  # the newest actions; append() records one
     decisions: Any  # state.DecisionLog
     plugins: Any  # plugins.Registry
     view: ClusterView
