@@ -315,24 +315,14 @@ def _cpu_seconds(pid: int | None) -> float | None:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
-def rss_parts_mb(pid: int) -> tuple[float, float] | None:
-    """(anonymous, file-backed) resident MB: growth of a heap shows in the first, of mapped files
-    (SQLite, libraries) in the second."""
+def rss_mb(pid: int) -> tuple[float, float, float] | None:
+    """(resident, anonymous, file-backed) MB from one read of /proc/PID/status: growth of a heap
+    shows in the anonymous part, of mapped files (SQLite, libraries) in the file-backed one."""
     try:
         fields = dict(line.split(":", 1) for line in Path(f"/proc/{pid}/status").read_text().splitlines() if ":" in line)
-        return int(fields["RssAnon"].split()[0]) / 1024, int(fields["RssFile"].split()[0]) / 1024
+        return tuple(int(fields[k].split()[0]) / 1024 for k in ("VmRSS", "RssAnon", "RssFile"))  # type: ignore[return-value]
     except (OSError, KeyError, ValueError):
         return None
-
-
-def rss_mb(pid: int) -> float | None:
-    try:
-        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-            if line.startswith("VmRSS:"):
-                return int(line.split()[1]) / 1024
-    except OSError:
-        return None
-    return None
 
 
 # -- clients ------------------------------------------------------------------------------------
@@ -588,14 +578,12 @@ def run(minutes: float, gpus: int, day_seconds: float, tick_seconds: float, seed
             loads.append(os.getloadavg()[0])
         r = rss_mb(serve.pid)
         if r is not None:
-            rss.append((elapsed, r, gen))
-        parts = rss_parts_mb(serve.pid)
-        if parts is not None:
-            rss_parts.append((elapsed, *parts, gen))
+            rss.append((elapsed, r[0], gen))
+            rss_parts.append((elapsed, r[1], r[2], gen))
         api_pid = _api_child(serve.pid)
         r = rss_mb(api_pid) if api_pid else None
         if r is not None:
-            api_rss.append((elapsed, r, gen))
+            api_rss.append((elapsed, r[0], gen))
         if serve.poll() is not None and not any("serve exited" in e for e in events):
             events.append(f"{elapsed:.0f} s: serve exited with {serve.returncode} (see serve-{gen}.log)")
         time.sleep(min(1.0, tick_seconds / 2))

@@ -13,7 +13,7 @@ from collections import deque
 from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 from itertools import islice
-from typing import Generic, TypeVar, overload
+from typing import Generic, TypeVar
 
 T = TypeVar("T")
 
@@ -61,8 +61,10 @@ class RecentLog(Generic[T]):
 
     def since(self, cursor: int) -> list[T]:
         """Entries appended after `cursor` (a `total` read earlier) that are still kept."""
-        start = max(cursor - self.dropped, 0)
-        return list(islice(self._items, start, None))
+        new = min(self.total - cursor, len(self._items))
+        if new <= 0:
+            return []
+        return list(islice(reversed(self._items), new))[::-1]  # from the new end: O(new), not O(kept)
 
     def every(self) -> list[T]:
         """Every entry ever appended; a LookupError if some were dropped (a reader that must see
@@ -70,12 +72,6 @@ class RecentLog(Generic[T]):
         if self.dropped:
             raise LookupError(f"{self.dropped} of {self.total} entries were dropped (keep={self.keep}): raise the limit")
         return list(self._items)
-
-    def recent(self, n: int) -> list[T]:
-        """The newest `n` kept entries, oldest first."""
-        if n <= 0:
-            return []
-        return list(islice(self._items, max(len(self._items) - n, 0), None))
 
     def __len__(self) -> int:
         return len(self._items)
@@ -86,13 +82,7 @@ class RecentLog(Generic[T]):
     def __reversed__(self) -> Iterator[T]:
         return reversed(self._items)
 
-    @overload
-    def __getitem__(self, index: int) -> T: ...
-    @overload
-    def __getitem__(self, index: slice) -> list[T]: ...
-    def __getitem__(self, index: int | slice) -> T | list[T]:
-        if isinstance(index, slice):
-            return list(self._items)[index]
+    def __getitem__(self, index: int) -> T:
         return self._items[index]
 
     def __repr__(self) -> str:

@@ -1,18 +1,29 @@
 """The bounded records a long-running serve keeps in memory (issue 13: nothing grows for the
 process's life): `RecentLog`, the pipeline's findings and hints, the scheduler's actions, and the
-readers that follow them with a cursor. Inputs: constructed entries, the real scheduler, and the
+readers that follow them with a cursor, and `gpuvigil serve --config` taking the bounds, as a
+process. Inputs: constructed entries, the real scheduler, and the
 simulated cluster's `node_xid79` scenario (a real XID 79 line's meaning, simulated timing)."""
 
 from __future__ import annotations
 
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import httpx
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
+from prometheus_client.parser import text_string_to_metric_families
 
 from gpuvigil import config
 from gpuvigil.exporter.metrics import TickStats
 from gpuvigil.recentlog import RecentLog
 from gpuvigil.scheduler import JobSpec, NodeSpec, Scheduler
+from services import wait_for
+
+REPO = Path(__file__).resolve().parents[1]
 
 
 @given(keep=st.integers(1, 6), batches=st.lists(st.integers(0, 5), max_size=12))
@@ -29,12 +40,11 @@ def test_a_reader_with_a_cursor_gets_exactly_what_was_appended_since_and_is_stil
         cursor = log.total
         assert list(log) == everything[-keep:]
         assert log.total == len(everything) and log.dropped == len(everything) - len(log)
-        assert log.recent(2) == everything[-min(keep, 2):] if everything else log.recent(2) == []
 
 
-def test_unbounded_keeps_all_and_indexes_like_a_list():
+def test_unbounded_keeps_all_and_reads_both_ways():
     log = RecentLog(None, "abcde")
-    assert len(log) == 5 and log[0] == "a" and log[-1] == "e" and log[1:3] == ["b", "c"]
+    assert len(log) == 5 and log[0] == "a" and log[-1] == "e"
     assert list(reversed(log)) == list("edcba") and log.since(3) == ["d", "e"] and log.dropped == 0
 
 
@@ -78,3 +88,43 @@ def test_the_pipeline_keeps_its_newest_findings_and_the_exporter_counts_every_on
         float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line.startswith("gpuvigil_findings_total{")
     )
     assert counted == raised
+
+
+def _serve(tmp_path, settings: str, *extra: str) -> subprocess.Popen:
+    cfg = tmp_path / "gpuvigil.yaml"
+    cfg.write_text(settings)
+    return subprocess.Popen(
+        [sys.executable, "-m", "gpuvigil", "serve", "--port", "0", "--scenario", "node_xid79", "--config", str(cfg), "--log-level", "warning", *extra],
+        cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    )
+
+
+def _counter_total(text: str, name: str) -> float:
+    return sum(s.value for fam in text_string_to_metric_families(text) for s in fam.samples if s.name == name)
+
+
+def test_serve_takes_the_bounds_from_its_config_and_its_metrics_count_past_them(tmp_path):
+    """`gpuvigil serve --config` as a process: with 1 finding and 2 actions kept, /metrics still
+    counts every finding and action taken (the scenario's XID 79 at t=100, every job placed)."""
+    serve = _serve(tmp_path, "pipeline:\n  findings_kept: 1\nscheduler:\n  explain:\n    actions_kept: 2\n", "--speed", "100", "--duration", "60")
+    try:
+        assert serve.stdout is not None
+        line = serve.stdout.readline()
+        url = re.search(r"metrics (http://\S+/metrics)", line).group(1)
+
+        def counted() -> str | None:
+            text = httpx.get(url, timeout=10).text
+            return text if _counter_total(text, "gpuvigil_findings_total") >= 1 else None
+
+        text = wait_for(counted, timeout=120, what="the XID finding on /metrics")
+        assert _counter_total(text, "gpuvigil_scheduler_actions_total") > 2
+    finally:
+        serve.terminate()
+        serve.wait(60)
+
+
+def test_serve_refuses_a_bound_below_one_in_one_line(tmp_path):
+    serve = _serve(tmp_path, "pipeline:\n  findings_kept: 0\n", "--duration", "5")
+    _, err = serve.communicate(timeout=120)
+    assert serve.returncode != 0
+    assert "findings_kept" in err and "Traceback" not in err

@@ -39,7 +39,6 @@ class FlightRecorderHangDetector:
     def __init__(self, cfg: dict[str, Any] | None = None):
         self.config = settings("hang_fr", HangFrConfig, cfg)
         self._clock = CollectiveClock()
-        self._first: dict[tuple, float] = {}  # (job, pg, seq, culprits) → first analysis ts
 
     def detect(self, window: Window) -> list[Finding]:
         c = self.config
@@ -59,10 +58,8 @@ class FlightRecorderHangDetector:
             job = latest["job"]
             if latest["kind"] != "collective_hang" or not latest["culprit_ranks"]:
                 continue
-            key = (job, latest["pg"], latest["seq"], tuple(latest["culprit_ranks"]))
             same = rows.filter((pl.col("kind") == "collective_hang") & (pl.col("pg") == latest["pg"]) & (pl.col("seq") == latest["seq"]))
             first_ts = float(same["ts"].min())
-            self._first.setdefault(key, first_ts)
             moved = last_move.get(job)
             threshold = self._clock.stall_threshold(job, c.min_stall_seconds, c.stall_intervals)
             how = None

@@ -13,6 +13,7 @@ by the `scheduler` config section.
 
 from __future__ import annotations
 
+from itertools import islice
 from typing import Any
 
 import polars as pl
@@ -332,7 +333,7 @@ class Scheduler:
         history = self.decisions.history(job)
         recent: list[dict[str, Any]] = []
         want = self.config.explain.recent_actions
-        for a in reversed(self.actions.recent(50_000)):
+        for a in islice(reversed(self.actions), 50_000):  # the newest first, without a copy
             if len(recent) >= want:
                 break
             if a.job == job:

@@ -50,7 +50,7 @@ class BestFitScore:
         v, spec = ssn.view, job.spec
         need = spec.n_gpus * min(spec.gpu_milli, MILLI)
         left = 0.5 * (v.free_total - need) / self.max_gpu
-        sharing = spec.n_gpus == 1 and spec.gpu_milli < MILLI
+        sharing = spec.gpu_milli < MILLI  # a share is always of one GPU (Scheduler.submit)
         if self.max_cpu and not sharing:
             tracked = v.cpu_total < UNTRACKED
             left = left + np.where(tracked, 0.5 * (v.cpu_free - spec.cpu_milli) / self.max_cpu, 0.0)
