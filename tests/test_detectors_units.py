@@ -170,7 +170,7 @@ def test_compaction_plan_frees_a_slot_with_valid_moves(used, need):
             total += s
             k += 1
         node_jobs[name], node_free[name] = jobs, capacity - total
-    plan = plan_compaction(node_free, node_jobs, need, capacity)
+    plan = plan_compaction(node_free, node_jobs, need)
     assert (plan is not None) == _can_free(node_free, node_jobs, need)
     if plan is None:
         return
@@ -202,11 +202,11 @@ def test_compaction_plan_frees_a_slot_with_valid_moves(used, need):
     ids=["tightest-destination", "skip-what-cannot-move", "largest-first", "no-move-needed"],
 )
 def test_compaction_plan_examples(node_free, node_jobs, need, target, moves):
-    assert plan_compaction(node_free, node_jobs, need, 8) == (target, [{"job": j, "from_node": target, "to_node": d, "gpus": g} for j, d, g in moves])
+    assert plan_compaction(node_free, node_jobs, need) == (target, [{"job": j, "from_node": target, "to_node": d, "gpus": g} for j, d, g in moves])
 
 
 def test_compaction_plan_none_when_nothing_can_move():
-    assert plan_compaction({"n0": 2, "n1": 2}, {"n0": {"a": 6}, "n1": {"b": 6}}, 4, 8) is None
+    assert plan_compaction({"n0": 2, "n1": 2}, {"n0": {"a": 6}, "n1": {"b": 6}}, 4) is None
 
 
 def _rank_rows(ts: float, step_time: float, enq: list[int], comp: list[int], step: int) -> pl.DataFrame:

@@ -15,6 +15,7 @@ Sources:
 from __future__ import annotations
 
 import polars as pl
+import pytest
 from test_detectors_real import _kernel_events, _window_of
 
 from gpuvigil import config, schemas
@@ -108,3 +109,80 @@ def test_an_event_is_reported_once_even_when_the_next_tick_brings_other_news():
     w.add("gpu_samples", _samples(11.0, dbe=1))
     w.seal(11.0)
     assert [(f.gpu, f.xid, f.evidence["dbe_new"]) for f in det.detect(w)] == [(0, None, 1)]
+
+
+# -- mutation round 5 ------------------------------------------------------------------------
+
+
+def _ticks(det, per_tick):
+    """per_tick: [(t, [(node, gpu, dbe), ...])]; the findings of each tick as (node, gpu, new, total)."""
+    w = Window(1e9)
+    got = []
+    for t, readings in per_tick:
+        w.add("gpu_samples", pl.concat([_samples(float(t), node=n, gpu=g, dbe=d) for n, g, d in readings]))
+        w.seal(float(t))
+        got.append([(f.node, f.gpu, f.evidence["dbe_new"], f.evidence["dbe_volatile_total"]) for f in det.detect(w)])
+    return got
+
+
+def test_two_samples_of_one_gpu_in_a_tick_page_a_dbe_once():
+    """NVML and DCGM both on: n0 GPU 0 is read twice a tick, the two readings a DBE apart at
+    tick 1 (1 and 2). One page then, for both DBEs; nothing while the readings stay; one page for
+    the third DBE at tick 5. (Found by mutation testing: compared row by row with the other
+    sample's previous value, the same DBE paged again on every tick.)"""
+    got = _ticks(EccDetector(), [(0, [("n0", 0, 0)] * 2), (1, [("n0", 0, 1), ("n0", 0, 2)]), (2, [("n0", 0, 1), ("n0", 0, 2)]),
+                                 (3, [("n0", 0, 2)] * 2), (4, [("n0", 0, 2)]), (5, [("n0", 0, 2), ("n0", 0, 3)])])
+    assert got == [[], [("n0", 0, 2, 2)], [], [], [], [("n0", 0, 1, 3)]]
+
+
+def test_a_gpu_missing_from_a_tick_keeps_its_previous_counters():
+    """n0 GPU 0 and n1 GPU 2 each read 1 DBE from tick 0 (paged then); n1's sample is missing at
+    tick 1 and back, unchanged, at tick 2: no second page."""
+    got = _ticks(EccDetector(), [(0, [("n0", 0, 1), ("n1", 2, 1)]), (1, [("n0", 0, 1)]), (2, [("n0", 0, 1), ("n1", 2, 1)])])
+    assert got == [[("n0", 0, 1, 1), ("n1", 2, 1, 1)], [], []]
+
+
+def test_ecc_events_from_a_non_xid_source_page():
+    """An `ecc_dbe` or `ecc` event (DCGM's or NVML's own, no XID) pages for its GPU; a `thermal`
+    event beside it does not."""
+    for kind in ("ecc_dbe", "ecc"):
+        w = Window(1e9)
+        w.add("events", schemas.frame([{"ts": 5.0, "node": "n3", "gpu": 1, "source": "dcgm", "kind": kind, "xid": None, "message": "x"},
+                                       {"ts": 5.0, "node": "n4", "gpu": 0, "source": "dcgm", "kind": "thermal", "xid": None, "message": "x"}], schemas.EVENTS))
+        w.seal(5.0)
+        [f] = EccDetector().detect(w)
+        assert (f.node, f.gpu, f.xid, f.ts, f.evidence["xids"]) == ("n3", 1, None, 5.0, []), kind
+
+
+def test_a_gpu_that_does_not_report_remap_status_is_not_called_a_remap_failure():
+    """A DBE on a GPU whose NVML has no row-remapping status (null): an uncorrectable ECC error,
+    `remap_failure` false."""
+    w = Window(1e9)
+    w.add("gpu_samples", _samples(1.0, dbe=1, remap_failure=None))
+    w.seal(1.0)
+    [f] = EccDetector().detect(w)
+    assert f.evidence["remap_failure"] is False and f.summary.startswith("Uncorrectable ECC error on n0 GPU 0")
+
+
+@pytest.mark.parametrize(
+    ("xid", "dbe", "wording"),
+    [
+        (None, 0, "Row remapping failed"),  # only the counters: the remap failed, no DBE counted
+        (64, 0, "Row remapping failed"),  # XID 64: a failed page retirement / remap
+        (92, 0, "Row remapping failed"),  # XID 92: a high single-bit rate, no uncorrectable error
+        (48, 0, "Uncorrectable ECC error"),  # XID 48: a DBE, whatever the counters say
+        (63, 0, "Uncorrectable ECC error"),
+        (94, 0, "Uncorrectable ECC error"),
+        (95, 0, "Uncorrectable ECC error"),
+        (None, 1, "Uncorrectable ECC error"),  # a new DBE in the counters
+    ],
+)
+def test_a_remap_failure_is_named_as_such_only_without_an_uncorrectable_error(xid, dbe, wording):
+    w = Window(1e9)
+    w.add("gpu_samples", _samples(1.0, dbe=dbe, remap_failure=True))
+    if xid is not None:
+        w.add("events", schemas.frame([{"ts": 1.0, "node": "n0", "gpu": 0, "source": "kernel", "kind": "xid", "xid": xid, "message": "x"}], schemas.EVENTS))
+    w.seal(1.0)
+    [f] = EccDetector().detect(w)
+    assert f.summary.startswith(f"{wording} on n0 GPU 0"), f.summary
+    assert f.evidence["remap_failure"] is True and f.evidence["dbe_new"] == dbe

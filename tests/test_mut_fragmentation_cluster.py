@@ -81,3 +81,73 @@ def test_no_compaction_possible_is_still_reported_without_a_plan():
     [f] = ClusterFragmentationDetector().detect(_window(nodes, _gang(), allocs))
     assert (f.job, f.node, f.evidence["moves"], f.evidence["free_gpus"]) == ("gang", None, [], 8)
     assert f.summary == "gang (8 GPUs, 8 per node) has waited 60 s although 8 GPUs are free: they are scattered (largest free block 4 GPUs on one node)."
+
+
+# -- mutation round 5: the plan's order, the blocking rule's edges, the share's figures --------
+
+
+def _up(*free, n_gpus=8):
+    return [{"node": name, "rack": "r0", "n_gpus": n_gpus, "free_gpus": f, "state": "up"} for name, f in free]
+
+
+def test_a_job_goes_to_the_tightest_fit_though_another_node_sorts_first():
+    """c (6 free) is emptied by moving sc (2 GPUs): a has 4 free, b 3; b is the tighter fit."""
+    allocs = _used("a", "sa", 4) + _used("b", "sb", 5) + _used("c", "sc", 2)
+    [f] = ClusterFragmentationDetector().detect(_window(_up(("a", 4), ("b", 3), ("c", 6)), _gang(), allocs))
+    assert (f.node, f.evidence["moves"]) == ("c", [{"job": "sc", "from_node": "c", "to_node": "b", "gpus": 2}])
+
+
+def test_the_larger_job_on_the_target_moves_first():
+    """a and b (5 free each) hold GPUs no listed job owns, so c (2 free) is the node emptied:
+    y (4 GPUs) moves first, onto a (a tie with b, broken by name); a then has 1 free, so x (2)
+    goes to b."""
+    allocs = _used("c", "x", 2) + _used("c", "y", 4, first=2)
+    [f] = ClusterFragmentationDetector().detect(_window(_up(("a", 5), ("b", 5), ("c", 2)), _gang(), allocs))
+    assert (f.node, f.evidence["moves"]) == ("c", [{"job": "y", "from_node": "c", "to_node": "a", "gpus": 4}, {"job": "x", "from_node": "c", "to_node": "b", "gpus": 2}])
+
+
+def test_of_two_equal_jobs_the_first_by_name_moves():
+    """c (6 free) needs 2 more: q and p (2 GPUs each) could go; p, first by name, does."""
+    allocs = _used("a", "sa", 4) + _used("c", "q", 2) + [{"node": "c", "gpu": 2 + g, "job": "p", "rank": g} for g in range(2)]
+    [f] = ClusterFragmentationDetector().detect(_window(_up(("a", 4), ("c", 6)), _gang(), allocs))
+    assert f.evidence["moves"] == [{"job": "p", "from_node": "c", "to_node": "a", "gpus": 2}]
+
+
+def test_a_gang_pending_exactly_the_minimum_time_is_reported():
+    allocs = _used("n0", "s0", 4) + _used("n1", "s1", 4)
+    w = _window(_up(("n0", 4), ("n1", 4)), _gang(submit_ago=10.0), allocs)
+    assert ClusterFragmentationDetector().config.min_pending_seconds == 10.0
+    assert [f.job for f in ClusterFragmentationDetector().detect(w)] == ["gang"]
+
+
+def test_a_two_node_gang_with_one_whole_node_free_is_blocked_and_given_no_single_node_plan():
+    """gang16: 16 GPUs, 8 per node; 16 free, but only a has all 8: one node fits, two are needed.
+    A compaction plan frees one node, which is no plan for a two-node gang."""
+    jobs = [{"job": "gang16", "state": "pending", "n_gpus": 16, "gpus_per_node": 8, "submit_ts": NOW - 60, "priority": "P1"}]
+    allocs = _used("b", "sb", 4) + _used("c", "sc", 4)
+    [f] = ClusterFragmentationDetector().detect(_window(_up(("a", 8), ("b", 4), ("c", 4)), jobs, allocs))
+    assert (f.job, f.node, f.evidence["moves"], f.evidence["free_gpus"], f.evidence["largest_gang_per_node"]) == ("gang16", None, [], 16, 8)
+
+
+def test_a_gang_that_fits_does_not_stop_the_next_one_from_being_judged():
+    """small (4 per node, waiting longer) fits on n0; gang (8 per node) behind it is blocked."""
+    jobs = [{"job": "small", "state": "pending", "n_gpus": 4, "gpus_per_node": 4, "submit_ts": NOW - 90, "priority": "P1"}, *_gang()]
+    allocs = _used("n0", "s0", 4) + _used("n1", "s1", 4)
+    assert [f.job for f in ClusterFragmentationDetector().detect(_window(_up(("n0", 4), ("n1", 4)), jobs, allocs))] == ["gang"]
+
+
+def test_blocked_gangs_are_reported_longest_waiting_first():
+    jobs = [{"job": "late", "state": "pending", "n_gpus": 8, "gpus_per_node": 8, "submit_ts": NOW - 20, "priority": "P1"},
+            {"job": "early", "state": "pending", "n_gpus": 8, "gpus_per_node": 8, "submit_ts": NOW - 90, "priority": "P1"}]
+    allocs = _used("n0", "s0", 4) + _used("n1", "s1", 4)
+    assert [f.job for f in ClusterFragmentationDetector().detect(_window(_up(("n0", 4), ("n1", 4)), jobs, allocs))] == ["early", "late"]
+
+
+def test_a_job_with_no_per_node_shape_counts_at_most_a_node_and_the_share_is_given_to_three_places():
+    """Free 4, 4, 3 (11). Pending shapes: the gang needs 8 on one node (all 11 unusable); `loose`
+    (4 GPUs, no per-node shape) needs min(4, 8 per node) = 4, so only the 3 are unusable to it.
+    Expected unusable share (11 + 3) / 2 / 11 = 0.636."""
+    jobs = [*_gang(), {"job": "loose", "state": "pending", "n_gpus": 4, "gpus_per_node": None, "submit_ts": NOW - 60, "priority": "P1"}]
+    allocs = _used("n0", "s0", 4) + _used("n1", "s1", 4) + _used("n2", "s2", 5)
+    [f] = ClusterFragmentationDetector().detect(_window(_up(("n0", 4), ("n1", 4), ("n2", 3)), jobs, allocs))
+    assert (f.job, f.evidence["unusable_free_share"]) == ("gang", 0.636)

@@ -189,3 +189,10 @@ def test_culprit_nodes_from_allocations_or_the_dump(real_row):
 def test_a_dump_count_that_is_missing_reads_zero(real_row):
     [[f]] = _run([(NOW, {"fr_analysis": _an(real_row, NOW, n_dumps=None)})])
     assert f.evidence["dumps"] == 0
+
+
+def test_an_unconfirmed_dump_does_not_hide_a_confirmed_one_after_it(real_row):
+    """Mutation round 5: `a-snap` (an on-demand snapshot, first by time, not yet confirmed) is
+    skipped and `b-hung` (the real timeout dump) behind it still pages."""
+    both = pl.concat([_an(real_row, NOW - 1, job="a-snap", trigger="on_demand"), _an(real_row, NOW, job="b-hung")])
+    assert [f.job for f in _run([(NOW, {"fr_analysis": both})])[0]] == ["b-hung"]

@@ -173,3 +173,137 @@ def test_thermal_findings_come_least_recently_updated_first():
                               {"ts": t + 0.1, "node": "n0", "gpu": 1, "throttle_reasons": 0x20, "temperature_c": 90.0}], schemas.GPU_SAMPLES)
     out = _run(ThermalDetector(), frames, range(30))
     assert [f.gpu for f in out[-1]] == [1, 0]
+
+
+# -- mutation round 5: thermal ---------------------------------------------------------------------
+
+
+def _gpus(t, rows):
+    """rows: [(gpu, reasons, extra values)] on n0 at time t."""
+    return schemas.frame([{"ts": float(t), "node": "n0", "gpu": g, "throttle_reasons": r, **v} for g, r, v in rows], schemas.GPU_SAMPLES)
+
+
+def test_thermal_the_second_sample_is_averaged_with_the_first():
+    """Throttled at t=0, clear one `window_seconds` later: share e^-1 = 0.368, not a fresh 0."""
+    det = ThermalDetector()
+    later = det.config.window_seconds
+    _run(det, lambda t: _row(float(t), throttle_reasons=0x20 if t == 0 else 0), [0, later])
+    assert math.isclose(det._state["share"][0], math.exp(-1.0), rel_tol=1e-12)
+
+
+def test_thermal_several_samples_of_a_gpu_in_one_tick_count_by_their_mean():
+    """Two samples of GPU 0 a tick (NVML and DCGM both on), one throttled, one not: the first
+    tick's share is their mean, 0.5."""
+    det = ThermalDetector()
+    w = Window(1e9)
+    w.add("gpu_samples", schemas.frame([{"ts": 0.2, "node": "n0", "gpu": 0, "throttle_reasons": 0x20},
+                                        {"ts": 0.6, "node": "n0", "gpu": 0, "throttle_reasons": 0}], schemas.GPU_SAMPLES))
+    w.seal(1.0)
+    det.detect(w)
+    assert det._state["share"].to_list() == [0.5]
+
+
+def test_thermal_a_null_reading_of_another_gpu_does_not_blank_the_hot_ones():
+    """GPU 1's temperature is missing in every tick; GPU 0 (throttled at 90 °C) keeps its own."""
+    rows = lambda t: _gpus(t, [(0, 0x20, {"temperature_c": 90.0, "sm_clock_mhz": 1400.0}), (1, 0, {"temperature_c": None, "sm_clock_mhz": 1400.0})])  # noqa: E731
+    [f] = _run(ThermalDetector(), rows, range(30))[-1]
+    assert (f.gpu, f.evidence["max_temperature_c"], f.evidence["sm_clock_mhz"]) == (0, 90.0, 1400.0)
+
+
+def test_thermal_order_follows_the_last_update_across_ticks():
+    """GPU 1 is first seen before GPU 0; both throttle from t=0; from t=30 only GPU 1 reports.
+    At t=31 GPU 0 is the less recently updated: it comes first."""
+    def rows(t):
+        if t < 30:
+            return _gpus(t, [(1, 0x20, {}), (0, 0x20, {})])
+        return _gpus(t, [(1, 0x20, {})])
+    out = _run(ThermalDetector(), rows, range(32))
+    assert [f.gpu for f in out[-1]] == [0, 1]
+
+
+def test_thermal_without_a_clock_reading_says_zero_mhz():
+    [f] = _run(ThermalDetector(), lambda t: _row(float(t), throttle_reasons=0x20, temperature_c=90.0), range(30))[-1]
+    assert f.evidence["sm_clock_mhz"] == 0.0 and ", SM clock 0 MHz" in f.summary
+
+
+def test_thermal_share_exactly_at_the_minimum_counts():
+    """min_throttled_share 1.0 and every sample throttled: share exactly 1.0, reported."""
+    det = ThermalDetector(config.load(overrides={"detectors": {"thermal": {"min_throttled_share": 1.0}}}))
+    assert _run(det, lambda t: _row(float(t), throttle_reasons=0x20), range(10))[-1]
+
+
+def test_thermal_names_only_the_reasons_in_its_mask_or_says_clock_events():
+    """0x21 = sw_thermal (in the default mask 0xE8) and gpu_idle (not): only sw_thermal is named.
+    A mask of an unnamed bit (0x1000) names nothing: 'clock events'."""
+    [f] = _run(ThermalDetector(), lambda t: _row(float(t), throttle_reasons=0x21), range(10))[-1]
+    assert "is throttling (sw_thermal), SM clock" in f.summary
+    det = ThermalDetector(config.load(overrides={"detectors": {"thermal": {"reason_mask": 0x1000}}}))
+    [f] = _run(det, lambda t: _row(float(t), throttle_reasons=0x1000), range(10))[-1]
+    assert "is throttling (clock events), SM clock" in f.summary
+
+
+def test_thermal_a_row_without_its_node_is_dropped():
+    """A throttled row with no node (a broken exporter line) makes no state and no finding."""
+    det = ThermalDetector()
+    out = _run(det, lambda t: schemas.frame([{"ts": float(t), "node": None, "gpu": 0, "throttle_reasons": 0x20}], schemas.GPU_SAMPLES), range(12))
+    assert out[-1] == [] and det._state.height == 0
+
+
+# -- mutation round 5: PCIe ------------------------------------------------------------------------
+
+
+def _pcie_rows(t, counts):
+    """counts: {(node, gpu): replay total or None}, all sampled at t."""
+    return schemas.frame([{"ts": float(t), "node": n, "gpu": g, "pcie_replay_total": c} for (n, g), c in counts.items()], schemas.GPU_SAMPLES)
+
+
+def test_pcie_two_hot_gpus_both_page_earliest_verdict_first():
+    """GPU 1 (first seen) and GPU 0 both replay 200/min from t=0; GPU 0's baseline is taken at
+    t=1 (it reports from then), so its verdict comes a tick later. At t=62 both are reported,
+    GPU 1 first (earliest verdict), then GPU 0; re-judged at t=120 and t=121 in the same order."""
+    def frames(t):
+        counts = {("n0", 1): 200 * t // 60}
+        if t >= 1:
+            counts[("n0", 0)] = 200 * (t - 1) // 60
+        return _pcie_rows(t, counts)
+    out = _run(PcieReplayDetector(), frames, range(0, 123))
+    assert [f.gpu for f in out[60]] == [1]
+    assert [f.gpu for f in out[62]] == [1, 0]
+    assert [f.gpu for f in out[122]] == [1, 0]
+
+
+def test_pcie_figures_are_given_to_a_tenth():
+    """Baseline at t=0.0; at t=61.37, 173 replays: 169.1 per minute over 61.4 s."""
+    det = PcieReplayDetector()
+    w = Window(1e9)
+    for t, count in ((0.0, 0), (61.37, 173)):
+        w.add("gpu_samples", _pcie_rows(t, {("n0", 0): count}))
+        w.seal(t)
+        out = det.detect(w)
+    [f] = out
+    assert f.evidence == {"pcie_replays_per_minute": 169.1, "pcie_replay_total": 173, "window_seconds": 61.4}
+
+
+def test_pcie_rows_missing_a_node_or_a_counter_are_dropped():
+    """Beside a healthy GPU: a row with no node (and a huge counter), and a row with a node but
+    no counter: neither makes state nor pages."""
+    def frames(t):
+        rows = [{"ts": float(t), "node": "n0", "gpu": 0, "pcie_replay_total": 0},
+                {"ts": float(t), "node": None, "gpu": 1, "pcie_replay_total": 10**6 * t},
+                {"ts": float(t), "node": "n1", "gpu": 2, "pcie_replay_total": None}]
+        return schemas.frame(rows, schemas.GPU_SAMPLES)
+    det = PcieReplayDetector()
+    assert not any(_run(det, frames, range(0, 121)))
+    assert det._base.select("node", "gpu").rows() == [("n0", 0)]
+
+
+def test_pcie_a_row_missing_only_its_node_or_only_its_counter_is_dropped_on_its_own():
+    """Each defect alone in a tick (not beside another that would trigger the filter anyway)."""
+    for bad in ({"ts": 0.0, "node": None, "gpu": 1, "pcie_replay_total": 10**6},
+                {"ts": 0.0, "node": "n1", "gpu": 2, "pcie_replay_total": None}):
+        def frames(t, bad=bad):
+            return schemas.frame([{"ts": float(t), "node": "n0", "gpu": 0, "pcie_replay_total": 0}, {**bad, "ts": float(t),
+                                  "pcie_replay_total": None if bad["pcie_replay_total"] is None else bad["pcie_replay_total"] * t}], schemas.GPU_SAMPLES)
+        det = PcieReplayDetector()
+        assert not any(_run(det, frames, range(0, 121)))
+        assert det._base.select("node", "gpu").rows() == [("n0", 0)], bad

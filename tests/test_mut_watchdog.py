@@ -162,3 +162,14 @@ def test_xids_on_two_reporting_nodes_are_both_named():
     [f] = _detect(a, b, _hw(NOW - 2, "n2", xid=79), _hw(NOW - 1, "n1", xid=94))
     assert f.node == "n1" and f.evidence["culprit_nodes"] == ["n1", "n2"] and f.evidence["nodes"] == ["n1", "n2"]
     assert f.summary.endswith("; XID 79, 94 on n1, n2.")
+
+
+def test_ecc_errors_on_two_reporting_nodes_are_both_named_and_so_are_the_nodes():
+    """Mutation round 5: the plain 'hardware errors on' list and the reporting nodes in the
+    summary, with two nodes each (same real logs, ECC events constructed)."""
+    a = _timeouts("public/nccl_watchdog.log", node="n1")
+    b = _timeouts("h200/s6_nccl_watchdog_timeout.log", node="n2")
+    [f] = _detect(a, b, _hw(NOW - 2, "n2", kind="ecc", xid=None), _hw(NOW - 1, "n1", kind="ecc", xid=None))
+    assert f.evidence["nodes"] == ["n1", "n2"]
+    assert "(n1, n2)" in f.summary
+    assert f.summary.endswith("; hardware errors on n1, n2.")

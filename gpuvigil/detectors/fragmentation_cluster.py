@@ -31,7 +31,7 @@ def unusable_share(free_per_node: list[int], need_per_node: list[int]) -> float:
     return lost / total
 
 
-def plan_compaction(node_free: dict[str, int], node_jobs: dict[str, dict[str, int]], need: int, capacity: int) -> tuple[str, list[dict]] | None:
+def plan_compaction(node_free: dict[str, int], node_jobs: dict[str, dict[str, int]], need: int) -> tuple[str, list[dict]] | None:
     """Moves that give one node `need` free GPUs: whole jobs go to other nodes, best fit first."""
     order = sorted(node_free, key=lambda n: (-node_free[n], n))
     for target in order:
@@ -95,7 +95,7 @@ class ClusterFragmentationDetector:
                 blocked = False  # any spread allowed: it is capacity, not fragmentation, that blocks it
             if not blocked:
                 continue
-            plan = plan_compaction(free, node_jobs, per_node, capacity) if n == per_node else None
+            plan = plan_compaction(free, node_jobs, per_node) if n == per_node else None
             target, moves = plan if plan else (None, [])
             findings.append(
                 Finding(
