@@ -59,10 +59,11 @@ def _findings_by_tick(detector: str, scenario: str, seconds: int, *, whole_windo
 def test_a_detector_alone_finds_the_same_over_its_declared_history_as_over_the_whole_window(detector, scenario, seconds):
     pruned, pipe = _findings_by_tick(detector, scenario, seconds, whole_window=False)
     whole, _ = _findings_by_tick(detector, scenario, seconds, whole_window=True)
-    (stream,) = pipe.detectors[0].lookback_seconds()
-    # The declaration is what kept the history short and narrow here.
-    assert pipe.window.horizon(stream) < pipe.config.horizon_seconds[stream] or pipe.window.columns(stream) is not None
-    assert pipe.window.columns(stream) is not None
+    ((stream, lookback),) = pipe.detectors[0].lookback_seconds().items()
+    # The declaration is what kept the history short and narrow here: its look-back (at most the
+    # configured cap) and its columns.
+    assert pipe.window.horizon(stream) == min(lookback, pipe.config.horizon_seconds[stream])
+    assert pipe.window.columns(stream) is not None and set(pipe.window.columns(stream)) >= set(pipe.detectors[0].window_columns()[stream])
     assert any(pruned), f"{detector} found nothing on {scenario}: the comparison would prove nothing"
     for t, (a, b) in enumerate(zip(pruned, whole, strict=True)):
         assert a == b, f"{detector} on {scenario}, tick {t + 1}: declared history {a} != whole window {b}"

@@ -38,14 +38,16 @@ class EccDetector:
         # (two column reductions tell whether any row qualifies: cheaper than the filter itself)
         dbe_max = fresh.get_column("ecc_dbe_volatile_total").max()
         if (dbe_max is not None and dbe_max > 0) or fresh.get_column("remap_failure").any():  # type: ignore[operator]
-            gs = fresh.filter((pl.col("ecc_dbe_volatile_total") > 0) | pl.col("remap_failure").fill_null(False))
-            if not gs.select(pl.struct("node", "gpu").is_unique().all()).item():
-                # Several samples of one GPU in a tick (NVML and DCGM both on, a fast sampler): its
-                # counters only grow, so the highest reading is the newest. Kept as two rows, each
-                # was compared with the other's previous value and a DBE seen once paged every tick.
-                gs = gs.group_by("node", "gpu", maintain_order=True).agg(
-                    pl.col("ecc_dbe_volatile_total").max(), pl.col("retired_pages_total").max(), pl.col("remap_failure").any()
-                )
+            # One reading per GPU: a tick may bring several samples of one (NVML and DCGM both on,
+            # a fast sampler). Its counters only grow, so the highest is the newest (a reset inside
+            # one tick shows on the next). Kept as two rows, each was compared with the other's
+            # previous value and a DBE seen once paged every tick. (Only GPUs with a DBE or a remap
+            # failure are here: a handful of rows.)
+            gs = (
+                fresh.filter((pl.col("ecc_dbe_volatile_total") > 0) | pl.col("remap_failure").fill_null(False))
+                .group_by("node", "gpu", maintain_order=True)
+                .agg(pl.col("ecc_dbe_volatile_total").max(), pl.col("retired_pages_total").max(), pl.col("remap_failure").any())
+            )
         else:
             gs = fresh.clear()
         events = window.get("events")
