@@ -173,3 +173,138 @@ def test_equal_ranks_name_the_lower_rank_and_growth_is_last_minus_first():
     first, last = df.filter(pl.col("rank") == 2).row(0, named=True), df.filter(pl.col("rank") == 2).row(-1, named=True)
     gap = lambda r: r["reserved_bytes"] - r["peak_allocated_bytes"]  # noqa: E731
     assert f.evidence["reserved_unused_growth_bytes"] == gap(last) - gap(first)
+
+
+# --- round 6: every mutant of fragmentation_allocator.py run; what its survivors showed untested ---
+
+
+def _flat(gap_last, *, split_share=0.9, capacity=CAP, retries0=0, largest_free=512 * MIB, allocated=60 * GIB):
+    """constructed: 9 samples 5 s apart whose gap grows linearly to exactly `gap_last` (no noise),
+    retries rising by one from `retries0`."""
+    out = []
+    for i, t in enumerate(range(0, 41, 5)):
+        g = gap_last - (8 - i) * 64 * MIB
+        out.append({"ts": float(t), "job": "j", "rank": 1, "node": "n1", "gpu": 1, "allocated_bytes": allocated, "reserved_bytes": 100 * GIB + g,
+                    "inactive_split_bytes": int(split_share * g), "largest_free_block_bytes": largest_free, "peak_allocated_bytes": 100 * GIB,
+                    "alloc_retries": retries0 + (i == 8), "oom_count": 0, "device_capacity_bytes": capacity, "foreign_used_bytes": 0})
+    return schemas.frame(out, schemas.ALLOCATOR_STATS)
+
+
+def test_a_gap_exactly_at_the_byte_floor_is_a_ticket():
+    assert len(det(min_gap_share=0.0).detect(_sealed(_flat(4 * GIB), 40.0))) == 1
+    assert det(min_gap_share=0.0).detect(_sealed(_flat(4 * GIB - 1), 40.0)) == []
+
+
+def test_a_gap_exactly_at_the_device_share_floor_is_a_ticket():
+    """1/16 of 140 GiB is 8.75 GiB (binary-exact)."""
+    share = {"min_gap_share": 0.0625, "min_gap_bytes": 0}
+    assert len(det(**share).detect(_sealed(_flat(8 * GIB + 768 * MIB), 40.0))) == 1
+    assert det(**share).detect(_sealed(_flat(8 * GIB + 768 * MIB - 1), 40.0)) == []
+
+
+def test_split_blocks_exactly_the_minimum_share_of_the_gap_is_a_ticket():
+    assert len(det().detect(_sealed(_flat(8 * GIB, split_share=0.5), 40.0))) == 1
+    assert det(min_inactive_split_share=0.5000001).detect(_sealed(_flat(8 * GIB, split_share=0.5), 40.0)) == []
+
+
+def test_retries_are_counted_from_the_oldest_sample_of_the_look_back():
+    """The allocator had retried 41 times before the look-back and once within it: a delta of 1."""
+    [f] = det().detect(_sealed(_flat(8 * GIB, retries0=41), 40.0))
+    assert f.evidence["alloc_retries_delta"] == 1
+    assert "1 cudaMalloc retries" in f.summary
+    assert det(min_retries=2).detect(_sealed(_flat(8 * GIB, retries0=41), 40.0)) == []
+
+
+def test_the_summary_gives_the_growth_over_the_look_back():
+    """The gap grows 8 x 64 MiB = 0.5 GiB over the look-back to 8 GiB."""
+    [f] = det().detect(_sealed(_flat(8 * GIB), 40.0))
+    assert f.source == "fragmentation_allocator"
+    assert f.evidence["reserved_unused_growth_bytes"] == 512 * MIB
+    assert f.summary.startswith("j rank 1 (n1 GPU 1): the caching allocator holds 8.0 GiB it cannot use (+0.5 GiB in 120 s, 1 cudaMalloc retries, ")
+
+
+def test_a_largest_free_block_equal_to_the_request_is_not_starved():
+    """The step's request is peak - allocated = 40 GiB; a free block of exactly 40 GiB serves it."""
+    [f] = det().detect(_sealed(_flat(8 * GIB, largest_free=40 * GIB), 40.0))
+    assert (f.evidence["step_request_bytes"], f.evidence["largest_block_below_request"]) == (40 * GIB, False)
+    assert "largest free block" not in f.summary
+    [f] = det().detect(_sealed(_flat(8 * GIB, largest_free=40 * GIB - 1), 40.0))
+    assert f.evidence["largest_block_below_request"] is True
+
+
+def test_a_hook_that_does_not_publish_live_memory_has_no_step_request():
+    """allocated_bytes missing (null): no request is claimed (0) and no starvation."""
+    [f] = det().detect(_sealed(_flat(8 * GIB, allocated=None), 40.0))
+    assert (f.evidence["step_request_bytes"], f.evidence["largest_block_below_request"]) == (0, False)
+
+
+def test_no_allocator_data_is_no_finding():
+    w = Window(1e9)
+    w.seal(10.0)
+    assert det().detect(w) == []
+
+
+def test_it_is_evaluated_every_every_seconds_not_sooner():
+    """Evaluated at t=0 (no data yet), then at t=5: the fragmentation present from t=2 on is
+    reported from t=5, the cached (empty) result before."""
+    df = _flat(8 * GIB).with_columns((pl.col("ts") / 20.0).alias("ts"))  # 9 samples at t=0..2
+    d, w, first = det(every_seconds=5.0), Window(1e9), None
+    for t in range(0, 8):
+        w.add("allocator_stats", df.filter((pl.col("ts") > t - 1) & (pl.col("ts") <= t)))
+        w.seal(float(t))
+        if d.detect(w) and first is None:
+            first = t
+    assert first == 5
+
+
+def test_after_a_pause_longer_than_the_history_a_rank_with_no_rows_left_is_not_reported():
+    """The pipeline's window keeps allocator_stats for the declared look-back (150 s). serve is
+    suspended for 10 minutes after the rank was found fragmented: when it ticks again none of the
+    rank's rows are left, and the old finding must not come back from kept state."""
+    d = det()
+    w = Window(d.lookback_seconds()["allocator_stats"])
+    df = _flat(8 * GIB)
+    for t in range(0, 41, 5):
+        w.add("allocator_stats", df.filter(pl.col("ts") == t))
+        w.seal(float(t))
+        found = d.detect(w)
+    assert found
+    w.seal(640.0)
+    assert w.get("allocator_stats").height == 0
+    assert d.detect(w) == []
+
+
+def test_a_steady_tick_folds_in_its_new_rows_without_rebuilding(monkeypatch):
+    """O(new rows): once the state is built, a tick with new rows (and rows leaving the look-back)
+    updates it without reading the window's rows again."""
+    import gpuvigil.detectors.fragmentation_allocator as fa
+
+    df = rows(range(0, 200))
+    d, w = det(), Window(1e9)
+    builds = []
+    real = fa._build
+    monkeypatch.setattr(fa, "_build", lambda v: builds.append(v.height) or real(v))
+    for t in range(0, 200):
+        w.add("allocator_stats", df.filter(pl.col("ts") == t))
+        w.seal(float(t))
+        d.ingest(w)
+        d.ingest(w)  # a second call on the same tick changes nothing
+    assert builds == [1]
+    assert d.detect(w) == det().detect(w) != []
+
+
+def test_a_rank_that_returns_after_its_rows_left_the_look_back_is_judged_on_its_new_rows():
+    """constructed: rank 1 fragments for 60 s, its hook stops for 140 s (every row leaves the
+    120 s look-back), then it publishes again with a smaller, growing gap. On every tick the
+    detector that kept state reports what a fresh one reports on the same window."""
+    df = pl.concat([rows(range(0, 61, 2), gap=big), rows(range(200, 331, 2), gap=lambda t: 5 * GIB + 30 * MIB * (t - 200), retries=lambda t: 3 + int(t // 40))])
+    kept, w, seen = det(), Window(1e9), 0
+    for t in range(0, 331, 2):
+        part = df.filter((pl.col("ts") > t - 2) & (pl.col("ts") <= t))
+        if part.height:
+            w.add("allocator_stats", part)
+        w.seal(float(t))
+        mine = kept.detect(w)
+        assert [(f.evidence, f.summary) for f in mine] == [(f.evidence, f.summary) for f in det().detect(w)], t
+        seen += bool(mine) and t > 200
+    assert seen

@@ -10,9 +10,11 @@ power-capped GPU whose SM clock lags 25% (1485 vs 1965 MHz) while healthy spread
 
 from __future__ import annotations
 
-from levels_helpers import cfg_with, play, window
+import pytest
+from levels_helpers import allocations, cfg_with, gpu_rows, play, play_per_tick, window
 from test_levels import _straggler_ticks
 
+from gpuvigil import schemas
 from gpuvigil.detectors.straggler_device import DeviceStragglerDetector
 
 
@@ -61,3 +63,183 @@ def test_a_gpu_at_exactly_10_percent_util_is_slow_not_absent():
     """Idle means util below 0.1; GPU 2 at exactly 0.1 all along is a (very) slow GPU."""
     same = {"power_w": 500.0, "sm_clock_mhz": 1900.0}
     assert _first({"util_ratio": 0.1, **same}, {"util_ratio": 1.0, **same}) == 20.0
+
+
+# --- round 6: every mutant of straggler_device.py run; what its survivors showed untested -------
+# Same sources: values within the published healthy spread (±60 MHz, 97-100% util) for peers and a
+# culprit well outside it; the hang signature (util pinned near 100%, power collapsed) is the one
+# of docs/detectors.md and ../shared/research/device-signatures.md (NCCL spin: util 100%, power low).
+
+PEER = {"util_ratio": 0.97, "power_w": 450.0, "sm_clock_mhz": 1965.0}
+SLOW = {"util_ratio": 0.97, "power_w": 520.0, "sm_clock_mhz": 1485.0}  # power-capped: clock 25% low
+
+
+def _ticks(sample, *, gpus=8, seconds=40, jobs=None, job="job"):
+    """One sample a second from t=1 for `gpus` GPUs of node n0 (rank = GPU index);
+    `sample(t, gpu)` gives that GPU's util/power/clock at second t."""
+    alloc = allocations(job, [("n0", g) for g in range(gpus)])
+    for t in range(1, seconds + 1):
+        frames = {"gpu_samples": gpu_rows(float(t), [{"node": "n0", "gpu": g, **sample(t, g)} for g in range(gpus)]), "allocations": alloc}
+        if jobs is not None:
+            frames["jobs"] = jobs
+        yield float(t), frames
+
+
+def _flag_ticks(ticks, **over):
+    """The ticks on which a detector with no persistence (and `over`) flags anything."""
+    det = DeviceStragglerDetector(cfg_with("straggler_device", persist_evaluations=1, **over))
+    return [now for now, found in zip((t for t, _ in ticks), play_per_tick(det, ticks)) if found]
+
+
+def _culprit_2(culprit=SLOW, peer=PEER):
+    return lambda t, g: culprit if g == 2 else peer
+
+
+def _jobs(rows):
+    return schemas.frame([{"job": j, "state": "running", "start_ts": s} for j, s in rows], schemas.JOBS)
+
+
+def test_the_first_30_seconds_after_the_job_started_are_left_out():
+    """The job started at t=0: samples before t=30 are warm-up; from t=30 on, 20 samples
+    (min_samples) are there first at t=49."""
+    ticks = list(_ticks(_culprit_2(), seconds=60, jobs=_jobs([("job", 0.0)])))
+    assert _flag_ticks(ticks)[0] == 49.0
+
+
+def test_a_job_the_scheduler_does_not_list_is_judged_from_its_first_sample():
+    """The jobs snapshot lists another job only: no start known, so no warm-up is cut."""
+    ticks = list(_ticks(_culprit_2(), seconds=30, jobs=_jobs([("other", 0.0)])))
+    assert _flag_ticks(ticks)[0] == 20.0
+
+
+def test_the_look_back_includes_its_oldest_second():
+    """A 19 s look-back at t=20 holds t=1..20: exactly min_samples (20) samples."""
+    ticks = list(_ticks(_culprit_2(), seconds=25))
+    assert _flag_ticks(ticks, window_seconds=19.0)[0] == 20.0
+
+
+def test_a_clock_read_at_exactly_half_utilisation_counts():
+    """The busy clock is the median over samples with util >= 0.5; every GPU at exactly 0.5 with
+    GPU 2's clock 25% low (no util lag, peers not busy enough for the host-side test)."""
+    ticks = list(_ticks(_culprit_2({**SLOW, "util_ratio": 0.5}, {**PEER, "util_ratio": 0.5}), seconds=25))
+    assert _flag_ticks(ticks)[0] == 20.0
+
+
+def test_a_job_with_no_busy_clock_reading_is_not_flagged():
+    """At 30% util no sample is busy (util >= 0.5), so no GPU has a clock to compare: no clock lag."""
+    ticks = list(_ticks(_culprit_2({**SLOW, "util_ratio": 0.3}, {**PEER, "util_ratio": 0.3}), seconds=25))
+    assert _flag_ticks(ticks) == []
+
+
+def test_a_job_of_exactly_min_gpus_is_judged():
+    ticks = list(_ticks(_culprit_2(), gpus=4, seconds=25))
+    assert _flag_ticks(ticks)[0] == 20.0
+    assert _flag_ticks(ticks, min_gpus=5) == []
+
+
+def test_a_gpu_idle_exactly_the_maximum_share_of_its_samples_is_slow_not_absent():
+    """GPU 2 alternates 5% and 95% util: idle (< 0.1) in exactly half its samples at t=20."""
+    slow = lambda t, g: ({**PEER, "util_ratio": 0.05 if t % 2 else 0.95} if g == 2 else PEER)  # noqa: E731
+    assert _flag_ticks(list(_ticks(slow, seconds=20)))[-1:] == [20.0]
+
+
+def test_peers_exactly_at_the_busy_floor_make_a_util_lag_count():
+    """Host-side only: peers at 75% util (binary-exact), the floor set to 0.75; GPU 2 at 50%."""
+    same = {"power_w": 500.0, "sm_clock_mhz": 1900.0}
+    ticks = list(_ticks(_culprit_2({**same, "util_ratio": 0.5}, {**same, "util_ratio": 0.75}), seconds=25))
+    assert _flag_ticks(ticks, min_peer_util=0.75)[0] == 20.0
+    assert _flag_ticks(ticks, min_peer_util=0.76) == []
+
+
+def test_a_clock_lag_exactly_at_the_floor_is_a_slow_device():
+    """1500 vs 2000 MHz: a lag of exactly 0.25 (binary-exact), the floor set to 0.25."""
+    ticks = list(_ticks(_culprit_2({**SLOW, "sm_clock_mhz": 1500.0}, {**PEER, "sm_clock_mhz": 2000.0}), seconds=25))
+    det = DeviceStragglerDetector(cfg_with("straggler_device", persist_evaluations=1, min_clock_lag=0.25))
+    found = [f for tick in play_per_tick(det, ticks) for f in tick]
+    assert found and found[0].cause == "device"
+    assert _flag_ticks(ticks, min_clock_lag=0.2501) == []
+
+
+def test_a_device_side_finding_reads_out_its_figures():
+    det = DeviceStragglerDetector(cfg_with("straggler_device", persist_evaluations=1))
+    f = [f for tick in play_per_tick(det, list(_ticks(_culprit_2(), seconds=20))) for f in tick][0]
+    assert f.cause == "device"
+    assert f.evidence == {"level": "L0", "util": 0.97, "peer_util": 0.97, "clock_mhz": 1485, "peer_clock_mhz": 1965, "gpus_in_job": 8, "window_seconds": 90.0}
+    assert f.summary == "job rank 2 (n0 GPU 2) is a straggler (L0): its SM clock runs 24% below its peers' (1485 vs 1965 MHz): a slow device."
+
+
+def test_a_host_side_finding_reads_out_its_figures():
+    """Same clocks, GPU 2 at 68.75% util against peers at 93.75% (binary-exact): it waits on its host."""
+    same = {"power_w": 500.0, "sm_clock_mhz": 1900.0}
+    det = DeviceStragglerDetector(cfg_with("straggler_device", persist_evaluations=1))
+    ticks = list(_ticks(_culprit_2({**same, "util_ratio": 0.6875}, {**same, "util_ratio": 0.9375}), seconds=20))
+    f = [f for tick in play_per_tick(det, ticks) for f in tick][0]
+    assert f.cause == "host"
+    assert f.evidence == {"level": "L0", "util": 0.688, "peer_util": 0.938, "clock_mhz": 1900, "peer_clock_mhz": 1900, "gpus_in_job": 8, "window_seconds": 90.0}
+    assert f.summary == "job rank 2 (n0 GPU 2) is a straggler (L0): its utilisation lags its peers' (69% vs 94%): it waits on its host while they wait on it."
+
+
+def test_a_host_side_straggler_with_no_busy_clock_reading_has_no_clock_figures():
+    """GPU 2 at 30% util never has a busy (>= 50%) sample: no clock of its own to report."""
+    same = {"power_w": 500.0, "sm_clock_mhz": 1900.0}
+    det = DeviceStragglerDetector(cfg_with("straggler_device", persist_evaluations=1))
+    ticks = list(_ticks(_culprit_2({**same, "util_ratio": 0.3}, {**same, "util_ratio": 1.0}), seconds=20))
+    f = [f for tick in play_per_tick(det, ticks) for f in tick][0]
+    assert (f.cause, f.evidence["clock_mhz"], f.evidence["peer_clock_mhz"]) == ("host", None, 1900)
+
+
+def test_two_stragglers_of_a_job_are_one_finding_named_by_the_lower_rank():
+    """GPUs 5 and 2 both power-capped (GPU 5's clock lower still): one finding for the job,
+    ranks in order, node and GPU of rank 2."""
+    cap = lambda t, g: {**SLOW, "sm_clock_mhz": 1400.0} if g == 5 else (SLOW if g == 2 else PEER)  # noqa: E731
+    det = DeviceStragglerDetector(cfg_with("straggler_device", persist_evaluations=1))
+    found = [f for tick in play_per_tick(det, list(_ticks(cap, seconds=20))) for f in tick]
+    assert len(found) == 1
+    assert (found[0].culprit_ranks, found[0].ranks, found[0].gpu, found[0].evidence["clock_mhz"]) == ([2, 5], [2, 5], 2, 1485)
+
+
+def _hang(recent, *, pinned=8):
+    """60 s of training (every GPU 97% util, 1000 W; GPU 2's clock 25% low throughout), then
+    `recent(t)` gives the util and power of the first `pinned` GPUs for t > 60 (the others keep
+    training). Returns whether the detector flags GPU 2 on the last tick (t=100)."""
+
+    def sample(t, g):
+        base = {**(SLOW if g == 2 else PEER), "power_w": 1000.0}
+        if t > 60 and g < pinned:
+            base.update(recent(t))
+        return base
+
+    ticks = list(_ticks(sample, seconds=100))
+    return 100.0 in _flag_ticks(ticks)
+
+
+SPIN = {"util_ratio": 1.0, "power_w": 200.0}  # NCCL spin: util pinned, power 20% of its p90
+
+
+@pytest.mark.parametrize(
+    ("case", "recent", "pinned", "flagged"),
+    [
+        ("every GPU spins in a collective: a hang, not a straggler", lambda t: SPIN, 8, False),
+        ("util exactly 90% counts as pinned", lambda t: {**SPIN, "util_ratio": 0.9}, 8, False),
+        ("power exactly 45% of its p90 counts as collapsed", lambda t: {**SPIN, "power_w": 450.0}, 8, False),
+        ("power at 46% of its p90 is not a collapse", lambda t: {**SPIN, "power_w": 460.0}, 8, True),
+        ("exactly half the GPUs pinned is a hang", lambda t: SPIN, 4, False),
+        ("three of eight pinned is not", lambda t: SPIN, 3, True),
+        ("power collapsed at half util (a slow phase, not a spin) is not a hang", lambda t: {"util_ratio": 0.5, "power_w": 200.0}, 8, True),
+        (
+            "util pinned in only 10 of the 21 samples of the recent 20 s (85% before) is not a hang",
+            lambda t: {"util_ratio": 1.0 if t > 90 else 0.85, "power_w": 200.0},
+            8,
+            True,
+        ),
+        (
+            "power at 0 for the last 10 s, 500 W the 10 s before: the recent median is 500 W (half), not a collapse",
+            lambda t: {"util_ratio": 1.0, "power_w": 0.0 if t > 90 else (500.0 if t > 80 else 1000.0)},
+            8,
+            True,
+        ),
+    ],
+    ids=lambda v: v if isinstance(v, str) else None,
+)
+def test_a_job_whose_gpus_wait_together_is_skipped(case, recent, pinned, flagged):
+    assert _hang(recent, pinned=pinned) is flagged, case
