@@ -137,7 +137,7 @@ class RefitOom:
                     job=worst["job"],
                     ranks=sorted(rows["rank"].to_list()),
                     node=worst["node"],
-                    gpu=int(worst["gpu"]),
+                    gpu=None if worst["gpu"] is None else int(worst["gpu"]),
                     cause=cause,
                     source=self.name,
                     evidence={
@@ -211,7 +211,7 @@ class RefitStraggler:
                     ranks=rows["rank"].to_list(),
                     culprit_ranks=rows["rank"].to_list(),
                     node=w["node"],
-                    gpu=int(w["gpu"]),
+                    gpu=None if w["gpu"] is None else int(w["gpu"]),
                     source=self.name,
                     evidence={
                         "slowdown": round(float(w["slowdown"]), 3),
@@ -288,7 +288,7 @@ class RefitFragmentationAllocator:
                     job=w["job"],
                     ranks=sorted(rows["rank"].to_list()),
                     node=w["node"],
-                    gpu=int(w["gpu"]),
+                    gpu=None if w["gpu"] is None else int(w["gpu"]),
                     cause="fragmentation",
                     source=self.name,
                     evidence={

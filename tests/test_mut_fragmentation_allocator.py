@@ -308,3 +308,10 @@ def test_a_rank_that_returns_after_its_rows_left_the_look_back_is_judged_on_its_
         assert [(f.evidence, f.summary) for f in mine] == [(f.evidence, f.summary) for f in det().detect(w)], t
         seen += bool(mine) and t > 200
     assert seen
+
+
+def test_a_rank_whose_rows_carry_no_gpu_is_reported_without_one():
+    """constructed: allocator stats from a hook record without `gpu` (collectors/hook.py leaves it
+    null): the ticket names the rank and node with `gpu` None instead of raising on `int(None)`."""
+    [f] = det().detect(_sealed(_flat(8 * GIB).with_columns(pl.lit(None, pl.Int32).alias("gpu")), 40.0))
+    assert (f.ranks, f.node, f.gpu) == ([1], "n1", None)

@@ -220,3 +220,13 @@ def test_several_xids_on_several_culprit_nodes_are_all_named():
     [f] = run(stuck((1, 5)), T, events=lambda t: ev if t == 0.0 else None)[6]
     assert (f.cause, f.evidence["xids"]) == ("hardware", [79, 94])
     assert "did not join (XID 79, 94 on n0, n1)" in f.summary
+
+
+def test_a_single_culprit_whose_rows_carry_no_gpu_is_paged_without_one():
+    """constructed: rank 2's hook records carry no `gpu` (collectors/hook.py leaves it null): the
+    hang is still paged, naming rank 2 and its node, with `gpu` None instead of raising on
+    `int(None)` (mutation round 6 found this in straggler.py)."""
+    no_gpu = lambda t: stuck()(t).with_columns(pl.when(pl.col("rank") == 2).then(None).otherwise(pl.col("gpu")).alias("gpu"))  # noqa: E731
+    found = run(no_gpu, T)
+    [f] = found[6]
+    assert (f.culprit_ranks, f.node, f.gpu, f.severity.value) == ([2], "n0", None, "page")

@@ -351,3 +351,11 @@ def test_fit_r2_is_the_squared_correlation_to_three_decimals():
     r2 = float(np.corrcoef(np.array(SECS), y)[0, 1] ** 2)
     assert 0.6 < r2 < 0.999 and round(r2, 3) != round(r2, 4)
     assert f.evidence["fit_r2"] == round(r2, 3)
+
+
+def test_a_rank_whose_rows_carry_no_gpu_is_predicted_without_one():
+    """constructed: the leak above, from a hook record without `gpu` (collectors/hook.py leaves it
+    null and jobjoin cannot fill it): the finding names the rank and node with `gpu` None instead of
+    the detector raising on `int(None)` (mutation round 6 found this in straggler.py)."""
+    [f] = detect(rows(SECS, grow(20.0, 125 * GIB)).with_columns(pl.lit(None, pl.Int32).alias("gpu")))
+    assert (f.cause, f.ranks, f.node, f.gpu) == ("leak", [0], "n0", None)

@@ -178,7 +178,7 @@ class AllocatorFragmentationDetector:
                     job=w["job"],
                     ranks=sorted(rows["rank"].to_list()),
                     node=w["node"],
-                    gpu=int(w["gpu"]),
+                    gpu=None if w["gpu"] is None else int(w["gpu"]),
                     cause="fragmentation",
                     source=self.name,
                     evidence={

@@ -138,7 +138,7 @@ class HangDetector:
                     ranks=culprits["rank"].to_list(),
                     culprit_ranks=culprits["rank"].to_list(),
                     node=c0["node"] if len(culprit_nodes) == 1 else culprit_nodes[0],
-                    gpu=int(c0["gpu"]) if culprits.height == 1 else None,
+                    gpu=int(c0["gpu"]) if culprits.height == 1 and c0["gpu"] is not None else None,
                     cause=cause,
                     source=self.name,
                     evidence={

@@ -264,7 +264,7 @@ class OomPredictor:
                     job=worst["job"],
                     ranks=sorted(rows["rank"].to_list()),
                     node=worst["node"],
-                    gpu=int(worst["gpu"]),
+                    gpu=None if worst["gpu"] is None else int(worst["gpu"]),
                     cause=cause,
                     source=self.name,
                     evidence={

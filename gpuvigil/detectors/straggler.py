@@ -252,7 +252,7 @@ class StragglerDetector:
                     ranks=rows["rank"].to_list(),
                     culprit_ranks=rows["rank"].to_list(),
                     node=w["node"],
-                    gpu=int(w["gpu"]),
+                    gpu=None if w["gpu"] is None else int(w["gpu"]),
                     source=self.name,
                     evidence={
                         "slowdown": round(float(w["slowdown"]), 3),
