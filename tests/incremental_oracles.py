@@ -10,7 +10,7 @@ from typing import Any
 
 import polars as pl
 
-from gpuvigil.detectors.common import current_run, settings
+from gpuvigil.detectors.common import current_run, rank_at, settings
 from gpuvigil.detectors.fragmentation_allocator import FragmentationAllocatorConfig
 from gpuvigil.detectors.oom import OomConfig
 from gpuvigil.detectors.straggler import StragglerConfig
@@ -137,7 +137,7 @@ class RefitOom:
                     job=worst["job"],
                     ranks=sorted(rows["rank"].to_list()),
                     node=worst["node"],
-                    gpu=None if worst["gpu"] is None else int(worst["gpu"]),
+                    gpu=worst["gpu"],
                     cause=cause,
                     source=self.name,
                     evidence={
@@ -154,7 +154,7 @@ class RefitOom:
                         "ranks_at_risk": rows.height,
                     },
                     summary=(
-                        f"{worst['job']} rank {worst['rank']} ({worst['node']} GPU {worst['gpu']}) will run out of GPU memory in about "
+                        f"{worst['job']} {rank_at(worst['rank'], worst['node'], worst['gpu'])} will run out of GPU memory in about "
                         f"{tto / 60:.1f} min: {what}, +{worst['slope'] / GIB * 60:.2f} GiB/min, {worst['headroom'] / GIB:.1f} GiB left."
                     ),
                 )
@@ -211,7 +211,7 @@ class RefitStraggler:
                     ranks=rows["rank"].to_list(),
                     culprit_ranks=rows["rank"].to_list(),
                     node=w["node"],
-                    gpu=None if w["gpu"] is None else int(w["gpu"]),
+                    gpu=w["gpu"],
                     source=self.name,
                     evidence={
                         "slowdown": round(float(w["slowdown"]), 3),
@@ -221,7 +221,7 @@ class RefitStraggler:
                         "ranks_in_job": int(w["ranks"]),
                     },
                     summary=(
-                        f"{w['job']} rank {w['rank']} ({w['node']} GPU {w['gpu']}) computes {100 * (w['slowdown'] - 1):.0f}% slower than its "
+                        f"{w['job']} {rank_at(w['rank'], w['node'], w['gpu'])} computes {100 * (w['slowdown'] - 1):.0f}% slower than its "
                         f"{w['ranks'] - 1} peers, who wait {w['peer_wait']:.2f} s per {w['step']:.2f} s step for it."
                     ),
                 )
@@ -288,7 +288,7 @@ class RefitFragmentationAllocator:
                     job=w["job"],
                     ranks=sorted(rows["rank"].to_list()),
                     node=w["node"],
-                    gpu=None if w["gpu"] is None else int(w["gpu"]),
+                    gpu=w["gpu"],
                     cause="fragmentation",
                     source=self.name,
                     evidence={
@@ -303,7 +303,7 @@ class RefitFragmentationAllocator:
                         "ranks_fragmented": rows.height,
                     },
                     summary=(
-                        f"{w['job']} rank {w['rank']} ({w['node']} GPU {w['gpu']}): the caching allocator holds {w['gap'] / GIB:.1f} GiB it cannot use "
+                        f"{w['job']} {rank_at(w['rank'], w['node'], w['gpu'])}: the caching allocator holds {w['gap'] / GIB:.1f} GiB it cannot use "
                         f"(+{(w['gap'] - w['gap0']) / GIB:.1f} GiB in {c.window_seconds:.0f} s, {int(w['retries'])} cudaMalloc retries"
                         + (f", largest free block {w['largest_free'] / GIB:.2f} GiB < the step's {w['step_request'] / GIB:.2f} GiB request" if starved else "")
                         + "): set PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True."
@@ -312,3 +312,36 @@ class RefitFragmentationAllocator:
             )
         return findings
 
+
+
+def check_against_refit(make_new, make_refit, stream, ticks, horizon, rebuilt_every=((4, 0),), label=""):
+    """Feed `ticks` ((now, rows of `stream`, jobs snapshot) each) to a refit and to detectors fed
+    the ways the pipeline may feed them: detect() every tick (state stepped); ingest() every tick
+    and detect() every 3rd (the pipeline's way); and, for each (period, phase) of `rebuilt_every`,
+    detect() only on ticks i % period == phase with nothing between (state rebuilt from the window).
+    Each must report exactly the refit's findings on every tick it reports. Returns how many ticks
+    the refit raised findings on, so that a caller can check the comparison was not of empty lists."""
+
+    def dicts(findings):
+        return [f.to_json_dict() for f in findings]
+
+    every_tick, ingested, refit = make_new(), make_new(), make_refit()
+    sparse = [(period, phase, make_new()) for period, phase in rebuilt_every]
+    w = Window(horizon)
+    positives = 0
+    for i, (now, rows, jobs) in enumerate(ticks):
+        if rows.height:
+            w.add(stream, rows)
+        w.add("jobs", jobs)
+        w.seal(now)
+        want = dicts(refit.detect(w))
+        positives += bool(want)
+        assert dicts(every_tick.detect(w)) == want, f"{label}tick {i} at {now} (every tick)"
+        if i % 3 == 0:
+            assert dicts(ingested.detect(w)) == want, f"{label}tick {i} at {now} (ingested)"
+        else:
+            ingested.ingest(w)
+        for period, phase, det in sparse:
+            if i % period == phase:
+                assert dicts(det.detect(w)) == want, f"{label}tick {i} at {now} (rebuilt, every {period})"
+    return positives

@@ -28,7 +28,7 @@ from gpuvigil.detectors.oom import OomPredictor
 from gpuvigil.pipeline.window import Window
 
 sys.path.insert(0, str(Path(__file__).parent))
-from incremental_oracles import RefitFragmentationAllocator, RefitOom  # noqa: E402
+from incremental_oracles import RefitFragmentationAllocator, RefitOom, check_against_refit  # noqa: E402
 
 MIB = 1 << 20
 GIB = 1 << 30
@@ -104,32 +104,8 @@ def allocator_series(draw):
     return ticks, horizon
 
 
-def _as_dicts(findings):
-    return [f.to_json_dict() for f in findings]
-
-
 def _check_same(make_new, make_refit, ticks, horizon):
-    every_tick = make_new()  # detect() each tick: state stepped
-    ingested = make_new()  # ingest() each tick, detect() every 3rd: the pipeline's way
-    sparse = make_new()  # detect() every 4th tick and nothing between: rebuilt from the window
-    refit = make_refit()
-    w = Window(horizon)
-    positives = 0
-    for i, (now, rows, jobs) in enumerate(ticks):
-        if rows.height:
-            w.add("allocator_stats", rows)
-        w.add("jobs", jobs)
-        w.seal(now)
-        want = _as_dicts(refit.detect(w))
-        positives += bool(want)
-        assert _as_dicts(every_tick.detect(w)) == want, f"tick {i} at {now}"
-        if i % 3 == 0:
-            assert _as_dicts(ingested.detect(w)) == want, f"tick {i} at {now} (ingested)"
-        else:
-            ingested.ingest(w)
-        if i % 4 == 0:
-            assert _as_dicts(sparse.detect(w)) == want, f"tick {i} at {now} (rebuilt)"
-    return positives
+    return check_against_refit(make_new, make_refit, "allocator_stats", ticks, horizon)
 
 
 OOM_CFG = {"oom": {"fit_window_seconds": 30.0, "warmup_seconds": 4.0, "min_samples": 6, "min_span_seconds": 8.0, "min_r2": 0.3, "min_rise_bytes": 64 * MIB, "predict_horizon_seconds": 1e7}}

@@ -9,9 +9,10 @@ reached `current_run`, through the hypothesis test that the fast selection leave
 from __future__ import annotations
 
 import polars as pl
+import pytest
 
 from gpuvigil import schemas
-from gpuvigil.detectors.common import Persistence, current_run
+from gpuvigil.detectors.common import Persistence, current_run, rank_at
 from gpuvigil.pipeline.window import Window
 
 
@@ -79,3 +80,12 @@ def test_persistence_counts_consecutive_evaluations_per_rank():
     assert kept["rank"].to_list() == [1] and kept.columns == ["job", "rank", "x"]
     assert p.persistent(f([3]), 2)["rank"].to_list() == [3]
     assert p.persistent(f([1, 3]), 2)["rank"].to_list() == [3]  # rank 1 missed one evaluation: starts again
+
+
+@pytest.mark.parametrize(
+    ("rank", "node", "gpu", "text"),
+    [(3, "n0", 2, "rank 3 (n0 GPU 2)"), (3, "n0", 0, "rank 3 (n0 GPU 0)"), (3, "n0", None, "rank 3 (n0)"), (3, None, 1, "rank 3 (GPU 1)"), (3, None, None, "rank 3")],
+)
+def test_a_rank_is_placed_by_what_its_rows_carry(rank, node, gpu, text):
+    """A hook record without `gpu` (or without a node) leaves it out of the summary, never 'None'."""
+    assert rank_at(rank, node, gpu) == text

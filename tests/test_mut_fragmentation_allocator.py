@@ -315,3 +315,4 @@ def test_a_rank_whose_rows_carry_no_gpu_is_reported_without_one():
     null): the ticket names the rank and node with `gpu` None instead of raising on `int(None)`."""
     [f] = det().detect(_sealed(_flat(8 * GIB).with_columns(pl.lit(None, pl.Int32).alias("gpu")), 40.0))
     assert (f.ranks, f.node, f.gpu) == ([1], "n1", None)
+    assert f.summary.startswith("j rank 1 (n1): the caching allocator holds")

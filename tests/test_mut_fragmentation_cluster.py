@@ -10,7 +10,7 @@ fragmented gang, so it is used as a hard negative only (tests/test_detectors_rea
 from __future__ import annotations
 
 from gpuvigil import schemas
-from gpuvigil.detectors.fragmentation_cluster import ClusterFragmentationDetector
+from gpuvigil.detectors.fragmentation_cluster import ClusterFragmentationDetector, plan_compaction
 from gpuvigil.pipeline.window import Window
 
 NOW = 1000.0
@@ -151,3 +151,12 @@ def test_a_job_with_no_per_node_shape_counts_at_most_a_node_and_the_share_is_giv
     allocs = _used("n0", "s0", 4) + _used("n1", "s1", 4) + _used("n2", "s2", 5)
     [f] = ClusterFragmentationDetector().detect(_window(_up(("n0", 4), ("n1", 4), ("n2", 3)), jobs, allocs))
     assert (f.job, f.evidence["unusable_free_share"]) == ("gang", 0.636)
+
+
+def test_a_plan_is_found_where_moving_the_largest_job_first_strands_the_node():
+    """constructed (found by the brute-force property test in tests/test_detectors_units.py): n01
+    holds jobs of 2, 2 and 3 GPUs with 1 free, n00 has 4 free; a 5-GPU gang needs one node.
+    Moving the 3-GPU job first leaves room for neither 2-GPU job; moving the two 2-GPU jobs to n00
+    frees 5 GPUs on n01."""
+    target, moves = plan_compaction({"n00": 4, "n01": 1}, {"n00": {"j0": 4}, "n01": {"j1": 2, "j2": 2, "j3": 3}}, 5)
+    assert (target, [(m["job"], m["to_node"], m["gpus"]) for m in moves]) == ("n01", [("j1", "n00", 2), ("j2", "n00", 2)])

@@ -230,3 +230,4 @@ def test_a_single_culprit_whose_rows_carry_no_gpu_is_paged_without_one():
     found = run(no_gpu, T)
     [f] = found[6]
     assert (f.culprit_ranks, f.node, f.gpu, f.severity.value) == ([2], "n0", None, "page")
+    assert "rank 2 (n0) did not join" in f.summary

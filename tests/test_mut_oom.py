@@ -359,3 +359,4 @@ def test_a_rank_whose_rows_carry_no_gpu_is_predicted_without_one():
     the detector raising on `int(None)` (mutation round 6 found this in straggler.py)."""
     [f] = detect(rows(SECS, grow(20.0, 125 * GIB)).with_columns(pl.lit(None, pl.Int32).alias("gpu")))
     assert (f.cause, f.ranks, f.node, f.gpu) == ("leak", [0], "n0", None)
+    assert f.summary.startswith("j rank 0 (n0) will run out of GPU memory")

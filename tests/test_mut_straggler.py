@@ -31,7 +31,7 @@ from gpuvigil.detectors.straggler import StragglerDetector
 from gpuvigil.pipeline.window import Window
 
 sys.path.insert(0, str(Path(__file__).parent))
-from incremental_oracles import RefitStraggler  # noqa: E402
+from incremental_oracles import RefitStraggler, check_against_refit  # noqa: E402
 
 # Short windows so the series stay small: a job is judged over max(10 s, 2 x its median step),
 # at most 40 s; a step is "short" (window stays 10 s) when it is <= 5 s.
@@ -163,16 +163,21 @@ def half_short():
     return out
 
 
+def _four_ranks_waiting(seconds, *, slow_wait, peer_wait, job="j"):
+    """A 4-rank job of 4 s steps, one tick a second: rank 3 waits `slow_wait` per step, its peers `peer_wait`."""
+    out = []
+    for t in seconds:
+        rows = [_row(float(t), job, r, 4.0) for r in range(4)]
+        for r in rows:
+            r["collective_wait_seconds"] = slow_wait if r["rank"] == 3 else peer_wait
+        out.append((float(t), rows, {}))
+    return out
+
+
 def wait_at_the_share():
     """4 s steps; peers wait exactly 2.0 s, the slow rank exactly 0.7 s = max_wait_share (0.35) x
     2.0 (binary-exact products): a wait exactly at the share is flagged."""
-    out = []
-    for t in range(100, 120):
-        rows = [_row(float(t), "j", r, 4.0) for r in range(4)]
-        for r in rows:
-            r["collective_wait_seconds"] = 0.7 if r["rank"] == 3 else 2.0
-        out.append((float(t), rows, {}))
-    return out
+    return _four_ranks_waiting(range(100, 120), slow_wait=0.7, peer_wait=2.0)
 
 
 def ranks_leave_and_join():
@@ -207,13 +212,7 @@ def peers_at_the_floor():
 def slowdown_at_the_floor():
     """4 s steps, peers wait 1.0 s, the slow rank 0.25 s: slowdown (4 - 0.25) / (4 - 1) = 1.25
     exactly, and min_slowdown is 1.25 (set by the case): flagged."""
-    out = []
-    for t in range(100, 112):
-        rows = [_row(float(t), "j", r, 4.0) for r in range(4)]
-        for r in rows:
-            r["collective_wait_seconds"] = 0.25 if r["rank"] == 3 else 1.0
-        out.append((float(t), rows, {}))
-    return out
+    return _four_ranks_waiting(range(100, 112), slow_wait=0.25, peer_wait=1.0)
 
 
 # name: (series, config, window horizon, whether the refit raises findings on it)
@@ -242,26 +241,8 @@ def _dicts(findings):
 def test_findings_are_the_refits_however_the_detector_is_fed(name):
     series, over, horizon, raises = CASES[name]
     cfg = _cfg(**over)
-    every, ingested, sparse2, sparse3 = (StragglerDetector(cfg) for _ in range(4))
-    refit = RefitStraggler(cfg)
-    w = Window(horizon)
-    positives = 0
-    for i, (now, rows, starts) in enumerate(series()):
-        if rows:
-            w.add("rank_progress", _frame(rows))
-        w.add("jobs", _jobs(starts))
-        w.seal(now)
-        want = _dicts(refit.detect(w))
-        positives += bool(want)
-        assert _dicts(every.detect(w)) == want, f"{name}: tick {i} at {now} (every tick)"
-        if i % 3 == 0:
-            assert _dicts(ingested.detect(w)) == want, f"{name}: tick {i} at {now} (ingested)"
-        else:
-            ingested.ingest(w)
-        if i % 2 == 0:
-            assert _dicts(sparse2.detect(w)) == want, f"{name}: tick {i} at {now} (rebuilt, every 2nd)"
-        if i % 3 == 1:
-            assert _dicts(sparse3.detect(w)) == want, f"{name}: tick {i} at {now} (rebuilt, every 3rd)"
+    ticks = [(now, _frame(rows), _jobs(starts)) for now, rows, starts in series()]
+    positives = check_against_refit(lambda: StragglerDetector(cfg), lambda: RefitStraggler(cfg), "rank_progress", ticks, horizon, rebuilt_every=((2, 0), (3, 1)), label=f"{name}: ")
     assert (positives > 0) == raises  # where it raises findings the comparison is not of two empty lists
 
 
@@ -426,3 +407,4 @@ def test_a_culprit_whose_rows_carry_no_gpu_is_reported_without_one():
         w.seal(float(t))
         found = det.detect(w) or found
     assert [(f.culprit_ranks, f.node, f.gpu) for f in found] == [([3], "n3", None)]
+    assert found[0].summary.startswith("j rank 3 (n3) computes")

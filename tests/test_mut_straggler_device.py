@@ -11,7 +11,7 @@ power-capped GPU whose SM clock lags 25% (1485 vs 1965 MHz) while healthy spread
 from __future__ import annotations
 
 import pytest
-from levels_helpers import allocations, cfg_with, gpu_rows, play, play_per_tick, window
+from levels_helpers import allocations, cfg_with, gpu_rows, play, play_per_tick
 from test_levels import _straggler_ticks
 
 from gpuvigil import schemas
@@ -34,15 +34,8 @@ def test_the_declared_look_back_is_on_the_gpu_samples_stream():
 
 
 def _first(culprit, peers, **over):
-    w = window()
-    det = DeviceStragglerDetector(cfg_with("straggler_device", persist_evaluations=1, **over))
-    for now, frames in _straggler_ticks(culprit, peers, seconds=40):
-        for stream, df in frames.items():
-            w.add(stream, df)
-        w.seal(now)
-        if det.detect(w):
-            return now
-    return None
+    """The first tick on which GPU 2 (`culprit`) is flagged, with no persistence; None if never."""
+    return next(iter(_flag_ticks(list(_straggler_ticks(culprit, peers, seconds=40)), **over)), None)
 
 
 def test_the_first_evaluation_with_exactly_min_samples_flags():
@@ -87,8 +80,16 @@ def _ticks(sample, *, gpus=8, seconds=40, jobs=None, job="job"):
 
 def _flag_ticks(ticks, **over):
     """The ticks on which a detector with no persistence (and `over`) flags anything."""
-    det = DeviceStragglerDetector(cfg_with("straggler_device", persist_evaluations=1, **over))
-    return [now for now, found in zip((t for t, _ in ticks), play_per_tick(det, ticks)) if found]
+    return [now for now, found in zip((t for t, _ in ticks), play_per_tick(_unpersisted(**over), ticks)) if found]
+
+
+def _unpersisted(**over):
+    return DeviceStragglerDetector(cfg_with("straggler_device", persist_evaluations=1, **over))
+
+
+def _found(ticks, **over):
+    """Every finding of a detector with no persistence (and `over`) over `ticks`."""
+    return play(_unpersisted(**over), ticks)
 
 
 def _culprit_2(culprit=SLOW, peer=PEER):
@@ -154,37 +155,36 @@ def test_peers_exactly_at_the_busy_floor_make_a_util_lag_count():
 def test_a_clock_lag_exactly_at_the_floor_is_a_slow_device():
     """1500 vs 2000 MHz: a lag of exactly 0.25 (binary-exact), the floor set to 0.25."""
     ticks = list(_ticks(_culprit_2({**SLOW, "sm_clock_mhz": 1500.0}, {**PEER, "sm_clock_mhz": 2000.0}), seconds=25))
-    det = DeviceStragglerDetector(cfg_with("straggler_device", persist_evaluations=1, min_clock_lag=0.25))
-    found = [f for tick in play_per_tick(det, ticks) for f in tick]
+    found = _found(ticks, min_clock_lag=0.25)
     assert found and found[0].cause == "device"
     assert _flag_ticks(ticks, min_clock_lag=0.2501) == []
 
 
-def test_a_device_side_finding_reads_out_its_figures():
-    det = DeviceStragglerDetector(cfg_with("straggler_device", persist_evaluations=1))
-    f = [f for tick in play_per_tick(det, list(_ticks(_culprit_2(), seconds=20))) for f in tick][0]
-    assert f.cause == "device"
-    assert f.evidence == {"level": "L0", "util": 0.97, "peer_util": 0.97, "clock_mhz": 1485, "peer_clock_mhz": 1965, "gpus_in_job": 8, "window_seconds": 90.0}
-    assert f.summary == "job rank 2 (n0 GPU 2) is a straggler (L0): its SM clock runs 24% below its peers' (1485 vs 1965 MHz): a slow device."
+SAME_CLOCKS = {"power_w": 500.0, "sm_clock_mhz": 1900.0}
 
 
-def test_a_host_side_finding_reads_out_its_figures():
-    """Same clocks, GPU 2 at 68.75% util against peers at 93.75% (binary-exact): it waits on its host."""
-    same = {"power_w": 500.0, "sm_clock_mhz": 1900.0}
-    det = DeviceStragglerDetector(cfg_with("straggler_device", persist_evaluations=1))
-    ticks = list(_ticks(_culprit_2({**same, "util_ratio": 0.6875}, {**same, "util_ratio": 0.9375}), seconds=20))
-    f = [f for tick in play_per_tick(det, ticks) for f in tick][0]
-    assert f.cause == "host"
-    assert f.evidence == {"level": "L0", "util": 0.688, "peer_util": 0.938, "clock_mhz": 1900, "peer_clock_mhz": 1900, "gpus_in_job": 8, "window_seconds": 90.0}
-    assert f.summary == "job rank 2 (n0 GPU 2) is a straggler (L0): its utilisation lags its peers' (69% vs 94%): it waits on its host while they wait on it."
+@pytest.mark.parametrize(
+    ("culprit", "peer", "cause", "figures", "why"),
+    [
+        # GPU 2 power-capped: its clock lags 25% at the same util
+        (SLOW, PEER, "device", (0.97, 0.97, 1485, 1965), "its SM clock runs 24% below its peers' (1485 vs 1965 MHz): a slow device"),
+        # same clocks, GPU 2 at 68.75% util against peers at 93.75% (binary-exact): it waits on its host
+        ({**SAME_CLOCKS, "util_ratio": 0.6875}, {**SAME_CLOCKS, "util_ratio": 0.9375}, "host", (0.688, 0.938, 1900, 1900),
+         "its utilisation lags its peers' (69% vs 94%): it waits on its host while they wait on it"),
+    ],
+    ids=["device-side", "host-side"],
+)
+def test_a_finding_reads_out_its_figures(culprit, peer, cause, figures, why):
+    [f, *_] = _found(list(_ticks(_culprit_2(culprit, peer), seconds=20)))
+    util, peer_util, clock, peer_clock = figures
+    assert f.cause == cause
+    assert f.evidence == {"level": "L0", "util": util, "peer_util": peer_util, "clock_mhz": clock, "peer_clock_mhz": peer_clock, "gpus_in_job": 8, "window_seconds": 90.0}
+    assert f.summary == f"job rank 2 (n0 GPU 2) is a straggler (L0): {why}."
 
 
 def test_a_host_side_straggler_with_no_busy_clock_reading_has_no_clock_figures():
     """GPU 2 at 30% util never has a busy (>= 50%) sample: no clock of its own to report."""
-    same = {"power_w": 500.0, "sm_clock_mhz": 1900.0}
-    det = DeviceStragglerDetector(cfg_with("straggler_device", persist_evaluations=1))
-    ticks = list(_ticks(_culprit_2({**same, "util_ratio": 0.3}, {**same, "util_ratio": 1.0}), seconds=20))
-    f = [f for tick in play_per_tick(det, ticks) for f in tick][0]
+    [f, *_] = _found(list(_ticks(_culprit_2({**SAME_CLOCKS, "util_ratio": 0.3}, {**SAME_CLOCKS, "util_ratio": 1.0}), seconds=20)))
     assert (f.cause, f.evidence["clock_mhz"], f.evidence["peer_clock_mhz"]) == ("host", None, 1900)
 
 
@@ -192,8 +192,7 @@ def test_two_stragglers_of_a_job_are_one_finding_named_by_the_lower_rank():
     """GPUs 5 and 2 both power-capped (GPU 5's clock lower still): one finding for the job,
     ranks in order, node and GPU of rank 2."""
     cap = lambda t, g: {**SLOW, "sm_clock_mhz": 1400.0} if g == 5 else (SLOW if g == 2 else PEER)  # noqa: E731
-    det = DeviceStragglerDetector(cfg_with("straggler_device", persist_evaluations=1))
-    found = [f for tick in play_per_tick(det, list(_ticks(cap, seconds=20))) for f in tick]
+    found = _found(list(_ticks(cap, seconds=20)))
     assert len(found) == 1
     assert (found[0].culprit_ranks, found[0].ranks, found[0].gpu, found[0].evidence["clock_mhz"]) == ([2, 5], [2, 5], 2, 1485)
 

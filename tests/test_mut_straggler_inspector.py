@@ -164,4 +164,4 @@ def test_two_jobs_two_findings_and_no_gpu_reads_none():
     fs = _play(ticks)[20]
     assert [(f.job, f.ranks) for f in fs] == [("a", [3]), ("b", [3])]
     assert fs[0].gpu is None and fs[1].gpu == 3
-    assert "(n1 GPU None)" in fs[0].summary
+    assert "a rank 3 (n1) computes" in fs[0].summary and "None" not in fs[0].summary  # no GPU: left out, never "GPU None"

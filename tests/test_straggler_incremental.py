@@ -26,7 +26,7 @@ from gpuvigil.detectors.straggler import StragglerDetector
 from gpuvigil.pipeline.window import Window
 
 sys.path.insert(0, str(Path(__file__).parent))
-from incremental_oracles import RefitStraggler  # noqa: E402
+from incremental_oracles import RefitStraggler, check_against_refit  # noqa: E402
 
 SMALL = {"straggler": {"window_seconds": 10.0, "min_samples": 3, "min_ranks": 3, "min_steps": 2.0, "max_window_seconds": 40.0}}
 
@@ -85,29 +85,8 @@ def progress_series(draw):
     return ticks, horizon
 
 
-def _as_dicts(findings):
-    return [f.to_json_dict() for f in findings]
-
-
 def _check_same(cfg, ticks, horizon):
-    every_tick, ingested, sparse, refit = StragglerDetector(cfg), StragglerDetector(cfg), StragglerDetector(cfg), RefitStraggler(cfg)
-    w = Window(horizon)
-    positives = 0
-    for i, (now, rows, jobs) in enumerate(ticks):
-        if rows.height:
-            w.add("rank_progress", rows)
-        w.add("jobs", jobs)
-        w.seal(now)
-        want = _as_dicts(refit.detect(w))
-        positives += bool(want)
-        assert _as_dicts(every_tick.detect(w)) == want, f"tick {i} at {now}"
-        if i % 3 == 0:
-            assert _as_dicts(ingested.detect(w)) == want, f"tick {i} at {now} (ingested)"
-        else:
-            ingested.ingest(w)
-        if i % 4 == 0:
-            assert _as_dicts(sparse.detect(w)) == want, f"tick {i} at {now} (rebuilt)"
-    return positives
+    return check_against_refit(lambda: StragglerDetector(cfg), lambda: RefitStraggler(cfg), "rank_progress", ticks, horizon)
 
 
 @settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])

@@ -178,7 +178,7 @@ class AnomalyDetector:
                     job=row["job"],
                     ranks=[int(row["rank"])],
                     node=row["node"],
-                    gpu=int(row["gpu"]),
+                    gpu=row["gpu"],
                     cause="unknown",
                     source=self.name,
                     evidence={"beyond_healthy_envelope": round(row["score"], 3), **{f"deviation_{f}": v for f, v in devs.items()}, "most_unusual": top},

@@ -59,3 +59,10 @@ class Persistence:
         kept = [k for k, n in self.streak.items() if n >= evaluations]
         schema = {"job": flagged.schema["job"], "rank": flagged.schema["rank"]}
         return flagged.join(pl.DataFrame({"job": [j for j, _ in kept], "rank": [r for _, r in kept]}, schema=schema), on=["job", "rank"], how="semi")
+
+
+def rank_at(rank: Any, node: str | None, gpu: int | None) -> str:
+    """'rank 3 (n0 GPU 2)' for a summary; a node or GPU the rows do not carry (a hook record
+    without `gpu`) is left out instead of being printed as 'None'."""
+    place = " ".join(p for p in (node, None if gpu is None else f"GPU {gpu}") if p)
+    return f"rank {rank} ({place})" if place else f"rank {rank}"

@@ -23,7 +23,7 @@ from typing import Any
 import polars as pl
 from pydantic import BaseModel
 
-from gpuvigil.detectors.common import settings
+from gpuvigil.detectors.common import rank_at, settings
 from gpuvigil.detectors.incremental import KEYS, SlidingRows, edges_from_rows, merge_edges, refresh_first
 from gpuvigil.model import Finding, FindingKind, Severity
 from gpuvigil.pipeline.window import Window
@@ -178,7 +178,7 @@ class AllocatorFragmentationDetector:
                     job=w["job"],
                     ranks=sorted(rows["rank"].to_list()),
                     node=w["node"],
-                    gpu=None if w["gpu"] is None else int(w["gpu"]),
+                    gpu=w["gpu"],
                     cause="fragmentation",
                     source=self.name,
                     evidence={
@@ -193,7 +193,7 @@ class AllocatorFragmentationDetector:
                         "ranks_fragmented": rows.height,
                     },
                     summary=(
-                        f"{w['job']} rank {w['rank']} ({w['node']} GPU {w['gpu']}): the caching allocator holds {w['gap'] / GIB:.1f} GiB it cannot use "
+                        f"{w['job']} {rank_at(w['rank'], w['node'], w['gpu'])}: the caching allocator holds {w['gap'] / GIB:.1f} GiB it cannot use "
                         f"(+{(w['gap'] - w['gap0']) / GIB:.1f} GiB in {c.window_seconds:.0f} s, {int(w['retries'])} cudaMalloc retries"
                         + (f", largest free block {w['largest_free'] / GIB:.2f} GiB < the step's {w['step_request'] / GIB:.2f} GiB request" if starved else "")
                         + "): set PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True."

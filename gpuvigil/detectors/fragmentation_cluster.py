@@ -8,6 +8,7 @@ The fix is a `compact` hint: the moves that empty one node for the blocked gang.
 
 from __future__ import annotations
 
+import itertools
 from typing import Any
 
 import polars as pl
@@ -52,6 +53,42 @@ def plan_compaction(node_free: dict[str, int], node_jobs: dict[str, dict[str, in
             moves.append({"job": job, "from_node": target, "to_node": dest, "gpus": size})
         if deficit <= 0:
             return target, moves
+        # Largest-first can strand the target (a big job takes the only room two small ones needed):
+        # then search the target's jobs exactly, fewest moves first.
+        moves = _fewest_moves(target, node_jobs.get(target, {}), {n: f for n, f in node_free.items() if n != target}, need - node_free[target])
+        if moves is not None:
+            return target, moves
+    return None
+
+
+def _fewest_moves(target: str, jobs: dict[str, int], free: dict[str, int], deficit: int) -> list[dict] | None:
+    """The smallest set of the target's jobs that frees `deficit` GPUs and fits elsewhere (exact:
+    a node holds at most a handful of jobs, and nodes with the same free count are interchangeable)."""
+    items = sorted(jobs.items(), key=lambda kv: (-kv[1], kv[0]))
+    for k in range(1, len(items) + 1):
+        for subset in itertools.combinations(items, k):
+            if sum(size for _, size in subset) < deficit:
+                continue
+            dests = _pack([size for _, size in subset], dict(free))
+            if dests is not None:
+                return [{"job": job, "from_node": target, "to_node": d, "gpus": size} for (job, size), d in zip(subset, dests)]
+    return None
+
+
+def _pack(sizes: list[int], free: dict[str, int]) -> list[str] | None:
+    """Destinations for `sizes` (largest first) within `free`, tightest fit first; None if none."""
+    if not sizes:
+        return []
+    size, tried = sizes[0], set()
+    for node in sorted(free, key=lambda n: (free[n], n)):
+        if free[node] < size or free[node] in tried:
+            continue
+        tried.add(free[node])
+        free[node] -= size
+        rest = _pack(sizes[1:], free)
+        free[node] += size
+        if rest is not None:
+            return [node, *rest]
     return None
 
 

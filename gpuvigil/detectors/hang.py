@@ -17,7 +17,7 @@ from typing import Any
 import polars as pl
 from pydantic import BaseModel
 
-from gpuvigil.detectors.common import settings
+from gpuvigil.detectors.common import rank_at, settings
 from gpuvigil.model import Finding, FindingKind, Severity
 from gpuvigil.pipeline.window import Window
 
@@ -126,7 +126,7 @@ class HangDetector:
             cause = "hardware" if hw.height else "software"
             c0 = culprits.row(0, named=True)
             seq = int(first["min_comp"]) + 1
-            where = ", ".join(f"rank {r['rank']} ({r['node']} GPU {r['gpu']})" for r in culprits.head(4).iter_rows(named=True))
+            where = ", ".join(rank_at(r["rank"], r["node"], r["gpu"]) for r in culprits.head(4).iter_rows(named=True))
             more = f" and {culprits.height - 4} more" if culprits.height > 4 else ""
             why = f"XID {', '.join(map(str, xids))} on {', '.join(sorted(set(hw['node'].to_list())))}" if xids else ("its process stopped reporting" if silent else "it never entered the collective")
             findings.append(
@@ -138,7 +138,7 @@ class HangDetector:
                     ranks=culprits["rank"].to_list(),
                     culprit_ranks=culprits["rank"].to_list(),
                     node=c0["node"] if len(culprit_nodes) == 1 else culprit_nodes[0],
-                    gpu=int(c0["gpu"]) if culprits.height == 1 and c0["gpu"] is not None else None,
+                    gpu=c0["gpu"] if culprits.height == 1 else None,
                     cause=cause,
                     source=self.name,
                     evidence={

@@ -22,7 +22,7 @@ from typing import Any
 import polars as pl
 from pydantic import BaseModel
 
-from gpuvigil.detectors.common import settings
+from gpuvigil.detectors.common import rank_at, settings
 from gpuvigil.model import Finding, FindingKind, Severity
 from gpuvigil.pipeline.window import Window
 
@@ -141,7 +141,7 @@ class DeviceHangDetector:
             silent = odd.filter(pl.col("silent"))["rank"].to_list()
             cause = "hardware" if (silent or hw.height) else ("software" if culprit_ranks else None)
             first = odd.row(0, named=True) if odd.height else None
-            where = ", ".join(f"rank {r['rank']} ({r['node']} GPU {r['gpu']})" for r in odd.head(4).iter_rows(named=True))
+            where = ", ".join(rank_at(r["rank"], r["node"], r["gpu"]) for r in odd.head(4).iter_rows(named=True))
             if culprit_ranks:
                 why = "no telemetry: the GPU is gone" if silent else "util 0: its rank never entered the collective"
                 head = f"{where}{' and more' if odd.height > 4 else ''} differ(s) ({why})"
@@ -158,7 +158,7 @@ class DeviceHangDetector:
                     ranks=culprit_ranks,
                     culprit_ranks=culprit_ranks,
                     node=first["node"] if first else None,
-                    gpu=int(first["gpu"]) if first and odd.height == 1 else None,
+                    gpu=first["gpu"] if first and odd.height == 1 else None,
                     cause=cause,
                     source=self.name,
                     evidence={

@@ -86,7 +86,7 @@ class FlightRecorderHangDetector:
                     ranks=culprits,
                     culprit_ranks=culprits,
                     node=nodes[0] if nodes else None,
-                    gpu=int(one["gpu"]) if one else None,
+                    gpu=one["gpu"] if one else None,
                     cause="hardware" if hw.height else "software",
                     source=self.name,
                     evidence={

@@ -20,7 +20,7 @@ from typing import Any
 import polars as pl
 from pydantic import BaseModel
 
-from gpuvigil.detectors.common import settings
+from gpuvigil.detectors.common import rank_at, settings
 from gpuvigil.detectors.incremental import SlidingRows, edges_from_rows, merge_edges, refresh_first
 from gpuvigil.model import Finding, FindingKind, Severity
 from gpuvigil.pipeline.window import Window
@@ -264,7 +264,7 @@ class OomPredictor:
                     job=worst["job"],
                     ranks=sorted(rows["rank"].to_list()),
                     node=worst["node"],
-                    gpu=None if worst["gpu"] is None else int(worst["gpu"]),
+                    gpu=worst["gpu"],
                     cause=cause,
                     source=self.name,
                     evidence={
@@ -281,7 +281,7 @@ class OomPredictor:
                         "ranks_at_risk": rows.height,
                     },
                     summary=(
-                        f"{worst['job']} rank {worst['rank']} ({worst['node']} GPU {worst['gpu']}) will run out of GPU memory in about "
+                        f"{worst['job']} {rank_at(worst['rank'], worst['node'], worst['gpu'])} will run out of GPU memory in about "
                         f"{tto / 60:.1f} min: {what}, +{worst['slope'] / GIB * 60:.2f} GiB/min, {worst['headroom'] / GIB:.1f} GiB left."
                     ),
                 )

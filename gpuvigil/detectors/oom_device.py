@@ -23,7 +23,7 @@ from typing import Any
 import polars as pl
 from pydantic import BaseModel
 
-from gpuvigil.detectors.common import settings
+from gpuvigil.detectors.common import rank_at, settings
 from gpuvigil.model import Finding, FindingKind, Severity
 from gpuvigil.pipeline.window import Window
 
@@ -176,7 +176,7 @@ class DeviceOomPredictor:
             job=w["job"],
             ranks=[int(w["rank"])],
             node=w["node"],
-            gpu=int(w["gpu"]),
+            gpu=w["gpu"],
             cause=cause,
             source=self.name,
             evidence={
@@ -195,7 +195,7 @@ class DeviceOomPredictor:
                 "note": NOT_AT_L0,
             },
             summary=(
-                f"{w['job']} rank {w['rank']} ({w['node']} GPU {w['gpu']}) will run out of GPU memory in about {tto / 60:.1f} min (L0, device memory): "
+                f"{w['job']} {rank_at(w['rank'], w['node'], w['gpu'])} will run out of GPU memory in about {tto / 60:.1f} min (L0, device memory): "
                 f"{what}, +{rate / GIB * 60:.2f} GiB/min, {max(w['headroom'], 0) / GIB:.1f} GiB left; {NOT_AT_L0}."
             ),
         )

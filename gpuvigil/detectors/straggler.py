@@ -22,7 +22,7 @@ import numpy as np
 import polars as pl
 from pydantic import BaseModel
 
-from gpuvigil.detectors.common import current_run, settings
+from gpuvigil.detectors.common import current_run, rank_at, settings
 from gpuvigil.detectors.incremental import KeyRing, SlidingRows, masked_median
 from gpuvigil.model import Finding, FindingKind, Severity
 from gpuvigil.pipeline.window import Window
@@ -252,7 +252,7 @@ class StragglerDetector:
                     ranks=rows["rank"].to_list(),
                     culprit_ranks=rows["rank"].to_list(),
                     node=w["node"],
-                    gpu=None if w["gpu"] is None else int(w["gpu"]),
+                    gpu=w["gpu"],
                     source=self.name,
                     evidence={
                         "slowdown": round(float(w["slowdown"]), 3),
@@ -262,7 +262,7 @@ class StragglerDetector:
                         "ranks_in_job": int(w["ranks"]),
                     },
                     summary=(
-                        f"{w['job']} rank {w['rank']} ({w['node']} GPU {w['gpu']}) computes {100 * (w['slowdown'] - 1):.0f}% slower than its "
+                        f"{w['job']} {rank_at(w['rank'], w['node'], w['gpu'])} computes {100 * (w['slowdown'] - 1):.0f}% slower than its "
                         f"{w['ranks'] - 1} peers, who wait {w['peer_wait']:.2f} s per {w['step']:.2f} s step for it."
                     ),
                 )

@@ -18,7 +18,7 @@ from typing import Any
 import polars as pl
 from pydantic import BaseModel
 
-from gpuvigil.detectors.common import Persistence, settings
+from gpuvigil.detectors.common import Persistence, rank_at, settings
 from gpuvigil.model import Finding, FindingKind, Severity
 from gpuvigil.pipeline.window import Window
 
@@ -111,7 +111,7 @@ class DeviceStragglerDetector:
                     ranks=rows["rank"].to_list(),
                     culprit_ranks=rows["rank"].to_list(),
                     node=w["node"],
-                    gpu=int(w["gpu"]),
+                    gpu=w["gpu"],
                     cause="device" if device_side else "host",
                     source=self.name,
                     evidence={
@@ -123,7 +123,7 @@ class DeviceStragglerDetector:
                         "gpus_in_job": int(w["gpus"]),
                         "window_seconds": c.window_seconds,
                     },
-                    summary=f"{w['job']} rank {w['rank']} ({w['node']} GPU {w['gpu']}) is a straggler (L0): {why}.",
+                    summary=f"{w['job']} {rank_at(w['rank'], w['node'], w['gpu'])} is a straggler (L0): {why}.",
                 )
             )
         return findings

@@ -14,7 +14,7 @@ from typing import Any
 import polars as pl
 from pydantic import BaseModel
 
-from gpuvigil.detectors.common import Persistence, settings
+from gpuvigil.detectors.common import Persistence, rank_at, settings
 from gpuvigil.model import Finding, FindingKind, Severity
 from gpuvigil.pipeline.window import Window
 
@@ -80,7 +80,7 @@ class InspectorStragglerDetector:
                     ranks=sorted(rows["rank"].to_list()),
                     culprit_ranks=sorted(rows["rank"].to_list()),
                     node=w["node"],
-                    gpu=None if w["gpu"] is None else int(w["gpu"]),
+                    gpu=w["gpu"],
                     source=self.name,
                     evidence={
                         "level": "L1",
@@ -91,7 +91,7 @@ class InspectorStragglerDetector:
                         "ranks_in_job": int(w["ranks"]),
                     },
                     summary=(
-                        f"{w['job']} rank {w['rank']} ({w['node']} GPU {w['gpu']}) computes {100 * (w['slowdown'] - 1):.0f}% slower than its {w['ranks'] - 1} peers "
+                        f"{w['job']} {rank_at(w['rank'], w['node'], w['gpu'])} computes {100 * (w['slowdown'] - 1):.0f}% slower than its {w['ranks'] - 1} peers "
                         f"(L1, NCCL Inspector: its collectives take {1e3 * w['exec_s']:.1f} ms against the peers' {1e3 * w['peer_exec_s']:.1f} ms: it arrives last)."
                     ),
                 )
