@@ -3,7 +3,7 @@
 Everything lives in one temp directory: munge key and socket, slurm.conf/gres.conf, state and
 spool dirs, logs, and 8 placeholder GPU device files per node (character devices aliasing
 /dev/null where mknod is allowed, plain files otherwise — slurmd only logs a warning for those).
-Ports are free loopback ports found by binding port 0. Daemons run in the foreground (-D) in
+Ports are free loopback ports below the kernel's ephemeral range (services.free_port). Daemons run in the foreground (-D) in
 their own sessions (setsid); `stop()` cancels jobs, shuts Slurm down and kills whatever of
 ours is left (daemons by pid, slurmstepd by the SLURM_CONF in its environment), even after a
 failed start.
@@ -19,6 +19,8 @@ import subprocess
 import time
 from pathlib import Path
 
+from services import free_port
+
 BINARIES = ("munged", "slurmctld", "slurmd", "scontrol", "sbatch", "squeue", "sinfo", "scancel")
 
 
@@ -27,14 +29,7 @@ def missing_binaries() -> list[str]:
 
 
 def _free_ports(n: int) -> list[int]:
-    socks = [socket.socket() for _ in range(n)]
-    try:
-        for s in socks:
-            s.bind(("127.0.0.1", 0))
-        return [s.getsockname()[1] for s in socks]
-    finally:
-        for s in socks:
-            s.close()
+    return [free_port() for _ in range(n)]
 
 
 def _which(name: str) -> str:
