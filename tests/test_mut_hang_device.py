@@ -10,6 +10,7 @@ answers nothing during the all_reduce hang).
 
 from __future__ import annotations
 
+import polars as pl
 import pytest
 from levels_helpers import allocations, cfg_with, gpu_rows, play
 from test_levels import _hang_ticks
@@ -199,3 +200,68 @@ def test_figures_of_a_waiting_phase_read_from_its_gpus():
     assert f.summary.startswith("job looks hung from its GPUs (L0): 8 of 8 GPUs spin at 90% util on 116.0 W (busy: 600.0 W) for 25 s; every GPU waits alike")
     assert (f.evidence["waiting_util_median"], f.evidence["waiting_sm_active_median"], f.node, f.gpu, f.cause) == (0.9, 0.35, None, None, None)
     assert isinstance(f.evidence["stalled_seconds"], float) and isinstance(f.evidence["hold_seconds"], float)
+
+
+# --- round 7: the rest of round 6's survivors (summary wording, finding fields, DBE evidence) ----
+
+
+def test_a_double_bit_ecc_error_on_the_culprits_node_is_hardware_evidence():
+    """accelerate#3104's shape with a double-bit ECC event (no XID number) on n0 during the hang:
+    the cause is hardware, and no XID is listed."""
+    reading = lambda t, g: BUSY if t <= 100 else ({"util_ratio": 0.0, "power_w": 90.0} if g == 3 else SPIN)  # noqa: E731
+    f = _first_page(reading, events={110: _xid(110.0, kind="ecc_dbe", xid=None)}, seconds=130)
+    assert (f.ts, f.cause, f.evidence["xids"], f.culprit_ranks) == (126.0, "hardware", [], [3])
+
+
+def test_every_field_of_a_single_culprit_finding():
+    """The fields the alert and the scheduler read: job, ranks, culprit, node, GPU, source."""
+    f = _first_page(_phases(BUSY, SPIN, odd={3: {"util_ratio": 0.0, "power_w": 90.0}}))
+    assert (f.job, f.ranks, f.culprit_ranks, f.node, f.gpu, f.source, f.severity.value) == ("job", [3], [3], "n0", 3, "hang_device", "page")
+
+
+def test_a_silent_gpu_is_named_gone_in_the_summary():
+    """returnn#1484: the lost GPU answers nothing; the summary says why it is the culprit."""
+    f = _first_page(_phases(BUSY, SPIN, odd={5: {"util_ratio": None, "power_w": None}}))
+    assert f.summary.endswith("rank 5 (n0 GPU 5) differ(s) (no telemetry: the GPU is gone).")
+
+
+@pytest.mark.parametrize(
+    ("culprits", "listed"),
+    [
+        (2, "rank 0 (n0 GPU 0), rank 1 (n0 GPU 1) differ(s)"),
+        (4, "rank 0 (n0 GPU 0), rank 1 (n0 GPU 1), rank 2 (n0 GPU 2), rank 3 (n0 GPU 3) differ(s)"),
+        (5, "rank 0 (n0 GPU 0), rank 1 (n0 GPU 1), rank 2 (n0 GPU 2), rank 3 (n0 GPU 3) and more differ(s)"),
+    ],
+)
+def test_the_summary_lists_four_culprits_then_says_there_are_more(culprits, listed):
+    """A 12-GPU job whose first `culprits` ranks sit at util 0 while the rest spin."""
+    absent = {g: {"util_ratio": 0.0, "power_w": 90.0} for g in range(culprits)}
+    f = _first_page(_phases(BUSY, SPIN, odd=absent), gpus=12)
+    assert f.summary.endswith(f"; {listed} (util 0: its rank never entered the collective).")
+
+
+def test_a_one_gpu_job_is_judged_when_min_gpus_allows_it():
+    """An operator who sets `min_gpus: 1` gets single-GPU jobs judged (a kernel spinning at full
+    util on idle power): the detector must page for it, not fail on a job of one row."""
+    f = _first_page(_phases(BUSY, SPIN), gpus=1, cfg={"min_gpus": 1})
+    assert (f.job, f.culprit_ranks, f.evidence["gpus"]) == ("job", [], 1)
+
+
+def _two_jobs(first_hangs_at, second_hangs_at, names):
+    """Jobs `names[0]` on n0 and `names[1]` on n1 (4 GPUs each) train at 600 W, then spin from the
+    given seconds on."""
+    alloc = pl.concat([allocations(names[0], [("n0", g) for g in range(4)]), allocations(names[1], [("n1", g) for g in range(4)])])
+    for t in range(1, 121):
+        rows = [{"node": n, "gpu": g, **(SPIN if t >= start else BUSY)} for n, start in (("n0", first_hangs_at), ("n1", second_hangs_at)) for g in range(4)]
+        yield float(t), {"gpu_samples": gpu_rows(float(t), rows), "allocations": alloc}
+
+
+@pytest.mark.parametrize("names", [("a", "b"), ("b", "a")])
+def test_a_job_still_under_its_hold_does_not_hide_another_that_is_past_it(names):
+    """Two jobs spin at once: the one on n1 since t=61 pages at t=86 although the one on n0
+    (since t=81) is not yet past its hold on that tick (the page repeats each tick while it lasts); n0's
+    first page is at t=106. Both name orders."""
+    first = {}
+    for f in play(DeviceHangDetector(), _two_jobs(81, 61, names)):
+        first.setdefault(f.job, f.ts)
+    assert first == {names[1]: 86.0, names[0]: 106.0}
