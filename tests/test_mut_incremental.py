@@ -131,7 +131,9 @@ def _drive(ticks: list[tuple[float, list[dict], dict[str, float | None]]], expec
 def test_late_rows_and_ties_keep_oldest_and_newest_by_time_then_arrival():
     """H200 ramp values, constructed times: each tick brings its own rows plus, for one key, a row
     from 1.5 s ago (older than that key's newest), a tick where a key's only row is late (its
-    newest must not move), rows at the same instant as the key's newest (the later arrival wins)
+    newest must not move; at t=15 it is newer than the newest, at t=18 older), a tick where a key's
+    only row has the instant of its newest (t=17: the later arrival is the newest), rows at the same
+    instant as the key's newest (the later arrival wins)
     and a late row older than the key's oldest in the look-back (it becomes the oldest), a late row
     at exactly the key's oldest instant (the earlier arrival stays the oldest), and late
     rows that arrive already below the look-back (never counted, so never subtracted)."""
@@ -141,12 +143,16 @@ def test_late_rows_and_ties_keep_oldest_and_newest_by_time_then_arrival():
         now = float(t)
         rows = []
         for rank in (0, 1):
-            if not (t == 15 and rank == 1):
+            if not (t in (15, 17, 18) and rank == 1):
                 rows.append(_row(now, "a", rank, next(seq)))
         if t % 3 == 0:
             rows.append(_row(now - 1.5, "a", 0, next(seq)))  # late: older than the key's newest
         if t == 15:
             rows.append(_row(now - 0.5, "a", 1, next(seq)))  # rank 1's only row is late
+        if t == 17:
+            rows.append(_row(now - 1.0, "a", 1, next(seq)))  # rank 1's only row, at its newest instant: the later arrival is the newest
+        if t == 18:
+            rows.append(_row(now - 2.5, "a", 1, next(seq)))  # rank 1's only row, older than its newest: the newest does not move
         if t % 4 == 0:
             rows.append(_row(now - 1.0, "a", 1, next(seq)))  # same instant as the previous tick's newest
             rows.append(_row(now, "a", 1, next(seq)))  # same instant as this tick's newest, arrives later
@@ -386,3 +392,33 @@ def _check_median(vals: np.ndarray, valid: np.ndarray) -> None:
         assert n[r] == len(xs)
         want = pl.Series(xs, dtype=pl.Float64).median() if xs else None
         assert (np.isnan(med[r]) and want is None) or med[r] == want, (r, xs, med[r], want)
+
+
+def test_a_requeue_and_a_new_start_on_the_same_tick_both_rebuild():
+    """H200 ramp values, constructed jobs: on one tick (t=12) job a is requeued (its start moves
+    from 0 to 11) and job b, already holding rows, is first given a start (8): both jobs' rows must
+    be rebuilt from the window on that tick, neither one hiding the other."""
+    ticks = []
+    seq = itertools.count()
+    for t in range(1, 30):
+        now = float(t)
+        starts: dict[str, float | None] = {"a": 11.0 if t >= 12 else 0.0}
+        if t >= 12:
+            starts["b"] = 8.0
+        rows = [_row(now - 0.25 * rank, job, rank, next(seq)) for job in ("a", "b") for rank in (0, 1)]
+        ticks.append((now, rows, starts))
+    _drive(ticks, expect_steps=28)
+
+
+def test_first_rows_of_keys_with_no_row_left_is_an_empty_frame_of_the_declared_columns():
+    """The band look-up asked for a key none of whose rows is in the look-back any more: no row,
+    but the columns its callers join and read (`job`, `rank`, `_f_ts`, `_f_<value>`), typed."""
+    window = Window({"allocator_stats": HORIZON})
+    window.add("allocator_stats", pl.DataFrame([_row(float(t), "a", 0, t) for t in range(1, 5)], schema=schemas.ALLOCATOR_STATS))
+    window.seal(30.0)
+    rows = SlidingRows("allocator_stats", W, WARMUP)
+    rows.sync(window)
+    got = rows.first_rows(window, pl.DataFrame({"job": ["a"], "rank": [0]}, schema={"job": pl.Utf8, "rank": pl.Int32}), {"gap": pl.col("reserved_bytes")})
+    assert got.height == 0
+    assert got.columns == ["job", "rank", "_f_ts", "_f_gap"]
+    assert got.schema["job"] == pl.Utf8 and got.schema["rank"] == pl.Int32 and got.schema["_f_ts"] == pl.Float64
