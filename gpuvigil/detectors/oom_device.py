@@ -141,11 +141,18 @@ class DeviceOomPredictor:
             .sort(["tto", "job", "rank"])
         )
         # Foreign growth on a job's GPU also counts when the job's own footprint is flat.
+        # Its rate is spread over the whole fit window (a one-off allocation by another process is
+        # damped, not extrapolated); every GPU of the job is judged and the nearest to OOM named.
+        span = max(c.fit_window_seconds, 1.0)
         foreign = (
             per.filter(pl.col("has_procs") & ((pl.col("f_last") - pl.col("f_start")) >= c.min_growth_bytes))
             .with_columns(
+                ((pl.col("f_last") - pl.col("f_start")) / span).alias("rate"),
                 (pl.col("capacity") - c.safety_margin_bytes - pl.col("gpu_used")).alias("headroom"),
             )
+            .with_columns(pl.when(pl.col("rate") > 0).then(pl.col("headroom").clip(lower_bound=0) / pl.col("rate")).otherwise(float("inf")).alias("tto"))
+            .filter(pl.col("tto") <= c.predict_horizon_seconds)
+            .sort(["tto", "job", "rank"])
         )
         findings = []
         seen = set()
@@ -156,11 +163,7 @@ class DeviceOomPredictor:
             findings.append(self._finding(now, w, rows.height, "foreign_process" if is_foreign else "leak", float(w["rate"]), float(w["tto"])))
         for rows in foreign.filter(~pl.col("job").is_in(list(seen))).partition_by("job", maintain_order=True) if foreign.height else []:
             w = rows.row(0, named=True)
-            span = max(c.fit_window_seconds, 1.0)
-            rate = float(w["f_last"] - w["f_start"]) / span
-            tto = max(float(w["headroom"]), 0.0) / rate if rate > 0 else float("inf")
-            if tto <= c.predict_horizon_seconds:
-                findings.append(self._finding(now, w, rows.height, "foreign_process", rate, tto))
+            findings.append(self._finding(now, w, rows.height, "foreign_process", float(w["rate"]), float(w["tto"])))
         return findings
 
     def _finding(self, now: float, w: dict, n_at_risk: int, cause: str, rate: float, tto: float) -> Finding:
