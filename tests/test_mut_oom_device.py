@@ -213,31 +213,46 @@ def test_a_fall_larger_than_drop_bytes_starts_the_envelope_over(extra, ticks):
 
 
 def test_another_process_growing_next_to_a_flat_job_with_every_field():
-    """Another process (no job) on rank 1's GPU adds 2 GiB every 4 s while the job stays flat. Its
-    growth is spread over the whole 110 s fit window: at t=12 (6 GiB) the time to OOM first falls
-    under the 30 min horizon: 92.3 GiB left / (6 GiB / 110 s) = 1692.8 s, a ticket."""
+    """Another process (no job) on rank 1's GPU adds 2 GiB every 4 s (30 GiB/min) while the job
+    stays flat. Its growth is fitted from its own steps as the job's is: at t=24 its steps at
+    t=4, 8, ..., 24 (6 steps) span min_span_seconds (20 s): rate (12 − 2) GiB / 20 s = 2^29 B/s
+    = 30 GiB/min; the GPU holds BASE + 12 GiB = 56337891328 B, headroom 150109880320 − 1 GiB −
+    56337891328 = 92698247168 B = 86.33 GiB; time to OOM 92698247168 / 2^29 = 172.6639404296875 s
+    exactly (2.9 min): a page. (Spread over the 110 s fit window, as before the fix, it read
+    +3.27 GiB/min and 28.2 min, a ticket, with OOM about 3 min away.)"""
     t, [f] = _first(DeviceOomPredictor(), _ticks(_flat, foreign=lambda t: int(t // 4) * 2 * GIB, seconds=30))
-    assert t == 12
-    assert (f.severity, f.ts, f.job, f.ranks, f.node, f.gpu, f.cause, f.source) == (Severity.TICKET, 12.0, "llama", [1], "n3", 6, "foreign_process", "oom_device")
+    assert t == 24
+    assert (f.severity, f.ts, f.job, f.ranks, f.node, f.gpu, f.cause, f.source) == (Severity.PAGE, 24.0, "llama", [1], "n3", 6, "foreign_process", "oom_device")
     assert f.evidence == {
         **LEAK_EVIDENCE,
-        "time_to_oom_seconds": 1692.8,  # 99140698112 B / (6 GiB / 110 s) = 1692.77 s
-        "growth_bytes_per_second": 58567736,  # 6442450944 / 110 = 58567735.85
+        "time_to_oom_seconds": 172.7,  # 92698247168 B / 2^29 B/s = 172.66 s
+        "growth_bytes_per_second": 1 << 29,  # 10 GiB / 20 s
         "footprint_bytes": BASE,
-        "segment_steps": 0,
+        "gpu_used_bytes": BASE + 12 * GIB,
+        "headroom_bytes": 92698247168,
+        "segment_steps": 6,  # the other process's steps the rate is fitted from
     }
+    assert f.evidence["time_to_oom_seconds"] < 300
     assert f.summary == (
-        "llama rank 1 (n3 GPU 6) will run out of GPU memory in about 28.2 min (L0, device memory): another process on the GPU "
-        "is taking more and more memory, +3.27 GiB/min, 92.3 GiB left; " + NOT_AT_L0 + ".")
+        "llama rank 1 (n3 GPU 6) will run out of GPU memory in about 2.9 min (L0, device memory): another process on the GPU "
+        "is taking more and more memory, +30.00 GiB/min, 86.3 GiB left; " + NOT_AT_L0 + ".")
+
+
+@pytest.mark.parametrize("seconds", [30, 110])
+def test_a_one_off_allocation_by_another_process_is_no_trend(seconds):
+    """Another process allocates 8 GiB once at t=8 next to a flat job: one step of its envelope,
+    not min_rises (3), so no rate is fitted and nothing is predicted, however long it then stays."""
+    assert _first(DeviceOomPredictor(), _ticks(_flat, foreign=lambda t: 8 * GIB if t >= 8 else 0, seconds=seconds)) == (None, [])
 
 
 def test_what_another_process_held_before_the_window_is_not_its_growth():
-    """The same process already holding 4 GiB at t=1: its growth is still 6 GiB at t=12 (6 GiB /
-    110 s), against 4 GiB less headroom: 94845730816 B / 58567735.85 B/s = 1619.4 s."""
+    """The same process already holding 4 GiB at t=1: its steps (t=4..24) and rate (2^29 B/s) are
+    the same, against 4 GiB less headroom: 92698247168 − 4 GiB = 88403279872 B; / 2^29 B/s =
+    164.6639404296875 s exactly."""
     t, [f] = _first(DeviceOomPredictor(), _ticks(_flat, foreign=lambda t: 4 * GIB + int(t // 4) * 2 * GIB, seconds=30))
     ev = f.evidence
     assert (t, f.cause, ev["gpu_used_bytes"], ev["headroom_bytes"], ev["growth_bytes_per_second"], ev["time_to_oom_seconds"]) == (
-        12, "foreign_process", BASE + 10 * GIB, 94845730816, 58567736, 1619.4)
+        24, "foreign_process", BASE + 16 * GIB, 88403279872, 1 << 29, 164.7)
 
 
 @pytest.mark.parametrize(
@@ -306,8 +321,9 @@ SHORT = CAPACITY - 1 * GIB + (1 << 29)  # half a GiB into the safety margin
     [
         # the leak reaches SHORT at t=24
         (lambda t: SHORT - (6 - int(t // 4)) * GIB, None, "leak", "+15.00", 24),
-        # another process jumps to SHORT − BASE at t=8: 98.83 GiB over the 110 s window
-        (_flat, lambda t: SHORT - BASE if t >= 8 else 0, "foreign_process", "+53.91", 8),
+        # another process next to a flat job reaches SHORT − BASE at t=24 in 1 GiB steps every 4 s:
+        # 5 GiB from its first step (t=4) to its last (t=24) / 20 s
+        (_flat, lambda t: SHORT - BASE - (6 - int(t // 4)) * GIB, "foreign_process", "+15.00", 24),
     ],
 )
 def test_a_gpu_already_inside_its_safety_margin_pages_with_no_time_left(rank1, foreign, cause, rate, at):
@@ -327,9 +343,10 @@ def test_per_process_rows_without_memory_read_as_fb_used_only():
 
 
 def test_a_process_of_another_job_on_the_gpu_is_foreign():
-    """A process attributed to another job (a shared GPU) grows on rank 1's GPU: foreign_process."""
+    """A process attributed to another job (a shared GPU) grows on rank 1's GPU: foreign_process
+    (the figures of test_another_process_growing_next_to_a_flat_job_with_every_field)."""
     t, [f] = _first(DeviceOomPredictor(), _ticks(_flat, foreign=lambda t: int(t // 4) * 2 * GIB, foreign_job="other", seconds=30))
-    assert (t, f.job, f.ranks, f.cause, f.evidence["footprint_bytes"], f.evidence["time_to_oom_seconds"]) == (12, "llama", [1], "foreign_process", BASE, 1692.8)
+    assert (t, f.job, f.ranks, f.cause, f.evidence["footprint_bytes"], f.evidence["time_to_oom_seconds"]) == (24, "llama", [1], "foreign_process", BASE, 172.7)
 
 
 def test_a_one_gpu_job_is_watched_too():
@@ -350,14 +367,21 @@ def test_a_tick_without_the_process_list_reads_the_gpus_used_memory():
 HELD = CAPACITY - 2 * GIB - BASE - 8 * GIB  # another tenant's server on rank 1's GPU: 88.3 GiB
 
 
-@pytest.mark.parametrize("growth, first", [(GIB, 8), (GIB - (1 << 20), None)])
+def _held_growing(growth):
+    """The process holding HELD grows by `growth` in 3 steps: 512 MiB at t=4, 256 MiB at t=36 and
+    the rest at t=68 (3 steps over 64 s); its rate is its growth after the first step / 64 s."""
+    return lambda t: HELD + (t >= 4) * (1 << 29) + (t >= 36) * (1 << 28) + (t >= 68) * (growth - 3 * (1 << 28))
+
+
+@pytest.mark.parametrize("growth, first", [(GIB, 68), (GIB - (1 << 20), None)])
 def test_another_process_must_grow_by_min_growth_bytes(growth, first):
-    """A process already holding HELD grows by `growth` at t=8, leaving 8 GiB of headroom: by
-    min_growth_bytes (1 GiB) it is a finding (8 GiB / (1 GiB / 110 s) = 880 s, a page), by 1 MiB
-    less it is not, however close to full the GPU is."""
-    t, found = _first(DeviceOomPredictor(), _ticks(_flat, foreign=lambda t: HELD + (growth if t >= 8 else 0), seconds=30))
+    """The process grows by `growth`, leaving 8 GiB of headroom at t=68: by min_growth_bytes
+    (1 GiB) it is a finding (rate 512 MiB / 64 s = 2^23 B/s: 8 GiB / 2^23 B/s = 1024 s, a
+    ticket), by 1 MiB less (its last step still a rise of 255 MiB) it is not, however close to
+    full the GPU is."""
+    t, found = _first(DeviceOomPredictor(), _ticks(_flat, foreign=_held_growing(growth), seconds=70))
     figures = [(f.cause, f.severity, f.evidence["headroom_bytes"], f.evidence["time_to_oom_seconds"]) for f in found]
-    assert (t, figures) == (first, [("foreign_process", Severity.PAGE, 8 * GIB, 880.0)] if first else [])
+    assert (t, figures) == (first, [("foreign_process", Severity.TICKET, 8 * GIB, 1024.0)] if first else [])
 
 
 def test_with_min_growth_bytes_0_a_gpu_where_nothing_grows_is_no_finding():
@@ -366,12 +390,12 @@ def test_with_min_growth_bytes_0_a_gpu_where_nothing_grows_is_no_finding():
     assert _first(DeviceOomPredictor(cfg_with("oom_device", min_growth_bytes=0)), _ticks(_flat, foreign=lambda t: 2 * GIB, seconds=30)) == (None, [])
 
 
-@pytest.mark.parametrize("horizon, first", [(1024.0, 8), (math.nextafter(1024.0, 0.0), None)])
+@pytest.mark.parametrize("horizon, first", [(1024.0, 68), (math.nextafter(1024.0, 0.0), None)])
 def test_another_processs_growth_is_a_finding_up_to_predict_horizon_seconds(horizon, first):
-    """The process above, fitted over 128 s: 8 GiB / (1 GiB / 128 s) = 1024 s exactly to OOM: a
+    """The process above growing by 1 GiB: 8 GiB / 2^23 B/s = 1024 s exactly to OOM at t=68: a
     finding with the horizon at 1024 s, none just under it."""
-    cfg = cfg_with("oom_device", fit_window_seconds=128.0, predict_horizon_seconds=horizon)
-    t, found = _first(DeviceOomPredictor(cfg), _ticks(_flat, foreign=lambda t: HELD + (GIB if t >= 8 else 0), seconds=30))
+    cfg = cfg_with("oom_device", predict_horizon_seconds=horizon)
+    t, found = _first(DeviceOomPredictor(cfg), _ticks(_flat, foreign=_held_growing(GIB), seconds=70))
     assert (t, [(f.cause, f.severity, f.evidence["time_to_oom_seconds"]) for f in found]) == (first, [("foreign_process", Severity.TICKET, 1024.0)] if first else [])
 
 
@@ -388,9 +412,11 @@ def _foreign_on_both_gpus():
 
 
 def test_foreign_growth_on_two_gpus_names_the_one_nearest_to_oom_every_time():
-    """The GPU nearer to OOM (GPU 6, growing twice as fast) is judged and named on every run, the
-    first tick its time to OOM is within the horizon (t=12); GPU 5, still beyond the horizon, is
-    not counted at risk. Before the fix the foreign path judged whichever GPU `group_by` put first,
-    so the warning came at t=12, 13, 16 or 17 from one run to the next."""
-    runs = {(t, tuple((f.gpu, f.cause, f.evidence["ranks_at_risk"]) for f in found)) for t, found in (_first(DeviceOomPredictor(), _foreign_on_both_gpus()) for _ in range(10))}
-    assert runs == {(12, ((6, "foreign_process", 1),))}
+    """The GPU nearer to OOM (GPU 6, growing twice as fast) is judged and named on every run. Both
+    processes' growth is fitted from their own steps (t=4, 8, ..., 24), so both become a trend
+    together at t=24 (6 steps over min_span_seconds), not at t=12 as when the growth was spread
+    over the fit window: GPU 6 (2^29 B/s, BASE + 12 GiB held) is 172.66 s from OOM, GPU 5 (2^28 B/s,
+    BASE + 6 GiB held) 369.33 s, both within the horizon, so both are counted at risk. Before the
+    ranking fix the foreign path judged whichever GPU `group_by` put first (from run to run)."""
+    runs = {(t, tuple((f.gpu, f.cause, f.evidence["ranks_at_risk"], f.evidence["time_to_oom_seconds"]) for f in found)) for t, found in (_first(DeviceOomPredictor(), _foreign_on_both_gpus()) for _ in range(10))}
+    assert runs == {(24, ((6, "foreign_process", 2, 172.7),))}

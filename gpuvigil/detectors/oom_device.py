@@ -12,7 +12,9 @@ to OOM = headroom / rate, where headroom = capacity (total − driver-reserved) 
 what the GPU holds now.
 
 Cause: another process on the GPU whose memory grows (per-process memory only) = foreign
-process; else leak/capacity. Fragmentation cannot be seen at L0: a fragmenting pool also adds
+process; else leak/capacity. The other processes' memory on a job's GPU is followed the same way
+(its own envelope, steps, span and rate), so it warns next to a flat job too, while a single
+one-off allocation by another process is no trend. Fragmentation cannot be seen at L0: a fragmenting pool also adds
 segments, and only the allocator's own statistics (L2) tell reserved-but-unallocated apart.
 """
 
@@ -108,52 +110,46 @@ class DeviceOomPredictor:
         df = df.with_columns((pl.col("own").diff().over(key) < -c.drop_bytes).fill_null(False).cum_sum().over(key).alias("seg"))
         df = df.filter(pl.col("seg") == pl.col("seg").max().over(key))
         df = df.with_columns(pl.col("own").cum_max().over(key).alias("env"), pl.col("foreign").fill_null(0).cum_max().over(key).alias("fenv"))
-        df = df.with_columns((pl.col("env").diff().over(key).fill_null(0) > c.rise_bytes).alias("rise"))
+        df = df.with_columns(*((pl.col(e).diff().over(key).fill_null(0) > c.rise_bytes).alias(f"{e}_rise") for e in ("env", "fenv")))
         per = df.group_by(key).agg(
-            pl.col("rise").sum().alias("rises"),
-            pl.col("ts").filter(pl.col("rise")).min().alias("t_first"),
-            pl.col("ts").filter(pl.col("rise")).max().alias("t_last"),
-            pl.col("env").filter(pl.col("rise")).min().alias("env_first"),
-            pl.col("env").last().alias("env_last"),
+            *_steps("env"),
+            *_steps("fenv"),
             pl.col("env").first().alias("env_start"),
-            pl.col("fenv").first().alias("f_start"),
-            pl.col("fenv").last().alias("f_last"),
+            pl.col("fenv").first().alias("fenv_start"),
             pl.col("foreign").is_not_null().any().alias("has_procs"),
             pl.col("gpu_used").last().alias("gpu_used"),
             pl.col("capacity").last().alias("capacity"),
             pl.col("own").last().alias("own_now"),
+        ).with_columns(
+            (pl.col("env_last") - pl.col("env_start")).alias("growth"),
+            (pl.col("fenv_last") - pl.col("fenv_start")).alias("f_growth"),
+            (pl.col("capacity") - c.safety_margin_bytes - pl.col("gpu_used")).alias("headroom"),
         )
-        fits = (
-            per.with_columns(
-                ((pl.col("env_last") - pl.col("env_first")) / (pl.col("t_last") - pl.col("t_first"))).alias("rate"),
-                (pl.col("env_last") - pl.col("env_start")).alias("growth"),
-                (pl.col("f_last") - pl.col("f_start")).alias("f_growth"),
-                (pl.col("capacity") - c.safety_margin_bytes - pl.col("gpu_used")).alias("headroom"),
+
+        def trend(e: str, growth: pl.Expr) -> pl.DataFrame:
+            """The GPUs where envelope `e` (the job's own, or the other processes') has risen in
+            at least min_rises steps over at least min_span_seconds and by min_growth_bytes, within
+            the horizon: rate = its rise from the first step to now / the first to last step's time
+            apart; nearest to OOM first."""
+            rate = (pl.col(f"{e}_last") - pl.col(f"{e}_first")) / (pl.col(f"{e}_t_last") - pl.col(f"{e}_t_first"))
+            return (
+                per.with_columns(rate.alias("rate"), pl.col(f"{e}_rises").alias("rises"))
+                .with_columns((pl.col("headroom").clip(lower_bound=0) / pl.col("rate")).alias("tto"))
+                .filter(
+                    (pl.col("rises") >= c.min_rises)
+                    & (pl.col(f"{e}_t_last") - pl.col(f"{e}_t_first") >= c.min_span_seconds)
+                    & (growth >= c.min_growth_bytes)
+                    & (pl.col("rate") > 0)
+                    & (pl.col("tto") <= c.predict_horizon_seconds)
+                )
+                .sort(["tto", "job", "rank"])
             )
-            .with_columns((pl.col("headroom").clip(lower_bound=0) / pl.col("rate")).alias("tto"))
-            .filter(
-                (pl.col("rises") >= c.min_rises)
-                & (pl.col("t_last") - pl.col("t_first") >= c.min_span_seconds)
-                & (pl.col("growth") >= c.min_growth_bytes)
-                & (pl.col("rate") > 0)
-                & (pl.col("tto") <= c.predict_horizon_seconds)
-            )
-            .sort(["tto", "job", "rank"])
-        )
-        # Foreign growth on a job's GPU also counts when the job's own footprint is flat.
-        # Its rate is spread over the whole fit window (a one-off allocation by another process is
-        # damped, not extrapolated); every GPU of the job is judged and the nearest to OOM named.
-        span = max(c.fit_window_seconds, 1.0)
-        foreign = (
-            per.filter(pl.col("has_procs") & ((pl.col("f_last") - pl.col("f_start")) >= c.min_growth_bytes))
-            .with_columns(
-                ((pl.col("f_last") - pl.col("f_start")) / span).alias("rate"),
-                (pl.col("capacity") - c.safety_margin_bytes - pl.col("gpu_used")).alias("headroom"),
-            )
-            .with_columns(pl.when(pl.col("rate") > 0).then(pl.col("headroom").clip(lower_bound=0) / pl.col("rate")).otherwise(float("inf")).alias("tto"))
-            .filter(pl.col("tto") <= c.predict_horizon_seconds)
-            .sort(["tto", "job", "rank"])
-        )
+
+        fits = trend("env", pl.col("growth"))
+        # Another process's growth on a job's GPU also counts when the job's own footprint is
+        # flat, fitted the same way from its own steps (a one-off allocation is no trend); every
+        # GPU of the job is judged and the nearest to OOM named.
+        foreign = trend("fenv", pl.col("f_growth")).filter(pl.col("has_procs"))
         findings = []
         seen = set()
         for rows in fits.partition_by("job", maintain_order=True):
@@ -202,3 +198,16 @@ class DeviceOomPredictor:
                 f"{what}, +{rate / GIB * 60:.2f} GiB/min, {max(w['headroom'], 0) / GIB:.1f} GiB left; {NOT_AT_L0}."
             ),
         )
+
+
+def _steps(e: str) -> list[pl.Expr]:
+    """Envelope `e`'s upward steps (column `{e}_rise`): how many, when the first and the last
+    came, the envelope right after the first, and the envelope now."""
+    rise = pl.col(f"{e}_rise")
+    return [
+        rise.sum().alias(f"{e}_rises"),
+        pl.col("ts").filter(rise).min().alias(f"{e}_t_first"),
+        pl.col("ts").filter(rise).max().alias(f"{e}_t_last"),
+        pl.col(e).filter(rise).min().alias(f"{e}_first"),
+        pl.col(e).last().alias(f"{e}_last"),
+    ]
