@@ -24,6 +24,7 @@ from pathlib import Path
 
 import numpy as np
 import polars as pl
+import pytest
 
 from gpuvigil import schemas
 from gpuvigil.detectors.fragmentation_allocator import AllocatorFragmentationDetector
@@ -191,11 +192,12 @@ def test_many_samples_at_one_instant_keep_arrival_order():
     _drive(ticks, every=2)
 
 
-def test_a_row_stamped_ahead_of_the_pipeline_clock_is_found_by_the_last_pass():
-    """H200 ramp values, constructed times: rank 0's row stamped 60 s ahead of the pipeline's
-    clock (a node whose clock runs ahead) is included (ts >= now - W, no upper bound). When the
-    key's older rows leave, its next-oldest row lies beyond every band below 4 W, so only the
-    last pass (every row above now - W) finds it."""
+@pytest.mark.parametrize("ahead", [60.0, 200.0])
+def test_a_row_stamped_ahead_of_the_pipeline_clock_is_found_by_the_last_pass(ahead):
+    """H200 ramp values, constructed times: rank 0's row stamped 60 s or 200 s ahead of the
+    pipeline's clock (a node whose clock runs ahead) is included (ts >= now - W, no upper bound).
+    When the key's older rows leave, its next-oldest row lies beyond every band below 4 W, so only
+    the last pass (every row above now - W, not only those in its band of 128 s) finds it."""
     ticks = []
     for t in range(1, 20):
         now = float(t)
@@ -203,7 +205,7 @@ def test_a_row_stamped_ahead_of_the_pipeline_clock_is_found_by_the_last_pass():
         if t <= 3:
             rows.append(_row(now, "a", 0, 100 + t))
         if t == 3:
-            rows.append(_row(now + 60.0, "a", 0, 200))
+            rows.append(_row(now + ahead, "a", 0, 200))
         ticks.append((now, rows, {}))
     _drive(ticks, expect_steps=15)
 
@@ -422,3 +424,54 @@ def test_first_rows_of_keys_with_no_row_left_is_an_empty_frame_of_the_declared_c
     assert got.height == 0
     assert got.columns == ["job", "rank", "_f_ts", "_f_gap"]
     assert got.schema["job"] == pl.Utf8 and got.schema["rank"] == pl.Int32 and got.schema["_f_ts"] == pl.Float64
+
+
+def test_a_first_job_listed_after_none_and_then_none_again_rebuild():
+    """H200 ramp values, constructed jobs: the scheduler lists no job at first (an empty snapshot),
+    then job b with a start of 8 s while it already holds rows (its rows before start + warm-up
+    leave the state), then no job again (they count again)."""
+    ticks = []
+    seq = itertools.count()
+    for t in range(1, 30):
+        now = float(t)
+        starts: dict[str, float | None] = {"b": 8.0} if 12 <= t < 20 else {}
+        ticks.append((now, [_row(now - 0.25 * rank, "b", rank, next(seq)) for rank in (0, 1)], starts))
+    _drive(ticks, expect_steps=25)
+
+
+def test_ring_grows_rather_than_overwrite_a_row_exactly_at_keep_from():
+    """Constructed rows: a full ring of two whose oldest row is exactly at keep_from is still
+    needed (ts >= keep_from), so the third row makes the ring grow instead of overwriting it."""
+    ring = KeyRing(["x"], [], capacity=2)
+    ring.key_index(pl.DataFrame({"job": ["a"], "rank": [0]}, schema={"job": pl.Utf8, "rank": pl.Int32}))
+    ring.insert(np.array([0, 0]), np.array([1.0, 2.0]), {"x": np.array([1.0, 2.0])}, {}, keep_from=0.0)
+    ring.insert(np.array([0]), np.array([3.0]), {"x": np.array([3.0])}, {}, keep_from=1.0)
+    assert _unrolled(ring, 0) == [1.0, 2.0, 3.0] and ring.cap == 4
+
+
+def test_ring_newest_of_several_late_keys_each_its_own():
+    """Constructed rows: three keys whose latest write is older than lo. Key 0's newest valid row
+    is its second (ts 6), key 1's its first (ts 5), key 2 has none (-1): each key's own answer,
+    not one slot for all."""
+    ring = KeyRing(["x"], [], capacity=4)
+    ring.key_index(pl.DataFrame({"job": ["a", "a", "a"], "rank": [0, 1, 2]}, schema={"job": pl.Utf8, "rank": pl.Int32}))
+    key = np.array([0, 0, 0, 1, 1, 1, 2, 2])
+    ts = np.array([5.0, 6.0, 1.0, 5.0, 1.0, 1.0, 1.0, 1.0])
+    ring.insert(key, ts, {"x": ts}, {}, keep_from=0.0)
+    rows = np.array([0, 1, 2])
+    j = ring.newest(rows, ring.valid(rows, np.array([4.0, 4.0, 4.0])))
+    assert j.tolist() == [1, 0, -1]
+
+
+def test_ring_newest_after_the_ring_wrapped_and_a_row_exactly_at_lo():
+    """Constructed rows: a ring of four filled (1, 2, 8, 9), then 10 and a late 3 overwrite the
+    two oldest (below keep_from): the newest valid row above lo=5 is 10 in slot 0, although slots 2
+    and 3 (8, 9) come later in the buffer. A row exactly at lo is valid."""
+    ring = KeyRing(["x"], [], capacity=4)
+    ring.key_index(pl.DataFrame({"job": ["a"], "rank": [0]}, schema={"job": pl.Utf8, "rank": pl.Int32}))
+    ring.insert(np.zeros(4, np.int64), np.array([1.0, 2.0, 8.0, 9.0]), {"x": np.zeros(4)}, {}, keep_from=0.0)
+    ring.insert(np.zeros(2, np.int64), np.array([10.0, 3.0]), {"x": np.zeros(2)}, {}, keep_from=2.5)
+    assert ring.cap == 4 and ring.ts[0].tolist() == [10.0, 3.0, 8.0, 9.0]
+    rows = np.array([0])
+    assert ring.newest(rows, ring.valid(rows, np.array([5.0]))).tolist() == [0]
+    assert ring.valid(rows, np.array([8.0])).tolist() == [[True, False, True, True]]
