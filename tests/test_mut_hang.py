@@ -231,3 +231,12 @@ def test_a_single_culprit_whose_rows_carry_no_gpu_is_paged_without_one():
     [f] = found[6]
     assert (f.culprit_ranks, f.node, f.gpu, f.severity.value) == ([2], "n0", None, "page")
     assert "rank 2 (n0) did not join" in f.summary
+
+
+def test_culprits_on_two_nodes_whose_rank_order_is_not_their_name_order():
+    """Ranks 0-3 on node n1 and 4-7 on n0 (a scheduler that numbers ranks from another node);
+    ranks 1 (n1) and 5 (n0) never enter. The finding's node is the first culprit node as
+    `evidence.culprit_nodes` lists them (name order), not the lowest culprit rank's node."""
+    swap = pl.when(pl.col("node") == "n0").then(pl.lit("n1")).otherwise(pl.lit("n0")).alias("node")
+    [f] = run(lambda t: stuck((1, 5))(t).with_columns(swap), T)[6]
+    assert (f.culprit_ranks, f.node, f.gpu, f.evidence["culprit_nodes"]) == ([1, 5], "n0", None, ["n0", "n1"])
