@@ -35,6 +35,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from benchmarks.ports import free_port
+
 DOC = Path(__file__).resolve().parent.parent / "docs" / "scale.md"
 SECTION = "scale"
 
@@ -144,19 +146,11 @@ def detect_cost(msgs: list[tuple[str, bytes, dict[str, str]]], rows: int, partit
             "bytes_per_message": sum(len(m[1]) for m in msgs) / len(msgs)}
 
 
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _nats(workdir: Path, mapping: str, name: str = "n") -> tuple[subprocess.Popen, str]:
     exe = shutil.which("nats-server")
     if exe is None:
         raise RuntimeError("nats-server not installed (make system-deps)")
-    port = _free_port()
+    port = free_port()
     conf = workdir / f"{name}.conf"
     conf.write_text(f'listen: 127.0.0.1:{port}\njetstream {{ store_dir: "{workdir / (name + "-js")}" }}\n{mapping}\n')
     proc = subprocess.Popen([exe, "-c", str(conf)], stdout=(workdir / f"{name}.log").open("w"), stderr=subprocess.STDOUT)

@@ -35,7 +35,6 @@ import random
 import re
 import shutil
 import signal
-import socket
 import statistics
 import subprocess
 import sys
@@ -48,6 +47,8 @@ from pathlib import Path
 from typing import Any
 
 import yaml
+
+from benchmarks.ports import free_port
 
 REPO = Path(__file__).resolve().parent.parent
 TRACE = REPO / "tests" / "data" / "traces" / "infinitehbd-faults-full" / "fault_trace.json"
@@ -63,12 +64,6 @@ FAULT_MAP = [
     (r"PCI link", "pcie_replay"),
     (r"Power", "power_excursion"),
 ]
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 # -- scenario -------------------------------------------------------------------------------

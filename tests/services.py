@@ -10,10 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import json
-import os
-import random
 import shutil
-import socket
 import subprocess
 import threading
 import time
@@ -26,6 +23,8 @@ from typing import Any
 import httpx
 import pytest
 import yaml
+
+from benchmarks.ports import free_port  # noqa: F401 - re-exported for the tests
 
 PROMETHEUS = "prometheus"
 ALERTMANAGER_CANDIDATES = ("prometheus-alertmanager", "alertmanager")
@@ -41,39 +40,6 @@ def binary(name: str, *alternatives: str) -> str:
             return path
     package = {"prometheus": "prometheus", "promtool": "prometheus", "amtool": "prometheus-alertmanager"}.get(name, "prometheus-alertmanager")
     pytest.skip(f"{name} not installed (Debian package {package}; `make system-deps` installs it)")
-
-
-_HANDED_OUT: set[int] = set()
-
-
-def _ephemeral_range() -> tuple[int, int]:
-    try:
-        low, high = Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()
-        return int(low), int(high)
-    except (OSError, ValueError):
-        return 32768, 60999
-
-
-def free_port() -> int:
-    """A loopback port no other test got and that is bindable now, chosen *below* the kernel's
-    ephemeral range: a port the kernel hands out itself (bind to 0) can be taken by the source end
-    of an outgoing connection -- a NATS route dialling a peer -- before our server listens on it
-    (CI failed once so: "bind: address already in use")."""
-    low, _ = _ephemeral_range()
-    floor = max(1024, low - 12000)
-    rng = random.Random(os.getpid() ^ time.monotonic_ns())
-    for _ in range(500):
-        port = rng.randrange(floor, low)
-        if port in _HANDED_OUT:
-            continue
-        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-            try:
-                s.bind(("127.0.0.1", port))
-            except OSError:
-                continue
-        _HANDED_OUT.add(port)
-        return port
-    raise RuntimeError(f"no free loopback port in {floor}..{low - 1}")
 
 
 def wait_ready(url: str, proc: subprocess.Popen | None = None, timeout: float = 30.0, log: Path | None = None) -> None:

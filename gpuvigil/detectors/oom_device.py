@@ -126,30 +126,11 @@ class DeviceOomPredictor:
             (pl.col("capacity") - c.safety_margin_bytes - pl.col("gpu_used")).alias("headroom"),
         )
 
-        def trend(e: str, growth: pl.Expr) -> pl.DataFrame:
-            """The GPUs where envelope `e` (the job's own, or the other processes') has risen in
-            at least min_rises steps over at least min_span_seconds and by min_growth_bytes, within
-            the horizon: rate = its rise from the first step to now / the first to last step's time
-            apart; nearest to OOM first."""
-            rate = (pl.col(f"{e}_last") - pl.col(f"{e}_first")) / (pl.col(f"{e}_t_last") - pl.col(f"{e}_t_first"))
-            return (
-                per.with_columns(rate.alias("rate"), pl.col(f"{e}_rises").alias("rises"))
-                .with_columns((pl.col("headroom").clip(lower_bound=0) / pl.col("rate")).alias("tto"))
-                .filter(
-                    (pl.col("rises") >= c.min_rises)
-                    & (pl.col(f"{e}_t_last") - pl.col(f"{e}_t_first") >= c.min_span_seconds)
-                    & (growth >= c.min_growth_bytes)
-                    & (pl.col("rate") > 0)
-                    & (pl.col("tto") <= c.predict_horizon_seconds)
-                )
-                .sort(["tto", "job", "rank"])
-            )
-
-        fits = trend("env", pl.col("growth"))
+        fits = _trend(per, "env", c)
         # Another process's growth on a job's GPU also counts when the job's own footprint is
         # flat, fitted the same way from its own steps (a one-off allocation is no trend); every
         # GPU of the job is judged and the nearest to OOM named.
-        foreign = trend("fenv", pl.col("f_growth")).filter(pl.col("has_procs"))
+        foreign = _trend(per.filter(pl.col("has_procs")), "fenv", c)
         findings = []
         seen = set()
         for rows in fits.partition_by("job", maintain_order=True):
@@ -211,3 +192,23 @@ def _steps(e: str) -> list[pl.Expr]:
         pl.col(e).filter(rise).min().alias(f"{e}_first"),
         pl.col(e).last().alias(f"{e}_last"),
     ]
+
+
+def _trend(per: pl.DataFrame, e: str, c: OomDeviceConfig) -> pl.DataFrame:
+    """The GPUs of `per` where envelope `e` (the job's own, or the other processes') has risen in
+    at least min_rises steps over at least min_span_seconds and by min_growth_bytes since the fit
+    window began, within the horizon: rate = its rise from the first step to now / the first to
+    last step's time apart; nearest to OOM first."""
+    span = pl.col(f"{e}_t_last") - pl.col(f"{e}_t_first")
+    return (
+        per.with_columns(((pl.col(f"{e}_last") - pl.col(f"{e}_first")) / span).alias("rate"), pl.col(f"{e}_rises").alias("rises"))
+        .with_columns((pl.col("headroom").clip(lower_bound=0) / pl.col("rate")).alias("tto"))
+        .filter(
+            (pl.col("rises") >= c.min_rises)
+            & (span >= c.min_span_seconds)
+            & (pl.col(f"{e}_last") - pl.col(f"{e}_start") >= c.min_growth_bytes)
+            & (pl.col("rate") > 0)
+            & (pl.col("tto") <= c.predict_horizon_seconds)
+        )
+        .sort(["tto", "job", "rank"])
+    )
