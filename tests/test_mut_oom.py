@@ -360,3 +360,171 @@ def test_a_rank_whose_rows_carry_no_gpu_is_predicted_without_one():
     [f] = detect(rows(SECS, grow(20.0, 125 * GIB)).with_columns(pl.lit(None, pl.Int32).alias("gpu")))
     assert (f.cause, f.ranks, f.node, f.gpu) == ("leak", [0], "n0", None)
     assert f.summary.startswith("j rank 0 (n0) will run out of GPU memory")
+
+
+# Mutation round 8 (docs/testing.md): every threshold exactly on its edge, the rebuild of a job
+# whose start moved or appeared while rows kept arriving, and state kept over ticks where another
+# process holds memory or rows arrive late. The straight lines below are binary-exact (rates of
+# 2^k bytes a second, whole seconds, footprints in whole MiB), so that the least-squares figures
+# land exactly on the thresholds rather than a rounding error away.
+
+
+def line(rate_bytes: int, last_bytes: int):
+    """A footprint growing `rate_bytes` a second that reads `last_bytes` at NOW."""
+    return lambda t: last_bytes - rate_bytes * (NOW - t)
+
+
+def test_growth_of_exactly_the_floor_is_growth():
+    """constructed: a perfect line at exactly min_growth_bytes_per_second (1 MiB/s): it is growth
+    (>=), and a floor one byte a second higher is not. (The rise and horizon floors are relaxed:
+    at 1 MiB/s the 90 s fit rises 90 MiB and the OOM is hours away.)"""
+    floor = config.defaults()["detectors"]["oom"]["min_growth_bytes_per_second"]
+    assert floor == MIB
+    df = rows(SECS, line(MIB, 125 * GIB))
+    relaxed = {"min_rise_bytes": 0, "predict_horizon_seconds": 1e6}
+    [f] = detect(df, **relaxed)
+    assert f.evidence["growth_bytes_per_second"] == MIB
+    assert detect(df, min_growth_bytes_per_second=MIB + 1, **relaxed) == []
+
+
+def test_rise_of_exactly_the_floor_is_enough():
+    """constructed: 8 MiB/s sampled each second over 64 s: the fitted rise (slope x span) is
+    exactly min_rise_bytes (512 MiB) and pages (>=); over 63 s it is 504 MiB and does not."""
+    assert config.defaults()["detectors"]["oom"]["min_rise_bytes"] == 512 * MIB
+    footprint = line(8 * MIB, 125 * GIB)
+    [f] = detect(rows([NOW - 64 + i for i in range(65)], footprint))
+    assert (f.cause, f.evidence["growth_bytes_per_second"]) == ("leak", 8 * MIB)
+    assert detect(rows([NOW - 63 + i for i in range(64)], footprint)) == []
+
+
+@pytest.mark.parametrize("seconds_left, severity", [
+    (900, "page"),  # exactly page_within_seconds: a page (<=)
+    (900 + 1 / 16, "ticket"),  # 1 MiB more headroom: a ticket
+    (1800, "ticket"),  # exactly predict_horizon_seconds: still predicted (<=)
+    (1800 + 1 / 16, None),  # 1 MiB more: beyond the horizon, no finding
+])
+def test_time_to_oom_exactly_on_the_page_and_horizon_limits(seconds_left, severity):
+    """constructed: a 16 MiB/s leak whose headroom at NOW (capacity - 1 GiB margin - footprint) is
+    exactly `seconds_left` x 16 MiB: OOM exactly 900 s away pages, exactly 1800 s away is a
+    ticket, and a MiB more headroom moves each across its limit."""
+    d = config.defaults()["detectors"]["oom"]
+    assert (d["page_within_seconds"], d["predict_horizon_seconds"], d["safety_margin_bytes"]) == (900, 1800, GIB)
+    headroom = int(seconds_left * 16 * MIB)
+    found = detect(rows(SECS, line(16 * MIB, CAP - GIB - headroom)))
+    if severity is None:
+        assert found == []
+        return
+    [f] = found
+    assert (f.severity.value, f.evidence["headroom_bytes"], f.evidence["time_to_oom_seconds"]) == (severity, headroom, round(seconds_left, 1))
+
+
+def test_r2_of_exactly_the_floor_is_a_fit():
+    """constructed: a perfect line has r² exactly 1: with min_r2 raised to 1.0 it is still a fit
+    (>=); the same line with one sample 1 MiB off is not."""
+    footprint = line(20 * MIB, 125 * GIB)
+    [f] = detect(rows(SECS, footprint), min_r2=1.0)
+    assert f.evidence["fit_r2"] == 1.0
+    bent = lambda t: footprint(t) + (MIB if t == NOW - 45 else 0)  # noqa: E731
+    assert detect(rows(SECS, bent), min_r2=1.0) == []
+
+
+@pytest.mark.parametrize("half_name", ["early", "late"])
+def test_each_half_growing_at_exactly_half_the_floor_is_growth(half_name):
+    """constructed: as test_each_half_must_grow_at_half_the_floor, with one half at exactly half
+    the 1 MiB/s floor (512 KiB/s, a binary-exact line): that is growth (>=)."""
+    half = config.defaults()["detectors"]["oom"]["min_span_seconds"] / 2
+    split = NOW - half
+    early, late = (MIB // 2, 20 * MIB) if half_name == "early" else (20 * MIB, MIB // 2)
+    footprint = lambda t: 130 * GIB + (early if t < split else late) * (t - split)  # noqa: E731
+    relaxed = {"min_r2": 0.0, "min_rise_bytes": 0, "predict_horizon_seconds": 1e6}
+    assert len(detect(rows(SECS, footprint), **relaxed)) == 1
+    slower = lambda t: 130 * GIB + (early - (half_name == "early")) * (t - split) if t < split else 130 * GIB + (late - (half_name == "late")) * (t - split)  # noqa: E731
+    assert detect(rows(SECS, slower), **relaxed) == []
+
+
+@pytest.mark.parametrize("gap_mib, cause", [(8, "leak"), (9, "fragmentation")])
+def test_retries_make_fragmentation_only_when_the_gap_outgrows_the_peaks(gap_mib, cause):
+    """constructed: peaks grow 8 MiB/s, the reserved-unallocated gap `gap_mib` MiB/s, cudaMalloc
+    was retried, and the share is raised to 0.6 so that the gap's share of the growth (50% or
+    53%) does not decide: the retries clause does. A gap growing exactly as fast as the peaks is a
+    leak (strictly faster is needed); 1 MiB/s faster is fragmentation."""
+    peak = line(8 * MIB, 120 * GIB)
+    gap = line(gap_mib * MIB, 4 * GIB)
+    df = rows(SECS, lambda t: peak(t) + gap(t), peak=peak, retries=lambda t: int(t > NOW - 10) * 3)
+    [f] = detect(df, fragmentation_share=0.6)
+    assert (f.cause, f.evidence["fragmentation_growth_bytes_per_second"], f.evidence["alloc_retries_delta"]) == (cause, gap_mib * MIB, 3)
+
+
+def tick_and_compare(df: pl.DataFrame, ticks, jobs=lambda t: None, arrived=None) -> int:
+    """Feed `df` tick by tick to one detector and, on every tick, compare its findings with a fresh
+    detector fitting the same window from scratch. `jobs(t)` is the scheduler's snapshot at t (None:
+    none); `arrived(t)` selects the rows delivered at tick t (default: stamped since the last tick).
+    Returns how many ticks had a finding (a comparison of silences alone proves little)."""
+    kept, w, prev, seen = OomPredictor(), Window(1e9), None, 0
+    for t in ticks:
+        part = df.filter(arrived(t) if arrived else ((pl.col("ts") > (prev if prev is not None else -1e9)) & (pl.col("ts") <= t)))
+        if part.height:
+            w.add("allocator_stats", part)
+        snap = jobs(t)
+        if snap is not None:
+            w.add("jobs", schemas.frame(snap, schemas.JOBS))
+        w.seal(float(t))
+        mine, fresh = kept.detect(w), OomPredictor().detect(w)
+        assert [(f.job, f.cause, f.ranks, f.severity, f.evidence) for f in mine] == [(f.job, f.cause, f.ranks, f.severity, f.evidence) for f in fresh], t
+        seen += bool(mine)
+        prev = t
+    return seen
+
+
+def uneven(base: float, rate_mib: float):
+    """A leak whose step peaks vary by up to 256 MiB in a fixed pattern (a perfect line fits the
+    same whatever rows are counted twice or missed)."""
+    return lambda t: base + rate_mib * MIB * t + (t * 7 % 5) * 64 * MIB
+
+
+def running(job: str, start: float) -> dict:
+    return {"job": job, "state": "running", "n_gpus": 1, "submit_ts": 0.0, "start_ts": start}
+
+
+def test_a_job_the_scheduler_lists_late_is_rebuilt_without_its_warmup_and_the_other_kept():
+    """constructed: jobs a and b leak from t=0 and report each second; the scheduler's snapshot
+    first lists a at t=60, running since t=0 (b is never listed). From then on a's first 30 s
+    (the warm-up) are not fitted: a is rebuilt from the window, b's state is kept as it was. On
+    every tick the kept state gives what a fresh fit of the window gives."""
+    df = pl.concat([rows(range(0, 151), uneven(110 * GIB, 20.0), job="a"), rows(range(0, 151), uneven(112 * GIB, 25.0), job="b", node="n1")])
+    seen = tick_and_compare(df, range(0, 151, 2), jobs=lambda t: [running("a", 0.0)] if t >= 60 else None)
+    assert seen >= 50
+    # Both jobs are at risk on the last tick: the comparison covered the kept job's findings too.
+    assert sorted(f.job for f in OomPredictor().detect(window(df, 150.0, {"jobs": schemas.frame([running("a", 0.0)], schemas.JOBS)}))) == ["a", "b"]
+
+
+def test_a_start_the_scheduler_moves_later_rebuilds_the_job_from_its_new_start():
+    """constructed: the scheduler's snapshot says job a runs since t=0 until t=100, then (a requeue
+    it saw late) since t=40: a's rows from t=70 (its new start plus the 30 s warm-up) are fitted
+    again from the window on that tick; job b, listed throughout, is kept."""
+    df = pl.concat([rows(range(0, 181), uneven(110 * GIB, 20.0), job="a"), rows(range(0, 181), uneven(112 * GIB, 25.0), job="b", node="n1")])
+    seen = tick_and_compare(df, range(0, 181, 2), jobs=lambda t: [running("a", 0.0 if t < 100 else 40.0), running("b", 0.0)])
+    assert seen >= 50
+    assert sorted(f.job for f in OomPredictor().detect(window(df, 180.0, {"jobs": schemas.frame([running("a", 40.0), running("b", 0.0)], schemas.JOBS)}))) == ["a", "b"]
+
+
+def test_another_process_holding_steady_memory_over_many_ticks_is_not_its_growth():
+    """constructed: another process holds a steady 20 GiB on the GPU while the job leaks 20 MiB/s,
+    fed tick by tick for 200 s: the kept state's foreign growth stays 0 (the cause is the leak),
+    as a fresh fit of the window says on every tick."""
+    df = rows(range(0, 201), uneven(100 * GIB, 20.0), foreign=lambda t: 20 * GIB)
+    seen = tick_and_compare(df, range(0, 201, 2))
+    assert seen >= 50
+    [f] = OomPredictor().detect(window(df, 200.0))
+    assert f.cause == "leak"
+
+
+def test_rows_delivered_late_in_batches_count_in_the_half_they_belong_to():
+    """constructed: the hook's rows reach gpuvigil in batches every 30 s (a hook that flushes every
+    30 s, or a receiver that fell behind), so a third of each batch arrives already in the early
+    half of the fit (more than min_span/2 = 20 s old). Tick each 30 s: the kept state gives a fresh
+    fit's findings."""
+    assert config.defaults()["detectors"]["oom"]["min_span_seconds"] / 2 < 30
+    df = rows(range(0, 301), uneven(110 * GIB, 20.0))
+    seen = tick_and_compare(df, range(30, 301, 30), arrived=lambda t: (pl.col("ts") > t - 30) & (pl.col("ts") <= t))
+    assert seen >= 6
