@@ -1,12 +1,17 @@
 """From-scratch refits: the trend detectors as they were before they kept running state.
 
 Each reads its whole look-back from the window on every call. The incremental detectors must
-give the same findings on the same rows (tests/test_detectors_incremental.py).
+give the same findings on the same rows (tests/test_detectors_incremental.py). With the
+detectors' block mode (config `lookback_blocks`, issue 11) the look-back starts at the start of
+the block holding now - W (`look_back`): the refits read exactly those rows, so the comparison
+stays an equality.
 """
 
 from __future__ import annotations
 
 from typing import Any
+
+import math
 
 import polars as pl
 
@@ -18,6 +23,21 @@ from gpuvigil.model import Finding, FindingKind, Severity
 from gpuvigil.pipeline.window import Window
 
 GIB = float(1 << 30)
+
+
+def look_back(window: Window, stream: str, seconds: float, blocks: int, warmup: float) -> pl.DataFrame:
+    """The rows a fit at window.now reads: the job's current run after warm-up, from now - seconds;
+    with `blocks` (the detectors' block mode, issue 11), from the start of the block of
+    seconds / blocks seconds holding now - seconds (blocks start at multiples of their length),
+    i.e. every row whose block index is at least that block's."""
+    now = window.now
+    if not blocks:
+        return current_run(window, stream, since=now - seconds, warmup=warmup)
+    b = seconds / blocks
+    first = math.floor((now - seconds) / b)
+    return current_run(window, stream, warmup=warmup).filter((pl.col("ts") / b).floor().cast(pl.Int64) >= first)
+
+
 class RefitOom:
     name = "oom"
 
@@ -27,7 +47,7 @@ class RefitOom:
     def detect(self, window: Window) -> list[Finding]:
         c = self.config
         now = window.now
-        df = current_run(window, "allocator_stats", since=now - c.fit_window_seconds, warmup=c.warmup_seconds)
+        df = look_back(window, "allocator_stats", c.fit_window_seconds, c.lookback_blocks, c.warmup_seconds)
         if df.height == 0:
             return []
         # Least squares from sums (one pass, no per-group sort): y in GiB keeps the sums of
@@ -247,7 +267,7 @@ class RefitFragmentationAllocator:
     def _evaluate(self, window: Window) -> list[Finding]:
         c = self.config
         now = window.now
-        df = current_run(window, "allocator_stats", since=now - c.window_seconds, warmup=c.warmup_seconds)
+        df = look_back(window, "allocator_stats", c.window_seconds, c.lookback_blocks, c.warmup_seconds)
         if df.height == 0:
             return []
         # The window is in arrival (time) order, so first/last below are oldest/newest.

@@ -33,3 +33,31 @@ def test_bench_pipeline_reduced_run_reports_every_size():
 def test_bench_pipeline_rejects_bad_sizes():
     out = subprocess.run([sys.executable, "-m", "gpuvigil", "bench", "pipeline", "--gpus", "lots"], capture_output=True, text=True, timeout=120)
     assert out.returncode == 2 and len(out.stderr.strip().splitlines()) == 1
+
+
+def _bench(*extra: str) -> dict:
+    out = subprocess.run(
+        [sys.executable, "-m", "gpuvigil", "bench", "pipeline", "--gpus", "64", "--ticks", "2", "--warmup", "20", "--json", "--no-write", *extra],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert out.returncode == 0, out.stderr
+    return json.loads(out.stdout.strip().splitlines()[-1])["sizes"][0]
+
+
+def test_bench_pipeline_without_the_hook_is_an_l0_fleet_keeping_device_history():
+    """simulated: --no-hook drops the hook's streams, so every job is an L0 job. The window then
+    holds no allocator or rank history, and keeps gpu_samples' history whole for the device-level
+    detectors (oom_device, straggler_device), where the hooked fleet (every job L2) thins it to its
+    last 10 s (docs/detectors.md, "History kept at scale")."""
+    hooked, bare = _bench(), _bench("--no-hook")
+    assert (hooked["hook"], bare["hook"]) == (True, False)
+    assert {"allocator_stats", "rank_progress"} <= set(hooked["window_horizon_seconds"])
+    assert not {"allocator_stats", "rank_progress"} & set(bare["window_horizon_seconds"])
+    assert bare["window_bytes_by_stream"]["gpu_samples"] > 1.5 * hooked["window_bytes_by_stream"]["gpu_samples"]
+
+
+def test_bench_pipeline_without_the_hook_does_not_overwrite_the_docs_table():
+    out = subprocess.run([sys.executable, "-m", "gpuvigil", "bench", "pipeline", "--gpus", "64", "--no-hook"], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 2 and "--no-hook" in out.stderr and len(out.stderr.strip().splitlines()) == 1

@@ -38,15 +38,21 @@ class Counting:
         return {"events": schemas.conform(pl.DataFrame({"ts": [now], "node": ["n1"], "kind": ["xid"]}), schemas.EVENTS, stream="events")}
 
 
+# fragmentation_allocator with the exact sliding look-back (lookback_blocks 0): it reads 120 s + 30 s.
+EXACT = {"detectors": {"fragmentation_allocator": {"lookback_blocks": 0}}}
+
+
 def test_the_pipeline_window_keeps_each_streams_declared_history():
     """fragmentation_allocator reads 120 s + 30 s of allocator_stats: the pipeline's window keeps
-    150 s of it (not the configured cap); streams no detector reads keep their configured cap."""
+    150 s of it (not the configured cap); streams no detector reads keep their configured cap.
+    In block mode (the default) it reads only fresh rows while it steps: 10 s (block_slack_seconds)."""
     cfg = config.defaults()
     cap = cfg["pipeline"]["horizon_seconds"]
-    p = Pipeline([], [AllocatorFragmentationDetector()], cfg=cfg)
+    p = Pipeline([], [AllocatorFragmentationDetector(EXACT)], cfg=cfg)
     assert cap.get("allocator_stats", cap["default"]) > 150.0
     assert p.window.horizon("allocator_stats") == 150.0
     assert p.window.horizon("events") == cap.get("events", cap["default"])
+    assert Pipeline([], [AllocatorFragmentationDetector()], cfg=cfg).window.horizon("allocator_stats") == 10.0
 
 
 def test_ticks_are_counted_and_each_result_carries_the_collectors_error_counts():
@@ -68,7 +74,7 @@ class Reader:
 def test_declared_horizons_cap_and_undeclared_readers():
     """The configured default caps a declared look-back (100 s < 150 s); a stream that some
     reader does not declare keeps the configured horizon."""
-    frag = AllocatorFragmentationDetector()
+    frag = AllocatorFragmentationDetector(EXACT)
     assert declared_horizons({"default": 100.0}, [frag])["allocator_stats"] == 100.0
     assert declared_horizons({"default": 600.0}, [frag])["allocator_stats"] == 150.0
     assert declared_horizons({"default": 600.0}, [frag, Reader()]).get("allocator_stats", 600.0) == 600.0

@@ -13,7 +13,9 @@ predictor pages when it is heading for an OOM.
 Per (job, rank) it keeps the sample count and the oldest and newest samples of its look-back,
 updated from each tick's new rows (gpuvigil/detectors/incremental.py), so a tick costs O(new rows);
 the step's request (a maximum, which does not slide) is read from the window only for the ranks
-that are fragmented.
+that are fragmented. With `lookback_blocks` (the default) the look-back is kept as per-block
+counts, oldest samples and maxima of the request, and leaves a block at a time (the look-back
+starts at the start of the block holding now - window_seconds): the window keeps only recent rows.
 """
 
 from __future__ import annotations
@@ -21,10 +23,10 @@ from __future__ import annotations
 from typing import Any
 
 import polars as pl
-from pydantic import BaseModel
+from pydantic import BaseModel, Field
 
 from gpuvigil.detectors.common import rank_at, settings
-from gpuvigil.detectors.incremental import KEYS, SlidingRows, edges_from_rows, merge_edges, refresh_first
+from gpuvigil.detectors.incremental import KEYS, BlockStore, SlidingRows, edges_from_rows, merge_edges, refresh_first
 from gpuvigil.model import Finding, FindingKind, Severity
 from gpuvigil.pipeline.window import Window
 
@@ -40,6 +42,12 @@ class FragmentationAllocatorConfig(BaseModel):
     min_inactive_split_share: float = 0.5
     min_retries: int = 1
     every_seconds: float = 5.0  # a trend over minutes: evaluating it every tick buys nothing
+    # The look-back is kept as this many blocks of window_seconds / lookback_blocks seconds per
+    # (job, rank): count, oldest sample, the step's largest request (incremental.py: block
+    # mode); the window keeps only block_slack_seconds of rows. 0: rows leave one at a time and
+    # the window keeps the whole look-back (+ 30 s).
+    lookback_blocks: int = Field(24, ge=0)
+    block_slack_seconds: float = Field(10.0, ge=1.0)
 
 
 # Per (job, rank): the oldest sample's gap and retries, the newest sample's values (by ts).
@@ -62,6 +70,13 @@ def _values(df: pl.DataFrame) -> pl.DataFrame:
     )
 
 
+def _block_rows(df: pl.DataFrame, v: pl.DataFrame) -> pl.DataFrame:
+    """Per raw row (df) and its values (v = _values(df), same rows): what BlockStore keeps,
+    with the step's large request (what a step allocates above its live floor)."""
+    request = df.select((pl.col("peak_allocated_bytes") - pl.col("allocated_bytes")).alias("request")).to_series()
+    return v.select(*KEYS, "ts", pl.lit(1, pl.Int64).alias("n"), *FIRST).with_columns(request)
+
+
 def _build(v: pl.DataFrame) -> pl.DataFrame:
     counts = v.group_by(KEYS).agg(pl.len().cast(pl.Int64).alias("n"))
     return counts.join(edges_from_rows(v, FIRST, LAST), on=KEYS)
@@ -75,13 +90,19 @@ class AllocatorFragmentationDetector:
         self._last_run: float | None = None
         self._last: list[Finding] = []
         c = self.config
-        self._rows = SlidingRows("allocator_stats", c.window_seconds, c.warmup_seconds)
+        self._rows = SlidingRows("allocator_stats", c.window_seconds, c.warmup_seconds, blocks=c.lookback_blocks, reach=0.0)
+        self._blocks = BlockStore(self._rows.B, ["n"], firsts=FIRST, maxes=["request"]) if c.lookback_blocks else None
         self._state: pl.DataFrame | None = None
 
     def lookback_seconds(self) -> dict[str, float]:
         """History of allocator_stats read from the window (pipeline/core.py: declared_horizons):
-        the look-back, plus 30 s in which rows leaving it can still be subtracted (SlidingRows)."""
-        return {"allocator_stats": self.config.window_seconds + 30.0}
+        block mode, block_slack_seconds (it reads only fresh rows while it steps; a rebuild reads
+        what the window holds); else the look-back plus 30 s in which rows leaving it can still
+        be subtracted (SlidingRows)."""
+        c = self.config
+        if c.lookback_blocks:
+            return {"allocator_stats": c.block_slack_seconds}
+        return {"allocator_stats": c.window_seconds + 30.0}
 
     def window_columns(self) -> dict[str, tuple[str, ...]]:
         """Columns of allocator_stats' history it reads (`_values`; pipeline/core.py: declared_columns)."""
@@ -100,7 +121,12 @@ class AllocatorFragmentationDetector:
         if step.mode == "same" and self._state is not None:
             return
         if step.mode != "step" or self._state is None:
-            self._state = _build(_values(self._rows.rows_for_rebuild(window)))
+            rows = self._rows.rows_for_rebuild(window)
+            v = _values(rows)
+            self._state = _build(v)
+            if self._blocks is not None:
+                self._blocks.clear()
+                self._blocks.add(_block_rows(rows, v))
             return
         assert step.fresh is not None and step.leaving is not None
         st0 = self._state
@@ -109,17 +135,37 @@ class AllocatorFragmentationDetector:
             parts.append(step.fresh.select(*KEYS, pl.lit(1, pl.Int64).alias("n")))
         if step.leaving.height:
             parts.append(step.leaving.select(*KEYS, pl.lit(-1, pl.Int64).alias("n")))
+        gone = self._blocks.evict(step.lo_block) if self._blocks is not None else None
+        if gone is not None and gone.height:
+            parts.append(gone.select(*KEYS, -pl.col("n")))
         counts = pl.concat(parts, how="vertical_relaxed").group_by(KEYS).agg(pl.col("n").sum()) if len(parts) > 1 else parts[0]
         counts = counts.filter(pl.col("n") > 0)
-        edge = merge_edges(st0.drop("n"), _values(step.fresh) if step.fresh.height else pl.DataFrame(), FIRST, LAST)
+        fresh = _values(step.fresh) if step.fresh.height else pl.DataFrame()
+        if self._blocks is not None and fresh.height:
+            self._blocks.add(_block_rows(step.fresh, fresh))
+        edge = merge_edges(st0.drop("n"), fresh, FIRST, LAST)
         state = counts.join(edge, on=KEYS, how="left")
         state = refresh_first(
             self._rows, window, state, step.leaving, {"gap": pl.col("reserved_bytes") - pl.col("peak_allocated_bytes"), "retries": pl.col("alloc_retries")}
         )
+        if gone is not None and gone.height and self._blocks is not None:
+            # Keys that lost their oldest block take the oldest row of their next one.
+            lost = gone.select(KEYS).unique().join(state.select(KEYS), on=KEYS, how="semi")
+            if lost.height:
+                first = self._blocks.first_rows(lost).rename({"ts_first": "_f_ts", **{c: f"_f_{c}" for c in FIRST}})
+                names = ["ts", *FIRST]
+                state = state.join(first, on=KEYS, how="left").with_columns(
+                    pl.when(pl.col("_f_ts").is_not_null()).then(pl.col(f"_f_{k}")).otherwise(pl.col(f"{k}_first")).alias(f"{k}_first") for k in names
+                ).drop(f"_f_{k}" for k in names)
         redo = step.rebuild_jobs(state)
         if redo:
-            again = _build(_values(self._rows.rows_for_rebuild(window, redo)))
+            rows = self._rows.rows_for_rebuild(window, redo)
+            v = _values(rows)
+            again = _build(v)
             state = pl.concat([state.filter(~pl.col("job").is_in(redo)), again.select(state.columns)], how="vertical_relaxed")
+            if self._blocks is not None:
+                self._blocks.drop_jobs(redo)
+                self._blocks.add(_block_rows(rows, v))
         self._state = state
 
     def detect(self, window: Window) -> list[Finding]:
@@ -162,9 +208,13 @@ class AllocatorFragmentationDetector:
         )
         if per_rank.height:
             # The step's recurring large request (what a step allocates above its live floor),
-            # over the look-back, only for the ranks that are fragmented: a max does not slide.
-            rows = self._rows.rows_for_rebuild(window, per_rank["job"].unique().to_list()).join(per_rank.select(KEYS), on=KEYS, how="semi")
-            request = rows.group_by(KEYS).agg((pl.col("peak_allocated_bytes") - pl.col("allocated_bytes")).max().alias("step_request"))
+            # over the look-back, only for the ranks that are fragmented: a max does not slide
+            # (block mode: the max of each block's max).
+            if self._blocks is not None:
+                request = self._blocks.max_of(per_rank.select(KEYS)).rename({"request": "step_request"})
+            else:
+                rows = self._rows.rows_for_rebuild(window, per_rank["job"].unique().to_list()).join(per_rank.select(KEYS), on=KEYS, how="semi")
+                request = rows.group_by(KEYS).agg((pl.col("peak_allocated_bytes") - pl.col("allocated_bytes")).max().alias("step_request"))
             per_rank = per_rank.join(request, on=KEYS, how="left", maintain_order="left")
         findings = []
         for rows in per_rank.partition_by("job", maintain_order=True):

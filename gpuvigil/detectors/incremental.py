@@ -14,10 +14,19 @@ scheduler's snapshot) is rebuilt alone, from its rows in the window.
 
 "First" and "last" values (oldest and newest sample of a key) are taken by timestamp, ties by
 arrival; for rows that arrive in time order this is the window's arrival order.
+
+Block mode (`blocks` > 0, issue 11: memory at 100,000 GPUs): the look-back's far edge moves in
+steps of B = W / blocks seconds. The rows read are those with ts >= lo = floor((now - W) / B) * B
+(between W and W + B seconds back), and the detector keeps per-(job, rank) aggregates of each
+block [kB, (k+1)B) of its look-back (`BlockStore`) instead of reading rows leaving it from the
+window: a whole block leaves at once, when lo passes its end. So the window needs to keep only
+the rows the detector still reads raw (its `reach`: e.g. the OOM fit's late half), not the whole
+look-back. A rebuild reads the look-back's rows from the window, as many as it still holds.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -36,6 +45,7 @@ class Step:
     mode: str
     now: float
     prev_now: float = 0.0
+    lo_block: int = 0  # block mode: the index of the look-back's oldest block
     fresh: pl.DataFrame | None = None  # included rows that arrived this tick
     old: pl.DataFrame | None = None  # every window row that was there before this tick
     leaving: pl.DataFrame | None = None  # included before, below now - W now
@@ -52,10 +62,15 @@ class Step:
 
 
 class SlidingRows:
-    def __init__(self, stream: str, window_seconds: float, warmup_seconds: float):
+    def __init__(self, stream: str, window_seconds: float, warmup_seconds: float, blocks: int = 0, reach: float = 0.0):
+        """`blocks` > 0: block mode (module doc), with blocks of W / blocks seconds; `reach`: how
+        far back (seconds) the detector still reads raw rows from the window in block mode."""
         self.stream = stream
         self.W = window_seconds
         self.warmup = warmup_seconds
+        self.blocks = int(blocks)
+        self.B = window_seconds / blocks if blocks > 0 else 0.0
+        self.reach = reach
         self._window: Window | None = None
         self._seq = -1
         self._now = 0.0
@@ -71,9 +86,20 @@ class SlidingRows:
         # out of scope (the scheduler snapshot has one row per job) by taking the first.
         return jobs.select("job", pl.col("start_ts").cast(pl.Float64).alias("_start")).unique("job", keep="first", maintain_order=True)
 
+    def lo_block(self, now: float) -> int:
+        """Block mode: the index of the look-back's oldest block (the one holding now - W)."""
+        return math.floor((now - self.W) / self.B) if self.B > 0 else 0
+
+    def in_look_back(self, now: float) -> pl.Expr:
+        """Rows a fit at `now` reads: ts >= now - W, or in block mode every row of the block
+        holding now - W and after (by block index, as BlockStore files rows)."""
+        if self.B > 0:
+            return block_of(self.B) >= self.lo_block(now)
+        return pl.col("ts") >= now - self.W
+
     def included(self, df: pl.DataFrame, now: float, starts: pl.DataFrame) -> pl.DataFrame:
-        """Rows a refit at `now` reads: ts >= now - W, after their job's (re)start + warm-up."""
-        df = df.filter(pl.col("ts") >= now - self.W)
+        """Rows a refit at `now` reads (in_look_back), after their job's (re)start + warm-up."""
+        df = df.filter(self.in_look_back(now))
         return self.current(df, starts)
 
     def current(self, df: pl.DataFrame, starts: pl.DataFrame) -> pl.DataFrame:
@@ -94,25 +120,30 @@ class SlidingRows:
         starts = self.starts(window)
         horizon = window.horizon(self.stream)
         if window is self._window and seq == self._seq:
-            return Step("same", now)
+            return Step("same", now, lo_block=self.lo_block(now))
         stepping = (
             window is self._window
             and seq is not None
             and seq == self._seq + 1
             and now > self._now
-            # Rows leaving the look-back must still be in the window to be subtracted.
-            and now - self._now <= horizon - self.W
+            # Rows leaving the look-back must still be in the window to be subtracted (block
+            # mode: whole blocks leave from the detector's own state; the rows it reads raw, up
+            # to `reach` back, must still be there).
+            and now - self._now <= horizon - (self.reach if self.B > 0 else self.W)
         )
         prev_now, prev_starts = self._now, self._starts
         self._window, self._seq, self._now, self._starts = window, seq if seq is not None else -1, now, starts
         if not stepping:
-            return Step("rebuild", now)
+            return Step("rebuild", now, lo_block=self.lo_block(now))
         df = window.get(self.stream)
         fresh = window.fresh(self.stream)
         # The window is the previous rows followed by this tick's (those not past the horizon).
         kept_fresh = fresh.filter(pl.col("ts") >= now - horizon).height if fresh.height else 0
         old = df.head(df.height - kept_fresh) if kept_fresh else df
-        leaving = self.current(old.filter((pl.col("ts") >= prev_now - self.W) & (pl.col("ts") < now - self.W)), starts)
+        if self.B > 0:
+            leaving = old.clear()  # blocks leave from the detector's BlockStore
+        else:
+            leaving = self.current(old.filter((pl.col("ts") >= prev_now - self.W) & (pl.col("ts") < now - self.W)), starts)
         changed: list[str] = []
         appeared: list[str] = []
         if prev_starts is not None and (prev_starts.height or starts.height):
@@ -120,7 +151,7 @@ class SlidingRows:
             moved = both.filter(pl.col("_start").ne_missing(pl.col("_start_new")))
             changed = moved.filter(pl.col("_start").is_not_null())["job"].to_list()
             appeared = moved.filter(pl.col("_start").is_null())["job"].to_list()
-        return Step("step", now, prev_now, self.included(fresh, now, starts) if fresh.height else fresh, old, leaving, changed, appeared)
+        return Step("step", now, prev_now, self.lo_block(now), self.included(fresh, now, starts) if fresh.height else fresh, old, leaving, changed, appeared)
 
     def first_rows(self, window: Window, keys: pl.DataFrame, values: dict[str, pl.Expr]) -> pl.DataFrame:
         """Per key in `keys`, `ts` and `values` of its oldest included row (ties: the first to
@@ -155,6 +186,113 @@ class SlidingRows:
         if not found:
             return pl.DataFrame(schema={"job": pl.Utf8, "rank": pl.Int32, "_f_ts": pl.Float64}).with_columns(pl.lit(None).alias(f"_f_{k}") for k in values)
         return pl.concat(found, how="vertical_relaxed")
+
+
+def block_of(block_seconds: float) -> pl.Expr:
+    """The index of the block of `block_seconds` holding each row's ts (block k: [kB, (k+1)B))."""
+    return (pl.col("ts") / block_seconds).floor().cast(pl.Int64)
+
+
+class BlockStore:
+    """Per-(job, rank) aggregates of a look-back's rows in fixed time blocks (block mode of
+    SlidingRows): block k holds the rows with ts in [kB, (k+1)B).
+
+    Per key and block: the sum of each `sums` column, the oldest row's ts (`ts_first`) and
+    `firsts` columns (oldest by ts, ties: the earlier arrival), and the max of each `maxes` column.
+    A tick's rows are folded into their blocks (sums add, the oldest stays the oldest, maxima
+    take the max: O(new rows + the keys of the blocks they touch)). `evict` removes whole blocks
+    below the look-back's edge and returns them, so a detector subtracts a block's sums from its
+    running totals instead of reading leaving rows.
+    """
+
+    def __init__(self, block_seconds: float, sums: Sequence[str], firsts: Sequence[str] = (), maxes: Sequence[str] = ()):
+        self.B = block_seconds
+        self.sums, self.firsts, self.maxes = list(sums), list(firsts), list(maxes)
+        self.blocks: dict[int, list[pl.DataFrame]] = {}  # block index → parts (rows or aggregates)
+        self._aggregated: set[int] = set()  # blocks held as one row per key
+
+    def block_index(self) -> pl.Expr:
+        return block_of(self.B).alias("_blk")
+
+    def start(self, index: pl.Expr | int) -> pl.Expr | float:
+        """A block's start time (the origin of its `tau` sums)."""
+        return index * self.B
+
+    def _agg(self, parts: list[pl.DataFrame]) -> pl.DataFrame:
+        """One row per key: parts in arrival order, sorted by ts (stable: ties keep arrival)."""
+        df = pl.concat(parts, how="vertical_relaxed") if len(parts) > 1 else parts[0]
+        return df.sort("ts_first", maintain_order=True).group_by(KEYS, maintain_order=True).agg(
+            *(pl.col(c).sum() for c in self.sums),
+            pl.col("ts_first").first(),
+            *(pl.col(c).first() for c in self.firsts),
+            *(pl.col(c).max() for c in self.maxes),
+        ).select(*KEYS, "ts_first", *self.sums, *self.firsts, *self.maxes)  # the parts' column order
+
+    def add(self, rows: pl.DataFrame) -> None:
+        """Fold rows in: KEYS, ts, the `sums` terms of each row (already relative to its block's
+        start where they depend on time), `firsts` and `maxes`."""
+        if rows.height == 0:
+            return
+        rows = rows.select(*KEYS, pl.col("ts").alias("ts_first"), *self.sums, *self.firsts, *self.maxes, self.block_index())
+        lo, hi = rows["_blk"].min(), rows["_blk"].max()
+        if lo == hi:
+            split = {int(lo): rows.drop("_blk")}  # type: ignore[arg-type]
+        else:
+            split = {int(k): part for (k,), part in rows.partition_by("_blk", as_dict=True, include_key=False, maintain_order=True).items()}
+        for k, part in split.items():
+            self.blocks.setdefault(k, []).append(part)
+            self._aggregated.discard(k)
+            # Aggregated at once (one row per key): at 100,000 GPUs a block's 5 ticks of rows
+            # held as parts would cost ~75 MiB more at the peak, for no measurable CPU saving.
+            self.frame(k)
+
+    def frame(self, k: int) -> pl.DataFrame:
+        """Block k aggregated, one row per key."""
+        if k not in self._aggregated:
+            self.blocks[k] = [self._agg(self.blocks[k])]
+            self._aggregated.add(k)
+        return self.blocks[k][0]
+
+    def evict(self, first_kept: int) -> pl.DataFrame | None:
+        """Remove every block older than block `first_kept`; their parts (possibly several rows
+        per key: sums add up), with the block's index as `_blk`."""
+        gone = sorted(k for k in self.blocks if k < first_kept)
+        if not gone:
+            return None
+        frames = [p.with_columns(pl.lit(k, pl.Int64).alias("_blk")) for k in gone for p in self.blocks.pop(k)]
+        self._aggregated -= set(gone)
+        return pl.concat(frames, how="vertical_relaxed") if len(frames) > 1 else frames[0]
+
+    def first_rows(self, keys: pl.DataFrame) -> pl.DataFrame:
+        """Per key in `keys`: ts_first and `firsts` of its oldest block (its oldest row)."""
+        found: list[pl.DataFrame] = []
+        todo = keys.select(KEYS).unique()
+        for k in sorted(self.blocks):
+            if todo.height == 0:
+                break
+            got = self.frame(k).join(todo, on=KEYS, how="semi").select(*KEYS, "ts_first", *self.firsts)
+            if got.height:
+                found.append(got)
+                todo = todo.join(got.select(KEYS), on=KEYS, how="anti")
+        if not found:
+            return pl.DataFrame(schema={"job": pl.Utf8, "rank": pl.Int32, "ts_first": pl.Float64})
+        return pl.concat(found, how="vertical_relaxed")
+
+    def max_of(self, keys: pl.DataFrame) -> pl.DataFrame:
+        """Per key in `keys`: the max of each `maxes` column over every block."""
+        parts = [p.join(keys.select(KEYS), on=KEYS, how="semi").select(*KEYS, *self.maxes) for ps in self.blocks.values() for p in ps]
+        parts = [p for p in parts if p.height]
+        if not parts:
+            return pl.DataFrame(schema={"job": pl.Utf8, "rank": pl.Int32, **{c: pl.Float64 for c in self.maxes}})
+        return pl.concat(parts, how="vertical_relaxed").group_by(KEYS).agg(pl.col(c).max() for c in self.maxes)
+
+    def drop_jobs(self, jobs: Sequence[str]) -> None:
+        for k, parts in list(self.blocks.items()):
+            self.blocks[k] = [p.filter(~pl.col("job").is_in(list(jobs))) for p in parts]
+
+    def clear(self) -> None:
+        self.blocks = {}
+        self._aggregated = set()
 
 
 def merge_edges(edge: pl.DataFrame, fresh: pl.DataFrame, first: list[str], last: list[str]) -> pl.DataFrame:

@@ -124,6 +124,33 @@ class LevelSelector:
             self._needed[key] = any(self.best(cap, j) in wanted for j in self.job_levels())
         return self._needed[key]
 
+    def jobs_selecting(self, detector: Any, jobs: Iterable[str], within: float) -> set[str]:
+        """Of `jobs`, those whose findings from `detector` `select` may keep now or within the next
+        `within` seconds (memory at scale, issue 11: the history its look-back reads is kept
+        for these jobs' GPUs only). With no new rows a job's level only falls, as its streams age
+        out of memory_seconds, so the best level it can have in that span is between its best
+        level `within` seconds from now and its best now; a finding is kept where that level is
+        the detector's own or lower, or one that falls back for the capability."""
+        lvl = level_of(detector)
+        cap = getattr(detector, "capability", None)
+        if not cap:
+            return set(jobs)
+        later = self.now + within - self.memory_seconds
+        out = set()
+        for job in jobs:
+            hi = RANK[self.best(cap, job)]
+            seen = {s for s in STREAM_LEVEL if self._seen.get((job, s), -1e18) >= later}
+            lo = RANK[
+                max(
+                    (level_of(d) for d in self.by_capability.get(cap, []) if level_of(d) == "L0" or set(getattr(d, "streams", ())) & seen),
+                    key=RANK.__getitem__,
+                    default="L0",
+                )
+            ]
+            if any(RANK[lvl] >= r or self.fallback(LEVELS[r], cap) is not None for r in range(lo, hi + 1)):
+                out.add(job)
+        return out
+
     def fallback(self, level: str, capability: str) -> float | None:
         """Seconds after which `level` falls back for `capability` (None: never)."""
         return self.fallback_seconds.get(f"{level}.{capability}", self.fallback_seconds.get(level))

@@ -11,6 +11,10 @@ retries (fragmentation), or allocated peaks (a leak, or activations that keep gr
 The fit's sums are running sums per (job, rank), updated from each tick's new rows and the rows
 leaving the look-back (gpuvigil/detectors/incremental.py), with t measured from the current tick
 so they stay well conditioned at epoch timestamps: a tick costs O(new rows), not O(window).
+With `lookback_blocks` (the default) the look-back is kept as per-block sums (t from each
+block's start) and leaves a block at a time: the fit reads the rows from the start of the block
+holding now - fit_window_seconds (90 to 95 s back), the split into halves stays exact (rows
+crossing into the early half are read from the window, which keeps the late half + slack).
 """
 
 from __future__ import annotations
@@ -18,10 +22,10 @@ from __future__ import annotations
 from typing import Any
 
 import polars as pl
-from pydantic import BaseModel
+from pydantic import BaseModel, Field, model_validator
 
 from gpuvigil.detectors.common import rank_at, settings
-from gpuvigil.detectors.incremental import SlidingRows, edges_from_rows, merge_edges, refresh_first
+from gpuvigil.detectors.incremental import BlockStore, SlidingRows, edges_from_rows, merge_edges, refresh_first
 from gpuvigil.model import Finding, FindingKind, Severity
 from gpuvigil.pipeline.window import Window
 
@@ -42,10 +46,25 @@ class OomConfig(BaseModel):
     # The footprint must rise by at least this much across the fit: a few samples of jitter
     # around a flat peak can fit a line too.
     min_rise_bytes: int = 1 << 29
+    # The look-back is kept as this many blocks of fit_window_seconds / lookback_blocks seconds
+    # per (job, rank) (incremental.py: block mode): the fit reads the rows from the start of the
+    # block holding now - fit_window_seconds, and the window keeps only the rows of the fit's
+    # late half (+ block_slack_seconds), not the whole look-back. 0: rows leave one at a time
+    # and the window keeps the whole look-back (+ 30 s).
+    lookback_blocks: int = Field(18, ge=0)
+    block_slack_seconds: float = Field(10.0, ge=1.0)
+
+    @model_validator(mode="after")
+    def _halves_inside_look_back(self) -> OomConfig:
+        if self.lookback_blocks and self.min_span_seconds / 2 > self.fit_window_seconds:
+            raise ValueError("oom: with lookback_blocks, min_span_seconds / 2 must not exceed fit_window_seconds (a block leaving the look-back must lie in the fit's early half)")
+        return self
 
 
 # Running sums per (job, rank), t = ts - now (seconds), y etc. in GiB (see _terms).
 SUMS = ["n", "st", "stt", "sy", "sty", "syy", "ne", "ste", "stte", "sye", "stye", "sg", "stg", "sp", "stp", "sf", "stf"]
+# Per block (block mode): the sums with t measured from the block's start, not from now.
+BLOCK_SUMS = ["n", "st", "stt", "sy", "sty", "syy", "sg", "stg", "sp", "stp", "sf", "stf"]
 # The newest sample's values (by ts, ties: the last to arrive) and the oldest's retries.
 LAST = ["y", "gap", "foreign", "retries", "capacity", "node", "gpu"]
 
@@ -88,6 +107,36 @@ def _terms(v: pl.DataFrame, now: float, half: float, sign: float = 1.0, early_on
     )
 
 
+def _block_terms(v: pl.DataFrame, store: BlockStore) -> pl.DataFrame:
+    """Each row's contribution to its block's BLOCK_SUMS, tau = ts - the block's start."""
+    tau = pl.col("ts") - store.start(store.block_index())
+    y, g, p, f = pl.col("y"), pl.col("gap"), pl.col("peak"), pl.col("foreign")
+    terms = {
+        "n": pl.lit(1.0), "st": tau, "stt": tau * tau, "sy": y, "sty": tau * y, "syy": y * y,
+        "sg": g, "stg": tau * g, "sp": p, "stp": tau * p, "sf": f, "stf": tau * f,
+    }  # fmt: skip
+    return v.select("job", "rank", "ts", *(e.alias(k) for k, e in terms.items()), "retries")
+
+
+def _leaving_terms(blocks: pl.DataFrame, store: BlockStore, now: float) -> pl.DataFrame:
+    """Minus the SUMS of whole blocks leaving the look-back, t moved from each block's start to
+    now (t = tau + d, d = start - now). Every row of such a block is older than now - W, so in
+    the fit's early half (config check): the early sums lose the same amounts."""
+    d = store.start(pl.col("_blk")) - now
+    n, st, stt = pl.col("n"), pl.col("st"), pl.col("stt")
+    t1 = st + n * d
+    t2 = stt + 2 * d * st + n * d * d
+    ty = pl.col("sty") + d * pl.col("sy")
+    out = {
+        "n": n, "st": t1, "stt": t2, "sy": pl.col("sy"), "sty": ty, "syy": pl.col("syy"),
+        "ne": n, "ste": t1, "stte": t2, "sye": pl.col("sy"), "stye": ty,
+        "sg": pl.col("sg"), "stg": pl.col("stg") + d * pl.col("sg"),
+        "sp": pl.col("sp"), "stp": pl.col("stp") + d * pl.col("sp"),
+        "sf": pl.col("sf"), "stf": pl.col("stf") + d * pl.col("sf"),
+    }  # fmt: skip
+    return blocks.select("job", "rank", *((-e).alias(k) for k, e in out.items()))
+
+
 def _sum_terms(terms: pl.DataFrame) -> pl.DataFrame:
     return terms.group_by(["job", "rank"]).agg(pl.col(k).sum() for k in SUMS)
 
@@ -110,20 +159,39 @@ def _empty_state() -> pl.DataFrame:
     return pl.DataFrame(schema=schema)
 
 
+def _refresh_first_from_blocks(state: pl.DataFrame, gone: pl.DataFrame, store: BlockStore) -> pl.DataFrame:
+    """Keys that lost their oldest block take the oldest row of their next one."""
+    lost = gone.select("job", "rank").unique().join(state.select("job", "rank"), on=["job", "rank"], how="semi")
+    if lost.height == 0:
+        return state
+    first = store.first_rows(lost).rename({"ts_first": "_f_ts", "retries": "_f_retries"})
+    return state.join(first, on=["job", "rank"], how="left").with_columns(
+        pl.when(pl.col("_f_ts").is_not_null()).then(pl.col(f"_f_{k}")).otherwise(pl.col(f"{k}_first")).alias(f"{k}_first") for k in ("ts", "retries")
+    ).drop("_f_ts", "_f_retries")
+
+
 class OomPredictor:
     name = "oom"
 
     def __init__(self, cfg: dict[str, Any] | None = None):
         self.config = settings("oom", OomConfig, cfg)
         c = self.config
-        self._rows = SlidingRows("allocator_stats", c.fit_window_seconds, c.warmup_seconds)
+        # Block mode: the rows still read raw are those that cross into the early half (ingest).
+        self._rows = SlidingRows("allocator_stats", c.fit_window_seconds, c.warmup_seconds, blocks=c.lookback_blocks, reach=c.min_span_seconds / 2)
+        self._blocks = BlockStore(self._rows.B, BLOCK_SUMS, firsts=["retries"]) if c.lookback_blocks else None
         self._state = _empty_state()
 
     def lookback_seconds(self) -> dict[str, float]:
-        """History of allocator_stats read from the window (pipeline/core.py: declared_horizons):
-        the fit's look-back, plus 30 s in which rows leaving it can still be subtracted
-        (SlidingRows steps while the gap between two ticks is under that; else it rebuilds)."""
-        return {"allocator_stats": self.config.fit_window_seconds + 30.0}
+        """History of allocator_stats read from the window (pipeline/core.py: declared_horizons).
+
+        Block mode: the fit's late half (min_span_seconds / 2: rows crossing into the early half
+        are read from the window) plus block_slack_seconds, the longest gap between two ticks
+        that still steps (else it rebuilds from what the window holds). Otherwise the fit's
+        look-back plus 30 s in which rows leaving it can still be subtracted."""
+        c = self.config
+        if c.lookback_blocks:
+            return {"allocator_stats": c.min_span_seconds / 2 + c.block_slack_seconds}
+        return {"allocator_stats": c.fit_window_seconds + 30.0}
 
     def window_columns(self) -> dict[str, tuple[str, ...]]:
         """Columns of allocator_stats' history it reads (`_values`; pipeline/core.py: declared_columns)."""
@@ -137,7 +205,11 @@ class OomPredictor:
         if step.mode == "same":
             return
         if step.mode == "rebuild":
-            self._state = _build(_values(self._rows.rows_for_rebuild(window)), step.now, half)
+            rows = _values(self._rows.rows_for_rebuild(window))
+            self._state = _build(rows, step.now, half)
+            if self._blocks is not None:
+                self._blocks.clear()
+                self._blocks.add(_block_terms(rows, self._blocks))
             return
         assert step.fresh is not None and step.old is not None and step.leaving is not None
         now, d = step.now, step.now - step.prev_now
@@ -156,10 +228,9 @@ class OomPredictor:
             "sp", (pl.col("stp") - d * pl.col("sp")).alias("stp"),
             "sf", (pl.col("stf") - d * pl.col("sf")).alias("stf"),
         )  # fmt: skip
-        prev_lo = step.prev_now - c.fit_window_seconds
         # Rows that crossed into the early half this tick (they were in the late one).
         movers = self._rows.current(
-            step.old.filter((pl.col("ts") >= prev_lo) & ((pl.col("ts") - step.prev_now) >= half) & ((pl.col("ts") - now) < half)),
+            step.old.filter(self._rows.in_look_back(step.prev_now) & ((pl.col("ts") - step.prev_now) >= half) & ((pl.col("ts") - now) < half)),
             self._rows.starts(window),
         )
         parts = [shifted.select("job", "rank", *SUMS)]
@@ -167,20 +238,31 @@ class OomPredictor:
             parts.append(_terms(_values(movers), now, half, early_only=True))
         if step.leaving.height:
             parts.append(_terms(_values(step.leaving), now, half, sign=-1.0))
+        gone = self._blocks.evict(step.lo_block) if self._blocks is not None else None
+        if gone is not None and gone.height:
+            parts.append(_leaving_terms(gone, self._blocks, now))  # type: ignore[arg-type]
         fresh = _values(step.fresh) if step.fresh.height else None
         if fresh is not None:
             parts.append(_terms(fresh, now, half))
+            if self._blocks is not None:
+                self._blocks.add(_block_terms(fresh, self._blocks))
         sums = _sum_terms(pl.concat(parts, how="vertical_relaxed")) if len(parts) > 1 else parts[0]
         sums = sums.filter(pl.col("n") > 0.5)
         edge = merge_edges(st0.select("job", "rank", "ts_first", "retries_first", "ts_last", *(f"{c}_last" for c in LAST)), fresh if fresh is not None else pl.DataFrame(), ["retries"], LAST)
         state = sums.join(edge, on=["job", "rank"], how="left")
         # The oldest sample of a key that lost rows is the next one up (a band lookup).
         state = refresh_first(self._rows, window, state, step.leaving, {"retries": pl.col("alloc_retries").fill_null(0).cast(pl.Float64)})
+        if gone is not None and gone.height and self._blocks is not None:
+            state = _refresh_first_from_blocks(state, gone, self._blocks)
         redo = step.rebuild_jobs(state)
         if redo:
             state = state.filter(~pl.col("job").is_in(redo))
-            again = _build(_values(self._rows.rows_for_rebuild(window, redo)), now, half)
+            rows = _values(self._rows.rows_for_rebuild(window, redo))
+            again = _build(rows, now, half)
             state = pl.concat([state, again.select(state.columns)], how="vertical_relaxed")
+            if self._blocks is not None:
+                self._blocks.drop_jobs(redo)
+                self._blocks.add(_block_terms(rows, self._blocks))
         self._state = state.select(_empty_state().columns)
 
     def detect(self, window: Window) -> list[Finding]:

@@ -23,7 +23,7 @@ from __future__ import annotations
 from typing import Any
 
 import polars as pl
-from pydantic import BaseModel
+from pydantic import BaseModel, Field
 
 from gpuvigil.detectors.common import rank_at, settings
 from gpuvigil.model import Finding, FindingKind, Severity
@@ -45,6 +45,9 @@ class OomDeviceConfig(BaseModel):
     page_within_seconds: float = 900.0
     safety_margin_bytes: int = 1 << 30
     foreign_share: float = 0.5  # cause = foreign process when its growth is this share of the GPU's
+    # Memory at scale (issue 11): gpu_samples rows older than this are kept only for the GPUs of
+    # jobs whose findings this detector gives (pipeline/core.py: declared_retention); null: all.
+    history_recent_seconds: float | None = Field(10.0, ge=0)
 
 
 class DeviceOomPredictor:
@@ -59,6 +62,15 @@ class DeviceOomPredictor:
     def lookback_seconds(self) -> dict[str, float]:
         """History read from the window (pipeline/core.py: declared_horizons, declared_columns)."""
         return {"gpu_samples": self.config.fit_window_seconds}
+
+    def window_retention(self) -> dict[str, tuple[float, str]]:
+        """It reads gpu_samples' history only for GPUs in `allocations` (an inner join on node,
+        gpu), and the level selection keeps its findings only for the jobs it is selected for:
+        the pipeline keeps rows older than history_recent_seconds only for the GPUs of the jobs
+        it is or will be selected for within its look-back (pipeline/core.py: declared_retention,
+        levels.py: LevelSelector.jobs_selecting)."""
+        recent = self.config.history_recent_seconds
+        return {} if recent is None else {"gpu_samples": (recent, "allocated")}
 
     def window_columns(self) -> dict[str, tuple[str, ...]]:
         return {"gpu_samples": ("ts", "node", "gpu", "memory_used_bytes", "memory_total_bytes", "memory_reserved_bytes")}

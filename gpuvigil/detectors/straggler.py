@@ -20,7 +20,7 @@ from typing import Any
 
 import numpy as np
 import polars as pl
-from pydantic import BaseModel
+from pydantic import BaseModel, Field
 
 from gpuvigil.detectors.common import current_run, rank_at, settings
 from gpuvigil.detectors.incremental import KeyRing, SlidingRows, masked_median
@@ -41,6 +41,10 @@ class StragglerConfig(BaseModel):
     # A job with long steps needs a longer window: at least this many of its steps.
     min_steps: float = 8.0
     max_window_seconds: float = 900.0
+    # Memory at scale (issue 11): the window keeps rank rows older than window_seconds +
+    # history_slack_seconds only for jobs with a long step (step x min_steps > window_seconds) in
+    # the look-back, the only jobs judged over more than window_seconds. None: keep every row.
+    history_slack_seconds: float | None = Field(5.0, ge=0)
 
 
 class StragglerDetector:
@@ -63,8 +67,21 @@ class StragglerDetector:
         """The columns of that history it reads (pipeline/core.py: declared_columns)."""
         return {STREAM: ("ts", "job", "rank", "node", "gpu", "step_time_seconds", "collective_wait_seconds")}
 
+    def window_retention(self) -> dict[str, tuple[float, pl.DataFrame]]:
+        """The rank rows older than window_seconds + history_slack_seconds are read only for the
+        jobs `_per_rank_refit` may judge (pipeline/core.py: declared_retention): those with a long
+        step in the look-back (every job the step counts cannot settle has one). The fast path and
+        a rebuild of the rings read window_seconds. A job whose first long step comes later has
+        its older rows from then on (the refit then reads fewer than `max_window_seconds`' worth
+        until its look-back refills)."""
+        c = self.config
+        if c.history_slack_seconds is None:
+            return {}
+        return {STREAM: (min(c.window_seconds, c.max_window_seconds) + c.history_slack_seconds, self._long_jobs)}
+
     # -- running state ---------------------------------------------------------------------------
     def _reset(self) -> None:
+        self._long_jobs = pl.DataFrame(schema={"job": pl.Utf8})
         self._ring = KeyRing(["wait", "step"], ["node", "gpu"])
         self._node_codes = pl.DataFrame(schema={"node": pl.Utf8, "_n": pl.Int32})
         self._node_names: list[str | None] = []
@@ -99,6 +116,8 @@ class StragglerDetector:
         if self._seconds:
             counts = pl.concat(self._seconds, how="vertical_relaxed") if len(self._seconds) > 1 else self._seconds[0]
             self._seconds = [counts.filter(pl.col("_hi") >= lo)]
+            # Jobs with a long step in the look-back (window_retention).
+            self._long_jobs = self._seconds[0].filter(pl.col("_steps") > pl.col("_short")).select(pl.col("job").cast(pl.Utf8)).unique()
 
     def _add(self, df: pl.DataFrame, keep_from: float) -> None:
         df = df.filter(pl.col("collective_wait_seconds").is_not_null())

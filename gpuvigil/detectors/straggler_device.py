@@ -16,7 +16,7 @@ from __future__ import annotations
 from typing import Any
 
 import polars as pl
-from pydantic import BaseModel
+from pydantic import BaseModel, Field
 
 from gpuvigil.detectors.common import Persistence, rank_at, settings
 from gpuvigil.model import Finding, FindingKind, Severity
@@ -33,6 +33,9 @@ class StragglerDeviceConfig(BaseModel):
     max_idle_share: float = 0.5  # a GPU idle (util < 0.1) most of the window is absent, not slow
     persist_evaluations: int = 3
     recent_seconds: float = 20.0  # skip a job whose GPUs wait together (util pinned, power collapsed): a hang
+    # Memory at scale (issue 11): gpu_samples rows older than this are kept only for the GPUs of
+    # jobs whose findings this detector gives (pipeline/core.py: declared_retention); null: all.
+    history_recent_seconds: float | None = Field(10.0, ge=0)
 
 
 class DeviceStragglerDetector:
@@ -48,6 +51,15 @@ class DeviceStragglerDetector:
     def lookback_seconds(self) -> dict[str, float]:
         """History read from the window (pipeline/core.py: declared_horizons, declared_columns)."""
         return {"gpu_samples": max(self.config.window_seconds, self.config.recent_seconds)}
+
+    def window_retention(self) -> dict[str, tuple[float, str]]:
+        """It reads gpu_samples' history only for GPUs in `allocations` (an inner join on node,
+        gpu), and the level selection keeps its findings only for the jobs it is selected for:
+        the pipeline keeps rows older than history_recent_seconds only for the GPUs of the jobs
+        it is or will be selected for within its look-back (pipeline/core.py: declared_retention,
+        levels.py: LevelSelector.jobs_selecting)."""
+        recent = self.config.history_recent_seconds
+        return {} if recent is None else {"gpu_samples": (recent, "allocated")}
 
     def window_columns(self) -> dict[str, tuple[str, ...]]:
         return {"gpu_samples": ("ts", "node", "gpu", "util_ratio", "sm_clock_mhz", "power_w")}

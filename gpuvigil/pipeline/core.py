@@ -7,6 +7,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
+import polars as pl
 from pydantic import BaseModel, Field
 
 from gpuvigil import config
@@ -113,6 +114,48 @@ def declared_columns(detectors: Sequence[Any]) -> dict[str, list[str]]:
     return {stream: sorted(c) for stream, c in cols.items() if c is not None}
 
 
+def declared_retention(detectors: Sequence[Any], needed: Any = None, resolve: Any = None) -> dict[str, tuple[float, Any] | None]:
+    """How each stream's older history may be thinned (Window: `retain`).
+
+    A detector that reads a stream's history may declare, with `window_retention()` →
+    {stream: (recent_seconds, keys)}, that it reads the rows older than `recent_seconds` only for
+    the keys in `keys`: a frame of key columns (e.g. the jobs straggler may have to refit over
+    its long look-back), or a name that `resolve(detector, stream, name)` turns into one
+    ("allocated": the GPUs of the jobs whose findings the level selection keeps from it). A
+    stream is thinned only where every reader of its history declares it: the rows kept are
+    those of any reader's keys, and the most recent seconds any reader keeps whole. A frame from
+    a detector that is not `needed` now is stale (it stopped folding rows in): the stream keeps
+    its whole history (None)."""
+    readers: dict[str, list[Any]] = {}
+    for d in detectors:
+        fn = getattr(d, "lookback_seconds", None)
+        declared: dict[str, float] = dict(fn()) if callable(fn) else {}
+        for stream in {*(getattr(d, "streams", None) or ()), *declared}:
+            if declared.get(stream) != 0:
+                readers.setdefault(stream, []).append(d)
+    out: dict[str, tuple[float, Any] | None] = {}
+    for stream, ds in readers.items():
+        rules: list[tuple[float, Any]] | None = []
+        for d in ds:
+            fn = getattr(d, "window_retention", None)
+            rule = dict(fn()).get(stream) if callable(fn) else None
+            if rule is not None and isinstance(rule[1], str):
+                keys = resolve(d, stream, rule[1]) if resolve is not None else None
+                rule = None if keys is None else (rule[0], keys)
+            elif rule is not None and needed is not None and not needed(d):
+                rule = None
+            if rule is None or (rules and list(rule[1].columns) != list(rules[0][1].columns)):
+                rules = None
+                break
+            rules.append((float(rule[0]), rule[1]))
+        if not rules:
+            out[stream] = None
+            continue
+        keys = rules[0][1] if len(rules) == 1 else pl.concat([k for _, k in rules], how="vertical_relaxed").unique()
+        out[stream] = (max(r for r, _ in rules), keys)
+    return out
+
+
 class Pipeline:
     def __init__(
         self,
@@ -132,6 +175,7 @@ class Pipeline:
             declared_horizons(self.config.horizon_seconds, self.detectors, self.config.tick_seconds),
             columns=declared_columns(self.detectors),
         )
+        self._declared_window = self.window  # the window `declared_retention` thins (not one set from outside)
         self.active: dict[str, Finding] = {}
         self.first_seen: dict[str, float] = {}
         self.last_seen: dict[str, float] = {}
@@ -146,6 +190,19 @@ class Pipeline:
         self.health = HealthTracker(self.config.collector_down_after_failures)
         self.jobjoin = JobJoin()
         self.levels = LevelSelector(self.detectors, **config.section("levels", LevelsConfig, cfg).model_dump())
+
+    def _retention_keys(self, detector: Any, stream: str, name: str) -> pl.DataFrame | None:
+        """declared_retention's named keys: "allocated", the (node, gpu) in `allocations` of the
+        jobs whose findings from `detector` the level selection keeps now or within its look-back."""
+        if name != "allocated":
+            return None
+        alloc = self.window.get("allocations")
+        if alloc.height == 0 or not {"node", "gpu", "job"} <= set(alloc.columns):
+            return pl.DataFrame(schema={"node": pl.Utf8, "gpu": pl.Int32})
+        fn = getattr(detector, "lookback_seconds", None)
+        within = float(dict(fn()).get(stream, 0.0)) if callable(fn) else 0.0
+        jobs = self.levels.jobs_selecting(detector, alloc["job"].drop_nulls().unique().to_list(), within)
+        return alloc.filter(pl.col("job").is_in(sorted(jobs))).select("node", "gpu").unique()
 
     def _clear_after(self, finding: Finding) -> float:
         c = self.config.clear_after_seconds
@@ -194,6 +251,14 @@ class Pipeline:
             reported.extend(kept)
             suppressed.extend(dropped)
             det_seconds[detector.name] = time.perf_counter() - d0
+
+        # The older history a detector keeps only for some keys (declared_retention), from the
+        # next seal on.
+        # A window set from outside (tests compare against a whole window) keeps every row.
+        retain = getattr(self.window, "retain", None) if self.window is self._declared_window else None
+        if retain is not None:
+            for stream, rule in declared_retention(self.detectors, self.levels.needed, self._retention_keys).items():
+                retain(stream, *(rule if rule is not None else (0.0, None)))
 
         reported.extend(self.health.findings(now))
 

@@ -37,6 +37,10 @@ class Window:
     read over time ~85), so for such a stream `get` returns only those columns (plus `ts` and the
     `LATEST_KEYS`), `fresh` still returns every column of the latest tick, and `latest` every
     column of each key's newest row, kept apart (one row per key). Streams not named keep all.
+
+    `retain` thins a stream's history further: rows older than some seconds only for the keys its
+    readers still need (issue 11: at 100,000 GPUs straggler needs rank rows older than 65 s only
+    for jobs with long steps, the device-level detectors need gpu_samples only for L0/L1 jobs).
     """
 
     def __init__(self, horizon_seconds: Mapping[str, float] | float = 600.0, columns: Mapping[str, Sequence[str]] | None = None):
@@ -50,7 +54,9 @@ class Window:
             self._columns[stream] = [c for c in order if c in keep] + sorted(keep - set(order))
         self._latest: dict[str, pl.DataFrame] = {}  # pruned streams: every column of each key's newest row
         self._frames: dict[str, pl.DataFrame] = {}  # snapshots, and time series stacked (cache)
-        self._chunks: dict[str, list[tuple[float, pl.DataFrame]]] = {}  # time series: (min ts, rows) per seal
+        # time series: (min ts, rows, min ts of the rows `retain` has not thinned yet, or None) per seal
+        self._chunks: dict[str, list[tuple[float, pl.DataFrame, float | None]]] = {}
+        self._retain: dict[str, tuple[float, pl.DataFrame]] = {}  # see `retain`
         self._pending: dict[str, list[pl.DataFrame]] = {}
         self._fresh: dict[str, pl.DataFrame] = {}
         self.now: float = 0.0
@@ -96,22 +102,24 @@ class Window:
                     add = fresh.cast(dict(target))  # type: ignore[arg-type]
                 else:  # the window's own dtypes widen: one chunk, once
                     merged = pl.concat([old, fresh], how="vertical_relaxed")
-                    chunks[:] = [(_min_ts(merged), merged)]
+                    chunks[:] = [(_min_ts(merged), merged, _min_ts(merged))]
                     add = None
             if add is not None:
-                chunks.append((_min_ts(add), add))
+                chunks.append((_min_ts(add), add, _min_ts(add)))
                 if len(chunks) > 1 and chunks[-1][1].height < SMALL_CHUNK_ROWS and chunks[-2][1].height < SMALL_CHUNK_ROWS:
                     # A sparse stream (events: a few rows a tick, kept an hour) would otherwise
                     # hold thousands of tiny chunks; small neighbours are merged (O(small)).
-                    (lo_a, a), (lo_b, b) = chunks[-2], chunks[-1]
-                    chunks[-2:] = [(min(lo_a, lo_b), pl.concat([a, b], how="vertical", rechunk=True))]
+                    (lo_a, a, todo_a), (lo_b, b, todo_b) = chunks[-2], chunks[-1]
+                    todo = min((t for t in (todo_a, todo_b) if t is not None), default=None)
+                    chunks[-2:] = [(min(lo_a, lo_b), pl.concat([a, b], how="vertical", rechunk=True), todo)]
             self._evict(stream, now)
+            self._thin(stream, now)
             self._frames[stream] = self._stack(chunks, fresh)
         # A stream with no rows this tick still ages: without this, its rows older than the
         # horizon stayed until its next row arrived (detectors that cut at now - horizon
         # themselves then disagreed with those that read the window).
         for stream, chunks in self._chunks.items():
-            if stream not in self._pending and self._evict(stream, now):
+            if stream not in self._pending and (self._evict(stream, now) | self._thin(stream, now)):
                 self._frames[stream] = self._stack(chunks, self._frames[stream])
                 if stream in self._latest:
                     self._latest[stream] = self._latest[stream].filter(pl.col("ts") >= now - self.horizon(stream))
@@ -121,16 +129,63 @@ class Window:
         """Drop the stream's rows older than its horizon; True if any were dropped."""
         chunks = self._chunks[stream]
         cutoff = now - self.horizon(stream)
-        if not any(lo < cutoff for lo, _ in chunks):
+        if not any(lo < cutoff for lo, _, _ in chunks):
             return False
         kept = []
-        for lo, df in chunks:
+        for lo, df, todo in chunks:
             if lo < cutoff:
                 df = df.filter(pl.col("ts") >= cutoff)
                 if df.height == 0:
                     continue
                 lo = _min_ts(df)
-            kept.append((lo, df))
+                todo = max(todo, lo) if todo is not None else None
+            kept.append((lo, df, todo))
+        chunks[:] = kept
+        return True
+
+    def retain(self, stream: str, recent_seconds: float, keep: pl.DataFrame | None) -> None:
+        """Thin the stream's older history: rows older than `recent_seconds` (by ts) are kept (up
+        to the horizon) only where their key (the columns of `keep`) is one of `keep`'s rows; None
+        lifts it. Applied from the next seal, to each chunk once its oldest row not yet thinned
+        is that old (O(rows sealed a tick) per tick): a key added to `keep` later keeps its rows
+        from then, the rows thinned before do not come back. The pipeline sets it from what the
+        stream's history readers declare (pipeline/core.py: declared_retention); `latest` still
+        has each key's newest row within the horizon."""
+        if keep is None:
+            self._retain.pop(stream, None)
+        else:
+            self._retain[stream] = (float(recent_seconds), keep)
+
+    def _thin(self, stream: str, now: float) -> bool:
+        """Apply `retain` to the chunks with rows older than `recent_seconds` not yet thinned;
+        True if any changed."""
+        rule = self._retain.get(stream)
+        if rule is None:
+            return False
+        recent, keep = rule
+        cutoff = now - recent
+        chunks = self._chunks.get(stream, [])
+        if not any(todo is not None and todo < cutoff for _, _, todo in chunks):
+            return False
+        on = keep.columns
+        kept = []
+        for lo, df, todo in chunks:
+            if todo is not None and todo < cutoff:
+                since, todo = todo, None
+                if all(c in df.columns for c in on):
+                    key = keep if keep.schema == df.select(on).schema else keep.cast(dict(df.select(on).schema))  # type: ignore[arg-type]
+                    if len(on) == 1:
+                        kept_key = pl.col(on[0]).is_in(key[on[0]].implode(), nulls_equal=True)
+                    else:
+                        kept_key = pl.struct(on).is_in(key.select(pl.struct(on)).to_series().implode(), nulls_equal=True)
+                    # Rows older than `since` were thinned before (with the keys of then).
+                    df = df.filter((pl.col("ts") >= cutoff) | (pl.col("ts") < since) | kept_key)
+                    if df.height == 0:
+                        continue
+                    lo = _min_ts(df)
+                    newer = df["ts"].filter(df["ts"] >= cutoff).min()
+                    todo = float(newer) if newer is not None else None  # type: ignore[arg-type]
+            kept.append((lo, df, todo))
         chunks[:] = kept
         return True
 
@@ -153,13 +208,13 @@ class Window:
         return list(keep) if keep is not None else None
 
     @staticmethod
-    def _stack(chunks: list[tuple[float, pl.DataFrame]], like: pl.DataFrame) -> pl.DataFrame:
+    def _stack(chunks: list[tuple[float, pl.DataFrame, float | None]], like: pl.DataFrame) -> pl.DataFrame:
         if not chunks:
             return like.clear()
         if len(chunks) == 1:
             return chunks[0][1]
         # rechunk=False: the result refers to the chunks' buffers, nothing is copied.
-        return pl.concat([df for _, df in chunks], how="vertical", rechunk=False)
+        return pl.concat([df for _, df, _ in chunks], how="vertical", rechunk=False)
 
     def get(self, stream: str) -> pl.DataFrame:
         df = self._frames.get(stream)
@@ -196,6 +251,12 @@ class Window:
         # after the same sort of the same ts column), with every column of their newest row.
         order = df.select(*by, "ts").sort("ts").unique(list(by), keep="first", maintain_order=True).select(by)
         rows = self._latest[stream]
+        if stream in self._retain:
+            # A key whose older rows were thinned (`retain`) and that sent nothing recently is
+            # still within the horizon: its newest row stays (first: its rows are the oldest).
+            gone = rows.select(*by, "ts").join(order.cast(dict(rows.select(by).schema)), on=list(by), how="anti", nulls_equal=True)  # type: ignore[arg-type]
+            if gone.height:
+                order = pl.concat([gone.sort("ts", maintain_order=True).select(by).cast(dict(order.schema)), order])  # type: ignore[arg-type]
         if order.schema != rows.select(by).schema:
             order = order.cast(dict(rows.select(by).schema))  # type: ignore[arg-type]
         rest = [c for c in rows.columns if c not in by]
