@@ -201,6 +201,9 @@ def test_declared_retention_of_gpu_samples_is_the_union_of_both_l0_readers():
     assert declared_retention([oom, strag])["gpu_samples"] is None
     off = DeviceOomPredictor({**cfg, "detectors": {**cfg["detectors"], "oom_device": {**cfg["detectors"]["oom_device"], "history_recent_seconds": None}}})
     assert declared_retention([off, strag], resolve=resolve)["gpu_samples"] is None
+    strag_off = DeviceStragglerDetector({**cfg, "detectors": {**cfg["detectors"], "straggler_device": {**cfg["detectors"]["straggler_device"], "history_recent_seconds": None}}})
+    assert strag_off.window_retention() == {}
+    assert declared_retention([oom, strag_off], resolve=resolve)["gpu_samples"] is None
 
 
 def test_jobs_selecting_names_the_jobs_an_l0_detector_is_or_will_be_selected_for():
@@ -382,3 +385,78 @@ def test_a_thinned_window_is_the_whole_window_less_the_old_rows_of_other_keys(ti
         got = thin.get("rank_progress")
         order = ["ts", "job", "rank"]
         assert got.sort(order, nulls_last=True).equals(want.sort(order, nulls_last=True)), f"tick {i}"
+
+
+# Mutation re-run of issue 11's new code (docs/testing.md, round 9): jobs_selecting's edges.
+
+
+def _selector_with(detectors, fallback=None):
+    """A LevelSelector over `detectors` after one tick at t=1000 in which job `hooked` sent an
+    allocator row (L2) and jobs `hooked` and `plain` were allocated a GPU each."""
+    levels = LevelSelector(detectors, memory_seconds=900.0, fallback_seconds=fallback)
+    w = Window(600.0)
+    w.add("allocator_stats", schemas.conform(pl.DataFrame({"ts": [1000.0], "job": ["hooked"], "rank": [0]}), schemas.ALLOCATOR_STATS, stream="allocator_stats"))
+    w.add("allocations", schemas.frame([{"job": j, "rank": 0, "node": "n1", "gpu": g} for g, j in enumerate(("hooked", "plain"))], schemas.ALLOCATIONS))
+    w.seal(1000.0)
+    levels.observe(w)
+    return levels, w
+
+
+def test_an_l2_job_is_selected_for_the_l0_detector_from_exactly_its_look_back_before_it_falls_to_l0():
+    """The hook's row at t=1000 marks `hooked` L2 until t=1900 (memory_seconds 900, inclusive);
+    the L0 detector's 110 s look-back must hold its rows from after t=1790. At exactly t=1790
+    the job is not yet the L0 detector's; a second later it is."""
+    oom_l0, oom_l2 = DeviceOomPredictor(config.defaults()), _declare(OomPredictor(config.defaults()))
+    levels, w = _selector_with([oom_l0, oom_l2])
+    for now, want in ((1790.0, {"plain"}), (1791.0, {"hooked", "plain"})):
+        w.seal(now)
+        levels.observe(w)
+        assert levels.jobs_selecting(oom_l0, ["hooked", "plain"], 110.0) == want, now
+
+
+def test_a_detector_without_a_capability_needs_every_job():
+    """A detector that declares no capability (or has no such attribute) is never filtered by
+    level, so its history is kept for every job."""
+
+    class NoCapability:
+        level = "L0"
+
+    levels, _ = _selector_with([DeviceOomPredictor(config.defaults())])
+    assert levels.jobs_selecting(NoCapability(), ["hooked", "plain"], 110.0) == {"hooked", "plain"}
+
+
+def test_with_only_the_hook_detector_of_a_capability_every_job_is_its_own():
+    """Only the L2 OOM detector is registered: a job without hook rows has no detector of its own
+    for OOM but the L2 one (the best level defaults to L0, and L2 findings are never hidden), so
+    both jobs are selected."""
+    oom_l2 = _declare(OomPredictor(config.defaults()))
+    levels, _ = _selector_with([oom_l2])
+    assert levels.jobs_selecting(oom_l2, ["hooked", "plain"], 110.0) == {"hooked", "plain"}
+
+
+def test_a_selector_that_knows_no_detector_of_the_capability_selects_every_job():
+    oom_l0 = DeviceOomPredictor(config.defaults())
+    levels, _ = _selector_with([])
+    assert levels.jobs_selecting(oom_l0, ["hooked", "plain"], 110.0) == {"hooked", "plain"}
+
+
+def test_a_higher_level_detector_that_declares_no_streams_is_never_available():
+    """An L2 detector of the capability without `streams` is never a job's (as in `_available`):
+    the hooked job is still the L0 detector's."""
+
+    class NoStreams:
+        capability, level, name = "oom", "L2", "no_streams"
+
+    oom_l0 = DeviceOomPredictor(config.defaults())
+    levels, _ = _selector_with([oom_l0, NoStreams()])
+    assert levels.jobs_selecting(oom_l0, ["hooked", "plain"], 110.0) == {"hooked", "plain"}
+
+
+def test_an_l2_job_whose_oom_falls_back_keeps_its_device_history():
+    """With `L2.oom` given a fallback, an L2 job's L0 OOM findings may go out (after the
+    fallback): the L0 detector needs the job's history now, not only once the hook goes quiet."""
+    oom_l0, oom_l2 = DeviceOomPredictor(config.defaults()), _declare(OomPredictor(config.defaults()))
+    levels, _ = _selector_with([oom_l0, oom_l2], fallback={"L1": 60.0, "L2.oom": 30.0})
+    assert levels.jobs_selecting(oom_l0, ["hooked", "plain"], 110.0) == {"hooked", "plain"}
+    levels, _ = _selector_with([oom_l0, oom_l2], fallback={"L1": 60.0, "L2.hang": 30.0})
+    assert levels.jobs_selecting(oom_l0, ["hooked", "plain"], 110.0) == {"plain"}
