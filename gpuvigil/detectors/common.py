@@ -61,6 +61,15 @@ class Persistence:
         return flagged.join(pl.DataFrame({"job": [j for j, _ in kept], "rank": [r for _, r in kept]}, schema=schema), on=["job", "rank"], how="semi")
 
 
+def allocated_gpu_retention(recent_seconds: float | None) -> dict[str, tuple[float, str]]:
+    """`window_retention()` of an L0 detector that reads gpu_samples' history only for allocated
+    GPUs (an inner join on node, gpu) and whose findings the level selection keeps only for the
+    jobs it is selected for: rows older than `recent_seconds` are kept only for the GPUs of the
+    jobs it is or will be selected for within its look-back (pipeline/core.py:
+    declared_retention, levels.py: LevelSelector.jobs_selecting). None: keep every row."""
+    return {} if recent_seconds is None else {"gpu_samples": (recent_seconds, "allocated")}
+
+
 def rank_at(rank: Any, node: str | None, gpu: int | None) -> str:
     """'rank 3 (n0 GPU 2)' for a summary; a node or GPU the rows do not carry (a hook record
     without `gpu`) is left out instead of being printed as 'None'."""

@@ -18,7 +18,7 @@ from typing import Any
 import polars as pl
 from pydantic import BaseModel, Field
 
-from gpuvigil.detectors.common import Persistence, rank_at, settings
+from gpuvigil.detectors.common import Persistence, allocated_gpu_retention, rank_at, settings
 from gpuvigil.model import Finding, FindingKind, Severity
 from gpuvigil.pipeline.window import Window
 
@@ -53,13 +53,7 @@ class DeviceStragglerDetector:
         return {"gpu_samples": max(self.config.window_seconds, self.config.recent_seconds)}
 
     def window_retention(self) -> dict[str, tuple[float, str]]:
-        """It reads gpu_samples' history only for GPUs in `allocations` (an inner join on node,
-        gpu), and the level selection keeps its findings only for the jobs it is selected for:
-        the pipeline keeps rows older than history_recent_seconds only for the GPUs of the jobs
-        it is or will be selected for within its look-back (pipeline/core.py: declared_retention,
-        levels.py: LevelSelector.jobs_selecting)."""
-        recent = self.config.history_recent_seconds
-        return {} if recent is None else {"gpu_samples": (recent, "allocated")}
+        return allocated_gpu_retention(self.config.history_recent_seconds)
 
     def window_columns(self) -> dict[str, tuple[str, ...]]:
         return {"gpu_samples": ("ts", "node", "gpu", "util_ratio", "sm_clock_mhz", "power_w")}
