@@ -1,5 +1,5 @@
-"""The per-GPU detectors as they were before their state moved to numpy slots (thermal, pcie) and
-before ECC's quiet-tick shortcut: verbatim copies of their frame-join code. The fast detectors
+"""The per-GPU detectors as they were before their state moved to numpy slots (thermal, pcie,
+hang_device) and before ECC's quiet-tick shortcut: verbatim copies of their frame-join code. The fast detectors
 must give the same findings, in the same order, on the same rows
 (tests/test_detectors_fast_oracles.py).
 
@@ -14,8 +14,9 @@ import polars as pl
 
 from gpuvigil import throttle
 from gpuvigil import xid as xid_table
-from gpuvigil.detectors.common import gpu_jobs, settings
+from gpuvigil.detectors.common import gpu_jobs, rank_at, settings
 from gpuvigil.detectors.ecc import EccConfig
+from gpuvigil.detectors.hang_device import HangDeviceConfig, _nz, _r
 from gpuvigil.detectors.pcie import PcieConfig
 from gpuvigil.detectors.thermal import ThermalConfig
 from gpuvigil.model import Finding, FindingKind, Severity
@@ -257,3 +258,137 @@ class JoinEcc:
         return findings
 
 
+class JoinHangDevice:
+    name = "hang_device"
+    level = "L0"
+    capability = "hang"
+    streams = ("gpu_samples", "allocations")
+
+    def __init__(self, cfg: dict[str, Any] | None = None):
+        self.config = settings("hang_device", HangDeviceConfig, cfg)
+        self._base = pl.DataFrame(schema={"node": pl.Utf8, "gpu": pl.Int32, "bp": pl.Float64, "bl": pl.Float64, "bn": pl.Int64})
+        self._since: dict[str, float] = {}  # job → candidate since
+        self._last_cand: dict[str, float] = {}
+        self._recovered: dict[str, float] = {}  # job → longest waiting phase that ended by itself
+
+    def _update_baseline(self, fresh: pl.DataFrame) -> pl.DataFrame:
+        """Per GPU: EWMA of power and link bytes over busy samples (util high and power not collapsed)."""
+        c = self.config
+        link = _nz("nvlink_tx_bytes_per_second") + _nz("nvlink_rx_bytes_per_second") + _nz("pcie_tx_bytes_per_second") + _nz("pcie_rx_bytes_per_second")
+        cur = fresh.select("node", "gpu", "util_ratio", "power_w", link.alias("link"))
+        joined = cur.join(self._base, on=["node", "gpu"], how="left")
+        busy = (pl.col("util_ratio") >= 0.5) & (pl.col("bp").is_null() | (pl.col("power_w") > c.quiet_power_ratio * pl.col("bp")))
+        a = c.baseline_alpha
+        upd = joined.filter(busy & pl.col("power_w").is_not_null()).select(
+            "node",
+            "gpu",
+            pl.when(pl.col("bp").is_null()).then(pl.col("power_w")).otherwise((1 - a) * pl.col("bp") + a * pl.col("power_w")).alias("bp"),
+            pl.when(pl.col("bl").is_null()).then(pl.col("link")).otherwise((1 - a) * pl.col("bl") + a * pl.col("link")).alias("bl"),
+            (pl.col("bn").fill_null(0) + 1).alias("bn"),
+        )
+        self._base = pl.concat([self._base.join(upd.select("node", "gpu"), on=["node", "gpu"], how="anti"), upd], how="vertical_relaxed")
+        return self._base
+
+    def detect(self, window: Window) -> list[Finding]:
+        c = self.config
+        now = window.now
+        fresh = window.fresh("gpu_samples")
+        alloc = window.get("allocations")
+        if fresh.height == 0 or alloc.height == 0:
+            return []
+        # (a stable sort: of a GPU's same-time samples the later row is the latest, as the fast code takes it)
+        fresh = fresh.sort("ts", maintain_order=True).group_by(["node", "gpu"], maintain_order=True).last()
+        base = self._update_baseline(fresh)
+        g = alloc.select("job", "rank", "node", "gpu").join(fresh, on=["node", "gpu"], how="left").join(base, on=["node", "gpu"], how="left")
+        link = _nz("nvlink_tx_bytes_per_second") + _nz("nvlink_rx_bytes_per_second") + _nz("pcie_tx_bytes_per_second") + _nz("pcie_rx_bytes_per_second")
+        has_link = pl.any_horizontal([pl.col(x).is_not_null() for x in ("nvlink_tx_bytes_per_second", "pcie_tx_bytes_per_second")])
+        quiet = (
+            (pl.col("bn") >= c.min_baseline_samples)
+            & (pl.col("power_w") <= c.quiet_power_ratio * pl.col("bp"))
+            & (pl.col("sm_active_ratio").is_null() | (pl.col("sm_active_ratio") <= c.quiet_sm_active))
+            & (pl.col("tensor_active_ratio").is_null() | (pl.col("tensor_active_ratio") <= c.quiet_tensor_active))
+            & (~has_link | (pl.col("bl") <= 0) | (link <= c.quiet_link_ratio * pl.col("bl")))
+        )
+        g = g.with_columns(
+            pl.col("util_ratio").is_null().alias("silent"),
+            ((pl.col("util_ratio") >= c.util_pinned) & quiet).fill_null(False).alias("waiting"),
+            (pl.col("util_ratio") <= c.util_absent).fill_null(False).alias("absent"),
+        )
+        per_job = g.group_by("job").agg(
+            pl.len().alias("n"),
+            pl.col("waiting").sum().alias("n_wait"),
+            pl.col("absent").sum().alias("n_absent"),
+            pl.col("silent").sum().alias("n_silent"),
+        )
+        cand = per_job.filter(
+            (pl.col("n") >= c.min_gpus)
+            & (pl.col("n_wait") >= (pl.col("n") * c.min_waiting_share).ceil())
+            & (pl.col("n_wait") + pl.col("n_absent") + pl.col("n_silent") == pl.col("n"))
+        )
+        cand_jobs = set(cand["job"].to_list())
+        for job in list(self._since):
+            if job not in cand_jobs and now - self._last_cand.get(job, now) > c.gap_tolerance_seconds:
+                # The waiting phase ended by itself: remember how long such phases last.
+                run = self._last_cand.get(job, now) - self._since.pop(job)
+                self._recovered[job] = max(self._recovered.get(job, 0.0), run)
+        if not cand_jobs:
+            return []
+        events = window.get("events").filter(pl.col("kind").is_in(["xid", "ecc_dbe"]) & (pl.col("ts") >= now - c.hardware_lookback_seconds))
+        findings = []
+        for rows in g.filter(pl.col("job").is_in(list(cand_jobs))).partition_by("job"):
+            job = rows["job"][0]
+            since = self._since.setdefault(job, now)
+            self._last_cand[job] = now
+            hold = min(c.max_hold_seconds, max(c.hold_seconds, c.recovered_factor * self._recovered.get(job, 0.0)))
+            stalled = now - since
+            if stalled < hold:
+                continue
+            waiting = rows.filter(pl.col("waiting"))
+            odd = rows.filter(~pl.col("waiting")).sort("rank")
+            culprit_ranks = odd["rank"].to_list()
+            nodes = sorted(set(odd["node"].to_list()))
+            hw = events.filter(pl.col("node").is_in(nodes)) if nodes else events.clear()
+            silent = odd.filter(pl.col("silent"))["rank"].to_list()
+            cause = "hardware" if (silent or hw.height) else ("software" if culprit_ranks else None)
+            first = odd.row(0, named=True) if odd.height else None
+            where = ", ".join(rank_at(r["rank"], r["node"], r["gpu"]) for r in odd.head(4).iter_rows(named=True))
+            if culprit_ranks:
+                why = "no telemetry: the GPU is gone" if silent else "util 0: its rank never entered the collective"
+                head = f"{where}{' and more' if odd.height > 4 else ''} differ(s) ({why})"
+            else:
+                head = "every GPU waits alike: the culprit is inside a device kernel or the network (L0 cannot name it; L1 Flight Recorder can)"
+            wp = waiting["power_w"].median()
+            bp = waiting["bp"].median()
+            findings.append(
+                Finding(
+                    kind=FindingKind.COLLECTIVE_HANG,
+                    severity=Severity.PAGE,
+                    ts=now,
+                    job=job,
+                    ranks=culprit_ranks,
+                    culprit_ranks=culprit_ranks,
+                    node=first["node"] if first else None,
+                    gpu=first["gpu"] if first and odd.height == 1 else None,
+                    cause=cause,
+                    source=self.name,
+                    evidence={
+                        "level": "L0",
+                        "stalled_seconds": round(stalled, 1),
+                        "hold_seconds": round(hold, 1),
+                        "waiting_gpus": int(waiting.height),
+                        "gpus": int(rows.height),
+                        "culprit_gpus": [f"{r['node']}:{r['gpu']}" for r in odd.head(16).iter_rows(named=True)],
+                        "silent_ranks": silent,
+                        "waiting_util_median": _r(waiting["util_ratio"].median()),
+                        "waiting_power_w_median": _r(wp),
+                        "busy_power_w_median": _r(bp),
+                        "waiting_sm_active_median": _r(waiting["sm_active_ratio"].median()),
+                        "xids": sorted({int(x) for x in hw["xid"].drop_nulls().to_list()}),
+                    },
+                    summary=(
+                        f"{job} looks hung from its GPUs (L0): {waiting.height} of {rows.height} GPUs spin at "
+                        f"{100 * (waiting['util_ratio'].median() or 0):.0f}% util on {_r(wp)} W (busy: {_r(bp)} W) for {stalled:.0f} s; {head}."
+                    ),
+                )
+            )
+        return findings

@@ -98,7 +98,11 @@ class LevelSelector:
     def _compute_levels(self) -> dict[str, str]:
         cutoff = self.now - self.memory_seconds
         jobs = {j for j, t in self._jobs.items() if t >= cutoff} | {j for (j, _s), t in self._seen.items() if t >= cutoff}
-        return {j: self.job_level(j) for j in sorted(jobs)}
+        streams = {j: frozenset(self.streams_of(j)) for j in sorted(jobs)}
+        # The jobs' distinct stream sets: what `needed` decides on (a fleet of 1,000s of jobs has
+        # a handful), so its cost does not grow with the jobs.
+        self._stream_sets = set(streams.values())
+        return {j: max((STREAM_LEVEL[s] for s in ss), key=RANK.__getitem__, default="L0") for j, ss in streams.items()}
 
     def _available(self, detector: Any, job: str) -> bool:
         if level_of(detector) == "L0":
@@ -107,6 +111,14 @@ class LevelSelector:
 
     def best(self, capability: str, job: str) -> str:
         return max((level_of(d) for d in self.by_capability.get(capability, []) if self._available(d, job)), key=RANK.__getitem__, default="L0")
+
+    def _best_for_streams(self, capability: str, streams: frozenset[str]) -> str:
+        """`best` for a job whose streams are `streams`."""
+        return max(
+            (level_of(d) for d in self.by_capability.get(capability, []) if level_of(d) == "L0" or set(getattr(d, "streams", ())) & streams),
+            key=RANK.__getitem__,
+            default="L0",
+        )
 
     def needed(self, detector: Any) -> bool:
         """Whether a capability detector is the selected one for some job now (else skip it)."""
@@ -121,7 +133,7 @@ class LevelSelector:
                 wanted = ("L0", "L1", *(lvl for lvl in LEVELS[2:] if self.fallback(lvl, cap) is not None))
             else:
                 wanted = (key[1], *(lvl for lvl in LEVELS if RANK[lvl] > RANK[key[1]] and self.fallback(lvl, cap) is not None))
-            self._needed[key] = any(self.best(cap, j) in wanted for j in self.job_levels())
+            self._needed[key] = any(self._best_for_streams(cap, ss) in wanted for ss in getattr(self, "_stream_sets", ()))
         return self._needed[key]
 
     def jobs_selecting(self, detector: Any, jobs: Iterable[str], within: float) -> set[str]:

@@ -18,7 +18,9 @@ class GpuSlots:
     def __init__(self) -> None:
         self._slot: dict[tuple[str, int], int] = {}
         self.keys: list[tuple[str, int]] = []
-        self._last: tuple[pl.Series, pl.Series, np.ndarray] | None = None
+        # The last series looked up, per caller's cache name (a detector that maps both this
+        # tick's samples and the allocations keeps one of each).
+        self._last: dict[str, tuple[pl.Series, pl.Series, np.ndarray]] = {}
 
     def __len__(self) -> int:
         return len(self.keys)
@@ -28,9 +30,10 @@ class GpuSlots:
         self.keys.append(key)
         return i
 
-    def of(self, node: pl.Series, gpu: pl.Series) -> np.ndarray:
-        """The slot of each row (rows must have a node and a gpu)."""
-        last = self._last
+    def of(self, node: pl.Series, gpu: pl.Series, cache: str = "") -> np.ndarray:
+        """The slot of each row (rows must have a node and a gpu). The same series as the last
+        call with this `cache` name cost no lookup."""
+        last = self._last.get(cache)
         if last is not None and last[0].len() == node.len() and last[0].equals(node) and last[1].equals(gpu):
             return last[2]
         get = self._slot.get
@@ -39,7 +42,7 @@ class GpuSlots:
             dtype=np.int64,
             count=node.len(),
         )
-        self._last = (node, gpu, idx)
+        self._last[cache] = (node, gpu, idx)
         return idx
 
 
@@ -56,9 +59,14 @@ def last_per_slot(idx: np.ndarray, ts: np.ndarray) -> tuple[np.ndarray, np.ndarr
     """(rows, slots): for each slot present, the row of its latest sample (the later row on equal
     times), slots in the order of their first sample by time (as `sort("ts").group_by(...,
     maintain_order=True)` orders groups)."""
-    order = np.argsort(ts, kind="stable")
+    # A tick's rows usually come in time order already (one scrape): no sort then.
+    order = np.arange(ts.shape[0]) if ts.shape[0] < 2 or bool(np.all(ts[1:] >= ts[:-1])) else np.argsort(ts, kind="stable")
     sidx = idx[order]
-    if np.unique(sidx).shape[0] == sidx.shape[0]:  # one sample per GPU (the usual tick)
+    if sidx.shape[0] == 0:
+        return order, sidx
+    # One sample per GPU (the usual tick): slots are small non-negative ints, so a count per
+    # slot tells it in O(rows), where np.unique would sort or hash.
+    if int(np.bincount(sidx).max()) <= 1:
         return order, sidx
     _, first_pos = np.unique(sidx, return_index=True)
     slots_in_order = sidx[np.sort(first_pos)]
