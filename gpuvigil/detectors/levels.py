@@ -148,18 +148,20 @@ class LevelSelector:
         if not cap:
             return set(jobs)
         later = self.now + within - self.memory_seconds
+        cutoff = self.now - self.memory_seconds
         out = set()
+        # Decided once per distinct (streams now, streams still seen then): a fleet's 1,000s of
+        # jobs share a handful.
+        decided: dict[tuple[frozenset[str], frozenset[str]], bool] = {}
         for job in jobs:
-            hi = RANK[self.best(cap, job)]
-            seen = {s for s in STREAM_LEVEL if self._seen.get((job, s), -1e18) >= later}
-            lo = RANK[
-                max(
-                    (level_of(d) for d in self.by_capability.get(cap, []) if level_of(d) == "L0" or set(getattr(d, "streams", ())) & seen),
-                    key=RANK.__getitem__,
-                    default="L0",
-                )
-            ]
-            if any(RANK[lvl] >= r or self.fallback(LEVELS[r], cap) is not None for r in range(lo, hi + 1)):
+            last = {s: self._seen.get((job, s), -1e18) for s in STREAM_LEVEL}
+            key = (frozenset(s for s, t in last.items() if t >= cutoff), frozenset(s for s, t in last.items() if t >= later))
+            keep = decided.get(key)
+            if keep is None:
+                hi = RANK[self._best_for_streams(cap, key[0])]
+                lo = RANK[self._best_for_streams(cap, key[1])]
+                keep = decided[key] = any(RANK[lvl] >= r or self.fallback(LEVELS[r], cap) is not None for r in range(lo, hi + 1))
+            if keep:
                 out.add(job)
         return out
 
