@@ -282,16 +282,30 @@ def _kept(row: dict[str, Any]) -> str:
     )
 
 
+FLEETS = {
+    "hooked": "every job runs the in-process hook (L2: rank progress and allocator statistics besides device telemetry)",
+    "l0": "no job runs the hook (`--fleet l0`): every job is an L0 job, seen through device telemetry, per-process memory and the scheduler's job map only: what most operators have, since they cannot change their users' training code",
+}
+
+
 def markdown(rows: list[dict[str, Any]]) -> str:
+    l0 = not rows[-1].get("hook", True)
     head = (
-        "## Pipeline throughput (`gpuvigil bench pipeline`)\n\n"
+        ("## Pipeline throughput, L0 fleet (`gpuvigil bench pipeline`)\n\n" if l0 else "## Pipeline throughput (`gpuvigil bench pipeline`)\n\n")
+        + f"Fleet: {FLEETS['l0' if l0 else 'hooked']}. "
         "The production tick (`Pipeline.tick`: detectors at their configured periods, findings merged, hints to the scheduler), one core (polars single-threaded), "
         "**simulated** cluster (gpuvigil's simulator, no real GPUs) with 80% of GPUs in 64-GPU jobs, windows warmed until every per-key stream's history is at its full horizon "
         f"(steady state: {rows[-1]['warmup_ticks']} warm-up ticks at the largest size; "
         "each stream's history is kept as long as its longest reader looks back and holds only the columns some detector reads ("
         + _kept(rows[-1])
-        + "; the latest tick and each key's newest row keep every column; rows older than a few seconds only for the keys their readers still need, `Window.retain`: "
-        "rank_progress beyond 65 s only for jobs with long steps, gpu_samples beyond 10 s only for GPUs of L0/L1 jobs, none in this all-L2 simulated cluster)). "
+        + "; the latest tick and each key's newest row keep every column; "
+        + (
+            "the device-level detectors keep their own per-GPU rings of the few values they read, so gpu_samples' history in the window is short)). "
+            if l0
+            else "rows older than a few seconds only for the keys their readers still need, `Window.retain`: rank_progress beyond 65 s only for jobs with long steps, "
+            "gpu_samples beyond 10 s only for GPUs of L0/L1 jobs, none in this all-L2 simulated cluster)). "
+        )
+        + 
         f"Machine: {platform.machine()}, {os.cpu_count()} cores, Python {platform.python_version()}; **loaded by other work** while measured (2 cores shared with about 8 other processes), "
         "so wall times are pessimistic: CPU time (process time, which does not count waiting for a core) is the figure to read. "
         "`gpuvigil` columns exclude the simulator's own `collect`, which is reported apart (a real NVML/DCGM collector is I/O-bound instead). "
@@ -384,22 +398,25 @@ def cmd_bench_pipeline(args) -> int:
         raise UserError(f"--gpus takes comma-separated whole numbers, got {args.gpus!r}") from None
     if not sizes or any(s < 8 for s in sizes):
         raise UserError("--gpus: each size must be >= 8")
-    if not args.no_write and args.no_hook:
-        raise UserError("--no-hook: the docs table is the hooked fleet's; add --no-write (and --json) to measure an L0 fleet")
+    fleets = ["l0"] if args.no_hook else (["hooked", "l0"] if args.fleet == "both" else [args.fleet])
     rows = []
-    for gpus in sizes:
-        row = run_worker(gpus, args.ticks, args.warmup, hook=not args.no_hook)
-        rows.append(row)
-        if not args.json:
-            print(
-                f"{gpus:>8,} GPUs: {row['gpu_metric_samples_per_cpu_second']:>14,.0f} GPU-metric samples/CPU-s, tick CPU {row['tick_cpu_seconds_mean']:.3f} s "
-                f"(worst, all due: {row['all_due_tick_cpu_seconds_max'] or 0:.3f} s), simulator {row['collect_cpu_seconds_per_tick']:.3f} s, peak {row['peak_rss_bytes'] / 2**20:,.0f} MiB",
-                file=sys.stderr,
-            )
+    by_fleet: dict[str, list[dict[str, Any]]] = {}
+    for fleet in fleets:
+        for gpus in sizes:
+            row = run_worker(gpus, args.ticks, args.warmup, hook=fleet == "hooked")
+            rows.append(row)
+            by_fleet.setdefault(fleet, []).append(row)
+            if not args.json:
+                print(
+                    f"{fleet:>6} {gpus:>8,} GPUs: {row['gpu_metric_samples_per_cpu_second']:>14,.0f} GPU-metric samples/CPU-s, tick CPU {row['tick_cpu_seconds_mean']:.3f} s "
+                    f"(worst, all due: {row['all_due_tick_cpu_seconds_max'] or 0:.3f} s), simulator {row['collect_cpu_seconds_per_tick']:.3f} s, peak {row['peak_rss_bytes'] / 2**20:,.0f} MiB",
+                    file=sys.stderr,
+                )
     if not args.no_write:
         from benchmarks.report import write_section
 
-        write_section("pipeline", markdown(rows))
+        for fleet, fleet_rows in by_fleet.items():
+            write_section("pipeline" if fleet == "hooked" else "pipeline-l0", markdown(fleet_rows))
     if args.json:
         print(json.dumps({"sizes": rows}, sort_keys=True))
     return 0
@@ -412,7 +429,8 @@ def add_parser(sub) -> None:
     p.add_argument("--warmup", type=int, default=None, help="warm-up ticks (default: until every per-key stream's history is at its full horizon, the steady state)")
     p.add_argument("--json", action="store_true", help="print the figures as one JSON object")
     p.add_argument("--no-write", action="store_true", help="do not update docs/benchmarks.md")
-    p.add_argument("--no-hook", action="store_true", help="drop the in-process hook's streams (rank_progress, allocator_stats): every job is an L0 job")
+    p.add_argument("--fleet", choices=("hooked", "l0", "both"), default="both", help="hooked: every job runs the in-process hook (L2); l0: none does (device telemetry only); both (default): one after the other, each its own table")
+    p.add_argument("--no-hook", action="store_true", help="the same as --fleet l0: drop the in-process hook's streams (rank_progress, allocator_stats), every job is an L0 job")
     p.set_defaults(func=cmd_bench_pipeline)
 
 

@@ -12,7 +12,7 @@ from benchmarks.pipeline import markdown
 
 def test_bench_pipeline_reduced_run_reports_every_size():
     out = subprocess.run(
-        [sys.executable, "-m", "gpuvigil", "bench", "pipeline", "--gpus", "64,128", "--ticks", "2", "--warmup", "3", "--json", "--no-write"],
+        [sys.executable, "-m", "gpuvigil", "bench", "pipeline", "--gpus", "64,128", "--ticks", "2", "--warmup", "3", "--json", "--no-write", "--fleet", "hooked"],
         capture_output=True,
         text=True,
         timeout=300,
@@ -36,6 +36,10 @@ def test_bench_pipeline_rejects_bad_sizes():
 
 
 def _bench(*extra: str) -> dict:
+    return _bench_rows(*extra)[0]
+
+
+def _bench_rows(*extra: str) -> list[dict]:
     out = subprocess.run(
         [sys.executable, "-m", "gpuvigil", "bench", "pipeline", "--gpus", "64", "--ticks", "2", "--warmup", "20", "--json", "--no-write", *extra],
         capture_output=True,
@@ -43,7 +47,7 @@ def _bench(*extra: str) -> dict:
         timeout=300,
     )
     assert out.returncode == 0, out.stderr
-    return json.loads(out.stdout.strip().splitlines()[-1])["sizes"][0]
+    return json.loads(out.stdout.strip().splitlines()[-1])["sizes"]
 
 
 def test_bench_pipeline_without_the_hook_is_an_l0_fleet_keeping_device_history():
@@ -51,13 +55,18 @@ def test_bench_pipeline_without_the_hook_is_an_l0_fleet_keeping_device_history()
     holds no allocator or rank history, and keeps gpu_samples' history whole for the device-level
     detectors (oom_device, straggler_device), where the hooked fleet (every job L2) thins it to its
     last 10 s (docs/detectors.md, "History kept at scale")."""
-    hooked, bare = _bench(), _bench("--no-hook")
+    hooked, bare = _bench("--fleet", "hooked"), _bench("--no-hook")
     assert (hooked["hook"], bare["hook"]) == (True, False)
     assert {"allocator_stats", "rank_progress"} <= set(hooked["window_horizon_seconds"])
     assert not {"allocator_stats", "rank_progress"} & set(bare["window_horizon_seconds"])
     assert bare["window_bytes_by_stream"]["gpu_samples"] > 1.5 * hooked["window_bytes_by_stream"]["gpu_samples"]
 
 
-def test_bench_pipeline_without_the_hook_does_not_overwrite_the_docs_table():
-    out = subprocess.run([sys.executable, "-m", "gpuvigil", "bench", "pipeline", "--gpus", "64", "--no-hook"], capture_output=True, text=True, timeout=120)
-    assert out.returncode == 2 and "--no-hook" in out.stderr and len(out.stderr.strip().splitlines()) == 1
+def test_bench_pipeline_measures_both_fleets_by_default_each_with_its_own_table():
+    """simulated: the default run measures the hooked fleet, then the L0 fleet; each gets its own
+    section of docs/benchmarks.md (`pipeline`, `pipeline-l0`), so neither overwrites the other."""
+    rows = _bench_rows()
+    assert [r["hook"] for r in rows] == [True, False]
+    hooked, l0 = markdown(rows[:1]), markdown(rows[1:])
+    assert hooked.startswith("## Pipeline throughput (") and "Fleet: every job runs the in-process hook" in hooked
+    assert l0.startswith("## Pipeline throughput, L0 fleet (") and "Fleet: no job runs the hook" in l0
