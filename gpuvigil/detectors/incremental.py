@@ -355,13 +355,18 @@ class KeyRing:
     few vectorised passes over keys × capacity (no group_by over the window).
 
     Rows older than `keep_from` (given on each insert) may be overwritten; when a key would
-    overwrite a row still needed, every buffer doubles. `ts` NaN marks an empty slot.
+    overwrite a row still needed, every buffer doubles (`slack` set: grows instead to the most
+    rows a key then holds, plus that share and at least 8 slots). `ts` NaN marks an empty slot.
+
+    A caller that numbers its own keys (rows of the arrays) skips `key_index` and uses `reserve`
+    and `clear` (straggler_device: one ring per allocated GPU, emptied when its job changes).
     """
 
-    def __init__(self, floats: Sequence[str], ints: Sequence[str], capacity: int = 8):
+    def __init__(self, floats: Sequence[str], ints: Sequence[str], capacity: int = 8, slack: float | None = None):
         self.float_names, self.int_names = list(floats), list(ints)
         self.keys = pl.DataFrame(schema={"job": pl.Utf8, "rank": pl.Int32, "_k": pl.Int64})
         self.n = 0
+        self.slack = slack
         self._alloc(0, capacity)
 
     def _alloc(self, rows: int, cap: int) -> None:
@@ -375,15 +380,18 @@ class KeyRing:
     def _arrays(self) -> list[np.ndarray]:
         return [self.ts, *self.f.values(), *self.i.values()]
 
-    def _grow_keys(self, rows: int) -> None:
+    def _grow_keys(self, rows: int, exact: bool = False) -> None:
         have = self.ts.shape[0]
         if rows <= have:
             return
-        rows = max(rows, 2 * have, 64)
+        if not exact:
+            rows = max(rows, 2 * have, 64)
         pad = rows - have
         self.ts = np.concatenate([self.ts, np.full((pad, self.cap), np.nan)])
-        self.f = {c: np.concatenate([a, np.full((pad, self.cap), np.nan)]) for c, a in self.f.items()}
-        self.i = {c: np.concatenate([a, np.zeros((pad, self.cap), np.int32)]) for c, a in self.i.items()}
+        for c in self.f:  # one buffer at a time (the old one is freed before the next grows)
+            self.f[c] = np.concatenate([self.f[c], np.full((pad, self.cap), np.nan)])
+        for c in self.i:
+            self.i[c] = np.concatenate([self.i[c], np.zeros((pad, self.cap), np.int32)])
         self.head = np.concatenate([self.head, np.zeros(pad, np.int64)])
         self.last_ts = np.concatenate([self.last_ts, np.full(pad, -np.inf)])
 
@@ -397,11 +405,32 @@ class KeyRing:
             out[:, : self.cap] = np.take_along_axis(a, order, axis=1)
             return out
 
+        # One buffer at a time: the old one is freed before the next is widened.
         self.ts = widen(self.ts, np.nan)
-        self.f = {c: widen(a, np.nan) for c, a in self.f.items()}
-        self.i = {c: widen(a, 0) for c, a in self.i.items()}
+        for c in self.f:
+            self.f[c] = widen(self.f[c], np.nan)
+        for c in self.i:
+            self.i[c] = widen(self.i[c], 0)
         self.head = np.full(rows, self.cap, np.int64)
         self.cap = cap
+
+    def reserve(self, rows: int) -> None:
+        """Room for keys 0..rows-1 (for a caller numbering its own keys), with 1/8 headroom."""
+        have = self.ts.shape[0]
+        if rows > have:
+            self._grow_keys(max(rows, have + have // 8, 64), exact=True)
+
+    def clear(self, rows: np.ndarray) -> None:
+        """Empty these keys' rings (their rows are forgotten; the keys stay numbered)."""
+        if len(rows) == 0:
+            return
+        self.ts[rows] = np.nan
+        for a in self.f.values():
+            a[rows] = np.nan
+        for a in self.i.values():
+            a[rows] = 0
+        self.head[rows] = 0
+        self.last_ts[rows] = -np.inf
 
     def key_index(self, keys: pl.DataFrame) -> np.ndarray:
         """Index of each row's (job, rank); keys not seen before are added."""
@@ -435,7 +464,12 @@ class KeyRing:
             busy = self.ts[ks, slot] >= keep_from
             if counts.max() <= self.cap and not busy.any():
                 break
-            self._grow_capacity(self.cap * 2)
+            if self.slack is None:
+                self._grow_capacity(self.cap * 2)
+            else:
+                uk = ks[first]
+                need = int(((self.ts[uk] >= keep_from).sum(axis=1) + counts).max())
+                self._grow_capacity(max(math.ceil(need * (1.0 + self.slack)), self.cap + 8, self.cap + int(counts.max())))
         self.ts[ks, slot] = ts[order]
         for c, v in floats.items():
             self.f[c][ks, slot] = v[order]
