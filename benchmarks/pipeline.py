@@ -215,6 +215,7 @@ def measure(gpus: int, ticks: int, warmup_ticks: int | None = None, hook: bool =
     straggler = next((d for d in pipe.detectors if d.name == "straggler"), None)
     ring = getattr(straggler, "_ring", None)
     ring_bytes = sum(a.nbytes for a in ring._arrays()) if ring is not None else 0
+    array_bytes = {d.name: _array_bytes(d) for d in pipe.detectors}
     window_bytes = sum(pipe.window.get(s).estimated_size() for s in pipe.window.streams())
     samples = gpu_rows * len(metric_cols)
     gv_cpu = sum(tick_cpu)
@@ -256,10 +257,26 @@ def measure(gpus: int, ticks: int, warmup_ticks: int | None = None, hook: bool =
         "window_horizon_seconds": {s: win.horizon(s) for s in win.streams()},
         "window_resident_bytes_full_horizon": full,
         "straggler_ring_bytes": ring_bytes,
+        "detector_array_bytes": {k: v for k, v in sorted(array_bytes.items()) if v},
         "covered_seconds": covered,
         "build_seconds": build_s,
         "hook": hook,
     }
+
+
+def _array_bytes(obj: Any, depth: int = 2) -> int:
+    """Bytes of the numpy arrays a detector holds: its attributes, and theirs (its rings, slots)."""
+    import numpy as np
+
+    total = 0
+    for v in vars(obj).values() if hasattr(obj, "__dict__") else ():
+        if isinstance(v, np.ndarray):
+            total += v.nbytes
+        elif isinstance(v, dict):
+            total += sum(a.nbytes for a in v.values() if isinstance(a, np.ndarray))
+        elif depth > 1 and hasattr(v, "__dict__") and not isinstance(v, type):
+            total += _array_bytes(v, depth - 1)
+    return total
 
 
 def run_worker(gpus: int, ticks: int, warmup: int | None, hook: bool = True) -> dict[str, Any]:
@@ -362,7 +379,10 @@ def markdown(rows: list[dict[str, Any]]) -> str:
         notes.append(
             f"- Where {big['gpus']:,} GPUs' peak RSS goes: {big['rss_after_build_bytes'] / 2**20:,.0f} MiB before the first tick (interpreter, libraries, the simulated cluster); "
             f"the window's buffers at the end {sum(res.values()) / 2**20:,.0f} MiB after {big['covered_seconds']:.0f} s (" + ", ".join(f"{k} {v / 2**20:,.0f}" for k, v in held)
-            + f"; every column of each key's newest row {big['window_latest_rows_bytes'] / 2**20:,.0f}); straggler's ring buffers {big['straggler_ring_bytes'] / 2**20:,.0f} MiB; "
+            + f"; every column of each key's newest row {big['window_latest_rows_bytes'] / 2**20:,.0f}); "
+            + "detectors' numpy state (rings, slots) "
+            + (", ".join(f"{k} {v / 2**20:,.0f}" for k, v in sorted(big.get("detector_array_bytes", {}).items(), key=lambda kv: -kv[1])[:3] if v >= 2**20) or "under 1")
+            + " MiB; "
             "the rest is detector state, one tick's transient frames and allocator slack."
         )
         steady = big["covered_seconds"] >= max(big["window_horizon_seconds"].get(s, 0.0) for s in ("gpu_samples", "allocator_stats", "rank_progress"))

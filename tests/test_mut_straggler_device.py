@@ -28,9 +28,14 @@ def test_the_lagging_gpu_is_named_with_its_node():
 
 
 def test_the_declared_look_back_is_on_the_gpu_samples_stream():
+    """What a rebuild of its rings reads: rebuild_history_seconds (20 s by default, issue 11), or
+    with null the whole look-back (the longer of the window and the recent past)."""
     det = DeviceStragglerDetector()
-    c = det.config
-    assert det.lookback_seconds() == {"gpu_samples": max(c.window_seconds, c.recent_seconds)}
+    assert det.lookback_seconds() == {"gpu_samples": det.config.rebuild_history_seconds} == {"gpu_samples": 20.0}
+    whole = DeviceStragglerDetector({"detectors": {"straggler_device": {"rebuild_history_seconds": None, "recent_seconds": 95.0}}})
+    assert whole.lookback_seconds() == {"gpu_samples": 95.0}
+    whole = DeviceStragglerDetector({"detectors": {"straggler_device": {"rebuild_history_seconds": None}}})
+    assert whole.lookback_seconds() == {"gpu_samples": 90.0}
 
 
 def _first(culprit, peers, **over):

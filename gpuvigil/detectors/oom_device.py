@@ -16,12 +16,59 @@ process; else leak/capacity. The other processes' memory on a job's GPU is follo
 (its own envelope, steps, span and rate), so it warns next to a flat job too, while a single
 one-off allocation by another process is no trend. Fragmentation cannot be seen at L0: a fragmenting pool also adds
 segments, and only the allocator's own statistics (L2) tell reserved-but-unallocated apart.
+
+Cost at scale (issue 11): O(new rows) per tick, not a refit of the window. Each allocated GPU
+(a row of the allocation snapshot) keeps, in numpy rings (`_Rings`), its samples of the last
+`fit_window_seconds`: ts, the job's own memory and the other processes' (NaN: no process list
+at that sample), folded in from each tick's fresh rows (`ingest` on the ticks the detector is not
+due, and `detect`), attributed as the refit attributes them (a process is the job's when its
+`job`, else its `slurm_job`, is the GPU's allocated job; gpu_processes joined to gpu_samples on
+the exact (ts, node, gpu)). `detect` evaluates every GPU at once over the rings (the same
+filters, segments, envelopes, steps and sums as the refit, in float64, so every threshold is met
+or missed exactly as before) and builds the findings from the GPUs with enough steps only.
+
+A GPU whose allocation (job, rank) changes, that is newly allocated, or that leaves the snapshot
+starts an empty ring; the rows it had in the window before are not copied, which changes nothing
+while they are older than its job's start + `warmup_seconds` (they are filtered anyway). Where
+they may count (a job with no known start, one allocated a GPU after its warm-up, a start that
+moves back or disappears), that GPU is refilled from the window when next evaluated. A job whose
+start moves is re-filtered from the stored ts. The rings are rebuilt from the window (what it
+holds of the fit window) on the first call, a different window, a tick missed without `ingest`,
+time going back, or a jump longer than the fit window. Rows the window's retention thins
+(`window_retention`, pipeline/core.py: declared_retention) are dropped from the rings as the
+window drops them, so the GPUs of jobs this detector is not selected for are fitted from the same
+rows as before.
+
+The window's gpu_samples history is then read only by a rebuild: `lookback_seconds` declares
+`rebuild_history_seconds` (null: the whole fit window), so after a rebuild the fit starts again from that
+much history. Where the result can differ from the refit over the same window (tests:
+tests/test_oom_device_incremental.py, every other case against the refit, tick by tick):
+
+- gpu_processes rows of a (ts, node, gpu) that arrive in a later tick than the gpu_samples row of
+  that ts (or split over ticks): the refit joined them, the rings folded the sample in when it came
+  (as DCGM-only, or with the processes seen then).
+- Samples of one GPU with equal ts and different values: the refit's sort did not define their
+  order; the rings keep arrival order.
+- A job listed twice in `jobs`, or a GPU listed twice in `allocations`: the refit's joins
+  duplicated rows; the rings take the first row.
+- Rows that arrive later than the window's horizon but within the fit window: the window no
+  longer holds them, the rings keep them.
+- The window's retention judges each row once, at the first seal where it is older than the
+  cut; the rings follow that. A row that arrives late, newer than the cut but older than rows
+  sealed before it, can make the window judge those again when it merges small chunks
+  (window.py: SMALL_CHUNK_ROWS), with the keys of then: the rings do not.
+
+A refill of the GPUs whose earlier rows may count reads the window (a semi-join of its
+gpu_samples): it costs O(window) on the ticks it happens, which needs a job without a start in
+`jobs` or an allocation that changes after its job's warm-up.
 """
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
+import numpy as np
 import polars as pl
 from pydantic import BaseModel, Field
 
@@ -31,6 +78,8 @@ from gpuvigil.pipeline.window import Window
 
 GIB = float(1 << 30)
 NOT_AT_L0 = "fragmentation cannot be seen at L0 (device memory shows the allocator's footprint, not what is free inside it)"
+GPU_KEY = ["node", "gpu"]
+BLOCK = 8192  # GPUs evaluated at once: bounds the temporaries (BLOCK x ring length float64 each)
 
 
 class OomDeviceConfig(BaseModel):
@@ -48,6 +97,10 @@ class OomDeviceConfig(BaseModel):
     # Memory at scale (issue 11): gpu_samples rows older than this are kept only for the GPUs of
     # jobs whose findings this detector gives (pipeline/core.py: declared_retention); null: all.
     history_recent_seconds: float | None = Field(10.0, ge=0)
+    # The gpu_samples history the window keeps for this detector (its look-back): the fit runs
+    # from per-GPU rings, the window's history is read only to rebuild them. null: the whole fit
+    # window (a rebuild then finds exactly what a refit would).
+    rebuild_history_seconds: float | None = Field(20.0, gt=0)
 
 
 class DeviceOomPredictor:
@@ -58,10 +111,13 @@ class DeviceOomPredictor:
 
     def __init__(self, cfg: dict[str, Any] | None = None):
         self.config = settings("oom_device", OomDeviceConfig, cfg)
+        self._reset(None)
 
     def lookback_seconds(self) -> dict[str, float]:
-        """History read from the window (pipeline/core.py: declared_horizons, declared_columns)."""
-        return {"gpu_samples": self.config.fit_window_seconds}
+        """History read from the window (pipeline/core.py: declared_horizons, declared_columns):
+        only a rebuild of the rings reads it (module doc)."""
+        c = self.config
+        return {"gpu_samples": c.fit_window_seconds if c.rebuild_history_seconds is None else min(c.rebuild_history_seconds, c.fit_window_seconds)}
 
     def window_retention(self) -> dict[str, tuple[float, str]]:
         return allocated_gpu_retention(self.config.history_recent_seconds)
@@ -69,69 +125,237 @@ class DeviceOomPredictor:
     def window_columns(self) -> dict[str, tuple[str, ...]]:
         return {"gpu_samples": ("ts", "node", "gpu", "memory_used_bytes", "memory_total_bytes", "memory_reserved_bytes")}
 
-    def _series(self, window: Window, since: float) -> pl.DataFrame:
-        """(ts, job, rank, node, gpu, own, gpu_used, capacity, foreign) per process sample."""
-        gs = window.get("gpu_samples").filter(pl.col("ts") >= since)
-        alloc = window.get("allocations").select("node", "gpu", "job", "rank")
-        if gs.height == 0 or alloc.height == 0:
-            return pl.DataFrame()
-        dev = gs.select(
-            "ts",
-            "node",
-            "gpu",
-            pl.col("memory_used_bytes").cast(pl.Float64).alias("gpu_used"),
-            (pl.col("memory_total_bytes") - pl.col("memory_reserved_bytes").fill_null(0)).cast(pl.Float64).alias("capacity"),
-        ).filter(pl.col("gpu_used").is_not_null())
-        procs = window.get("gpu_processes")
+    # -- running state -------------------------------------------------------------------------
+    def _reset(self, window: Window | None) -> None:
+        self._rings = _Rings()
+        self._keys = pl.DataFrame(schema={"node": pl.Utf8, "gpu": pl.Int32, "job": pl.Utf8, "rank": pl.Int32, "_k": pl.Int64})
+        self._free = np.zeros(0, np.int64)  # slots of GPUs no longer allocated
+        self._next = 0  # slots ever used
+        self._alloc: pl.DataFrame | None = None  # the allocation snapshot the keys follow
+        self._window = window
+        self._seq = -1
+        self._now = -math.inf
+        self._seen = -math.inf  # the newest gpu_samples ts seen (rows up to it are in the window)
+        self._judged = -math.inf  # rows below this were judged by the window's retention rule
+        self._rule_cache: tuple[pl.DataFrame, pl.DataFrame, np.ndarray] | None = None
+        self._slot_cache: tuple[pl.DataFrame, pl.DataFrame, np.ndarray] | None = None
+
+    def ingest(self, window: Window) -> None:
+        """Fold this tick's rows in (called by the pipeline on ticks the detector is not due)."""
+        self._sync(window)
+
+    def _sync(self, window: Window) -> None:
+        c = self.config
+        now = window.now
+        seq = getattr(window, "seq", None)
+        if seq is not None and window is self._window and seq == self._seq:
+            return
+        stepping = window is self._window and seq is not None and seq == self._seq + 1 and now > self._now and now - self._now <= c.fit_window_seconds
+        dt = now - self._now if stepping else None
+        if not stepping:
+            judged = self._judged if window is self._window else -math.inf
+            self._reset(window)
+            self._judged = judged
+        self._window, self._seq, self._now = window, (seq if seq is not None else -1), now
+        self._sync_alloc(window)
+        rule = self._rule(window)
+        if stepping:
+            fresh = window.fresh("gpu_samples")
+            self._add(fresh, window.fresh("gpu_processes"), now, self._keys, rule, dt)
+        else:
+            # The window has applied its retention rule at this seal already: its rows are the rings'.
+            self._add(window.get("gpu_samples"), window.get("gpu_processes"), now, self._keys, None, None)
+            self._rings.floor[:] = -np.inf
+        if rule is not None:
+            cut, nonkept = rule
+            if stepping:
+                self._rings.thin(nonkept, self._judged, cut)
+            self._judged = max(self._judged, cut)
+
+    def _sync_alloc(self, window: Window) -> None:
+        """Follow the allocation snapshot: a GPU whose (job, rank) changed, newly allocated or
+        gone gets an empty ring (module doc); the others keep theirs."""
+        alloc = window.get("allocations")
+        if alloc is self._alloc:
+            return
+        same = self._alloc is not None and alloc.schema == self._alloc.schema and alloc.equals(self._alloc)
+        self._alloc = alloc
+        if same:  # a new snapshot, as the collectors send one each tick: the same GPUs' jobs
+            return
+        if alloc.height == 0 or not {"node", "gpu", "job", "rank"} <= set(alloc.columns):
+            new = self._keys.clear().drop("_k")
+        else:
+            new = alloc.select("node", "gpu", "job", "rank").filter(pl.col("node").is_not_null() & pl.col("gpu").is_not_null()).unique(GPU_KEY, keep="first", maintain_order=True)
+        old = self._keys
+        m = new.join(old.select(*GPU_KEY, pl.col("job").alias("_pj"), pl.col("rank").alias("_pr"), "_k"), on=GPU_KEY, how="left", maintain_order="left")
+        same = (m["_k"].is_not_null() & m["job"].eq_missing(m["_pj"]) & m["rank"].eq_missing(m["_pr"])).to_numpy()
+        slots = m["_k"].fill_null(-1).to_numpy().astype(np.int64)
+        kept = slots[same]
+        freed = np.setdiff1d(old["_k"].to_numpy(), kept)
+        if freed.size:
+            self._rings.clear(freed)
+            self._free = np.concatenate([self._free, freed])
+        todo = int((~same).sum())
+        if todo:
+            if self._free.size < todo:
+                extra = np.arange(self._next, self._next + todo - self._free.size, dtype=np.int64)
+                self._next += extra.size
+                self._free = np.concatenate([self._free, extra])
+                self._rings.grow_rows(self._next)
+            self._free = np.sort(self._free)
+            given, self._free = self._free[:todo], self._free[todo:]
+            slots[~same] = given
+            self._rings.clear(given)
+            # Their rows that arrived before this tick are not in the rings: refilled from the
+            # window if they can count (detect).
+            self._rings.floor[given] = self._seen
+        self._keys = new.with_columns(pl.Series("_k", slots, dtype=pl.Int64))
+        self._rule_cache = None
+
+    def _rule(self, window: Window) -> tuple[float, np.ndarray] | None:
+        """The window's retention rule for gpu_samples (module doc): (cutoff, slots whose older
+        rows it drops), or None."""
+        fn = getattr(window, "retention", None)
+        rule = fn("gpu_samples") if callable(fn) else None
+        if rule is None:
+            return None
+        recent, keep = rule
+        if sorted(keep.columns) != sorted(GPU_KEY):
+            return None  # thinned by other keys: not followed (no reader declares such a rule)
+        cached = self._rule_cache
+        if cached is not None and cached[1] is self._keys and (cached[0] is keep or cached[0].equals(keep)):
+            return window.now - recent, cached[2]
+        keys = self._keys.select(*GPU_KEY, "_k")
+        on = keep.select(GPU_KEY)
+        if on.schema != keys.select(GPU_KEY).schema:
+            on = on.cast(dict(keys.select(GPU_KEY).schema))  # type: ignore[arg-type]
+        nonkept = keys.join(on, on=GPU_KEY, how="anti", nulls_equal=True)["_k"].to_numpy()
+        self._rule_cache = (keep, self._keys, nonkept)
+        return window.now - recent, nonkept
+
+    def _add(self, gs: pl.DataFrame, procs: pl.DataFrame, now: float, keys: pl.DataFrame, rule: tuple[float, np.ndarray] | None, dt: float | None) -> None:
+        """Fold rows of gpu_samples (and the gpu_processes of the same ts) into the rings of
+        `keys`, attributed as the refit attributes them (module doc)."""
+        c = self.config
+        if gs.height == 0:
+            return
+        top = gs["ts"].max()
+        if top is not None:
+            self._seen = max(self._seen, float(top))  # type: ignore[arg-type]
+        if keys.height == 0:
+            return
+        since = now - c.fit_window_seconds
+        dev = (
+            gs.filter(pl.col("ts") >= since)
+            .select(
+                "ts",
+                "node",
+                "gpu",
+                pl.col("memory_used_bytes").cast(pl.Float64).alias("gpu_used"),
+                (pl.col("memory_total_bytes") - pl.col("memory_reserved_bytes").fill_null(0)).cast(pl.Float64).alias("capacity"),
+            )
+            .filter(pl.col("gpu_used").is_not_null())
+        )
+        dev = dev.with_columns(pl.Series("_k", self._slots_of(dev.select(GPU_KEY), keys))).filter(pl.col("_k") >= 0)
+        if dev.height == 0:
+            return
         if procs.height:
             procs = procs.filter((pl.col("ts") >= since) & pl.col("used_memory_bytes").is_not_null())
         if procs.height:
             # A process is the job's when the scheduler's map or its own attribution says so.
-            p = procs.join(alloc.rename({"job": "_ajob", "rank": "_arank"}), on=["node", "gpu"], how="left").with_columns(
+            p = procs.join(keys.select(*GPU_KEY, "_k", pl.col("job").alias("_ajob")), on=GPU_KEY, how="inner").with_columns(
                 (pl.col("job").is_not_null() & (pl.col("job") == pl.col("_ajob")) | pl.col("job").is_null() & (pl.col("slurm_job") == pl.col("_ajob"))).fill_null(False).alias("own")
             )
-            per = p.group_by(["ts", "node", "gpu"]).agg(
+            per = p.group_by(["_k", "ts"]).agg(
                 pl.col("used_memory_bytes").filter(pl.col("own")).sum().cast(pl.Float64).alias("own"),
                 pl.col("used_memory_bytes").filter(~pl.col("own")).sum().cast(pl.Float64).alias("foreign"),
             )
-            dev = dev.join(per, on=["ts", "node", "gpu"], how="left").with_columns(pl.col("own").fill_null(pl.col("gpu_used")))
+            dev = dev.join(per, on=["_k", "ts"], how="left", maintain_order="left").with_columns(pl.col("own").fill_null(pl.col("gpu_used")))
         else:
             dev = dev.with_columns(pl.col("gpu_used").alias("own"), pl.lit(None, pl.Float64).alias("foreign"))
-        return dev.join(alloc, on=["node", "gpu"], how="inner")
+        k = dev["_k"].to_numpy()
+        ts = dev["ts"].to_numpy()
+        keep = None
+        if rule is not None and rule[1].size:
+            # Rows the window's retention dropped at this seal (module doc).
+            cut, nonkept = rule
+            mask = np.zeros(self._rings.rows, bool)
+            mask[nonkept] = True
+            keep = ~(mask[k] & (ts < cut))
+        cols = [k, ts, dev["own"].to_numpy(), dev["foreign"].to_numpy(), dev["gpu_used"].to_numpy(), dev["capacity"].to_numpy()]
+        if keep is not None and not keep.all():
+            cols = [a[keep] for a in cols]
+        per_tick = None if dt is None else c.fit_window_seconds / dt
+        if dt is not None:
+            self._rings.tidy(since)
+        self._rings.insert(*cols, keep_from=since, ticks=per_tick)
 
+    def _slots_of(self, at: pl.DataFrame, keys: pl.DataFrame) -> np.ndarray:
+        """The slot of each (node, gpu) row of `at` (-1: not allocated). A tick's samples come in
+        the same GPU order as the tick before: then the previous answer is reused (no join)."""
+        cached = self._slot_cache
+        if keys is self._keys and cached is not None and cached[0] is keys and cached[1].equals(at):
+            return cached[2]
+        slots = at.join(keys.select(*GPU_KEY, "_k"), on=GPU_KEY, how="left", maintain_order="left")["_k"].fill_null(-1).to_numpy()
+        if keys is self._keys:
+            self._slot_cache = (keys, at, slots)
+        return slots
+
+    # -- evaluation ----------------------------------------------------------------------------
     def detect(self, window: Window) -> list[Finding]:
+        self._sync(window)
         c = self.config
         now = window.now
-        df = self._series(window, now - c.fit_window_seconds)
-        if df.height == 0:
+        keys = self._keys
+        if keys.height == 0:
             return []
+        slots = keys["_k"].to_numpy()
+        since = now - c.fit_window_seconds
+        lo = np.full(slots.size, since)
         jobs = window.get("jobs")
         if jobs.height:
-            df = df.join(jobs.select("job", pl.col("start_ts").alias("_start")), on="job", how="left").filter(
-                pl.col("_start").is_null() | (pl.col("ts") >= pl.col("_start") + c.warmup_seconds)
-            )
-        key = ["job", "rank", "node", "gpu"]
-        df = df.sort([*key, "ts"])
-        # Segments since the last large drop, the envelope within them, and where it stepped up.
-        df = df.with_columns((pl.col("own").diff().over(key) < -c.drop_bytes).fill_null(False).cum_sum().over(key).alias("seg"))
-        df = df.filter(pl.col("seg") == pl.col("seg").max().over(key))
-        df = df.with_columns(pl.col("own").cum_max().over(key).alias("env"), pl.col("foreign").fill_null(0).cum_max().over(key).alias("fenv"))
-        df = df.with_columns(*((pl.col(e).diff().over(key).fill_null(0) > c.rise_bytes).alias(f"{e}_rise") for e in ("env", "fenv")))
-        per = df.group_by(key).agg(
-            *_steps("env"),
-            *_steps("fenv"),
-            pl.col("env").first().alias("env_start"),
-            pl.col("fenv").first().alias("fenv_start"),
-            pl.col("foreign").is_not_null().any().alias("has_procs"),
-            pl.col("gpu_used").last().alias("gpu_used"),
-            pl.col("capacity").last().alias("capacity"),
-            pl.col("own").last().alias("own_now"),
+            starts = jobs.select("job", pl.col("start_ts").cast(pl.Float64).alias("_start")).unique("job", keep="first", maintain_order=True)
+            start = keys.select("job").join(starts, on="job", how="left", maintain_order="left")["_start"].to_numpy()
+            after = start + c.warmup_seconds
+            lo = np.where(np.isnan(after), since, np.maximum(since, after))
+        rings = self._rings
+        stale = rings.floor[slots] >= lo
+        if stale.any():
+            self._refill(window, keys.filter(pl.Series(stale)))
+        rings.sort_unsorted()
+        pos, agg = rings.evaluate(slots, lo, c)
+        if pos.size == 0:
+            return []
+        nullable = lambda a: pl.Series(a, dtype=pl.Float64).fill_nan(None)  # noqa: E731
+        per = keys.select("job", "rank", "node", "gpu")[pos].with_columns(
+            *(pl.Series(f"{e}_rises", agg[f"{e}_rises"], dtype=pl.UInt32) for e in ("env", "fenv")),
+            *(nullable(agg[f"{e}_{x}"]).alias(f"{e}_{x}") for e in ("env", "fenv") for x in ("t_first", "t_last", "first")),
+            *(pl.Series(f"{e}_{x}", agg[f"{e}_{x}"], dtype=pl.Float64) for e in ("env", "fenv") for x in ("last", "start")),
+            pl.Series("has_procs", agg["has_procs"], dtype=pl.Boolean),
+            pl.Series("gpu_used", agg["gpu_used"], dtype=pl.Float64),
+            nullable(agg["capacity"]).alias("capacity"),
+            pl.Series("own_now", agg["own_now"], dtype=pl.Float64),
         ).with_columns(
             (pl.col("env_last") - pl.col("env_start")).alias("growth"),
             (pl.col("fenv_last") - pl.col("fenv_start")).alias("f_growth"),
             (pl.col("capacity") - c.safety_margin_bytes - pl.col("gpu_used")).alias("headroom"),
         )
+        return self._findings(per, now)
 
+    def _refill(self, window: Window, keys: pl.DataFrame) -> None:
+        """Refill the rings of `keys` from the window (rows that may count were not folded in)."""
+        slots = keys["_k"].to_numpy()
+        self._rings.clear(slots)
+        on = keys.select(GPU_KEY)
+        gs = window.get("gpu_samples").join(on, on=GPU_KEY, how="semi", maintain_order="left")
+        procs = window.get("gpu_processes")
+        if procs.height:
+            procs = procs.join(on, on=GPU_KEY, how="semi", maintain_order="left")
+        self._add(gs, procs, window.now, keys, None, None)
+        self._rings.floor[slots] = -np.inf
+
+    def _findings(self, per: pl.DataFrame, now: float) -> list[Finding]:
+        c = self.config
         fits = _trend(per, "env", c)
         # Another process's growth on a job's GPU also counts when the job's own footprint is
         # flat, fitted the same way from its own steps (a one-off allocation is no trend); every
@@ -187,19 +411,6 @@ class DeviceOomPredictor:
         )
 
 
-def _steps(e: str) -> list[pl.Expr]:
-    """Envelope `e`'s upward steps (column `{e}_rise`): how many, when the first and the last
-    came, the envelope right after the first, and the envelope now."""
-    rise = pl.col(f"{e}_rise")
-    return [
-        rise.sum().alias(f"{e}_rises"),
-        pl.col("ts").filter(rise).min().alias(f"{e}_t_first"),
-        pl.col("ts").filter(rise).max().alias(f"{e}_t_last"),
-        pl.col(e).filter(rise).min().alias(f"{e}_first"),
-        pl.col(e).last().alias(f"{e}_last"),
-    ]
-
-
 def _trend(per: pl.DataFrame, e: str, c: OomDeviceConfig) -> pl.DataFrame:
     """The GPUs of `per` where envelope `e` (the job's own, or the other processes') has risen in
     at least min_rises steps over at least min_span_seconds and by min_growth_bytes since the fit
@@ -218,3 +429,286 @@ def _trend(per: pl.DataFrame, e: str, c: OomDeviceConfig) -> pl.DataFrame:
         )
         .sort(["tto", "job", "rank"])
     )
+
+
+class _Rings:
+    """Per slot (an allocated GPU), its samples of the fit window: ts, the job's own memory
+    (`own`) and the other processes' (`frn`, NaN: no process list at that sample), in slots
+    [0, n) of a row of 2-D float64 arrays (NaN beyond), in ts order (ties: arrival order; a slot
+    that received a row older than its newest is sorted before the next evaluation). Plus the
+    newest row's used memory and capacity (the refit's last row). The row length grows to what
+    the fit window holds (fit_window / tick + slack); rows below the fit window are dropped
+    when a slot runs out of room (`compact`)."""
+
+    def __init__(self) -> None:
+        self.cap = 0
+        self.slack = 0  # the room beyond what the fit window held when the rows last grew
+        self._tidy = 0  # the next slot `tidy` compacts
+        self._empty(0)
+
+    def _empty(self, rows: int) -> None:
+        self.ts = np.full((rows, self.cap), np.nan)
+        self.own = np.full((rows, self.cap), np.nan)
+        self.frn = np.full((rows, self.cap), np.nan)
+        self.n = np.zeros(rows, np.int64)
+        self.last_in = np.full(rows, -np.inf)  # the newest ts folded in (a row older: unsorted)
+        self.unsorted = np.zeros(rows, bool)
+        self.any_frn = np.zeros(rows, bool)  # a process list was seen (the other processes' envelope can rise)
+        self.new_ts = np.full(rows, -np.inf)  # the newest row's ts, used memory and capacity
+        self.used = np.full(rows, np.nan)
+        self.capacity = np.full(rows, np.nan)
+        # Rows with ts <= floor may be missing (the slot started empty, module doc): +inf or a
+        # floor at or above a slot's fit start refills it from the window.
+        self.floor = np.full(rows, -np.inf)
+
+    @property
+    def rows(self) -> int:
+        return int(self.n.size)
+
+    def _grids(self) -> list[np.ndarray]:
+        return [self.ts, self.own, self.frn]
+
+    def grow_rows(self, rows: int) -> None:
+        have = self.rows
+        if rows <= have:
+            return
+        rows = max(rows, have + have // 8, 64)
+        pad = rows - have
+
+        def more(a: np.ndarray, fill: Any) -> np.ndarray:
+            return np.concatenate([a, np.full((pad, *a.shape[1:]), fill, a.dtype)])
+
+        self.ts, self.own, self.frn = (more(a, np.nan) for a in self._grids())
+        self.n = more(self.n, 0)
+        self.last_in, self.new_ts, self.floor = (more(a, -np.inf) for a in (self.last_in, self.new_ts, self.floor))
+        self.unsorted, self.any_frn = more(self.unsorted, False), more(self.any_frn, False)
+        self.used, self.capacity = (more(a, np.nan) for a in (self.used, self.capacity))
+
+    def _widen(self, cap: int) -> None:
+        rows = self.rows
+
+        def wider(a: np.ndarray) -> np.ndarray:
+            out = np.full((rows, cap), np.nan)
+            out[:, : self.cap] = a
+            return out
+
+        self.ts, self.own, self.frn = (wider(a) for a in self._grids())
+        self.cap = cap
+
+    def clear(self, slots: np.ndarray) -> None:
+        if slots.size == 0:
+            return
+        for a in self._grids():
+            a[slots] = np.nan
+        self.n[slots] = 0
+        self.last_in[slots] = -np.inf
+        self.unsorted[slots] = False
+        self.any_frn[slots] = False
+        self.new_ts[slots] = -np.inf
+        self.used[slots] = np.nan
+        self.capacity[slots] = np.nan
+        self.floor[slots] = -np.inf
+
+    def remove(self, slots: np.ndarray, dead: np.ndarray, newest: bool = False) -> None:
+        """Drop the rows marked `dead` (within [0, n)) from `slots`, keeping the others' order.
+        `newest`: the newest row may be among them while older ones stay."""
+        count = dead.sum(axis=1)
+        hit = count > 0
+        if not hit.any():
+            return
+        slots, dead, count = slots[hit], dead[hit], count[hit]
+        j = np.arange(self.cap)
+        prefix = (dead == (j[None, :] < count[:, None])).all(axis=1)
+        for d in np.unique(count[prefix]):
+            for q in _blocks(slots[prefix & (count == d)]):
+                lo, hi = int(q[0]), int(q[-1]) + 1
+                rows = slice(lo, hi) if hi - lo == q.size and (q[1:] > q[:-1]).all() else q  # a run of slots: no copy
+                for a in self._grids():
+                    a[rows, : self.cap - d] = a[rows, d:]
+                    a[rows, self.cap - d :] = np.nan
+        rest, rdead = slots[~prefix], dead[~prefix]
+        if rest.size:
+            order = np.argsort(rdead, axis=1, kind="stable")
+            left = self.n[rest] - count[~prefix]
+            for a in self._grids():
+                moved = np.take_along_axis(a[rest], order, axis=1)
+                moved[j[None, :] >= left[:, None]] = np.nan
+                a[rest] = moved
+        self.n[slots] -= count
+        # A slot that lost its newest row (thinned) is refilled from the window when evaluated.
+        gone = slots[self.n[slots] == 0]
+        self.new_ts[gone] = -np.inf
+        self.used[gone] = self.capacity[gone] = np.nan
+        left_slots = slots[self.n[slots] > 0]
+        if newest and left_slots.size:
+            lost = np.nanmax(self.ts[left_slots], axis=1) < self.new_ts[left_slots]
+            self.floor[left_slots[lost]] = np.inf
+
+    def compact(self, slots: np.ndarray, keep_from: float) -> None:
+        """Drop the rows of `slots` older than keep_from (they left the fit window for good)."""
+        for q in _blocks(np.sort(slots)):
+            lo, hi = int(q[0]), int(q[-1]) + 1
+            self.remove(q, self.ts[lo:hi] < keep_from if hi - lo == q.size else self.ts[q] < keep_from)
+
+    def tidy(self, keep_from: float) -> None:
+        """Compact the next block of slots (round robin), so that slots filled at the same pace
+        do not all run out of room on the same tick (a tick's cost stays O(new rows))."""
+        if self.rows == 0 or self.cap == 0:
+            return
+        start = self._tidy % self.rows
+        size = -(-self.rows // max(1, self.slack - 2))  # every slot once before its room runs out
+        self._tidy = start + size
+        q = np.arange(start, min(start + size, self.rows))
+        q = q[self.n[q] > self.cap - self.slack]
+        if q.size:
+            self.compact(q, keep_from)
+
+    def thin(self, slots: np.ndarray, judged: float, cut: float) -> None:
+        """The window's retention rule at this seal: rows of `slots` with judged <= ts < cut go."""
+        for q in _blocks(slots):
+            t = self.ts[q]
+            self.remove(q, (t >= judged) & (t < cut), newest=True)
+
+    def insert(self, k: np.ndarray, ts: np.ndarray, own: np.ndarray, frn: np.ndarray, used: np.ndarray, capacity: np.ndarray, keep_from: float, ticks: float | None) -> None:
+        """Append rows (in arrival order) to their slots; rows older than keep_from are not kept.
+        `ticks`: how many ticks the fit window spans (sizes the rows when they must grow)."""
+        ok = ts >= keep_from
+        if not ok.all():
+            k, ts, own, frn, used, capacity = (a[ok] for a in (k, ts, own, frn, used, capacity))
+        if k.size == 0:
+            return
+        order = np.lexsort((ts, k))  # by slot, then ts; stable: ties keep arrival order
+        k, ts, own, frn, used, capacity = (a[order] for a in (k, ts, own, frn, used, capacity))
+        first = np.flatnonzero(np.r_[True, k[1:] != k[:-1]])
+        counts = np.diff(np.r_[first, k.size])
+        uk = k[first]
+        need = self.n[uk] + counts
+        if need.max() > self.cap:
+            self.compact(uk[need > self.cap], keep_from)
+            need = self.n[uk] + counts
+            if need.max() > self.cap:
+                want = int(need.max())
+                if ticks is not None:
+                    want = max(want, int(counts.max()) * (math.floor(ticks) + 2))
+                self.slack = max(8, want // 8)
+                self._widen(want + self.slack)
+        self.unsorted[uk] |= ts[first] < self.last_in[uk]
+        pos = np.repeat(self.n[uk], counts) + (np.arange(k.size) - np.repeat(first, counts))
+        self.ts[k, pos] = ts
+        self.own[k, pos] = own
+        self.frn[k, pos] = frn
+        self.n[uk] += counts
+        seen = ~np.isnan(frn)
+        if seen.any():
+            self.any_frn[k[seen]] = True
+        last = first + counts - 1  # each slot's newest row of the batch (ties: the later arrival)
+        self.last_in[uk] = np.maximum(self.last_in[uk], ts[last])
+        newer = ts[last] >= self.new_ts[uk]
+        up, li = uk[newer], last[newer]
+        self.new_ts[up] = ts[li]
+        self.used[up] = used[li]
+        self.capacity[up] = capacity[li]
+
+    def sort_unsorted(self) -> None:
+        rows = np.flatnonzero(self.unsorted)
+        for q in _blocks(rows):
+            order = np.argsort(self.ts[q], axis=1, kind="stable")  # NaN (empty) last
+            for a in self._grids():
+                a[q] = np.take_along_axis(a[q], order, axis=1)
+        self.unsorted[rows] = False
+
+    def evaluate(self, slots: np.ndarray, lo: np.ndarray, c: OomDeviceConfig) -> tuple[np.ndarray, dict[str, np.ndarray]]:
+        """The refit's per-GPU aggregates (detect), for the GPUs (positions in `slots`) whose own
+        or other processes' envelope rose in at least min_rises steps (the others cannot warn).
+
+        Rows are sorted, so those a fit at lo reads (ts >= lo) are slots [a, n). A step of the
+        envelope is a rise of more than rise_bytes from one sample to the next, so GPUs with
+        fewer such rises in [a, n) are passed over first (the usual GPU: a plateau); the others
+        are evaluated in full (`_aggregate`)."""
+        rise_b = float(c.rise_bytes)
+        order = np.argsort(slots, kind="stable")  # slot order: a block of consecutive slots is a view
+        slots, lo = slots[order], lo[order]
+        pos_all, parts = [], []
+        for b in range(0, slots.size, BLOCK):
+            q, low = slots[b : b + BLOCK], lo[b : b + BLOCK]
+            n = self.n[q]
+            m = int(n.max())
+            if m == 0:
+                continue
+            whole = int(q[-1]) - int(q[0]) + 1 == q.size
+            take = (lambda a: a[int(q[0]) : int(q[-1]) + 1, :m]) if whole else (lambda a: a[q, :m])  # noqa: E731
+            ts, own = take(self.ts), take(self.own)
+            a = (ts < low[:, None]).sum(axis=1)  # NaN (empty) slots are not below
+            pair = np.arange(1, m)[None, :] > a[:, None]  # (j - 1, j) both read
+            with np.errstate(invalid="ignore"):
+                cand = (a < n) & ((((own[:, 1:] - own[:, :-1]) > rise_b) & pair).sum(axis=1) >= c.min_rises)
+                procs = np.flatnonzero((a < n) & self.any_frn[q])
+                if procs.size:
+                    f0 = np.nan_to_num(take(self.frn)[procs], nan=0.0)
+                    cand[procs[((((f0[:, 1:] - f0[:, :-1]) > rise_b) & pair[procs]).sum(axis=1) >= c.min_rises)]] = True
+            rows = np.flatnonzero(cand)
+            if rows.size == 0:
+                continue
+            keep, agg = _aggregate(ts[rows], own[rows], take(self.frn)[rows], n[rows], a[rows], c)
+            rows = rows[keep]
+            if rows.size == 0:
+                continue
+            agg["gpu_used"] = self.used[q[rows]]
+            agg["capacity"] = self.capacity[q[rows]]
+            pos_all.append(order[b + rows])
+            parts.append(agg)
+        if not parts:
+            return np.zeros(0, np.int64), {}
+        return np.concatenate(pos_all), {name: np.concatenate([p[name] for p in parts]) for name in parts[0]}
+
+
+def _aggregate(ts: np.ndarray, own: np.ndarray, frn: np.ndarray, n: np.ndarray, a: np.ndarray, c: OomDeviceConfig) -> tuple[np.ndarray, dict[str, np.ndarray]]:
+    """Per row (a GPU's sorted samples, those read in [a, n)), what the refit aggregates: the
+    segment since the last drop starts at s (the last slot whose own memory fell by more than
+    drop_bytes from the slot before, else a); the envelope is the running max over [s, n); a
+    step is a rise of the envelope by more than rise_bytes from the slot before. Both ts and the
+    envelope only grow along a row, so the first step has the least ts and envelope, the last
+    the greatest. Returns the rows that can warn (at least min_rises steps of either envelope,
+    the other processes' only with a process list) and their aggregates."""
+    rows, m = ts.shape
+    j = np.arange(m)
+    inside = j[None, :] < n[:, None]
+    fell = ((own[:, 1:] - own[:, :-1]) < -float(c.drop_bytes)) & (j[None, 1:] > a[:, None]) & inside[:, 1:]
+    s = np.where(fell.any(axis=1), m - 1 - fell[:, ::-1].argmax(axis=1), a)  # fell[:, k] is slot k + 1
+    seg = (j[None, :] >= s[:, None]) & inside
+    step = (j[None, 1:] > s[:, None]) & inside[:, 1:]  # (j - 1, j) both in the segment
+    r = np.arange(rows)
+    last = n - 1
+    has_procs = (seg & ~np.isnan(frn)).any(axis=1)
+    out: dict[str, np.ndarray] = {"has_procs": has_procs, "own_now": own[r, last]}
+    for e, v, which in (("env", own, r), ("fenv", frn, np.flatnonzero(has_procs))):
+        # The other processes' envelope (NaN: 0) of a GPU without a process list is flat at 0.
+        rises = np.zeros(rows, np.int64)
+        t_first, t_last, e_first = np.full(rows, np.nan), np.full(rows, np.nan), np.full(rows, np.nan)
+        e_last, e_start = np.zeros(rows), np.zeros(rows)
+        if which.size:
+            x = v[which] if e == "fenv" else v
+            if e == "fenv":
+                x = np.nan_to_num(x, nan=0.0)
+            sg, st, w = (seg, step, r) if e == "env" else (seg[which], step[which], r[: which.size])
+            env = np.maximum.accumulate(np.where(sg, x, -np.inf), axis=1)
+            with np.errstate(invalid="ignore"):  # -inf - -inf before the segment: masked by step
+                up = st & ((env[:, 1:] - env[:, :-1]) > float(c.rise_bytes))
+            k = up.sum(axis=1)
+            any_up = k > 0
+            i1 = up.argmax(axis=1)  # the first step (slot i1 + 1)
+            i2 = m - 2 - up[:, ::-1].argmax(axis=1)  # the last
+            t1 = ts[which, 1:] if e == "fenv" else ts[:, 1:]
+            rises[which] = k
+            t_first[which] = np.where(any_up, t1[w, i1], np.nan)
+            t_last[which] = np.where(any_up, t1[w, i2], np.nan)
+            e_first[which] = np.where(any_up, env[w, i1 + 1], np.nan)
+            e_last[which] = env[w, last[which]]
+            e_start[which] = x[w, s[which]]
+        out.update({f"{e}_rises": rises, f"{e}_t_first": t_first, f"{e}_t_last": t_last, f"{e}_first": e_first, f"{e}_last": e_last, f"{e}_start": e_start})
+    keep = (out["env_rises"] >= c.min_rises) | (has_procs & (out["fenv_rises"] >= c.min_rises))
+    return keep, {name: v[keep] for name, v in out.items()}
+
+
+def _blocks(rows: np.ndarray) -> list[np.ndarray]:
+    return [rows[i : i + BLOCK] for i in range(0, rows.size, BLOCK)]

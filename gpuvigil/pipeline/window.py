@@ -156,6 +156,12 @@ class Window:
         else:
             self._retain[stream] = (float(recent_seconds), keep)
 
+    def retention(self, stream: str) -> tuple[float, pl.DataFrame] | None:
+        """The `retain` rule the stream's next (or, read between a seal and the end of its tick,
+        latest) seal thins by: (recent_seconds, keep), or None. A detector that keeps its own
+        copy of some rows (oom_device's rings) drops what the window drops."""
+        return self._retain.get(stream)
+
     def _thin(self, stream: str, now: float) -> bool:
         """Apply `retain` to the chunks with rows older than `recent_seconds` not yet thinned;
         True if any changed."""
