@@ -441,7 +441,7 @@ def test_a_selector_that_knows_no_detector_of_the_capability_selects_every_job()
 
 
 def test_a_higher_level_detector_that_declares_no_streams_is_never_available():
-    """An L2 detector of the capability without `streams` is never a job's (as in `_available`):
+    """An L2 detector of the capability without `streams` is never a job's (as in `_best_for_streams`):
     the hooked job is still the L0 detector's."""
 
     class NoStreams:

@@ -104,16 +104,12 @@ class LevelSelector:
         self._stream_sets = set(streams.values())
         return {j: max((STREAM_LEVEL[s] for s in ss), key=RANK.__getitem__, default="L0") for j, ss in streams.items()}
 
-    def _available(self, detector: Any, job: str) -> bool:
-        if level_of(detector) == "L0":
-            return True
-        return bool(set(getattr(detector, "streams", ())) & self.streams_of(job))
-
     def best(self, capability: str, job: str) -> str:
-        return max((level_of(d) for d in self.by_capability.get(capability, []) if self._available(d, job)), key=RANK.__getitem__, default="L0")
+        return self._best_for_streams(capability, frozenset(self.streams_of(job)))
 
     def _best_for_streams(self, capability: str, streams: frozenset[str]) -> str:
-        """`best` for a job whose streams are `streams`."""
+        """The highest level of the capability's detectors available to a job whose streams are
+        `streams`: an L0 detector always is, a higher one when it reads one of them."""
         return max(
             (level_of(d) for d in self.by_capability.get(capability, []) if level_of(d) == "L0" or set(getattr(d, "streams", ())) & streams),
             key=RANK.__getitem__,
