@@ -188,6 +188,29 @@ class SlidingRows:
         return pl.concat(found, how="vertical_relaxed")
 
 
+class TickCursor:
+    """The last tick (of which window) a detector's running state folded in: whether a call is
+    that tick again ("same"), the very next one ("step": fold its fresh rows in) or anything else
+    ("rebuild": another window, a tick missed, time going back, a window without `seq`)."""
+
+    def __init__(self) -> None:
+        self.window: Window | None = None
+        self.seq = -1
+        self.now = -math.inf
+
+    def advance(self, window: Window) -> str:
+        seq = getattr(window, "seq", None)
+        if window is self.window and seq is not None and seq == self.seq:
+            return "same"
+        step = window is self.window and seq is not None and seq == self.seq + 1 and window.now > self.now
+        self.window, self.seq, self.now = window, (seq if seq is not None else -1), window.now
+        return "step" if step else "rebuild"
+
+    def forget(self) -> None:
+        """The next call rebuilds."""
+        self.window = None
+
+
 def block_of(block_seconds: float) -> pl.Expr:
     """The index of the block of `block_seconds` holding each row's ts (block k: [kB, (k+1)B))."""
     return (pl.col("ts") / block_seconds).floor().cast(pl.Int64)

@@ -23,7 +23,7 @@ import polars as pl
 from pydantic import BaseModel, Field
 
 from gpuvigil.detectors.common import current_run, rank_at, settings
-from gpuvigil.detectors.incremental import KeyRing, SlidingRows, masked_median
+from gpuvigil.detectors.incremental import KeyRing, SlidingRows, TickCursor, masked_median
 from gpuvigil.model import Finding, FindingKind, Severity
 from gpuvigil.pipeline.window import Window
 
@@ -52,9 +52,7 @@ class StragglerDetector:
 
     def __init__(self, cfg: dict[str, Any] | None = None):
         self.config = settings("straggler", StragglerConfig, cfg)
-        self._window: Window | None = None
-        self._seq = -1
-        self._now = -np.inf
+        self._cursor = TickCursor()
         self._reset()
 
     def lookback_seconds(self) -> dict[str, float]:
@@ -95,11 +93,10 @@ class StragglerDetector:
     def ingest(self, window: Window) -> None:
         """Fold this tick's rows in (called by the pipeline on ticks the detector is not due)."""
         now = window.now
-        seq = getattr(window, "seq", None)
-        if window is self._window and seq == self._seq:
+        mode = self._cursor.advance(window)
+        if mode == "same":
             return
-        stepping = window is self._window and seq is not None and seq == self._seq + 1 and now > self._now
-        self._window, self._seq, self._now = window, (seq if seq is not None else -1), now
+        stepping = mode == "step"
         fast, look, horizon = self._spans(window)
         keep_from = now - min(fast, horizon)
         if stepping:

@@ -56,7 +56,7 @@ import polars as pl
 from pydantic import BaseModel, Field
 
 from gpuvigil.detectors.common import Persistence, allocated_gpu_retention, rank_at, settings
-from gpuvigil.detectors.incremental import KeyRing
+from gpuvigil.detectors.incremental import KeyRing, TickCursor
 from gpuvigil.model import Finding, FindingKind, Severity
 from gpuvigil.pipeline.window import Window
 
@@ -93,9 +93,7 @@ class DeviceStragglerDetector:
     def __init__(self, cfg: dict[str, Any] | None = None):
         self.config = settings("straggler_device", StragglerDeviceConfig, cfg)
         self._persistence = Persistence()
-        self._window: Window | None = None
-        self._seq = -1
-        self._now = -np.inf
+        self._cursor = TickCursor()
         self._reset()
 
     def lookback_seconds(self) -> dict[str, float]:
@@ -125,11 +123,10 @@ class DeviceStragglerDetector:
     def ingest(self, window: Window) -> None:
         """Fold this tick's rows in (called by the pipeline on ticks the detector is not due)."""
         now = window.now
-        seq = getattr(window, "seq", None)
-        if window is self._window and seq == self._seq:
+        mode = self._cursor.advance(window)
+        if mode == "same":
             return
-        stepping = window is self._window and seq is not None and seq == self._seq + 1 and now > self._now
-        self._window, self._seq, self._now = window, (seq if seq is not None else -1), now
+        stepping = mode == "step"
         if not stepping:
             self._reset()
         self._sync_allocations(window.get("allocations"))
@@ -138,7 +135,7 @@ class DeviceStragglerDetector:
         if self._keys.height == 0:
             # No allocation to keep rows for (none yet, or an empty snapshot): the next call
             # rebuilds from the window, as the refit joined its rows to the allocations then.
-            self._window = None
+            self._cursor.forget()
 
     def _sync_allocations(self, alloc: pl.DataFrame) -> None:
         """One ring per distinct allocation row; a row gone frees its ring, a new one starts empty."""
