@@ -73,6 +73,7 @@ import polars as pl
 from pydantic import BaseModel, Field
 
 from gpuvigil.detectors.common import allocated_gpu_retention, rank_at, settings
+from gpuvigil.detectors.incremental import TickCursor
 from gpuvigil.model import Finding, FindingKind, Severity
 from gpuvigil.pipeline.window import Window
 
@@ -111,7 +112,8 @@ class DeviceOomPredictor:
 
     def __init__(self, cfg: dict[str, Any] | None = None):
         self.config = settings("oom_device", OomDeviceConfig, cfg)
-        self._reset(None)
+        self._cursor = TickCursor()
+        self._reset()
 
     def lookback_seconds(self) -> dict[str, float]:
         """History read from the window (pipeline/core.py: declared_horizons, declared_columns):
@@ -126,15 +128,12 @@ class DeviceOomPredictor:
         return {"gpu_samples": ("ts", "node", "gpu", "memory_used_bytes", "memory_total_bytes", "memory_reserved_bytes")}
 
     # -- running state -------------------------------------------------------------------------
-    def _reset(self, window: Window | None) -> None:
+    def _reset(self) -> None:
         self._rings = _Rings()
         self._keys = pl.DataFrame(schema={"node": pl.Utf8, "gpu": pl.Int32, "job": pl.Utf8, "rank": pl.Int32, "_k": pl.Int64})
         self._free = np.zeros(0, np.int64)  # slots of GPUs no longer allocated
         self._next = 0  # slots ever used
         self._alloc: pl.DataFrame | None = None  # the allocation snapshot the keys follow
-        self._window = window
-        self._seq = -1
-        self._now = -math.inf
         self._seen = -math.inf  # the newest gpu_samples ts seen (rows up to it are in the window)
         self._judged = -math.inf  # rows below this were judged by the window's retention rule
         self._rule_cache: tuple[pl.DataFrame, pl.DataFrame, np.ndarray] | None = None
@@ -147,16 +146,17 @@ class DeviceOomPredictor:
     def _sync(self, window: Window) -> None:
         c = self.config
         now = window.now
-        seq = getattr(window, "seq", None)
-        if seq is not None and window is self._window and seq == self._seq:
+        prev_window, prev_now = self._cursor.window, self._cursor.now
+        mode = self._cursor.advance(window)
+        if mode == "same":
             return
-        stepping = window is self._window and seq is not None and seq == self._seq + 1 and now > self._now and now - self._now <= c.fit_window_seconds
-        dt = now - self._now if stepping else None
+        # A gap longer than the fit window leaves nothing of the rings to keep: rebuild.
+        stepping = mode == "step" and now - prev_now <= c.fit_window_seconds
+        dt = now - prev_now if stepping else None
         if not stepping:
-            judged = self._judged if window is self._window else -math.inf
-            self._reset(window)
+            judged = self._judged if window is prev_window else -math.inf
+            self._reset()
             self._judged = judged
-        self._window, self._seq, self._now = window, (seq if seq is not None else -1), now
         self._sync_alloc(window)
         rule = self._rule(window)
         if stepping:
