@@ -277,6 +277,51 @@ def test_sorted_median_and_nearest_quantile_are_polars(n):
         assert (np.isnan(q[i]) and want_q is None) or q[i] == want_q
 
 
+
+@pytest.mark.parametrize("n", range(0, 12))
+def test_float32_rows_give_polars_float64_median(n):
+    """exact32 (every value a float32 value, as whole MHz clocks are): the sort runs on float32
+    rows, and the midpoint of an even count is still polars' float64 one (0.1f and 0.3f: their
+    float32 midpoint rounds differently)."""
+    rng = np.random.default_rng(100 + n)
+    values = rng.choice(np.array([0.1, 0.3, 1410.0, 1980.0, 7.25, 1e-3], np.float32).astype(np.float64), size=(40, 12))
+    ok = rng.random((40, 12)) < max(n, 1) / 11
+    med64, cnt64 = _sorted_median(values, ok)
+    med32, cnt32 = _sorted_median(values, ok, exact32=True)
+    assert (cnt32 == cnt64).all()
+    assert np.array_equal(med32, med64, equal_nan=True)
+    for i in range(values.shape[0]):
+        want = pl.Series(values[i][ok[i]], dtype=pl.Float64).median()
+        assert (np.isnan(med32[i]) and want is None) or med32[i] == want
+
+
+@pytest.mark.parametrize("clock", [1410.0, 1410.1])
+def test_clock_median_sorts_float32_only_while_every_clock_is_one(clock):
+    """Whole-MHz clocks keep the float32 sort; one clock that is no float32 value (1410.1) turns it
+    off until the next reset, and the findings stay the refit's either way."""
+    det, ref = DeviceStragglerDetector(_cfg()), RefitDeviceStraggler(_cfg())
+    w = Window(120.0)
+    alloc = pl.DataFrame({"node": ["n1"] * 4, "gpu": [0, 1, 2, 3], "job": ["j"] * 4, "rank": [0, 1, 2, 3]}, schema_overrides={"gpu": pl.Int32, "rank": pl.Int32})
+    found = 0
+    for i in range(60):
+        now = 1000.0 + i
+        w.add("allocations", alloc)
+        w.add("jobs", pl.DataFrame({"job": ["j"], "start_ts": [0.0]}))
+        w.add(
+            "gpu_samples",
+            pl.DataFrame(
+                {"ts": [now] * 4, "node": ["n1"] * 4, "gpu": [0, 1, 2, 3], "util_ratio": [0.97] * 4, "sm_clock_mhz": [1980.0, 1980.0, 1980.0, clock], "power_w": [690.0, 688.5, 691.25, 540.0]},
+                schema_overrides={"gpu": pl.Int32},
+            ),
+        )
+        w.seal(now)
+        got, want = _dump(det.detect(w)), _dump(ref.detect(w))
+        assert got == want, f"t={now}: rings {got} != refit {want}"
+        found += len(want)
+    assert det._clock_exact32 is (clock == 1410.0)
+    assert found
+
+
 def test_declared_history_is_the_whole_look_back_unless_set_shorter():
     assert DeviceStragglerDetector(_cfg()).lookback_seconds() == {"gpu_samples": 20.0}
     assert DeviceStragglerDetector(_cfg(rebuild_history_seconds=10.0)).lookback_seconds() == {"gpu_samples": 10.0}

@@ -119,6 +119,9 @@ class DeviceStragglerDetector:
         self._alloc: pl.DataFrame | None = None  # the allocations frame the keys were synced with
         self._route: tuple[pl.DataFrame, np.ndarray, np.ndarray] | None = None  # fresh (node, gpu) -> (row, ring row)
         self._max_ts = -np.inf  # newest sample seen (any GPU)
+        # Every busy clock folded in since the last reset is a float32 value (NVML reports whole
+        # MHz): its median then sorts float32 rows, half the bytes, with the same order and values.
+        self._clock_exact32 = True
 
     def ingest(self, window: Window) -> None:
         """Fold this tick's rows in (called by the pipeline on ticks the detector is not due)."""
@@ -197,6 +200,9 @@ class DeviceStragglerDetector:
             return
         vals = {name: rows[col].cast(pl.Float64).to_numpy().astype(np.float64)[at] for name, col in (("util", "util_ratio"), ("clock", "sm_clock_mhz"), ("power", "power_w"))}
         vals["clock"][~(vals["util"] >= 0.5)] = np.nan  # util null (NaN) or below 0.5: not busy
+        if self._clock_exact32:
+            clock = vals["clock"][~np.isnan(vals["clock"])]
+            self._clock_exact32 = bool(np.array_equal(clock.astype(np.float32), clock))
         self._ring.insert(k, ts, vals, {}, keep_from)
         recent_from = max(recent_from, keep_from)
         r = ts >= recent_from
@@ -238,7 +244,7 @@ class DeviceStragglerDetector:
         scratch = np.empty(ts.shape)  # one buffer for the full-width sorts
         busy = ~np.isnan(clock)  # busy samples only (see _reset)
         busy &= inw
-        clock_med, _ = _sorted_median(clock, busy, scratch)
+        clock_med, _ = _sorted_median(clock, busy, None if self._clock_exact32 else scratch, exact32=self._clock_exact32)
         del u_ok, busy
         p_ok = ~np.isnan(power)
         p_ok &= inw
@@ -387,27 +393,29 @@ def _kahan_sum(values: np.ndarray, ok: np.ndarray, head: np.ndarray) -> np.ndarr
     return s
 
 
-def _sorted_rows(values: np.ndarray, ok: np.ndarray, out: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
+def _sorted_rows(values: np.ndarray, ok: np.ndarray, out: np.ndarray | None = None, exact32: bool = False) -> tuple[np.ndarray, np.ndarray]:
     """Each row's values where `ok` (never where NaN), sorted ascending first, +inf after (in
-    `out` if given, a scratch buffer of values' shape); the counts."""
-    x = np.empty(values.shape) if out is None else out
+    `out` if given, a scratch buffer of values' shape); the counts. `exact32`: the caller knows
+    every value where `ok` is a float32 value, so float32 rows sort to the same order and values."""
+    x = np.empty(values.shape, np.float32 if exact32 else np.float64) if out is None else out
     x.fill(np.inf)
-    np.copyto(x, values, where=ok)
+    np.copyto(x, values, where=ok, casting="same_kind")
     x.sort(axis=1)  # numpy's vectorised sort: faster here than two partitions
     return x, np.count_nonzero(ok, axis=1)
 
 
-def _sorted_median(values: np.ndarray, ok: np.ndarray, out: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
+def _sorted_median(values: np.ndarray, ok: np.ndarray, out: np.ndarray | None = None, exact32: bool = False) -> tuple[np.ndarray, np.ndarray]:
     """Per row, polars' median of the values where `ok` (the caller leaves NaN = null out; even counts: a +
     (b - a) * 0.5 of the middle two; none: NaN), and the count."""
-    x, n = _sorted_rows(values, ok, out)
+    x, n = _sorted_rows(values, ok, out, exact32)
     out = np.full(values.shape[0], np.nan)
     has = n > 0
     if x.shape[1] == 0 or not has.any():
         return out, n
     r = np.flatnonzero(has)
-    a = x[r, (n[r] - 1) // 2]
-    b = x[r, n[r] // 2]
+    # float64 before the arithmetic: the midpoint of two float32 values is polars' float64 one.
+    a = x[r, (n[r] - 1) // 2].astype(np.float64)
+    b = x[r, n[r] // 2].astype(np.float64)
     out[r] = np.where(n[r] % 2 == 1, a, a + (b - a) * 0.5)
     return out, n
 
