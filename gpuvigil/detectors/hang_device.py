@@ -196,14 +196,18 @@ class DeviceHangDetector:
             waiting = rows.filter(pl.col("waiting"))
             odd = rows.filter(~pl.col("waiting")).sort("rank")
             culprit_ranks = odd["rank"].to_list()
-            nodes = sorted(set(odd["node"].to_list()))
+            # A rank not placed on a node yet (a pending pod) has no node whose hardware to blame.
+            nodes = sorted({n for n in odd["node"].to_list() if n is not None})
             hw = events.filter(pl.col("node").is_in(nodes)) if nodes else events.clear()
-            silent = odd.filter(pl.col("silent"))["rank"].to_list()
+            # No telemetry from a GPU it was placed on: the GPU is gone (hardware). A rank placed on
+            # no GPU yet never started: the job waits for it, which requeueing fixes (software).
+            unplaced = odd.filter(pl.col("node").is_null() | pl.col("gpu").is_null())["rank"].to_list()
+            silent = odd.filter(pl.col("silent") & pl.col("node").is_not_null() & pl.col("gpu").is_not_null())["rank"].to_list()
             cause = "hardware" if (silent or hw.height) else ("software" if culprit_ranks else None)
             first = odd.row(0, named=True) if odd.height else None
             where = ", ".join(rank_at(r["rank"], r["node"], r["gpu"]) for r in odd.head(4).iter_rows(named=True))
             if culprit_ranks:
-                why = "no telemetry: the GPU is gone" if silent else "util 0: its rank never entered the collective"
+                why = "no telemetry: the GPU is gone" if silent else ("not placed on a GPU: its rank never started" if unplaced else "util 0: its rank never entered the collective")
                 head = f"{where}{' and more' if odd.height > 4 else ''} differ(s) ({why})"
             else:
                 head = "every GPU waits alike: the culprit is inside a device kernel or the network (L0 cannot name it; L1 Flight Recorder can)"
