@@ -240,3 +240,11 @@ def test_culprits_on_two_nodes_whose_rank_order_is_not_their_name_order():
     swap = pl.when(pl.col("node") == "n0").then(pl.lit("n1")).otherwise(pl.lit("n0")).alias("node")
     [f] = run(lambda t: stuck((1, 5))(t).with_columns(swap), T)[6]
     assert (f.culprit_ranks, f.node, f.gpu, f.evidence["culprit_nodes"]) == ([1, 5], "n0", None, ["n0", "n1"])
+
+
+def test_culprits_one_of_which_names_no_node_are_paged_with_the_node_known():
+    """constructed: ranks 1 (n0) and 5 (its hook rows carry no node) never enter: both are named,
+    culprit_nodes lists the node that is known, instead of raising on sorting None with "n0"."""
+    no_node = lambda t: stuck((1, 5))(t).with_columns(pl.when(pl.col("rank") == 5).then(None).otherwise(pl.col("node")).alias("node"))  # noqa: E731
+    [f] = run(no_node, T)[6]
+    assert (f.culprit_ranks, f.node, f.gpu, f.evidence["culprit_nodes"], f.severity.value) == ([1, 5], "n0", None, ["n0"], "page")

@@ -196,3 +196,12 @@ def test_an_unconfirmed_dump_does_not_hide_a_confirmed_one_after_it(real_row):
     skipped and `b-hung` (the real timeout dump) behind it still pages."""
     both = pl.concat([_an(real_row, NOW - 1, job="a-snap", trigger="on_demand"), _an(real_row, NOW, job="b-hung")])
     assert [f.job for f in _run([(NOW, {"fr_analysis": both})])[0]] == ["b-hung"]
+
+
+def test_a_culprit_rank_placed_on_no_node_leaves_the_known_node(real_row):
+    """constructed: culprit ranks 2 and 0, rank 2 not placed yet (a pending pod: its allocation row
+    has no node): the known node is named, instead of raising on sorting None with "n-a"."""
+    two = _an(real_row, NOW, culprit_ranks=[2, 0])
+    alloc = schemas.frame([{"job": "job-7", "rank": 0, "node": "n-a", "gpu": 5}, {"job": "job-7", "rank": 2, "node": None, "gpu": None}], schemas.ALLOCATIONS)
+    [[f]] = _run([(NOW, {"fr_analysis": two, "allocations": alloc})])
+    assert f.culprit_ranks == [2, 0] and f.evidence["culprit_nodes"] == ["n-a"] and f.node == "n-a" and f.severity == Severity.PAGE

@@ -119,7 +119,7 @@ class HangDetector:
                 continue  # nobody waiting on anybody: not a collective hang
             first = job_rows.row(0, named=True)
             job = first["job"]
-            culprit_nodes = sorted(set(culprits["node"].to_list()))
+            culprit_nodes = sorted({n for n in culprits["node"].to_list() if n is not None})  # a hook row may name no node
             hw = events.filter(pl.col("node").is_in(culprit_nodes))
             xids = sorted({int(x) for x in hw["xid"].drop_nulls().to_list()})
             silent = culprits.filter(pl.col("silent"))["rank"].to_list()

@@ -74,7 +74,8 @@ class FlightRecorderHangDetector:
                 continue
             culprits = [int(r) for r in latest["culprit_ranks"]]
             alloc = window.get("allocations").filter((pl.col("job") == job) & pl.col("rank").is_in(culprits))
-            nodes = sorted(set(alloc["node"].to_list())) or ([latest["node"]] if latest["node"] else [])
+            # (a culprit rank not placed on a node yet, a pending pod, has no node to look at)
+            nodes = sorted({n for n in alloc["node"].to_list() if n is not None}) or ([latest["node"]] if latest["node"] else [])
             hw = window.get("events").filter(pl.col("kind").is_in(["xid", "ecc_dbe"]) & (pl.col("ts") >= now - c.hardware_lookback_seconds) & pl.col("node").is_in(nodes))
             one = alloc.row(0, named=True) if alloc.height == 1 else None
             findings.append(
