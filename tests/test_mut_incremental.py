@@ -113,14 +113,14 @@ def _drive(ticks: list[tuple[float, list[dict], dict[str, float | None]]], expec
     window = Window({"allocator_stats": HORIZON, "default": 600.0})
     det = AllocatorFragmentationDetector({"detectors": {"fragmentation_allocator": {**CFG["detectors"]["fragmentation_allocator"], "lookback_blocks": blocks}}})
     modes = []
-    orig = det._rows.sync
+    orig = det._sync  # the tick cursor: ("same" | "step" | "rebuild", moved jobs)
 
     def spy(w):
         s = orig(w)
-        modes.append(s.mode)
+        modes.append(s[0])
         return s
 
-    det._rows.sync = spy  # type: ignore[method-assign]
+    det._sync = spy  # type: ignore[method-assign]
     for n, (now, rows, starts) in enumerate(ticks):
         window.add("jobs", _jobs(starts))
         if rows:

@@ -528,3 +528,13 @@ def test_rows_delivered_late_in_batches_count_in_the_half_they_belong_to():
     df = rows(range(0, 301), uneven(110 * GIB, 20.0))
     seen = tick_and_compare(df, range(30, 301, 30), arrived=lambda t: (pl.col("ts") > t - 30) & (pl.col("ts") <= t))
     assert seen >= 6
+
+
+def test_a_newest_sample_without_reserved_still_pages_the_leak():
+    """constructed: the leak above, its newest sample missing `reserved_bytes` (the hook could not
+    read it): the footprint is the step's peak, and the held-but-unused figure is null instead of
+    the detector raising on int(None) and losing the page."""
+    df = rows(SECS, grow(20.0, 125 * GIB)).with_columns(pl.when(pl.col("ts") == NOW).then(None).otherwise(pl.col("reserved_bytes")).alias("reserved_bytes"))
+    [f] = detect(df)
+    assert (f.severity.value, f.cause, f.evidence["reserved_unallocated_bytes"]) == ("page", "leak", None)
+    assert f.evidence["footprint_bytes"] == int(grow(20.0, 125 * GIB)(NOW))

@@ -9,23 +9,36 @@ another process's memory on the GPU (foreign process), reserved − allocated wi
 retries (fragmentation), or allocated peaks (a leak, or activations that keep growing).
 
 The fit's sums are running sums per (job, rank), updated from each tick's new rows and the rows
-leaving the look-back (gpuvigil/detectors/incremental.py), with t measured from the current tick
-so they stay well conditioned at epoch timestamps: a tick costs O(new rows), not O(window).
+leaving the look-back, with t measured from the current tick so they stay well conditioned at
+epoch timestamps: a tick costs O(new rows + keys), not O(window). The state is numpy arrays
+with one column per key (incremental.KeyIndex numbers the keys; a tick whose keys arrive in the
+previous tick's order reuses its numbers): the sums, the oldest and newest sample's values, and
+(block mode) a ring of per-block sums. The fit is evaluated over every key with array masks;
+only the keys that pass become a small frame and Findings. A rebuild (first call, a missed
+tick, another window) reloads the arrays from the window's rows.
+
+The fit's halves: a row enters the early-half sums when it crosses now - min_span_seconds / 2.
+The rows still in the late half are held per tick of arrival (index, ts, y) and folded into the
+early sums as they cross, so the window is not re-read for them.
+
 With `lookback_blocks` (the default) the look-back is kept as per-block sums (t from each
 block's start) and leaves a block at a time: the fit reads the rows from the start of the block
-holding now - fit_window_seconds (90 to 95 s back), the split into halves stays exact (rows
-crossing into the early half are read from the window, which keeps the late half + slack).
+holding now - fit_window_seconds (90 to 95 s back); the window keeps only the late half + slack
+for rebuilds. With lookback_blocks 0 rows leave one at a time, read back from the window, which
+then keeps the whole look-back (+ 30 s).
 """
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
+import numpy as np
 import polars as pl
 from pydantic import BaseModel, Field, model_validator
 
 from gpuvigil.detectors.common import rank_at, settings
-from gpuvigil.detectors.incremental import BlockStore, SlidingRows, edges_from_rows, merge_edges, refresh_first
+from gpuvigil.detectors.incremental import KeyIndex, SlidingRows
 from gpuvigil.model import Finding, FindingKind, Severity
 from gpuvigil.pipeline.window import Window
 
@@ -61,113 +74,112 @@ class OomConfig(BaseModel):
         return self
 
 
-# Running sums per (job, rank), t = ts - now (seconds), y etc. in GiB (see _terms).
+# Running sums per (job, rank) (rows of OomPredictor._S), t = ts - now (seconds), y etc. in GiB;
+# the e-suffixed ones over the fit's early half only.
 SUMS = ["n", "st", "stt", "sy", "sty", "syy", "ne", "ste", "stte", "sye", "stye", "sg", "stg", "sp", "stp", "sf", "stf"]
-# Per block (block mode): the sums with t measured from the block's start, not from now.
+N, ST, STT, SY, STY, SYY, NE, STE, STTE, SYE, STYE, SG, STG, SP, STP, SF, STF = range(len(SUMS))
+EARLY = [NE, STE, STTE, SYE, STYE]
+# Per block (block mode): the sums with t measured from the block's start, not from now, then
+# the block's oldest row's ts and retries (NaN: the key has no row in the block).
 BLOCK_SUMS = ["n", "st", "stt", "sy", "sty", "syy", "sg", "stg", "sp", "stp", "sf", "stf"]
-# The newest sample's values (by ts, ties: the last to arrive) and the oldest's retries.
-LAST = ["y", "gap", "foreign", "retries", "capacity", "node", "gpu"]
+B_TS, B_RETRIES = len(BLOCK_SUMS), len(BLOCK_SUMS) + 1
+# The oldest sample's ts and retries, the newest's ts and values (oldest/newest by ts; ties: the
+# first/last to arrive); NaN: no sample (or a null value).
+EDGES = ["ts_first", "retries_first", "ts_last", "y_last", "gap_last", "foreign_last", "retries_last"]
+TS_FIRST, R_FIRST, TS_LAST, Y_LAST, GAP_LAST, F_LAST, R_LAST = range(len(EDGES))
+NO_INT = np.iinfo(np.int64).min  # a null capacity or gpu
 
 
-def _values(df: pl.DataFrame) -> pl.DataFrame:
-    """Per row, what the fit reads (independent of `now`)."""
-    return df.select(
-        "job",
-        "rank",
-        "ts",
-        "node",
-        "gpu",
-        pl.col("device_capacity_bytes").alias("capacity"),
-        # What runs out is the device: our per-step peak footprint plus other processes.
-        ((pl.max_horizontal("reserved_bytes", "peak_allocated_bytes") + pl.col("foreign_used_bytes").fill_null(0)) / GIB).alias("y"),
-        ((pl.col("reserved_bytes") - pl.col("peak_allocated_bytes")) / GIB).alias("gap"),
-        (pl.col("peak_allocated_bytes") / GIB).alias("peak"),
-        (pl.col("foreign_used_bytes").fill_null(0) / GIB).alias("foreign"),
-        pl.col("alloc_retries").fill_null(0).cast(pl.Float64).alias("retries"),
-    )
+def _nullable(s: pl.Series) -> np.ndarray:
+    """A numeric column as float64, null -> NaN (bytes stay exact below 2**53)."""
+    return s.to_numpy().astype(np.float64, copy=False)
 
 
-def _terms(v: pl.DataFrame, now: float, half: float, sign: float = 1.0, early_only: bool = False) -> pl.DataFrame:
-    """Each row's contribution to SUMS (times `sign`); `early_only`: only the early half's."""
-    t = pl.col("ts") - now
-    y, g, p, f = pl.col("y"), pl.col("gap"), pl.col("peak"), pl.col("foreign")
-    e = (t < half).cast(pl.Float64)
-    one = pl.lit(1.0)
-    zero = pl.lit(0.0)
-    terms = {
-        "n": one, "st": t, "stt": t * t, "sy": y, "sty": t * y, "syy": y * y,
-        "ne": e, "ste": e * t, "stte": e * t * t, "sye": e * y, "stye": e * t * y,
-        "sg": g, "stg": t * g, "sp": p, "stp": t * p, "sf": f, "stf": t * f,
-    }  # fmt: skip
-    early = {"ne", "ste", "stte", "sye", "stye"}
-    return v.select(
-        "job",
-        "rank",
-        *((zero if early_only and k not in early else (expr * sign if sign != 1.0 else expr)).alias(k) for k, expr in terms.items()),
-    )
+def _int_or_null(s: pl.Series) -> np.ndarray:
+    return s.fill_null(NO_INT).cast(pl.Int64).to_numpy() if s.null_count() else s.cast(pl.Int64).to_numpy()
 
 
-def _block_terms(v: pl.DataFrame, store: BlockStore) -> pl.DataFrame:
-    """Each row's contribution to its block's BLOCK_SUMS, tau = ts - the block's start."""
-    tau = pl.col("ts") - store.start(store.block_index())
-    y, g, p, f = pl.col("y"), pl.col("gap"), pl.col("peak"), pl.col("foreign")
-    terms = {
-        "n": pl.lit(1.0), "st": tau, "stt": tau * tau, "sy": y, "sty": tau * y, "syy": y * y,
-        "sg": g, "stg": tau * g, "sp": p, "stp": tau * p, "sf": f, "stf": tau * f,
-    }  # fmt: skip
-    return v.select("job", "rank", "ts", *(e.alias(k) for k, e in terms.items()), "retries")
+class _Rows:
+    """What the fit reads of some rows of allocator_stats (independent of `now`), as arrays."""
+
+    def __init__(self, df: pl.DataFrame):
+        self.ts = _nullable(df["ts"])
+        reserved, peak = _nullable(df["reserved_bytes"]), _nullable(df["peak_allocated_bytes"])
+        foreign = np.nan_to_num(_nullable(df["foreign_used_bytes"]), nan=0.0)
+        # What runs out is the device: our per-step peak footprint plus other processes (fmax:
+        # one of reserved / peak null reads the other, as max_horizontal).
+        self.y = (np.fmax(reserved, peak) + foreign) / GIB
+        self.gap = (reserved - peak) / GIB
+        self.peak = peak / GIB
+        self.foreign = foreign / GIB
+        self.retries = np.nan_to_num(_nullable(df["alloc_retries"]), nan=0.0)
+        self.capacity = _int_or_null(df["device_capacity_bytes"])
+        self.gpu = _int_or_null(df["gpu"])
+        # What the sums add: a null value adds nothing (polars' sum skips nulls).
+        if df["reserved_bytes"].null_count() or df["peak_allocated_bytes"].null_count():
+            self.y0, self.gap0, self.peak0 = (np.nan_to_num(v, nan=0.0) for v in (self.y, self.gap, self.peak))
+        else:
+            self.y0, self.gap0, self.peak0 = self.y, self.gap, self.peak
+
+    def take(self, m: np.ndarray) -> None:
+        for k, v in vars(self).items():
+            setattr(self, k, v[m])
 
 
-def _leaving_terms(blocks: pl.DataFrame, store: BlockStore, now: float) -> pl.DataFrame:
-    """Minus the SUMS of whole blocks leaving the look-back, t moved from each block's start to
-    now (t = tau + d, d = start - now). Every row of such a block is older than now - W, so in
-    the fit's early half (config check): the early sums lose the same amounts."""
-    d = store.start(pl.col("_blk")) - now
-    n, st, stt = pl.col("n"), pl.col("st"), pl.col("stt")
-    t1 = st + n * d
-    t2 = stt + 2 * d * st + n * d * d
-    ty = pl.col("sty") + d * pl.col("sy")
-    out = {
-        "n": n, "st": t1, "stt": t2, "sy": pl.col("sy"), "sty": ty, "syy": pl.col("syy"),
-        "ne": n, "ste": t1, "stte": t2, "sye": pl.col("sy"), "stye": ty,
-        "sg": pl.col("sg"), "stg": pl.col("stg") + d * pl.col("sg"),
-        "sp": pl.col("sp"), "stp": pl.col("stp") + d * pl.col("sp"),
-        "sf": pl.col("sf"), "stf": pl.col("stf") + d * pl.col("sf"),
-    }  # fmt: skip
-    return blocks.select("job", "rank", *((-e).alias(k) for k, e in out.items()))
+def _add(a: np.ndarray, idx: np.ndarray, terms: list[np.ndarray], run: slice | None, sign: float = 1.0) -> None:
+    """a[j, k] += sign * the sum of terms[j] over the rows whose idx is k. `run`: idx is that
+    slice (each key once, in order: a plain add, the common case of a tick's rows)."""
+    for j, v in enumerate(terms):
+        if run is not None:
+            if sign == 1.0:
+                a[j, run] += v
+            else:
+                a[j, run] -= v
+            continue
+        s = np.bincount(idx, v, minlength=a.shape[1])
+        if sign == 1.0:
+            a[j] += s
+        else:
+            a[j] -= s
 
 
-def _sum_terms(terms: pl.DataFrame) -> pl.DataFrame:
-    return terms.group_by(["job", "rank"]).agg(pl.col(k).sum() for k in SUMS)
+def _sum_terms(t: np.ndarray, early: np.ndarray, r: _Rows) -> list[np.ndarray]:
+    """Each row's contribution to SUMS (t = ts - now; `early`: in the fit's early half)."""
+    y, g, p, f = r.y0, r.gap0, r.peak0, r.foreign
+    e = early.astype(np.float64)
+    et = e * t
+    return [np.ones_like(t), t, t * t, y, t * y, y * y, e, et, et * t, e * y, et * y, g, t * g, p, t * p, f, t * f]
 
 
-def _build(v: pl.DataFrame, now: float, half: float) -> pl.DataFrame:
-    """The state of every key from its rows (a from-scratch fit, and the rebuild path)."""
-    if v.height == 0:
-        return _empty_state()
-    sums = _sum_terms(_terms(v, now, half))
-    edge = edges_from_rows(v, ["retries"], LAST)
-    return sums.join(edge, on=["job", "rank"]).select(_empty_state().columns)
+def _expand(chunk: tuple[np.ndarray | slice, np.ndarray | np.float64, np.ndarray]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """A chunk of late rows with its key numbers and ts as one array each."""
+    idx, ts, y = chunk
+    if isinstance(idx, slice):
+        idx = np.arange(idx.start, idx.stop)
+    if np.ndim(ts) == 0:
+        ts = np.full(y.size, ts)
+    return idx, ts, y
 
 
-def _empty_state() -> pl.DataFrame:
-    schema: dict[str, pl.DataType] = {"job": pl.Utf8(), "rank": pl.Int32()}
-    schema.update({k: pl.Float64() for k in SUMS})
-    schema.update({"ts_first": pl.Float64(), "retries_first": pl.Float64(), "ts_last": pl.Float64()})
-    types = {"capacity": pl.Int64(), "node": pl.Utf8(), "gpu": pl.Int32()}
-    schema.update({f"{c}_last": types.get(c, pl.Float64()) for c in LAST})
-    return pl.DataFrame(schema=schema)
+def _ends(idx: np.ndarray, ts: np.ndarray, unique: bool) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Per distinct key of `idx`: the key, its oldest row (ties: the first to arrive) and newest
+    (ties: the last to arrive)."""
+    if unique:
+        return idx, np.arange(idx.size), np.arange(idx.size)
+    order = np.lexsort((ts, idx))  # stable: equal (key, ts) keep arrival order
+    ks = idx[order]
+    start = np.flatnonzero(np.r_[True, ks[1:] != ks[:-1]])
+    end = np.r_[start[1:], ks.size] - 1
+    return ks[start], order[start], order[end]
 
 
-def _refresh_first_from_blocks(state: pl.DataFrame, gone: pl.DataFrame, store: BlockStore) -> pl.DataFrame:
-    """Keys that lost their oldest block take the oldest row of their next one."""
-    lost = gone.select("job", "rank").unique().join(state.select("job", "rank"), on=["job", "rank"], how="semi")
-    if lost.height == 0:
-        return state
-    first = store.first_rows(lost).rename({"ts_first": "_f_ts", "retries": "_f_retries"})
-    return state.join(first, on=["job", "rank"], how="left").with_columns(
-        pl.when(pl.col("_f_ts").is_not_null()).then(pl.col(f"_f_{k}")).otherwise(pl.col(f"{k}_first")).alias(f"{k}_first") for k in ("ts", "retries")
-    ).drop("_f_ts", "_f_retries")
+class _BlockSums:
+    """Block mode: per block index, the (len(BLOCK_SUMS) + 2, keys) array of its sums (tau from
+    the block's start), oldest ts and oldest retries per key. Only the look-back's ~lookback_blocks
+    + 1 blocks are held: a block leaves whole."""
+
+    def __init__(self) -> None:
+        self.blocks: dict[int, np.ndarray] = {}
 
 
 class OomPredictor:
@@ -176,155 +188,475 @@ class OomPredictor:
     def __init__(self, cfg: dict[str, Any] | None = None):
         self.config = settings("oom", OomConfig, cfg)
         c = self.config
-        # Block mode: the rows still read raw are those that cross into the early half (ingest).
+        # Used for its current-run filter, rebuild rows and first-row band lookup (lookback_blocks
+        # 0); the stepping itself is this class's (_sync), which does not need the window's old rows.
         self._rows = SlidingRows("allocator_stats", c.fit_window_seconds, c.warmup_seconds, blocks=c.lookback_blocks, reach=c.min_span_seconds / 2)
-        self._blocks = BlockStore(self._rows.B, BLOCK_SUMS, firsts=["retries"]) if c.lookback_blocks else None
-        self._state = _empty_state()
+        self._half = -c.min_span_seconds / 2
+        self._window: Window | None = None
+        self._seq = -1
+        self._now = 0.0
+        self._starts: pl.DataFrame | None = None
+        self._jobs_seen: tuple[pl.DataFrame, pl.DataFrame] | None = None  # the jobs snapshot last read, its starts
+        self._reset()
 
-    def lookback_seconds(self) -> dict[str, float]:
-        """History of allocator_stats read from the window (pipeline/core.py: declared_horizons).
+    # -- state --------------------------------------------------------------------------------
+    def _reset(self) -> None:
+        self._keys = KeyIndex({"job": pl.Utf8(), "rank": pl.Int32()})
+        self._jobs = KeyIndex({"job": pl.Utf8()})
+        self._nodes = KeyIndex({"node": pl.Utf8()})
+        self._cap = 0
+        self._job_numbered = 0  # keys whose job number is filled in
+        self._indexed: tuple[pl.DataFrame, tuple[np.ndarray, bool, slice | None]] | None = None  # the last frame indexed
+        self._S = np.zeros((len(SUMS), 0))
+        self._E = np.zeros((len(EDGES), 0))
+        self._capacity = np.zeros(0, np.int64)
+        self._node = np.zeros(0, np.int64)
+        self._gpu = np.zeros(0, np.int64)
+        self._job = np.zeros(0, np.int64)  # the job number (self._jobs) of each key
+        self._live = np.zeros(0, bool)
+        self._start_of_job = np.zeros(0)  # NaN: no start known (every row counts)
+        self._blocks = _BlockSums() if self._rows.B > 0 else None
+        # Rows still in the fit's late half, per tick of arrival: key numbers (or their slice),
+        # ts (or the one ts they share), y (null: NaN).
+        self._late: list[tuple[np.ndarray | slice, np.ndarray | np.float64, np.ndarray]] = []
 
-        Block mode: the fit's late half (min_span_seconds / 2: rows crossing into the early half
-        are read from the window) plus block_slack_seconds, the longest gap between two ticks
-        that still steps (else it rebuilds from what the window holds). Otherwise the fit's
-        look-back plus 30 s in which rows leaving it can still be subtracted."""
-        c = self.config
-        if c.lookback_blocks:
-            return {"allocator_stats": c.min_span_seconds / 2 + c.block_slack_seconds}
-        return {"allocator_stats": c.fit_window_seconds + 30.0}
+    @property
+    def _blk(self) -> dict[int, np.ndarray]:
+        return self._blocks.blocks if self._blocks is not None else {}
 
-    def window_columns(self) -> dict[str, tuple[str, ...]]:
-        """Columns of allocator_stats' history it reads (`_values`; pipeline/core.py: declared_columns)."""
-        return {"allocator_stats": ("ts", "job", "rank", "node", "gpu", "device_capacity_bytes", "reserved_bytes", "peak_allocated_bytes", "foreign_used_bytes", "alloc_retries")}
+    def _grow(self) -> None:
+        """Room for every numbered key (1/8 headroom), new keys empty."""
+        n = self._keys.n
+        if n > self._cap:
+            cap = max(n + n // 8, 64)
+            pad = cap - self._cap
+
+            def more(a: np.ndarray, fill: float | int | bool) -> np.ndarray:
+                extra = np.full((*a.shape[:-1], pad), fill, dtype=a.dtype)
+                return np.concatenate([a, extra], axis=-1)
+
+            self._S, self._E = more(self._S, 0.0), more(self._E, np.nan)
+            self._capacity, self._node, self._gpu, self._job = more(self._capacity, NO_INT), more(self._node, 0), more(self._gpu, NO_INT), more(self._job, 0)
+            self._live = more(self._live, False)
+            self._cap = cap
+        for k, a in self._blk.items():
+            if a.shape[1] < n:
+                self._blk[k] = np.concatenate([a, self._empty_block(n - a.shape[1])], axis=1)
+        if self._job_numbered < n:
+            new = self._keys.table.slice(self._job_numbered)
+            self._job[self._job_numbered : n] = self._jobs.index(new.select("job"))
+            self._job_numbered = n
+        if self._start_of_job.size < self._jobs.n:
+            self._start_of_job = np.concatenate([self._start_of_job, np.full(self._jobs.n - self._start_of_job.size, np.nan)])
+
+    @staticmethod
+    def _empty_block(width: int) -> np.ndarray:
+        a = np.zeros((len(BLOCK_SUMS) + 2, width))
+        a[B_TS:] = np.nan
+        return a
+
+    def _index(self, df: pl.DataFrame) -> tuple[np.ndarray, bool, slice | None]:
+        """Key numbers of df's rows, whether each key appears once, and the slice they form if any."""
+        if self._indexed is not None and self._indexed[0] is df:
+            return self._indexed[1]
+        idx = self._keys.index(df.select("job", "rank"))
+        out = (idx, self._keys.unique, self._keys.run)
+        self._grow()
+        self._indexed = (df, out)
+        return out
+
+    def _set_starts(self, starts: pl.DataFrame) -> None:
+        codes = self._jobs.index(starts.select("job"))
+        self._grow()
+        self._start_of_job = np.full(self._jobs.n, np.nan)
+        self._start_of_job[codes] = starts["_start"].to_numpy()
+
+    def _forget(self, keys: np.ndarray) -> None:
+        """Keys (numbers) with no row left, or about to be reloaded: empty their state."""
+        self._S[:, keys] = 0.0
+        self._E[:, keys] = np.nan
+        self._live[keys] = False
+
+    def _compact(self) -> None:
+        """Drop the numbers of keys with no rows (finished jobs) once they outnumber the live ones."""
+        n = self._keys.n
+        live = self._live[:n]
+        alive = int(live.sum())
+        if n - alive <= max(1024, alive):
+            return
+        remap = self._keys.keep(live)
+        self._indexed = None
+        self._S, self._E = self._S[:, :n][:, live], self._E[:, :n][:, live]
+        self._capacity, self._node, self._gpu, self._job = self._capacity[:n][live], self._node[:n][live], self._gpu[:n][live], self._job[:n][live]
+        self._live = self._live[:n][live]
+        self._cap = alive
+        self._job_numbered = alive
+        for k, a in self._blk.items():
+            self._blk[k] = a[:, : min(n, a.shape[1])][:, live[: a.shape[1]]]
+        self._late = [(remap[i], t, y) for i, t, y in self._late]  # a slice's numbers become an array
+        self._grow()
+
+    # -- folding rows in ----------------------------------------------------------------------
+    def _fold(self, df: pl.DataFrame, now: float, mask: np.ndarray | None = None) -> None:
+        """Add rows (of the look-back, current run) to every sum, edge, block and the late rows."""
+        if df.height == 0:
+            return
+        idx, unique, run = self._index(df)
+        r = _Rows(df)
+        node = self._nodes.index(df.select("node"))
+        if mask is not None and not mask.all():
+            idx, node, run = idx[mask], node[mask], None
+            r.take(mask)
+        if idx.size == 0:
+            return
+        ts, y, g, f = r.ts, r.y, r.gap, r.foreign
+        t = ts - now
+        early = t < self._half
+        _add(self._S, idx, _sum_terms(t, early, r), run)
+        self._live[idx if run is None else run] = True
+        # Oldest / newest sample.
+        keys, first, last = _ends(idx, ts, unique)
+        E = self._E
+        later = np.isnan(E[TS_LAST, keys]) | (ts[last] >= E[TS_LAST, keys])
+        k, j = keys[later], last[later]
+        E[TS_LAST, k], E[Y_LAST, k], E[GAP_LAST, k], E[F_LAST, k], E[R_LAST, k] = ts[j], y[j], g[j], f[j], r.retries[j]
+        self._capacity[k], self._node[k], self._gpu[k] = r.capacity[j], node[j], r.gpu[j]
+        earlier = np.isnan(E[TS_FIRST, keys]) | (ts[first] < E[TS_FIRST, keys])
+        k, j = keys[earlier], first[earlier]
+        E[TS_FIRST, k], E[R_FIRST, k] = ts[j], r.retries[j]
+        if self._rows.B > 0:
+            self._fold_blocks(idx, ts, r, unique, run)
+        late = ~early
+        if late.any():
+            every = bool(late.all())
+            i = run if every and run is not None else idx[late]
+            t_late = ts[late]
+            # A tick's rows usually share one ts and their keys' run of numbers: then the chunk
+            # holds only y (the fleet's 1 Hz rows of the late half are most of this state).
+            t_one = t_late[0] if t_late.min() == t_late.max() else None
+            self._late.append((i, t_late if t_one is None else np.float64(t_one), y[late]))
+
+    def _fold_blocks(self, idx: np.ndarray, ts: np.ndarray, r: _Rows, unique: bool, run: slice | None) -> None:
+        B = self._rows.B
+        blk = np.floor(ts / B).astype(np.int64)
+        lo, hi = int(blk.min()), int(blk.max())
+        for k in range(lo, hi + 1) if hi - lo < 64 else np.unique(blk).tolist():
+            m = None if lo == hi else blk == k
+            if m is not None and not m.any():
+                continue
+            i, t0 = (idx, ts) if m is None else (idx[m], ts[m])
+            y, g, p, f, rt = (r.y0, r.gap0, r.peak0, r.foreign, r.retries) if m is None else (r.y0[m], r.gap0[m], r.peak0[m], r.foreign[m], r.retries[m])
+            tau = t0 - float(k) * B
+            a = self._blk.get(k)
+            if a is None:
+                a = self._blk[k] = self._empty_block(self._keys.n)
+            one = np.ones_like(tau)
+            _add(a, i, [one, tau, tau * tau, y, tau * y, y * y, g, tau * g, p, tau * p, f, tau * f], run if m is None else None)
+            keys, first, _ = _ends(i, t0, unique)
+            older = np.isnan(a[B_TS, keys]) | (t0[first] < a[B_TS, keys])
+            kk, j = keys[older], first[older]
+            a[B_TS, kk], a[B_RETRIES, kk] = t0[j], rt[j]
+
+    # -- per tick -----------------------------------------------------------------------------
+    def _sync(self, window: Window) -> tuple[str, float, list[str]]:
+        """'same' (this tick again), 'step' (the next tick of the same window, close enough that
+        what left the look-back can be subtracted) or 'rebuild'; for a step, the jobs whose
+        start changed (SlidingRows.sync's rule)."""
+        now = window.now
+        seq = getattr(window, "seq", None)
+        if window is self._window and seq == self._seq:
+            return "same", now, []
+        jobs = window.get("jobs")
+        if self._jobs_seen is not None and self._jobs_seen[0] is jobs:
+            starts = self._jobs_seen[1]
+        else:
+            starts = SlidingRows.starts(window)
+            self._jobs_seen = (jobs, starts)
+        horizon = window.horizon(self._rows.stream)
+        stepping = (
+            window is self._window
+            and seq is not None
+            and seq == self._seq + 1
+            and now > self._now
+            and now - self._now <= horizon - (self._rows.reach if self._rows.B > 0 else self._rows.W)
+        )
+        prev_starts = self._starts
+        self._window, self._seq, self._now, self._starts = window, seq if seq is not None else -1, now, starts
+        if not stepping:
+            return "rebuild", now, []
+        changed: list[str] = []
+        appeared: list[str] = []
+        if prev_starts is not None and prev_starts is not starts and (prev_starts.height or starts.height) and not prev_starts.equals(starts):
+            both = prev_starts.join(starts, on="job", how="full", coalesce=True, suffix="_new")
+            moved = both.filter(pl.col("_start").ne_missing(pl.col("_start_new")))
+            changed = moved.filter(pl.col("_start").is_not_null())["job"].to_list()
+            appeared = moved.filter(pl.col("_start").is_null())["job"].to_list()
+            self._set_starts(starts)
+        if appeared:
+            # A new start for a job already holding rows: its warm-up rows must go (rebuild).
+            codes = self._jobs.index(pl.DataFrame({"job": appeared}, schema={"job": pl.Utf8}))
+            self._grow()
+            held = np.isin(codes, self._job[: self._keys.n][self._live[: self._keys.n]])
+            changed += [j for j, h in zip(appeared, held, strict=True) if h]
+        return "step", now, changed
 
     def ingest(self, window: Window) -> None:
         """Fold this tick's rows into the running sums (called on ticks the fit is not due)."""
-        c = self.config
-        half = -c.min_span_seconds / 2
-        step = self._rows.sync(window)
-        if step.mode == "same":
+        prev_now = self._now
+        mode, now, redo = self._sync(window)
+        if mode == "same":
             return
-        if step.mode == "rebuild":
-            rows = _values(self._rows.rows_for_rebuild(window))
-            self._state = _build(rows, step.now, half)
-            if self._blocks is not None:
-                self._blocks.clear()
-                self._blocks.add(_block_terms(rows, self._blocks))
+        if mode == "rebuild":
+            self._reset()
+            assert self._starts is not None
+            self._set_starts(self._starts)
+            self._fold(self._rows.rows_for_rebuild(window), now)
+            self._compact()
             return
-        assert step.fresh is not None and step.old is not None and step.leaving is not None
-        now, d = step.now, step.now - step.prev_now
-        st0 = self._state
-        n, st, ne, ste = pl.col("n"), pl.col("st"), pl.col("ne"), pl.col("ste")
-        # Move t's origin from the previous tick's now to this one's.
-        shifted = st0.select(
-            "job", "rank", "n",
-            (st - n * d).alias("st"),
-            (pl.col("stt") - 2 * d * st + n * d * d).alias("stt"),
-            "sy", (pl.col("sty") - d * pl.col("sy")).alias("sty"), "syy",
-            "ne", (ste - ne * d).alias("ste"),
-            (pl.col("stte") - 2 * d * ste + ne * d * d).alias("stte"),
-            "sye", (pl.col("stye") - d * pl.col("sye")).alias("stye"),
-            "sg", (pl.col("stg") - d * pl.col("sg")).alias("stg"),
-            "sp", (pl.col("stp") - d * pl.col("sp")).alias("stp"),
-            "sf", (pl.col("stf") - d * pl.col("sf")).alias("stf"),
-        )  # fmt: skip
-        # Rows that crossed into the early half this tick (they were in the late one).
-        movers = self._rows.current(
-            step.old.filter(self._rows.in_look_back(step.prev_now) & ((pl.col("ts") - step.prev_now) >= half) & ((pl.col("ts") - now) < half)),
-            self._rows.starts(window),
-        )
-        parts = [shifted.select("job", "rank", *SUMS)]
-        if movers.height:
-            parts.append(_terms(_values(movers), now, half, early_only=True))
-        if step.leaving.height:
-            parts.append(_terms(_values(step.leaving), now, half, sign=-1.0))
-        gone = self._blocks.evict(step.lo_block) if self._blocks is not None else None
-        if gone is not None and gone.height:
-            parts.append(_leaving_terms(gone, self._blocks, now))  # type: ignore[arg-type]
-        fresh = _values(step.fresh) if step.fresh.height else None
-        if fresh is not None:
-            parts.append(_terms(fresh, now, half))
-            if self._blocks is not None:
-                self._blocks.add(_block_terms(fresh, self._blocks))
-        sums = _sum_terms(pl.concat(parts, how="vertical_relaxed")) if len(parts) > 1 else parts[0]
-        sums = sums.filter(pl.col("n") > 0.5)
-        edge = merge_edges(st0.select("job", "rank", "ts_first", "retries_first", "ts_last", *(f"{c}_last" for c in LAST)), fresh if fresh is not None else pl.DataFrame(), ["retries"], LAST)
-        state = sums.join(edge, on=["job", "rank"], how="left")
-        # The oldest sample of a key that lost rows is the next one up (a band lookup).
-        state = refresh_first(self._rows, window, state, step.leaving, {"retries": pl.col("alloc_retries").fill_null(0).cast(pl.Float64)})
-        if gone is not None and gone.height and self._blocks is not None:
-            state = _refresh_first_from_blocks(state, gone, self._blocks)
-        redo = step.rebuild_jobs(state)
+        self._step(window, now, prev_now)
         if redo:
-            state = state.filter(~pl.col("job").is_in(redo))
-            rows = _values(self._rows.rows_for_rebuild(window, redo))
-            again = _build(rows, now, half)
-            state = pl.concat([state, again.select(state.columns)], how="vertical_relaxed")
-            if self._blocks is not None:
-                self._blocks.drop_jobs(redo)
-                self._blocks.add(_block_terms(rows, self._blocks))
-        self._state = state.select(_empty_state().columns)
+            self._rebuild_jobs(window, now, redo)
+        self._compact()
 
+    def _step(self, window: Window, now: float, prev_now: float) -> None:
+        c, half, rows = self.config, self._half, self._rows
+        d = now - prev_now
+        S = self._S
+        n, st, ne, ste = S[N], S[ST], S[NE], S[STE]
+        # Move t's origin from the previous tick's now to this one's.
+        S[STT] = S[STT] - 2 * d * st + n * d * d
+        S[ST] = st - n * d
+        S[STY] -= d * S[SY]
+        S[STTE] = S[STTE] - 2 * d * ste + ne * d * d
+        S[STE] = ste - ne * d
+        S[STYE] -= d * S[SYE]
+        S[STG] -= d * S[SG]
+        S[STP] -= d * S[SP]
+        S[STF] -= d * S[SF]
+        lo_block = rows.lo_block(now)
+        self._cross(now, lo_block)
+        fresh = window.fresh(rows.stream)
+        if fresh.height:
+            self._fold(fresh, now, self._included(fresh, now))
+        lost = np.zeros(self._keys.n, bool)
+        if rows.B > 0:
+            self._evict(now, lo_block, lost)
+        else:
+            self._leave(window, now, prev_now, lost)
+        n_keys = self._keys.n
+        dead = self._live[:n_keys] & (self._S[N, :n_keys] <= 0.5)
+        if dead.any():
+            self._forget(np.flatnonzero(dead))
+        lost &= self._live[:n_keys]
+        if lost.any():
+            self._refresh_first(window, np.flatnonzero(lost))
+
+    def _included(self, df: pl.DataFrame, now: float) -> np.ndarray:
+        """Rows a fit at `now` reads (SlidingRows.included, over arrays)."""
+        ts = _nullable(df["ts"])
+        rows = self._rows
+        with np.errstate(invalid="ignore"):
+            if rows.B > 0:
+                ok = ~np.isnan(ts)
+                ok[ok] = np.floor(ts[ok] / rows.B).astype(np.int64) >= rows.lo_block(now)
+            else:
+                ok = ts >= now - rows.W
+        if self._starts is not None and self._starts.height:
+            idx, _, run = self._index(df)
+            start = self._start_of_job[self._job[idx if run is None else run]]
+            ok &= np.isnan(start) | (ts >= start + rows.warmup)
+        return ok
+
+    def _cross(self, now: float, lo_block: int) -> None:
+        """Late rows that crossed into the early half join the early sums; rows gone from the
+        look-back (a block evicted, or below now - W) stop being tracked."""
+        half, rows = self._half, self._rows
+        kept: list[tuple[np.ndarray | slice, np.ndarray | np.float64, np.ndarray]] = []
+        for chunk in self._late:
+            if chunk[2].size == 0:
+                continue
+            t_min = chunk[1].min()
+            if (t_min - now) >= half and (np.floor(t_min / rows.B) >= lo_block if rows.B > 0 else t_min >= now - rows.W):
+                kept.append(chunk)  # nothing crosses or leaves
+                continue
+            if np.ndim(chunk[1]) == 0 and (t_min - now) < half:  # one ts: the whole chunk crosses
+                t = np.full(chunk[2].size, t_min - now)
+                yy = np.nan_to_num(chunk[2], nan=0.0)
+                self._add_early(chunk[0], [np.ones_like(t), t, t * t, yy, t * yy])
+                continue
+            idx, ts, y = _expand(chunk)
+            moving = (ts - now) < half
+            if moving.any():
+                i, t = (idx, ts - now) if moving.all() else (idx[moving], ts[moving] - now)
+                yy = y if moving.all() else y[moving]
+                yy = np.nan_to_num(yy, nan=0.0)
+                self._add_early(i, [np.ones_like(t), t, t * t, yy, t * yy])
+                idx, ts, y = idx[~moving], ts[~moving], y[~moving]
+            if idx.size:
+                gone = (np.floor(ts / rows.B).astype(np.int64) < lo_block) if rows.B > 0 else (ts < now - rows.W)
+                if gone.any():
+                    idx, ts, y = idx[~gone], ts[~gone], y[~gone]
+            if idx.size:
+                kept.append((idx, ts, y))
+        self._late = kept
+
+    def _add_early(self, idx: np.ndarray | slice, terms: list[np.ndarray]) -> None:
+        if isinstance(idx, slice):
+            for j, row in enumerate(EARLY):
+                self._S[row, idx] += terms[j]
+            return
+        for j, row in enumerate(EARLY):
+            self._S[row] += np.bincount(idx, terms[j], minlength=self._S.shape[1])
+
+    def _evict(self, now: float, lo_block: int, lost: np.ndarray) -> None:
+        """Subtract whole blocks leaving the look-back, t moved from each block's start to now
+        (t = tau + d, d = start - now). Every row of such a block is older than now - W, so in
+        the fit's early half (config check): the early sums lose the same amounts."""
+        S = self._S
+        for k in sorted(b for b in self._blk if b < lo_block):
+            a = self._blk.pop(k)
+            w = a.shape[1]
+            d = float(k) * self._rows.B - now
+            n, st, stt, sy, sty, syy, sg, stg, sp, stp, sf, stf = a[: len(BLOCK_SUMS)]
+            t1 = st + n * d
+            t2 = stt + 2 * d * st + n * d * d
+            ty = sty + d * sy
+            for row, v in ((N, n), (ST, t1), (STT, t2), (SY, sy), (STY, ty), (SYY, syy), (NE, n), (STE, t1), (STTE, t2), (SYE, sy), (STYE, ty),
+                           (SG, sg), (STG, stg + d * sg), (SP, sp), (STP, stp + d * sp), (SF, sf), (STF, stf + d * sf)):  # fmt: skip
+                S[row, :w] -= v
+            lost[:w] |= ~np.isnan(a[B_TS])
+
+    def _leave(self, window: Window, now: float, prev_now: float, lost: np.ndarray) -> None:
+        """lookback_blocks 0: rows that fell below now - W, read back from the window."""
+        rows = self._rows
+        df = window.get(rows.stream)
+        fresh = window.fresh(rows.stream)
+        # The window is the previous rows followed by this tick's (those not past the horizon).
+        kept_fresh = fresh.filter(pl.col("ts") >= now - window.horizon(rows.stream)).height if fresh.height else 0
+        old = df.head(df.height - kept_fresh) if kept_fresh else df
+        starts = self._starts if self._starts is not None else rows.starts(window)
+        leaving = rows.current(old.filter((pl.col("ts") >= prev_now - rows.W) & (pl.col("ts") < now - rows.W)), starts)
+        if leaving.height == 0:
+            return
+        idx, _, run = self._index(leaving)
+        r = _Rows(leaving)
+        t = r.ts - now
+        _add(self._S, idx, _sum_terms(t, t < self._half, r), run, sign=-1.0)
+        lost[idx] = True
+
+    def _refresh_first(self, window: Window, keys: np.ndarray) -> None:
+        """Keys that lost their oldest rows take the next oldest: from their oldest block left,
+        or (lookback_blocks 0) from a band of the window just above now - W."""
+        E = self._E
+        if self._rows.B > 0:
+            todo = keys
+            for k in sorted(self._blk):
+                if todo.size == 0:
+                    break
+                a = self._blk[k]
+                inside = todo[todo < a.shape[1]]
+                has = ~np.isnan(a[B_TS, inside])
+                got = inside[has]
+                E[TS_FIRST, got], E[R_FIRST, got] = a[B_TS, got], a[B_RETRIES, got]
+                todo = np.setdiff1d(todo, got, assume_unique=True)
+            return
+        lost = self._keys.table[keys].select("job", "rank")
+        first = self._rows.first_rows(window, lost, {"retries": pl.col("alloc_retries").fill_null(0).cast(pl.Float64)})
+        if first.height:
+            idx = self._keys.index(first.select("job", "rank"))
+            E[TS_FIRST, idx] = first["_f_ts"].to_numpy()
+            E[R_FIRST, idx] = first["_f_retries"].to_numpy()
+
+    def _rebuild_jobs(self, window: Window, now: float, jobs: list[str]) -> None:
+        """Jobs whose start moved (requeued), vanished, or appeared while holding rows: reload
+        their keys from the window alone."""
+        codes = self._jobs.index(pl.DataFrame({"job": jobs}, schema={"job": pl.Utf8}))
+        self._grow()
+        n = self._keys.n
+        keys = np.isin(self._job[:n], codes)
+        self._forget(np.flatnonzero(keys))
+        for a in self._blk.values():
+            w = min(a.shape[1], n)
+            m = keys[:w]
+            a[: len(BLOCK_SUMS), :w][:, m] = 0.0
+            a[B_TS:, :w][:, m] = np.nan
+        self._late = [(i[~keys[i]], t[~keys[i]], y[~keys[i]]) for i, t, y in map(_expand, self._late)]
+        self._fold(self._rows.rows_for_rebuild(window, jobs), now)
+
+    # -- the fit ------------------------------------------------------------------------------
     def detect(self, window: Window) -> list[Finding]:
         c = self.config
         now = window.now
         self.ingest(window)
-        if self._state.height == 0:
+        n_keys = self._keys.n
+        keys = np.flatnonzero(self._live[:n_keys])
+        if keys.size == 0:
             return []
         # Least squares from running sums (O(new rows) per tick, see ingest): y in GiB keeps the
         # sums of squares well conditioned. The window's two halves are fitted too: growth must
         # hold in both the last min_span/2 seconds and before them (a one-off step, warm-up or a
-        # new phase of training, is not a trend).
-        sums = self._state.select(
-            "job",
-            "rank",
-            *SUMS,
-            (pl.col("ts_first") - now).alias("t_min"),
-            (pl.col("ts_last") - now).alias("t_max"),
-            pl.col("y_last").alias("footprint_gib"),
-            pl.col("gap_last").alias("gap_gib"),
-            (pl.col("retries_last") - pl.col("retries_first")).alias("retries_delta"),
-            pl.col("capacity_last").alias("capacity"),
-            pl.col("node_last").alias("node"),
-            pl.col("gpu_last").alias("gpu"),
-        )
+        # new phase of training, is not a trend). NaN stands for the polars fit's null (no fit).
+        every = keys.size == n_keys  # then views, not copies
+        S = self._S[:, :n_keys] if every else self._S[:, keys]
+        E = self._E[:, :n_keys] if every else self._E[:, keys]
+        n, st, stt, sy, sty, syy = S[N], S[ST], S[STT], S[SY], S[STY], S[SYY]
 
-        def slope(n: pl.Expr, st: pl.Expr, stt: pl.Expr, sy: pl.Expr, sty: pl.Expr) -> pl.Expr:
+        def slope(n: np.ndarray, st: np.ndarray, stt: np.ndarray, sy: np.ndarray, sty: np.ndarray) -> np.ndarray:
             den = n * stt - st * st
-            # Fewer than 3 samples (e.g. a half with no data) is no fit: null fails every filter.
-            return pl.when((n >= 3) & (den > 0)).then((n * sty - st * sy) / den)
+            # Fewer than 3 samples (e.g. a half with no data) is no fit: NaN fails every test.
+            ok = (n >= 3) & (den > 0)
+            return np.where(ok, (n * sty - st * sy) / np.where(ok, den, 1.0), np.nan)
 
-        n, st, stt = pl.col("n"), pl.col("st"), pl.col("stt")
-        nl, stl, sttl = n - pl.col("ne"), st - pl.col("ste"), stt - pl.col("stte")
-        sxy = n * pl.col("sty") - st * pl.col("sy")
+        with np.errstate(divide="ignore", invalid="ignore", over="ignore"):
+            span = (E[TS_LAST] - now) - (E[TS_FIRST] - now)
+            growth = slope(n, st, stt, sy, sty) * GIB
+            early = slope(S[NE], S[STE], S[STTE], S[SYE], S[STYE]) * GIB
+            late = slope(n - S[NE], st - S[STE], stt - S[STTE], sy - S[SYE], sty - S[STYE]) * GIB
+            sxy = n * sty - st * sy
+            syd = n * syy - sy * sy
+            r2 = np.where(syd > 0, sxy * sxy / ((n * stt - st * st) * syd), np.nan)
+            footprint = E[Y_LAST] * GIB
+            capacity = self._capacity[:n_keys] if every else self._capacity[keys]
+            headroom = np.where(capacity == NO_INT, np.nan, (capacity - c.safety_margin_bytes).astype(np.float64) - footprint)
+            tto = headroom / growth
+            g = c.min_growth_bytes_per_second
+            ok = (
+                (n >= c.min_samples)
+                & (span >= c.min_span_seconds)
+                & (growth >= g)
+                & (early >= g / 2)
+                & (late >= g / 2)
+                & (r2 >= c.min_r2)
+                & (growth * span >= c.min_rise_bytes)
+                & (tto <= c.predict_horizon_seconds)
+            )
+        if not ok.any():
+            return []
+        hit = np.flatnonzero(ok)
+        k = keys[hit]
+        Sk = S[:, hit]
+        with np.errstate(divide="ignore", invalid="ignore", over="ignore"):
+            gap_slope = slope(Sk[N], Sk[ST], Sk[STT], Sk[SG], Sk[STG]) * GIB
+            peak_slope = slope(Sk[N], Sk[ST], Sk[STT], Sk[SP], Sk[STP]) * GIB
+            foreign_slope = slope(Sk[N], Sk[ST], Sk[STT], Sk[SF], Sk[STF]) * GIB
+        gpu = self._gpu[k]
         fits = (
-            sums.with_columns(
-                (pl.col("t_max") - pl.col("t_min")).alias("span"),
-                (slope(n, st, stt, pl.col("sy"), pl.col("sty")) * GIB).alias("slope"),
-                (slope(pl.col("ne"), pl.col("ste"), pl.col("stte"), pl.col("sye"), pl.col("stye")) * GIB).alias("slope_early"),
-                (slope(nl, stl, sttl, pl.col("sy") - pl.col("sye"), pl.col("sty") - pl.col("stye")) * GIB).alias("slope_late"),
-                (slope(n, st, stt, pl.col("sg"), pl.col("stg")) * GIB).alias("gap_slope"),
-                (slope(n, st, stt, pl.col("sp"), pl.col("stp")) * GIB).alias("peak_slope"),
-                (slope(n, st, stt, pl.col("sf"), pl.col("stf")) * GIB).alias("foreign_slope"),
-                pl.when((n * pl.col("syy") - pl.col("sy") * pl.col("sy")) > 0)
-                .then(sxy * sxy / ((n * stt - st * st) * (n * pl.col("syy") - pl.col("sy") * pl.col("sy"))))
-                .alias("r2"),
-                (pl.col("footprint_gib") * GIB).alias("footprint"),
-                (pl.col("gap_gib") * GIB).alias("gap"),
-            )
+            self._keys.table[k]
+            .select("job", "rank")
             .with_columns(
-                (pl.col("capacity") - c.safety_margin_bytes - pl.col("footprint")).alias("headroom"),
-            )
-            .with_columns((pl.col("headroom") / pl.col("slope")).alias("tto"))
-            .filter(
-                (pl.col("n") >= c.min_samples)
-                & (pl.col("span") >= c.min_span_seconds)
-                & (pl.col("slope") >= c.min_growth_bytes_per_second)
-                & (pl.col("slope_early") >= c.min_growth_bytes_per_second / 2)
-                & (pl.col("slope_late") >= c.min_growth_bytes_per_second / 2)
-                & (pl.col("r2") >= c.min_r2)
-                & (pl.col("slope") * pl.col("span") >= c.min_rise_bytes)
-                & (pl.col("tto") <= c.predict_horizon_seconds)
+                pl.Series("tto", tto[hit]),
+                pl.Series("slope", growth[hit]),
+                pl.Series("gap_slope", gap_slope),
+                pl.Series("peak_slope", peak_slope),
+                pl.Series("foreign_slope", foreign_slope),
+                pl.Series("r2", r2[hit]),
+                pl.Series("gap", E[GAP_LAST, hit] * GIB),
+                pl.Series("footprint", footprint[hit]),
+                pl.Series("headroom", headroom[hit]),
+                pl.Series("capacity", capacity[hit]),
+                pl.Series("retries_delta", E[R_LAST, hit] - E[R_FIRST, hit]),
+                self._nodes.table["node"].gather(self._node[k]).alias("node"),
+                pl.Series("gpu", [None if v == NO_INT else int(v) for v in gpu], dtype=pl.Int32),
             )
             .sort(["tto", "job", "rank"])  # job, rank break ties: same input, same finding
         )
@@ -354,7 +686,8 @@ class OomPredictor:
                         "rank": int(worst["rank"]),
                         "growth_bytes_per_second": round(float(worst["slope"])),
                         "fragmentation_growth_bytes_per_second": round(float(worst["gap_slope"])),
-                        "reserved_unallocated_bytes": int(worst["gap"]),
+                        # (null when the newest sample had no reserved reading: the footprint then is the peak)
+                        "reserved_unallocated_bytes": None if worst["gap"] is None or math.isnan(worst["gap"]) else int(worst["gap"]),
                         "footprint_bytes": int(worst["footprint"]),
                         "headroom_bytes": int(worst["headroom"]),
                         "capacity_bytes": int(worst["capacity"]),
@@ -369,3 +702,19 @@ class OomPredictor:
                 )
             )
         return findings
+
+    def lookback_seconds(self) -> dict[str, float]:
+        """History of allocator_stats read from the window (pipeline/core.py: declared_horizons).
+
+        Block mode: the fit's late half (min_span_seconds / 2: a rebuild reloads the late rows
+        from the window) plus block_slack_seconds, the longest gap between two ticks that still
+        steps (else it rebuilds from what the window holds). Otherwise the fit's look-back plus
+        30 s in which rows leaving it can still be subtracted."""
+        c = self.config
+        if c.lookback_blocks:
+            return {"allocator_stats": c.min_span_seconds / 2 + c.block_slack_seconds}
+        return {"allocator_stats": c.fit_window_seconds + 30.0}
+
+    def window_columns(self) -> dict[str, tuple[str, ...]]:
+        """Columns of allocator_stats' history it reads (`_Rows`; pipeline/core.py: declared_columns)."""
+        return {"allocator_stats": ("ts", "job", "rank", "node", "gpu", "device_capacity_bytes", "reserved_bytes", "peak_allocated_bytes", "foreign_used_bytes", "alloc_retries")}
