@@ -75,3 +75,9 @@ def rank_at(rank: Any, node: str | None, gpu: int | None) -> str:
     without `gpu`) is left out instead of being printed as 'None'."""
     place = " ".join(p for p in (node, None if gpu is None else f"GPU {gpu}") if p)
     return f"rank {rank} ({place})" if place else f"rank {rank}"
+
+
+def node_names(nodes: pl.Series) -> list[str]:
+    """The distinct node names of culprit rows, sorted; rows naming no node (a hook row without
+    one, a rank not placed yet) add none, so a page never fails on ordering None with names."""
+    return nodes.drop_nulls().unique().sort().to_list()

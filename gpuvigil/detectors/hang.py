@@ -17,7 +17,7 @@ from typing import Any
 import polars as pl
 from pydantic import BaseModel
 
-from gpuvigil.detectors.common import rank_at, settings
+from gpuvigil.detectors.common import node_names, rank_at, settings
 from gpuvigil.model import Finding, FindingKind, Severity
 from gpuvigil.pipeline.window import Window
 
@@ -119,7 +119,7 @@ class HangDetector:
                 continue  # nobody waiting on anybody: not a collective hang
             first = job_rows.row(0, named=True)
             job = first["job"]
-            culprit_nodes = sorted({n for n in culprits["node"].to_list() if n is not None})  # a hook row may name no node
+            culprit_nodes = node_names(culprits["node"])
             hw = events.filter(pl.col("node").is_in(culprit_nodes))
             xids = sorted({int(x) for x in hw["xid"].drop_nulls().to_list()})
             silent = culprits.filter(pl.col("silent"))["rank"].to_list()

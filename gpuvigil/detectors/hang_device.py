@@ -23,7 +23,7 @@ import numpy as np
 import polars as pl
 from pydantic import BaseModel
 
-from gpuvigil.detectors.common import rank_at, settings
+from gpuvigil.detectors.common import node_names, rank_at, settings
 from gpuvigil.detectors.per_gpu import GpuSlots, grow, last_per_slot
 from gpuvigil.model import Finding, FindingKind, Severity
 from gpuvigil.pipeline.window import Window
@@ -196,8 +196,7 @@ class DeviceHangDetector:
             waiting = rows.filter(pl.col("waiting"))
             odd = rows.filter(~pl.col("waiting")).sort("rank")
             culprit_ranks = odd["rank"].to_list()
-            # A rank not placed on a node yet (a pending pod) has no node whose hardware to blame.
-            nodes = sorted({n for n in odd["node"].to_list() if n is not None})
+            nodes = node_names(odd["node"])
             hw = events.filter(pl.col("node").is_in(nodes)) if nodes else events.clear()
             # No telemetry from a GPU it was placed on: the GPU is gone (hardware). A rank placed on
             # no GPU yet never started: the job waits for it, which requeueing fixes (software).

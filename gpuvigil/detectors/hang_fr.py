@@ -16,7 +16,7 @@ from typing import Any
 import polars as pl
 from pydantic import BaseModel
 
-from gpuvigil.detectors.common import settings
+from gpuvigil.detectors.common import node_names, settings
 from gpuvigil.model import Finding, FindingKind, Severity
 from gpuvigil.progress import CollectiveClock
 from gpuvigil.pipeline.window import Window
@@ -74,8 +74,7 @@ class FlightRecorderHangDetector:
                 continue
             culprits = [int(r) for r in latest["culprit_ranks"]]
             alloc = window.get("allocations").filter((pl.col("job") == job) & pl.col("rank").is_in(culprits))
-            # (a culprit rank not placed on a node yet, a pending pod, has no node to look at)
-            nodes = sorted({n for n in alloc["node"].to_list() if n is not None}) or ([latest["node"]] if latest["node"] else [])
+            nodes = node_names(alloc["node"]) or ([latest["node"]] if latest["node"] else [])
             hw = window.get("events").filter(pl.col("kind").is_in(["xid", "ecc_dbe"]) & (pl.col("ts") >= now - c.hardware_lookback_seconds) & pl.col("node").is_in(nodes))
             one = alloc.row(0, named=True) if alloc.height == 1 else None
             findings.append(
