@@ -7,7 +7,7 @@ PY ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
 
-.PHONY: demo test test-lowest mutate install install-dev system-deps clean
+.PHONY: demo test test-deep test-lowest mutate install install-dev system-deps clean
 
 $(BIN)/python:
 	$(PY) -m venv $(VENV)
@@ -18,8 +18,9 @@ install: $(BIN)/python
 
 install-dev: install
 	$(BIN)/pip install -q -e '.[dev]'
-	# CPU build of torch for real gloo ranks in the Flight Recorder tests (test-only).
-	$(BIN)/pip install -q 'torch==2.13.0' || echo "torch unavailable: torch-marked tests will be skipped"
+	# CPU build of torch for real gloo ranks (Flight Recorder, hang and straggler tests): test-only,
+	# and required: without it the install fails rather than the suite passing by skipping.
+	$(BIN)/pip install -q -e '.[torch]'
 
 # Debian packages the integration tests start for real (needs root; CI runs as root).
 system-deps:
@@ -27,14 +28,21 @@ system-deps:
 	  missing=""; for p in prometheus prometheus-alertmanager slurm-wlm slurm-client munge chromium nats-server; do \
 	    dpkg -s $$p >/dev/null 2>&1 || missing="$$missing $$p"; done; \
 	  if [ -n "$$missing" ]; then apt-get update -q && DEBIAN_FRONTEND=noninteractive apt-get install -y -q $$missing; fi; \
-	else echo "not root or no apt-get: integration tests needing Prometheus/Alertmanager/Slurm/NATS will be skipped"; fi
+	else echo "not root or no apt-get: install$$(for p in prometheus prometheus-alertmanager slurm-wlm slurm-client munge chromium nats-server; do dpkg -s $$p >/dev/null 2>&1 || printf ' %s' $$p; done) yourself, or the service tests skip (under CI=true a skip fails the run)"; fi
 
 demo: install
 	$(BIN)/gpuvigil demo
 
+# The suite runs on every core (pytest-xdist, a file per worker so module fixtures run once);
+# the hypothesis equivalence tests draw a quarter of their examples (tests/hyp.py).
+TEST_JOBS ?= auto
 test: system-deps install-dev
-	$(BIN)/python -m pytest -q -ra
+	$(BIN)/python -m pytest -q -ra -n $(TEST_JOBS) --dist loadfile
 	$(MAKE) test-lowest
+
+# The same suite with every hypothesis equivalence test at its full example count.
+test-deep: system-deps install-dev
+	GPUVIGIL_TEST_DEEP=1 $(BIN)/python -m pytest -q -ra -n $(TEST_JOBS) --dist loadfile
 
 # The floors in pyproject.toml are true: a second venv gets the lowest version of every direct
 # dependency (uv --resolution lowest-direct) and the unit tests that exercise each library's API
@@ -42,7 +50,7 @@ test: system-deps install-dev
 # floor (37) needs pydantic >= 2.13.5 and would otherwise hide pydantic's. docs/dependencies.md.
 LOW_VENV ?= .venv-lowest
 LOW_UV = VIRTUAL_ENV="$(CURDIR)/$(LOW_VENV)" $(BIN)/uv pip
-LOW_PYTEST = $(LOW_VENV)/bin/python -m pytest -q -p no:cacheprovider -m "not services and not torch"
+LOW_PYTEST = $(LOW_VENV)/bin/python -m pytest -q -p no:cacheprovider -n $(TEST_JOBS) -m "not services and not torch"
 LOW_SHOW = grep -iE '^(polars|numpy|pydantic|fastapi|anyio|uvicorn|httpx|prometheus-client|opentelemetry-sdk|nvidia-ml-py|pyyaml|rich|python-hostlist|kubernetes|grafanalib)=='
 LOWEST_TESTS ?= tests/test_dcgm.py tests/test_config_whole.py tests/test_hostlist.py tests/test_backoff.py \
 	tests/test_instrument_stdlib.py tests/test_dashboards.py tests/test_detectors_units.py tests/test_exporter.py \

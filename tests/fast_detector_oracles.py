@@ -14,13 +14,31 @@ import polars as pl
 
 from gpuvigil import throttle
 from gpuvigil import xid as xid_table
-from gpuvigil.detectors.common import gpu_jobs, rank_at, settings
+# `settings` reads the shipped configuration and `rank_at` words a summary: shared so that the
+# comparison is about what is found. The joins and number handling below are the oracle's own.
+from gpuvigil.detectors.common import rank_at, settings
 from gpuvigil.detectors.ecc import EccConfig
-from gpuvigil.detectors.hang_device import HangDeviceConfig, _nz, _r
+from gpuvigil.detectors.hang_device import HangDeviceConfig
 from gpuvigil.detectors.pcie import PcieConfig
 from gpuvigil.detectors.thermal import ThermalConfig
 from gpuvigil.model import Finding, FindingKind, Severity
 from gpuvigil.pipeline.window import Window
+
+def gpu_jobs(window: Window) -> pl.DataFrame:
+    """(node, gpu) → job, rank of the scheduler's allocation snapshot."""
+    return window.get("allocations").select("node", "gpu", "job", "rank")
+
+
+def _nz(col: str) -> pl.Expr:
+    return pl.col(col).fill_null(0.0)
+
+
+def _r(v: Any) -> float | None:
+    """Three decimals, or None for a missing or NaN reading."""
+    if v is None or (isinstance(v, float) and v != v):
+        return None
+    return round(float(v), 3)
+
 
 class JoinThermal:
     name = "thermal"

@@ -2,7 +2,7 @@
 
 Each reads its whole look-back from the window on every call. The incremental detectors must
 give the same findings on the same rows (tests/test_detectors_incremental.py). With the
-detectors' block mode (config `lookback_blocks`, issue 11) the look-back starts at the start of
+detectors' block mode (config `lookback_blocks`) the look-back starts at the start of
 the block holding now - W (`look_back`): the refits read exactly those rows, so the comparison
 stays an equality.
 """
@@ -15,7 +15,10 @@ import math
 
 import polars as pl
 
-from gpuvigil.detectors.common import current_run, rank_at, settings
+# `settings` reads the shipped configuration and `rank_at` words a summary: shared so that the
+# comparison is about what is found, not about config loading or wording. Which rows a fit reads
+# (`current_run`) is decided here independently of the product.
+from gpuvigil.detectors.common import rank_at, settings
 from gpuvigil.detectors.fragmentation_allocator import FragmentationAllocatorConfig
 from gpuvigil.detectors.oom import OomConfig
 from gpuvigil.detectors.straggler import StragglerConfig
@@ -25,9 +28,23 @@ from gpuvigil.pipeline.window import Window
 GIB = float(1 << 30)
 
 
+def current_run(window: Window, stream: str, since: float | None = None, warmup: float = 0.0) -> pl.DataFrame:
+    """Rows of a per-job stream from each job's latest (re)start on (+ warm-up), from `since` on;
+    rows of a job the scheduler does not list, or lists without a start, are all kept."""
+    df = window.get(stream)
+    if since is not None:
+        df = df.filter(pl.col("ts") >= since)
+    jobs = window.get("jobs")
+    if df.height == 0 or jobs.height == 0:
+        return df
+    start = dict(zip(jobs["job"].to_list(), jobs["start_ts"].to_list()))
+    keep = [start.get(j) is None or ts >= start[j] + warmup for j, ts in zip(df["job"].to_list(), df["ts"].to_list())]
+    return df.filter(pl.Series(keep, dtype=pl.Boolean))
+
+
 def look_back(window: Window, stream: str, seconds: float, blocks: int, warmup: float) -> pl.DataFrame:
     """The rows a fit at window.now reads: the job's current run after warm-up, from now - seconds;
-    with `blocks` (the detectors' block mode, issue 11), from the start of the block of
+    with `blocks` (the detectors' block mode), from the start of the block of
     seconds / blocks seconds holding now - seconds (blocks start at multiples of their length),
     i.e. every row whose block index is at least that block's."""
     now = window.now
@@ -36,6 +53,12 @@ def look_back(window: Window, stream: str, seconds: float, blocks: int, warmup: 
     b = seconds / blocks
     first = math.floor((now - seconds) / b)
     return current_run(window, stream, warmup=warmup).filter((pl.col("ts") / b).floor().cast(pl.Int64) >= first)
+
+
+def in_time_order(df: pl.DataFrame) -> pl.DataFrame:
+    """Rows by timestamp, ties in arrival order: a key's oldest and newest sample are by time,
+    whatever order the rows arrived in."""
+    return df.sort("ts", maintain_order=True)
 
 
 class RefitOom:
@@ -47,7 +70,7 @@ class RefitOom:
     def detect(self, window: Window) -> list[Finding]:
         c = self.config
         now = window.now
-        df = look_back(window, "allocator_stats", c.fit_window_seconds, c.lookback_blocks, c.warmup_seconds)
+        df = in_time_order(look_back(window, "allocator_stats", c.fit_window_seconds, c.lookback_blocks, c.warmup_seconds))
         if df.height == 0:
             return []
         # Least squares from sums (one pass, no per-group sort): y in GiB keeps the sums of

@@ -28,6 +28,8 @@ import polars as pl
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from hyp import examples
+
 from gpuvigil import config, schemas
 from gpuvigil.detectors.fragmentation_allocator import AllocatorFragmentationDetector
 from gpuvigil.detectors.oom import OomPredictor
@@ -61,7 +63,7 @@ def block_feed(draw):
     return b, ticks
 
 
-@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=examples(60), deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(block_feed())
 def test_block_store_equals_the_aggregates_of_its_raw_rows(feed):
     b, ticks = feed
@@ -192,14 +194,14 @@ OOM_CFG = {"oom": {"fit_window_seconds": 30.0, "warmup_seconds": 4.0, "min_sampl
 FRAG_CFG = {"fragmentation_allocator": {"window_seconds": 30.0, "warmup_seconds": 4.0, "min_samples": 4, "min_gap_bytes": 256 * MIB, "min_gap_share": 0.0, "every_seconds": 0.0, "lookback_blocks": 6, "block_slack_seconds": 3.0}}
 
 
-@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+@settings(max_examples=examples(25), deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
 @given(steady_series())
 def test_oom_over_its_declared_history_equals_the_refit_over_the_whole_block_aligned_look_back(ticks):
     cfg = config.load(overrides={"detectors": OOM_CFG})
     _short_window_equals_whole_refit(lambda: OomPredictor(cfg), lambda: RefitOom(cfg), ticks)
 
 
-@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+@settings(max_examples=examples(25), deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
 @given(steady_series())
 def test_fragmentation_over_its_declared_history_equals_the_refit_over_the_whole_block_aligned_look_back(ticks):
     cfg = config.load(overrides={"detectors": FRAG_CFG})

@@ -10,6 +10,8 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from hyp import examples
+
 from fast_detector_oracles import JoinEcc, JoinPcie, JoinThermal
 from gpuvigil import schemas
 from gpuvigil.detectors.ecc import EccDetector
@@ -90,7 +92,7 @@ def _compare(ticks, alloc, pairs):
     return positives
 
 
-@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+@settings(max_examples=examples(60), deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
 @given(gpu_series())
 def test_fast_per_gpu_detectors_match_the_join_code(series):
     ticks, alloc = series
@@ -245,7 +247,7 @@ def _compare_hang(ticks, cfg):
     return found
 
 
-@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+@settings(max_examples=examples(40), deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
 @given(hang_series())
 def test_hang_device_matches_the_join_code(ticks):
     _compare_hang(ticks, HANG_CFG)

@@ -22,6 +22,8 @@ import polars as pl
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from hyp import examples
+
 from gpuvigil import config, schemas
 from gpuvigil.detectors.fragmentation_allocator import AllocatorFragmentationDetector
 from gpuvigil.detectors.oom import OomPredictor
@@ -111,7 +113,7 @@ def _check_same(make_new, make_refit, ticks, horizon):
 OOM_CFG = {"oom": {"fit_window_seconds": 30.0, "warmup_seconds": 4.0, "min_samples": 6, "min_span_seconds": 8.0, "min_r2": 0.3, "min_rise_bytes": 64 * MIB, "predict_horizon_seconds": 1e7}}
 
 
-@settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+@settings(max_examples=examples(30), deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
 @given(allocator_series())
 def test_oom_incremental_matches_refit(series):
     ticks, horizon = series
@@ -161,7 +163,7 @@ def test_oom_state_survives_a_long_run_far_from_the_epoch():
 FRAG_CFG = {"fragmentation_allocator": {"window_seconds": 30.0, "warmup_seconds": 4.0, "min_samples": 4, "min_gap_bytes": 256 * MIB, "min_gap_share": 0.0, "every_seconds": 0.0}}
 
 
-@settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+@settings(max_examples=examples(30), deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
 @given(allocator_series())
 def test_fragmentation_allocator_incremental_matches_refit(series):
     ticks, horizon = series

@@ -15,6 +15,8 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from hyp import examples
+
 from gpuvigil import config, schemas
 from gpuvigil.detectors.fragmentation_allocator import AllocatorFragmentationDetector
 from gpuvigil.pipeline.window import Window
@@ -225,7 +227,7 @@ def streams(draw):
     return ticks, draw(st.sampled_from([1e9, 60.0, 8.0])), draw(st.sampled_from([0, 3, 6]))
 
 
-@settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+@settings(max_examples=examples(30), deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
 @given(streams())
 def test_hypothesis_stream_equals_the_polars_oracle(stream):
     ticks, horizon, blocks = stream

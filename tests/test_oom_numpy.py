@@ -27,6 +27,7 @@ from gpuvigil.detectors.oom import OomPredictor
 from gpuvigil.pipeline.window import Window
 
 sys.path.insert(0, str(Path(__file__).parent))
+from hyp import examples  # noqa: E402
 from oom_polars_oracle import PolarsOomPredictor  # noqa: E402
 
 MIB = 1 << 20
@@ -246,7 +247,7 @@ def stream(draw):
     return ticks
 
 
-@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+@settings(max_examples=examples(40), deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
 @given(stream(), st.sampled_from(["blocks", "no_blocks"]), st.booleans())
 def test_random_stream_gives_the_polars_findings_on_every_tick(ticks, cfg_name, whole):
     compare(cfg_name, ticks, whole=whole, sparse=((3, 1),))

@@ -20,6 +20,8 @@ import polars as pl
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from hyp import examples
+
 from gpuvigil import config, schemas
 from gpuvigil.detectors.incremental import KeyRing, masked_median
 from gpuvigil.detectors.straggler import StragglerDetector
@@ -89,7 +91,7 @@ def _check_same(cfg, ticks, horizon):
     return check_against_refit(lambda: StragglerDetector(cfg), lambda: RefitStraggler(cfg), "rank_progress", ticks, horizon)
 
 
-@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+@settings(max_examples=examples(40), deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
 @given(progress_series())
 def test_straggler_incremental_matches_refit(series):
     ticks, horizon = series

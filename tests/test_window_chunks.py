@@ -7,6 +7,8 @@ from __future__ import annotations
 import polars as pl
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+
+from hyp import examples
 from polars.testing import assert_frame_equal
 
 from gpuvigil.pipeline.window import Window
@@ -57,7 +59,7 @@ def appends(draw):
     return ticks, draw(st.sampled_from([5.0, 30.0, 1e9]))
 
 
-@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+@settings(max_examples=examples(60), deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
 @given(appends())
 def test_chunked_window_returns_what_the_single_frame_window_did(case):
     ticks, horizon = case

@@ -9,6 +9,8 @@ import polars as pl
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+
+from hyp import examples
 from polars.testing import assert_frame_equal
 
 from gpuvigil import schemas
@@ -57,7 +59,7 @@ def _feed(window: Window, case) -> list[tuple[pl.DataFrame, pl.DataFrame, pl.Dat
     return seen
 
 
-@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=examples(60), deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(ticks())
 def test_pruned_history_latest_and_fresh_match_the_whole_window(case):
     """Each key's rows carry distinct timestamps within a tick and across ticks, so `latest` has

@@ -13,6 +13,8 @@ import polars as pl
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from hyp import examples
+
 from gpuvigil import config, schemas
 from gpuvigil.detectors.levels import LevelSelector
 from gpuvigil.detectors.oom import OomPredictor
@@ -350,7 +352,7 @@ def test_the_pipeline_benchmark_warms_up_to_the_longest_per_key_history():
     assert steady_warmup_ticks(Window({"default": 600.0, "gpu_samples": 10.0, "rank_progress": 65.0, "allocator_stats": 30.0}), 1.0) == 90
 
 
-@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=examples(60), deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(
     ticks=st.lists(
         st.lists(st.tuples(st.sampled_from(["a", "b", "c", None]), st.integers(0, 3), st.sampled_from([0.0, 0.0, 0.4, 2.0, 9.0])), max_size=6),
