@@ -295,7 +295,7 @@ def _per_series_reference(result):
         frame = pl.DataFrame(values, schema={"ts": pl.Float64, "v": pl.Utf8}, orient="row")
         frames.append(frame.select(
             "ts", pl.lit(base["metric"], pl.Utf8).alias("metric"), pl.col("v").cast(pl.Float64, strict=False).alias("value"),
-            *[pl.lit(base[c], pl.Utf8).alias(c) for c in ("node", "gpu", "gpu_uuid", "job", "rank")],
+            *[pl.lit(base[c], pl.Utf8).alias(c) for c in LONG if c not in ("ts", "metric", "value")],
         ))
     if not frames:
         return pl.DataFrame(schema=LONG)
@@ -451,7 +451,9 @@ def test_reader_never_crashes_on_garbage_bytes(tmp_path):
             except UserError as exc:
                 assert "\n" not in str(exc)
             else:
-                assert df.height > 0 and df.columns == ["ts", "metric", "value", "node", "gpu", "gpu_uuid", "job", "rank"]
+                assert df.height > 0 and df.columns == [
+                    "ts", "metric", "value", "node", "gpu", "gpu_uuid", "job", "rank", "model_name", "pci_bus_id", "pod", "namespace", "container", "hpc_job",
+                ]
 
     check()
 
