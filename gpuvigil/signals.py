@@ -11,7 +11,8 @@ own series are derived from it, so a column added here reaches every reader at o
 Sources, as gpuvigil runs them by default:
 - `nvml`: the NVML collector, one sample a second;
 - `dcgm`: dcgm-exporter scraped (or replayed) at its 30 s default with its default counters
-  (`etc/default-counters.csv`); fields it exports only when added to its counters file are
+  (`etc/default-counters.csv`, the field list tests/data/dcgm/node07_constructed.prom follows);
+  fields it exports only once added to its counters file (ECC, the profiling fields) are
   `dcgm_opt_in`;
 - `hook`: the in-process hook (torch), one record a step;
 - `logs`: kernel and NCCL logs.
@@ -30,8 +31,10 @@ import polars as pl
 MIB = 1 << 20
 
 # Real sources. `dcgm_opt_in`: dcgm-exporter exports the field once it is in its counters file.
-SOURCES = ("nvml", "dcgm", "dcgm_opt_in", "hook", "logs")
-DEFAULT_SOURCES = ("nvml", "dcgm", "hook", "logs")
+# Beyond the GPU telemetry: NCCL Inspector's dumps, Flight Recorder dumps and pipes, the node's
+# GPU -> job map (collectors/jobmap.py) and the scheduler's state (built-in or Slurm).
+SOURCES = ("nvml", "dcgm", "dcgm_opt_in", "hook", "logs", "nccl_inspector", "flight_recorder", "jobmap", "scheduler")
+DEFAULT_SOURCES = ("nvml", "dcgm", "hook", "logs", "nccl_inspector", "flight_recorder", "jobmap", "scheduler")
 
 
 @dataclass(frozen=True)
@@ -158,7 +161,7 @@ GPU_SIGNALS: tuple[Signal, ...] = (
     ),
     Signal(
         "xid_total", I64, "count", "XIDs seen on this GPU so far (DCGM: changes of its last XID, counted by whoever watches successive samples)",
-        nvml="nvmlEventSetWait (nvmlEventTypeXidCriticalError)", producers=_p("nvml", "dcgm"),
+        nvml="nvmlEventSetWait (nvmlEventTypeXidCriticalError)", prometheus="gpuvigil_gpu_xid_errors_total", producers=_p("nvml", "dcgm"),
     ),
     Signal(
         "last_xid", I32, "code", "most recent XID (DCGM semantics), null if none",
@@ -201,6 +204,53 @@ GPU_SIGNALS: tuple[Signal, ...] = (
 )
 
 GPU_COLUMNS: tuple[Signal, ...] = GPU_KEY + GPU_SIGNALS
+
+
+@dataclass(frozen=True)
+class StreamSources:
+    """The real sources of a stream's columns: `sources` fill every column except those named in
+    `columns` (column -> its own sources; empty: only the simulator fills it, with why)."""
+
+    sources: tuple[str, ...]
+    columns: Mapping[str, tuple[str, ...]] = field(default_factory=dict)
+    why: Mapping[str, str] = field(default_factory=dict)
+
+
+# The other streams detectors read, by column. A stream's schema is in schemas.py; this says who
+# fills it on a real cluster.
+STREAM_SOURCES: Mapping[str, StreamSources] = {
+    "rank_progress": StreamSources(
+        ("hook",),
+        {"collective_wait_seconds": ()},
+        {"collective_wait_seconds": "the hook reports step times and collective sequence numbers, not the time a rank waited in collectives"},
+    ),
+    "allocator_stats": StreamSources(
+        ("hook",),
+        {"largest_free_block_bytes": ()},
+        {"largest_free_block_bytes": "memory_stats has no largest free block; only a memory snapshot read offline (analyze) has it"},
+    ),
+    # XIDs from NVML events, dcgm-exporter's last XID and the kernel log; NCCL and OOM lines from
+    # logs; Slurm's node and job events. job/rank: where a log line names them, else the job map.
+    "events": StreamSources(("nvml", "dcgm", "logs", "scheduler"), {"job": ("logs", "scheduler", "jobmap"), "rank": ("logs", "jobmap")}),
+    "gpu_processes": StreamSources(("nvml",)),
+    "collective_progress": StreamSources(("nccl_inspector",)),
+    "fr_pipes": StreamSources(("flight_recorder",)),
+    "fr_analysis": StreamSources(("flight_recorder",)),
+    "gpu_jobs": StreamSources(("jobmap",)),
+    "gpu_workloads": StreamSources(("dcgm",)),
+    "jobs": StreamSources(("scheduler",)),
+    "nodes": StreamSources(("scheduler",)),
+    # the scheduler's placements, and the node's own job map where it placed nothing (pipeline/jobjoin.py)
+    "allocations": StreamSources(("scheduler", "jobmap", "dcgm")),
+}
+
+
+def column_sources(stream: str, column: str) -> frozenset[str]:
+    """The real sources of a stream's column (empty: only the simulator fills it)."""
+    if stream == "gpu_samples":
+        return producers(BY_NAME[column])
+    spec = STREAM_SOURCES[stream]
+    return frozenset(spec.columns.get(column, spec.sources))
 BY_NAME: Mapping[str, Signal] = {s.name: s for s in GPU_COLUMNS}
 
 
@@ -278,6 +328,9 @@ def nvml_calls() -> dict[str, str]:
 
 __all__ = [
     "BY_NAME",
+    "STREAM_SOURCES",
+    "StreamSources",
+    "column_sources",
     "DCGM_COMBINE",
     "DCGM_FIELDS",
     "DEFAULT_SOURCES",
