@@ -118,11 +118,16 @@ def _labels_row(metric: str, labels: Mapping[str, str], ts: float, value: float)
     }
 
 
-def streams_from_long(long: pl.DataFrame, last_xid: dict[tuple, int | None] | None = None) -> dict[str, pl.DataFrame]:
-    """`gpu_samples`, `events` (XID changes), `rank_progress`, `allocator_stats` from long samples.
+def streams_from_long(
+    long: pl.DataFrame, last_xid: dict[tuple, int | None] | None = None, named: dict[tuple, bool] | None = None
+) -> dict[str, pl.DataFrame]:
+    """`gpu_samples`, `events` (XID changes), `gpu_workloads` (the job map from dcgm-exporter's
+    labels), `rank_progress`, `allocator_stats` from long samples.
 
     `last_xid` ((node, gpu) -> last XID seen before these samples) carries DCGM's "last XID"
-    across chunks of a long replay, so that an old XID is not counted again; it is updated."""
+    across chunks of a long replay, so that an old XID is not counted again; `named` carries
+    whether each GPU's latest row named a workload (collectors/dcgm.py: workload_changes). Both
+    are updated."""
     out: dict[str, pl.DataFrame] = {}
     if long.is_empty():
         return out
@@ -134,7 +139,9 @@ def streams_from_long(long: pl.DataFrame, last_xid: dict[tuple, int | None] | No
         # (`gpu_workloads`, from its pod/namespace/container and hpc_job labels) included
         dcgm_samples, workloads, _ = dcgm.frames_from_long(d)
         parts.append(dcgm_samples)
-        out["gpu_workloads"] = workloads
+        workloads = dcgm.workload_changes(workloads, {} if named is None else named)
+        if workloads.height:
+            out["gpu_workloads"] = workloads
     g = long.filter(pl.col("metric").is_in(list(GPUVIGIL_GPU_FIELDS)))
     if g.height:
         g = g.with_columns(
@@ -371,10 +378,11 @@ CHUNK_SECONDS = 6 * 3600.0  # a Prometheus replay fetches and holds this much hi
 def prometheus_chunks(url: str, start: float, end: float, step: float, chunk_seconds: float = CHUNK_SECONDS) -> Iterable[tuple[float, dict[str, pl.DataFrame]]]:
     """(until, streams) for consecutive windows of a Prometheus server's history."""
     last_xid: dict[tuple, int | None] = {}
+    named: dict[tuple, bool] = {}
     t = start
     while t <= end:
         until = min(end, t + chunk_seconds - step)
-        yield until, streams_from_long(query_prometheus(url, t, until, step), last_xid)
+        yield until, streams_from_long(query_prometheus(url, t, until, step), last_xid, named)
         t = until + step
 
 

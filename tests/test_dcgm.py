@@ -227,6 +227,7 @@ def test_collector_fits_the_pipeline(exporter):
         pipe = Pipeline([col], [])
         pipe.tick(TS)
         assert pipe.window.get("gpu_samples").height == 2
-        assert pipe.window.get("gpu_workloads")["pod"].to_list() == [None, "llama-pretrain-worker-3"]
+        # the job map: GPU 1's pod (GPU 0 runs none and never did: no row)
+        assert pipe.window.get("gpu_workloads").select("gpu", "pod").rows() == [(1, "llama-pretrain-worker-3")]
     finally:
         col.close()

@@ -75,10 +75,12 @@ class _Exporter:
     """A real HTTP server on 127.0.0.1 serving `body` as dcgm-exporter's /metrics."""
 
     def __init__(self, body: str) -> None:
-        data = body.encode()
+        self.body = body.encode()
+        owner = self
 
         class Handler(http.server.BaseHTTPRequestHandler):
             def do_GET(self) -> None:  # noqa: N802 (http.server's name)
+                data = owner.body
                 self.send_response(200)
                 self.send_header("Content-Type", "text/plain; version=0.0.4")
                 self.send_header("Content-Length", str(len(data)))
@@ -129,7 +131,7 @@ def _query_range_answer(text: str, ts: float) -> bytes:
 
 
 def _frames(streams: dict[str, pl.DataFrame], name: str) -> pl.DataFrame:
-    df = streams[name]
+    df = streams.get(name, schemas.empty(name))
     assert df.schema == schemas.STREAMS[name]
     return df.sort(["node", "gpu"])
 
@@ -151,14 +153,15 @@ def test_live_and_replayed_series_give_the_same_frames(case, tmp_path):
     work = _frames(live, "gpu_workloads").to_dicts()
     assert [r["gpu"] for r in samples] == [0, 1] and all(r["memory_used_bytes"] is not None for r in samples)
     assert {r["xid_total"] for r in samples} >= {1}  # a GPU with a last XID counts it, live and replayed
-    if case in ("pod_namespace_container", "exported_pod"):
-        first = (None, None, None) if case == "pod_namespace_container" else ("eval-0", "eval", None)
-        assert [(r["pod"], r["namespace"], r["container"]) for r in work] == [first, ("llama-7b-0", "train", "pytorch")]
+    # the job map: a row per GPU that runs a labelled workload (a GPU that never did sends none)
+    if case == "pod_namespace_container":
+        assert [(r["gpu"], r["pod"], r["namespace"], r["container"], r["model_name"]) for r in work] == [(1, "llama-7b-0", "train", "pytorch", "NVIDIA H100 80GB HBM3")]
+    elif case == "exported_pod":
+        assert [(r["pod"], r["namespace"], r["container"]) for r in work] == [("eval-0", "eval", None), ("llama-7b-0", "train", "pytorch")]
     elif case == "hpc_job":
-        assert [r["hpc_job"] for r in work] == ["4711", None]
+        assert [(r["gpu"], r["hpc_job"]) for r in work] == [(0, "4711")]
     elif case == "no_job_labels":
-        assert all(r[c] is None for r in work for c in ("pod", "namespace", "container", "hpc_job"))
-        assert [r["model_name"] for r in work] == ["NVIDIA H100 80GB HBM3"] * 2
+        assert work == [] and "gpu_workloads" not in live and "gpu_workloads" not in from_file
     elif case == "profiling_fields":
         assert (samples[1]["sm_active_ratio"], samples[1]["tensor_active_ratio"], samples[1]["dram_active_ratio"]) == (0.91, 0.55, 0.37)
         assert (samples[1]["pcie_tx_bytes_per_second"], samples[1]["nvlink_rx_bytes_per_second"]) == (2.25e9, 1.25e11)
@@ -167,7 +170,7 @@ def test_live_and_replayed_series_give_the_same_frames(case, tmp_path):
         assert [r["memory_total_bytes"] for r in samples] == [81559 * MIB] * 2  # FB_TOTAL, not used + free
     elif case == "node07_default_counters":
         assert [r["memory_total_bytes"] for r in samples][0] == (22 + 143137 + 615) * MIB
-        assert work[1]["pod"] == "llama-pretrain-worker-3"
+        assert [(r["gpu"], r["pod"]) for r in work] == [(1, "llama-pretrain-worker-3")]
 
 
 def test_without_fb_total_capacity_needs_used_and_free():
@@ -213,3 +216,36 @@ def test_a_replayed_leak_belongs_to_the_pods_job(tmp_path):
         pipeline.tick(t0 + 30 * i)
         alloc = pipeline.window.get("allocations")
         assert alloc.select("job", "node", "gpu").rows() == [("train/llama-7b-0", "gpu-node-11", 0)], i
+
+
+def test_a_workload_that_ends_leaves_the_map_live_and_replayed(tmp_path):
+    """GPU 1 runs a pod for two scrapes, then none: one row without a workload says it ended
+    (the pipeline drops the GPU from its map), and later scrapes send nothing. Live (the
+    exporter's answer changes between scrapes) and replayed (one file of the four scrapes)."""
+    from gpuvigil.pipeline.core import Pipeline
+
+    labelled = _scrape(_MEMORY, ('pod="",namespace=""', 'pod="llama-7b-0",namespace="train"'))
+    ended = _scrape(_MEMORY, ('pod="",namespace=""', 'pod="",namespace=""'))
+    scrapes = [labelled, labelled, ended, ended]
+    times = [TS + 30 * i for i in range(4)]
+    srv = _Exporter(labelled)
+    collector, in_pipeline = dcgm.DcgmCollector(srv.url), dcgm.DcgmCollector(srv.url)
+    pipeline = Pipeline([in_pipeline], [])
+    live_rows, jobs = [], []
+    try:
+        for text, t in zip(scrapes, times, strict=True):
+            srv.body = text.encode()
+            live_rows.append(collector.collect(t).get("gpu_workloads", schemas.empty("gpu_workloads")))
+            pipeline.tick(t)
+            jobs.append(pipeline.window.get("allocations").select("job", "gpu").rows())
+    finally:
+        collector.close()
+        in_pipeline.close()
+        srv.stop()
+    live = pl.concat(live_rows)
+    assert live.select("ts", "gpu", "pod").rows() == [(times[0], 1, "llama-7b-0"), (times[1], 1, "llama-7b-0"), (times[2], 1, None)]
+    assert jobs == [[("train/llama-7b-0", 1)], [("train/llama-7b-0", 1)], [], []]
+    path = tmp_path / "series.prom"
+    path.write_text("".join(_with_timestamps(text, t) for text, t in zip(scrapes, times, strict=True)))
+    replayed = streams_from_long(read_exposition_file(path))["gpu_workloads"]
+    assert replayed.equals(live)

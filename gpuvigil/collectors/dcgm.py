@@ -111,10 +111,15 @@ def _wide(long: pl.DataFrame) -> pl.DataFrame:
     ).with_columns(pl.col("gpu").cast(pl.Int32, strict=False))
     long = long.with_columns(pl.coalesce("gpu_uuid", pl.col("gpu_uuid").drop_nulls().first().over(["node", "gpu"])).alias("gpu_uuid"))
     wide = long.pivot(on="metric", index=_KEY, values="value", aggregate_function="first")
-    # dcgm-exporter puts a GPU's workload labels on each of its series; the first that has one
-    attribution = long.group_by(_KEY, maintain_order=True).agg([pl.col(c).drop_nulls().first().alias(c) for c in _ATTRIBUTION])
     missing = [pl.lit(None, pl.Float64).alias(n) for n in FIELDS_USED if n not in wide.columns]
-    return wide.with_columns(missing).join(attribution, on=_KEY, how="left", nulls_equal=True).sort(["ts", "node", "gpu"], nulls_last=True, maintain_order=True)
+    wide = wide.with_columns(missing)
+    labelled = [c for c in _ATTRIBUTION if long.get_column(c).null_count() < long.height]
+    if labelled:
+        # dcgm-exporter puts a GPU's workload labels on each of its series; the first that has one
+        attribution = long.group_by(_KEY, maintain_order=True).agg([pl.col(c).drop_nulls().first().alias(c) for c in labelled])
+        wide = wide.join(attribution, on=_KEY, how="left", nulls_equal=True)
+    wide = wide.with_columns([pl.lit(None, pl.Utf8).alias(c) for c in _ATTRIBUTION if c not in labelled])
+    return wide.sort(["ts", "node", "gpu"], nulls_last=True, maintain_order=True)
 
 
 def frames_from_long(long: pl.DataFrame) -> tuple[pl.DataFrame, pl.DataFrame, pl.DataFrame]:
@@ -147,6 +152,33 @@ def frames_from_long(long: pl.DataFrame) -> tuple[pl.DataFrame, pl.DataFrame, pl
         schemas.conform(workloads, GPU_WORKLOADS, stream="gpu_workloads"),
         schemas.conform(extra, DCGM_EXTRA, stream="dcgm_extra"),
     )
+
+
+# The labels that name a workload (model and PCI address only describe the GPU).
+_JOB_LABELS = ("pod", "namespace", "container", "hpc_job")
+
+
+def workload_changes(workloads: pl.DataFrame, named_before: dict[tuple[Any, Any], bool]) -> pl.DataFrame:
+    """The rows of `gpu_workloads` the job map needs: each row that names a workload, and a GPU's
+    first row naming none after one that did (its workload ended, so the map drops it). A GPU
+    that never ran a labelled workload sends nothing, so a fleet without job labels costs the
+    pipeline no map at all. `named_before` ((node, gpu) -> whether the GPU's latest row seen
+    earlier named a workload) carries this across scrapes or chunks; it is updated."""
+    if workloads.is_empty() or (not any(named_before.values()) and all(workloads.get_column(c).null_count() == workloads.height for c in _JOB_LABELS)):
+        return workloads.clear()  # no workload now nor before: nothing for the map
+    named = pl.any_horizontal([pl.col(c).is_not_null() for c in _JOB_LABELS])
+    df = workloads.with_columns(named.alias("_named")).sort(["node", "gpu", "ts"], nulls_last=True, maintain_order=True)
+    earlier = pl.col("_named").shift(1).over(["node", "gpu"])
+    if named_before:
+        carried = pl.DataFrame(
+            [{"node": k[0], "gpu": k[1], "_carried": v} for k, v in named_before.items()], schema={"node": pl.Utf8, "gpu": pl.Int32, "_carried": pl.Boolean}
+        )
+        df = df.join(carried, on=["node", "gpu"], how="left", nulls_equal=True)
+        earlier = pl.coalesce(earlier, pl.col("_carried"))
+    df = df.filter(pl.col("_named") | earlier.fill_null(False))
+    for node, gpu, last in workloads.with_columns(named.alias("_named")).group_by(["node", "gpu"]).agg(pl.col("_named").sort_by("ts").last()).iter_rows():
+        named_before[(node, gpu)] = bool(last)
+    return df.select(GPU_WORKLOADS.names()).sort(["ts", "node", "gpu"], nulls_last=True, maintain_order=True)
 
 
 def _relevant_lines(text: str) -> str:
@@ -288,6 +320,7 @@ class DcgmCollector:
         self.max_bytes = max_bytes
         self.last_errors: dict[str, str | None] = {u: None for u in self.urls}
         self._last_xid: dict[str, pl.DataFrame] = {}  # per endpoint: node, gpu_uuid, prev_xid, xid_total
+        self._named: dict[str, dict[tuple[Any, Any], bool]] = {}  # per endpoint: workload_changes' state
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
         self._client: httpx.AsyncClient | None = None
@@ -382,7 +415,9 @@ class DcgmCollector:
                 else:
                     samples, new_xids = self._track_xids(url, samples, now)
                     parts["gpu_samples"].append(samples)
-                    parts["gpu_workloads"].append(workloads)
+                    workloads = workload_changes(workloads, self._named.setdefault(url, {}))
+                    if workloads.height:
+                        parts["gpu_workloads"].append(workloads)
                     parts["dcgm_extra"].append(extra)
                     if new_xids.height:
                         parts["events"].append(new_xids)
@@ -439,4 +474,4 @@ def scrape_once(url: str, *, timeout_seconds: float = 2.0) -> str:
     return resp.text
 
 
-__all__ = ["DcgmCollector", "GPU_WORKLOADS", "DCGM_EXTRA", "LABELS", "STREAMS", "frames_from_long", "label_values", "parse_text", "read_scrape", "findings_from_scrape", "looks_like_dcgm_scrape"]
+__all__ = ["DcgmCollector", "GPU_WORKLOADS", "DCGM_EXTRA", "LABELS", "STREAMS", "frames_from_long", "label_values", "workload_changes", "parse_text", "read_scrape", "findings_from_scrape", "looks_like_dcgm_scrape"]
