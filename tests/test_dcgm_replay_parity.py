@@ -249,3 +249,24 @@ def test_a_workload_that_ends_leaves_the_map_live_and_replayed(tmp_path):
     path.write_text("".join(_with_timestamps(text, t) for text, t in zip(scrapes, times, strict=True)))
     replayed = streams_from_long(read_exposition_file(path))["gpu_workloads"]
     assert replayed.equals(live)
+
+
+def test_a_workload_that_ends_between_ticks_leaves_the_map(tmp_path):
+    """Recorded every 15 s (Prometheus' scrape interval), replayed at 30 s ticks: the pod ends
+    at a sample in the middle of a tick, and the GPU leaves the job map at that tick."""
+    from gpuvigil.pipeline.core import Pipeline
+
+    labelled = _scrape(_MEMORY, ('pod="",namespace=""', 'pod="llama-7b-0",namespace="train"'))
+    ended = _scrape(_MEMORY, ('pod="",namespace=""', 'pod="",namespace=""'))
+    times = [TS + 15 * i for i in range(8)]
+    scrapes = [labelled] * 2 + [ended] * 6  # the tick at TS + 30 brings TS + 15 (the pod) and TS + 30 (none)
+    path = tmp_path / "series.prom"
+    path.write_text("".join(_with_timestamps(text, t) for text, t in zip(scrapes, times, strict=True)))
+    recorded = Recorded()
+    load_files([path], recorded)
+    pipeline = Pipeline([ReplayCollector({k: recorded.stream(k) for k in recorded.frames})], [])
+    jobs = []
+    for tick in (TS, TS + 30, TS + 60, TS + 90):
+        pipeline.tick(tick)
+        jobs.append(pipeline.window.get("allocations").select("job", "gpu").rows())
+    assert jobs == [[("train/llama-7b-0", 1)], [], [], []]
