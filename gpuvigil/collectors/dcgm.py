@@ -13,7 +13,8 @@ gives the frames (and the job map) the live collector gave.
 is a new XID, which the collector turns into an `events` row and counts in `xid_total`.
 
 Streams: `gpu_samples`, `events` (new XIDs), and `gpu_workloads` (which pod/job uses which
-GPU, from the labels) plus `dcgm_extra` (fields with no `gpu_samples` column, e.g. energy).
+GPU, from the labels). `parse_text` also returns `dcgm_extra` (fields with no `gpu_samples`
+column, e.g. energy), which no detector reads: the collector does not send it.
 """
 
 from __future__ import annotations
@@ -51,11 +52,12 @@ DCGM_EXTRA = pl.Schema(
     }
 )
 
+# What the collector sends the pipeline. `dcgm_extra` (energy, memory temperature, ...) is read by
+# no detector or sink, so a scrape's is returned by `parse_text` (for tools) but not kept.
 STREAMS: Mapping[str, pl.Schema] = {
     "gpu_samples": schemas.GPU_SAMPLES,
     "events": schemas.EVENTS,
     "gpu_workloads": GPU_WORKLOADS,
-    "dcgm_extra": DCGM_EXTRA,
 }
 
 # Column <- the labels that carry it, the first present and non-empty wins. dcgm-exporter names
@@ -409,7 +411,7 @@ class DcgmCollector:
         for url, (text, error) in zip(self.urls, self._scrape_all(), strict=True):
             if text is not None:
                 try:
-                    samples, workloads, extra = parse_text(text, ts=now, default_node=self.node)
+                    samples, workloads, _extra = parse_text(text, ts=now, default_node=self.node)
                 except (ValueError, TypeError, schemas.SchemaError, pl.exceptions.PolarsError) as exc:
                     error = f"unparseable scrape: {str(exc).splitlines()[0] if str(exc) else type(exc).__name__}"
                 else:
@@ -418,7 +420,6 @@ class DcgmCollector:
                     workloads = workload_changes(workloads, self._named.setdefault(url, {}))
                     if workloads.height:
                         parts["gpu_workloads"].append(workloads)
-                    parts["dcgm_extra"].append(extra)
                     if new_xids.height:
                         parts["events"].append(new_xids)
             if error is not None:
