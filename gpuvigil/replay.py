@@ -587,6 +587,34 @@ def _is_nvml_csv(head: str) -> bool:
     return {"t", "fb_used"} <= cols
 
 
+def series_kind(head: str) -> str | None:
+    """Which recorded series a file holds, from its first bytes: "nvml_csv", "hook_jsonl",
+    "exposition" (Prometheus/OpenMetrics text whose samples carry timestamps), or None (a log, a
+    dump, a single scrape: `analyze` reads those)."""
+    if _is_nvml_csv(head):
+        return "nvml_csv"
+    if _is_hook_jsonl(head):
+        return "hook_jsonl"
+    if _is_exposition(head) and re.search(r"\}? [-+0-9.eE]+ \d{9,}(?:\.\d+)?\s*$", head, re.MULTILINE):
+        return "exposition"
+    return None
+
+
+def read_series_file(path: Path, head: str, *, node: str) -> dict[str, pl.DataFrame] | None:
+    """A recorded series file (`series_kind`) as stream frames; None if it is none. Replay and
+    the HTML report read saved series through this one function. Raises UserError."""
+    kind = series_kind(head)
+    if kind == "nvml_csv":
+        from gpuvigil.collectors import nvml
+
+        return {"gpu_samples": nvml.replay_csv(path, node=node).sort("ts")}
+    if kind == "hook_jsonl":
+        return read_hook_jsonl(path)
+    if kind == "exposition":
+        return streams_from_long(read_exposition_file(path))
+    return None
+
+
 @dataclass
 class Recorded:
     """Recorded history: stream frames for the pipeline and offline findings from logs/dumps."""
@@ -634,17 +662,11 @@ def load_files(paths: Sequence[Path], recorded: Recorded, *, node: str | None = 
             recorded.errors.append(f"{item}: unreadable: {exc.strerror or exc}")
             continue
         try:
-            if _is_nvml_csv(head):
-                from gpuvigil.collectors import nvml
-
-                recorded.add({"gpu_samples": nvml.replay_csv(item, node=node or "replay").sort("ts")})
-            elif _is_hook_jsonl(head):
-                recorded.add(read_hook_jsonl(item))
-            elif _is_exposition(head) and re.search(r"\}? [-+0-9.eE]+ \d{9,}(?:\.\d+)?\s*$", head, re.MULTILINE):
-                recorded.add(streams_from_long(read_exposition_file(item)))
-            else:
+            streams = read_series_file(item, head, node=node or "replay")
+            if streams is None:
                 rest.append(item)
                 continue
+            recorded.add(streams)
         except UserError as exc:
             recorded.errors.append(str(exc).splitlines()[0])
             continue
@@ -971,4 +993,4 @@ def add_parser(sub: Any) -> None:
     p.set_defaults(func=handler)
 
 
-__all__ = ["Recorded", "ReplayCollector", "ReplayResult", "run_replay", "query_prometheus", "streams_from_long", "load_files", "parse_time", "parse_duration", "add_parser"]
+__all__ = ["Recorded", "ReplayCollector", "ReplayResult", "run_replay", "query_prometheus", "streams_from_long", "load_files", "read_series_file", "series_kind", "parse_time", "parse_duration", "add_parser"]

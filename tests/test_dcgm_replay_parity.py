@@ -270,3 +270,50 @@ def test_a_workload_that_ends_between_ticks_leaves_the_map(tmp_path):
         pipeline.tick(tick)
         jobs.append(pipeline.window.get("allocations").select("job", "gpu").rows())
     assert jobs == [[("train/llama-7b-0", 1)], [], [], []]
+
+
+def _hook_record(tmp_path: Path) -> Path:
+    path = tmp_path / "hook.jsonl"
+    rec = {"ts": TS, "job": "llama", "rank": 0, "node": "node-a", "gpu": 0, "step": 7, "step_time_seconds": 1.5}
+    path.write_text(json.dumps(rec) + "\n")
+    return path
+
+
+@pytest.mark.parametrize(
+    ("name", "kind", "stream"),
+    [
+        ("nvml_csv", "nvml_csv", "gpu_samples"),  # the real H200's NVML series
+        ("hook_jsonl", "hook_jsonl", "rank_progress"),
+        ("prometheus_ms", "exposition", "gpu_samples"),  # Prometheus text, millisecond stamps
+        ("openmetrics", "exposition", "gpu_samples"),  # OpenMetrics, second stamps, # EOF
+        ("single_scrape", None, None),  # no timestamps: a scrape, for analyze
+        ("kernel_log", None, None),
+    ],
+)
+def test_replay_and_the_report_recognise_and_read_saved_series_alike(name, kind, stream, tmp_path):
+    from gpuvigil.replay import read_series_file, series_kind
+    from gpuvigil.report import _series_from_inputs
+
+    text = CASES["hpc_job"]
+    paths = {
+        "nvml_csv": DATA / "h200" / "nvml_timeseries.csv",
+        "hook_jsonl": _hook_record(tmp_path),
+        "prometheus_ms": tmp_path / "series.prom",
+        "openmetrics": tmp_path / "series.om",
+        "single_scrape": DATA / "dcgm" / "node07_constructed.prom",
+        "kernel_log": DATA / "public" / "kernel_xids.log",
+    }
+    paths["prometheus_ms"].write_text(_with_timestamps(text, TS))
+    paths["openmetrics"].write_text("\n".join(ln if ln.startswith("#") or not ln else f"{ln} {TS:.0f}" for ln in text.splitlines()) + "\n# EOF\n")
+    path = paths[name]
+    head = path.read_bytes()[:65536].decode("utf-8", errors="replace")
+    assert series_kind(head) == kind
+    streams = read_series_file(path, head, node="n")
+    assert (streams is None) == (kind is None)
+    gs, rp = _series_from_inputs([path])
+    if stream is None:
+        assert gs is None and rp is None
+        return
+    assert streams[stream].height > 0
+    plotted = gs if stream == "gpu_samples" else rp
+    assert plotted is not None and plotted.height == streams[stream].height
