@@ -317,3 +317,37 @@ def test_replay_and_the_report_recognise_and_read_saved_series_alike(name, kind,
     assert streams[stream].height > 0
     plotted = gs if stream == "gpu_samples" else rp
     assert plotted is not None and plotted.height == streams[stream].height
+
+
+def test_labels_are_read_alike_live_from_files_and_from_query_answers(tmp_path):
+    """Property: for any set of dcgm-exporter's labels (empty values, the `exported_` forms,
+    escapes), the file reader, the query_range reader and the live collector's `label_values`
+    give the same columns (the file reader reads label text with patterns built from the same
+    table, collectors/dcgm.py: LABELS)."""
+    from hypothesis import HealthCheck, given, settings
+    from hypothesis import strategies as st
+
+    names = sorted({n for names in dcgm.LABELS.values() for n in names})
+    value = st.text(alphabet=list('ab-0 "\\\n,={}') + ["é"], max_size=5)
+    labels = st.dictionaries(st.sampled_from(names), value, max_size=8).map(lambda d: {**d, "gpu": d.get("gpu") or "0"})
+
+    def esc(v: str) -> str:
+        return v.replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n")
+
+    @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+    @given(st.lists(labels, min_size=1, max_size=4))
+    def check(series):
+        cols = [c for c in dcgm.LABELS if c != "gpu"]
+        lines = [f"DCGM_FI_DEV_GPU_TEMP{{{','.join(f'{k}={chr(34)}{esc(v)}{chr(34)}' for k, v in ls.items())}}} {60 + i} {int(TS * 1000)}" for i, ls in enumerate(series)]
+        path = tmp_path / "l.prom"
+        path.write_text("\n".join(lines) + "\n", encoding="utf-8")
+        expected = sorted((60.0 + i, *(dcgm.label_values(ls)[c] or "" for c in cols)) for i, ls in enumerate(series))
+        from_file = read_exposition_file(path)
+        answer = json.dumps({"status": "success", "data": {"resultType": "matrix", "result": [
+            {"metric": {"__name__": "DCGM_FI_DEV_GPU_TEMP", **ls}, "values": [[TS, str(60 + i)]]} for i, ls in enumerate(series)
+        ]}}).encode()
+        from_query = long_from_query_body(answer)
+        for got in (from_file, from_query):
+            assert sorted((r[0], *(v or "" for v in r[1:])) for r in got.select("value", *cols).rows()) == expected
+
+    check()
