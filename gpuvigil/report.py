@@ -312,9 +312,9 @@ def write(data: ReportData, path: Path, cfg: dict[str, Any] | None = None) -> li
 
 
 def _series_from_inputs(paths: Sequence[Path]) -> tuple[pl.DataFrame | None, pl.DataFrame | None]:
-    """Memory and progress series among `analyze`'s inputs (NVML CSV, hook JSONL, OpenMetrics)."""
-    from gpuvigil.collectors import nvml
-    from gpuvigil.replay import Recorded, _is_hook_jsonl, _is_nvml_csv, read_exposition_file, read_hook_jsonl, streams_from_long
+    """Memory and progress series among `analyze`'s inputs (NVML CSV, hook JSONL, timestamped
+    Prometheus/OpenMetrics text), recognised and read as `gpuvigil replay` reads them."""
+    from gpuvigil.replay import Recorded, read_series_file
 
     rec = Recorded()
     files = [f for p in paths for f in ([p] if p.is_file() else sorted(x for x in p.rglob("*") if x.is_file()))]
@@ -322,12 +322,7 @@ def _series_from_inputs(paths: Sequence[Path]) -> tuple[pl.DataFrame | None, pl.
         try:
             with open(f, "rb") as fh:
                 head = fh.read(65536).decode("utf-8", errors="replace")
-            if _is_nvml_csv(head):
-                rec.add({"gpu_samples": nvml.replay_csv(f, node="node")})
-            elif _is_hook_jsonl(head):
-                rec.add(read_hook_jsonl(f))
-            elif "# EOF" in head:
-                rec.add(streams_from_long(read_exposition_file(f)))
+            rec.add(read_series_file(f, head, node="node") or {})
         except (OSError, UserError):
             continue  # analyze already said what it could not read
     gs = rec.stream("gpu_samples") if "gpu_samples" in rec.frames else None
