@@ -13,6 +13,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import polars as pl
+import pytest
 
 from gpuvigil import schemas
 from gpuvigil.collectors.nccl_log import events, parse_lines
@@ -118,10 +119,49 @@ def test_report_seconds_edge_from_the_configuration():
     assert _detect(ev, cfg=cfg_with("watchdog", report_seconds=100.0)) == []
 
 
-def test_a_timeout_line_of_no_known_job_does_not_page():
-    """Guard: no job, no finding (hard negative); the same line with its job pages."""
-    assert _detect(_timeouts("h200/s6_nccl_watchdog_timeout.log", job=None)) == []
-    assert len(_detect(_timeouts("h200/s6_nccl_watchdog_timeout.log"))) == 1
+def _from_file(name: str, path: str | None, *, node: str | None = "gvx", job: str | None = None) -> pl.DataFrame:
+    """The log's timeouts as NcclLogCollector reads them from `path` (its file in `source`)."""
+    ev = events(parse_lines((DATA / name).read_text().splitlines(), reference_ts=0.0), node=node, job=job, file=path)
+    ev = ev.filter(pl.col("kind") == "nccl_timeout")
+    return ev.with_columns(ts=pl.col("ts") - pl.col("ts").max() + NOW)
+
+
+@pytest.mark.parametrize(
+    "node, path, names",
+    [
+        ("gvx", "/var/log/train/a.log", "Job unknown (log gvx:/var/log/train/a.log): "),
+        ("gvx", None, "Job unknown (log gvx (GPU unknown)): "),
+        (None, "/var/log/train/a.log", "Job unknown (log /var/log/train/a.log): "),
+        (None, None, "Job unknown: "),
+    ],
+)
+def test_a_timeout_of_no_known_job_pages_naming_the_node_and_file(node, path, names):
+    """No silent drop: the H200 timeout read from a log whose path names no job is a page that
+    names what is known (node, file), with no job, so that no hint acts on a job."""
+    from gpuvigil.pipeline.hints import HintPolicy
+
+    [f] = _detect(_from_file("h200/s6_nccl_watchdog_timeout.log", path, node=node))
+    assert (f.kind, f.severity, f.job, f.ranks, f.cause, f.node) == (FindingKind.NCCL_TIMEOUT, Severity.PAGE, None, [0], "software", node)
+    assert f.evidence["seq"] == 6 and f.evidence["op"] == "ALLREDUCE" and f.evidence.get("files", []) == ([path] if path else [])
+    assert f.summary == names + "the NCCL watchdog timed out collective #6 (ALLREDUCE) on rank 0" + (f" ({node})" if node else "") + (
+        "; the ranks that did not join are not in the logs.")
+    assert HintPolicy().hints_for(f) == []  # requeue needs a job; a software cause cordons nothing
+
+
+def test_timeouts_of_no_known_job_in_two_files_are_two_findings_and_hardware_still_counts():
+    a = _from_file("h200/s6_nccl_watchdog_timeout.log", "/logs/a.log")
+    b = _from_file("public/nccl_watchdog.log", "/logs/b.log")
+    fs = _detect(a, b, _hw(NOW - 1, "gvx", xid=79))
+    assert sorted(f.evidence["files"][0] for f in fs) == ["/logs/a.log", "/logs/b.log"]
+    assert len({f.id for f in fs}) == 2  # two causes, not one merged by node
+    assert all(f.cause == "hardware" and f.node == "gvx" and f.job is None for f in fs)
+    from gpuvigil.pipeline.hints import HintPolicy
+
+    # the node is known and to blame: cordon it; the job is not known: nothing requeued
+    assert {h.action.value for f in fs for h in HintPolicy().hints_for(f)} == {"cordon_node"}
+    # the same lines with their job are one finding per job, as before
+    [g] = _detect(_from_file("h200/s6_nccl_watchdog_timeout.log", "/logs/a.log", job="j1"))
+    assert g.job == "j1" and g.node is None and g.summary.startswith("j1: ")
 
 
 def test_only_nccl_timeout_events_page():

@@ -19,7 +19,7 @@ import polars as pl
 from pydantic import BaseModel
 
 from gpuvigil.detectors.common import settings
-from gpuvigil.model import Finding, FindingKind, Severity
+from gpuvigil.model import Finding, FindingKind, Severity, subject
 from gpuvigil.parsers.oom import load_oom_config, parse_oom
 from gpuvigil.pipeline.window import Window
 
@@ -65,7 +65,7 @@ class OomEventClassifier:
             kind = report.classify(self.classify_config)
             cause, advice = _CAUSE[kind]
             foreign = report.foreign_bytes()
-            where = f"{row['job'] or 'a job'}" + (f" rank {row['rank']}" if row["rank"] is not None else "") + f" ({row['node']} GPU {row['gpu']})"
+            where = subject(job=row["job"], ranks=[row["rank"]], node=row["node"], gpu=row["gpu"])
             findings.append(
                 Finding(
                     kind=kind,
@@ -88,7 +88,7 @@ class OomEventClassifier:
                         "foreign_bytes": foreign,
                     },
                     summary=(
-                        f"{where} died of CUDA OOM asking for {report.requested_bytes / GIB:.2f} GiB"
+                        f"CUDA OOM in {where}, asking for {report.requested_bytes / GIB:.2f} GiB"
                         + (f" with {report.reserved_unallocated_bytes / GIB:.1f} GiB reserved but unallocated" if report.reserved_unallocated_bytes else "")
                         + (f" and {foreign / GIB:.1f} GiB held by other processes" if foreign else "")
                         + f": {advice}."
