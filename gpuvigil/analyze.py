@@ -30,7 +30,7 @@ import polars as pl
 from gpuvigil import config, throttle
 from gpuvigil.collectors.safe_pickle import looks_like_pickle
 from gpuvigil.errors import UserError
-from gpuvigil.model import Finding, FindingKind, Severity
+from gpuvigil.model import Finding, FindingKind, Severity, place
 from gpuvigil.textsafe import printable
 
 SNIFF_BYTES = 256 * 1024
@@ -452,7 +452,7 @@ def _xid_counter_findings(text: str, display: str, ts: float, node: str | None) 
                 gpu=gpu,
                 xid=s["xid"],
                 evidence={"fatal": fatal, "action": info.action if info else None, "name": info.name if info else "unknown XID", "metric": s["metric"], "value": s["value"], "gpu_uuid": labels.get("UUID")},
-                summary=f"{s['metric']} counts XID {s['xid']} ({info.name if info else 'unknown'}) on GPU {gpu} of {host or 'this node'}",
+                summary=f"{s['metric']} counts XID {s['xid']} ({info.name if info else 'unknown'}) on {place(host, gpu)}",
                 source=f"{display}:gpu={gpu}",
                 cause="hardware" if fatal else None,
             )
