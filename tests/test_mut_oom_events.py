@@ -111,10 +111,11 @@ def test_fragmentation_finding_without_job_or_rank():
 def test_public_message_naming_its_own_process_is_not_foreign_memory():
     """public oom_wordings.log line 4: 496 MiB asked, 235.06 MiB free, 330.42 MiB cached; the
     'Process 20398 has 14.52 GiB memory in use' clause is the process itself (its 14.06 GiB
-    allocated + 0.32 GiB cached): fragmentation, nothing held by others."""
+    allocated + 0.32 GiB cached): nothing held by others. Neither the free memory nor the cache
+    (both smaller than the request) could have held it: capacity."""
     [f] = tick(OomEventClassifier(), Window(1e9), [event(990.0, OTHER_PROCESS, rank=0)], 1000.0)
-    assert (f.kind.value, f.evidence["foreign_bytes"], f.evidence["requested_bytes"]) == ("oom_fragmentation", 0, 496 * MIB)
-    assert f.summary == f"CUDA OOM in job train rank 0 on node-7 GPU 5, asking for 0.48 GiB with 0.3 GiB reserved but unallocated: {FRAGMENTATION_ADVICE}."
+    assert (f.kind.value, f.evidence["foreign_bytes"], f.evidence["requested_bytes"]) == ("oom_capacity", 0, 496 * MIB)
+    assert f.summary == f"CUDA OOM in job train rank 0 on node-7 GPU 5, asking for 0.48 GiB with 0.3 GiB reserved but unallocated: {CAPACITY_ADVICE}."
 
 
 def test_other_process_memory_is_in_the_evidence_and_summary():

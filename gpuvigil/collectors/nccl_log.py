@@ -19,9 +19,11 @@ Recognised (with or without torchrun's `[rankN]:` prefix and glog `[E1129 23:07:
   X memory in use.] [Including non-PyTorch memory, this process has X memory in use.] Of the
   allocated memory A is allocated by PyTorch, and U is reserved by PyTorch but unallocated.`
 
-Each OOM is classified (`gpuvigil/config/oom_classify.yaml`): `oom_foreign_process` when other
-processes hold a large share of the device, `oom_fragmentation` when PyTorch's reserved but
-unallocated memory could have held the request had it been contiguous, else `oom_capacity`.
+ROCm builds say `HIP out of memory` in the same wordings. Each OOM is classified
+(`gpuvigil.parsers.oom`, thresholds in `gpuvigil/config/oom_classify.yaml`): `oom_fragmentation`
+when PyTorch's reserved but unallocated memory could have held the request had it been contiguous,
+`oom_unexplained` when the free memory could have, `oom_foreign_process` when it could have without
+the other processes the message lists, else `oom_capacity`.
 
 The line parsing itself (text -> typed records, no I/O) is in `gpuvigil.parsers.nccl` and
 `gpuvigil.parsers.oom`; this module turns parsed logs into findings and `events`, and tails files.
@@ -200,6 +202,7 @@ def findings(
             "non_pytorch_bytes": rep.non_pytorch_bytes(),
             "process_used_credible": rep.process_used_credible,
             "wording": rep.wording,
+            **({"allowed_bytes": rep.allowed_bytes} if rep.allowed_bytes is not None else {}),
             "occurrences": seen_oom[rep.key()],
             "rank": rep.rank,
         }

@@ -3,7 +3,7 @@
 The message carries the numbers that tell the causes apart (requested size, free memory, what
 this process holds, PyTorch's reserved-but-unallocated memory, other processes): the parser and
 classifier in `gpuvigil.parsers.oom` turn them into `oom_capacity`,
-`oom_fragmentation` or `oom_foreign_process`. Each OOM is reported once, on the first tick the
+`oom_fragmentation`, `oom_foreign_process` or `oom_unexplained`. Each OOM is reported once, on the first tick the
 classifier sees it, however late its line arrives: events are told apart by their content (time,
 node, GPU, job, rank, source, message), not by whether their time is after the previous tick, so a
 line read late (a log file read after a delay) is still reported and the same line read twice is
@@ -86,6 +86,7 @@ class OomEventClassifier:
                         "allocated_bytes": report.allocated_bytes,
                         "reserved_unallocated_bytes": report.reserved_unallocated_bytes,
                         "foreign_bytes": foreign,
+                        **({"allowed_bytes": report.allowed_bytes} if report.allowed_bytes is not None else {}),
                     },
                     summary=(
                         f"CUDA OOM in {where}, asking for {report.requested_bytes / GIB:.2f} GiB"

@@ -114,7 +114,7 @@ def _complete(line: str) -> bool:
         return _WATCHDOG.search(line) is not None
     if "Timeout at NCCL work" in line or "detected by watchdog at work" in line:
         return _PROGRESS.search(line) is not None
-    if "CUDA out of memory" in line:
+    if "CUDA out of memory" in line or "HIP out of memory" in line:
         rep = parse_oom(line)
         return rep is None or rep.free_bytes is not None
     return True
@@ -226,7 +226,7 @@ def parse_lines(lines: Iterable[str], *, reference_ts: float | None = None, firs
 
 
 _SNIFF = re.compile(
-    r"Watchdog caught collective operation timeout|CUDA out of memory|NCCL (?:WARN|INFO)|ProcessGroupNCCL|"
+    r"Watchdog caught collective operation timeout|(?:CUDA|HIP) out of memory|NCCL (?:WARN|INFO)|ProcessGroupNCCL|"
     r"last enqueued (?:NCCL )?work|Some NCCL operations have failed|PyTorch CUDA memory summary|Traceback \(most recent call last\)",
 )
 
