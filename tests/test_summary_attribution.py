@@ -63,9 +63,8 @@ def _ids(a: dict) -> str:
 
 
 def _texts(found: list[Finding]) -> list[str]:
-    """Every text a person reads about these findings: summaries, hint reasons, alert annotations."""
-    from gpuvigil.alerts.pusher import AlertPusher  # noqa: F401 - the annotation is the summary (checked below)
-
+    """Every text a person reads about these findings: summaries and hint reasons (an alert's
+    annotation is the summary: test_alert_annotations_carry_the_summary_only)."""
     out = [f.summary for f in found]
     out += [h.reason for f in found for h in HintPolicy().hints_for(f)]
     return out

@@ -2,13 +2,15 @@
 torch/NCCL log source) → one `nccl_timeout` finding per job.
 
 The ranks that print the watchdog's message are the ones that *waited*: they are named in
-`ranks`, not as culprits. A timeout read from a log of no known job (a `--log` pattern without
-`{job}`) still pages: one finding per node and log file, naming both, with no job (so no hint
-acts on a job). The culprit is named only when the logs can say it: an XID or ECC
+`ranks`, not as culprits. The culprit is named only when the logs can say it: an XID or ECC
 event on one of the reporting ranks' nodes makes the cause hardware and that node the culprit
 (so the requeue hint excludes it); otherwise the finding carries no node, and the requeue
 excludes nothing. The in-process hook or Flight Recorder dumps name culprit ranks (`hang`,
 `hang_fr`); this detector is what remains when neither is there (observation level L0).
+
+A timeout read from a log of no known job (a `--log` pattern without `{job}`) still pages: one
+finding per node and log file, naming both (`evidence.files`, the summary), with no job, so no
+hint acts on a job; its node is the one that logged it (nothing else can be acted on).
 """
 
 from __future__ import annotations
