@@ -213,3 +213,41 @@ def test_ecc_errors_on_two_reporting_nodes_are_both_named_and_so_are_the_nodes()
     assert f.evidence["nodes"] == ["n1", "n2"]
     assert "(n1, n2)" in f.summary
     assert f.summary.endswith("; hardware errors on n1, n2.")
+
+
+def _warnings(path: str | None, *, job: str | None = "j1", node: str | None = "gvx") -> pl.DataFrame:
+    """The public NCCL network warnings (nccl/issues/1405, nccl-tests/issues/166, nccl/issues/795:
+    IB completion status 12, socket connect/close, broken pipe) as read from `path`, just before NOW."""
+    ev = events(parse_lines((DATA / "public/nccl_warn_network.log").read_text().splitlines(), reference_ts=0.0), node=node, job=job, file=path)
+    ev = ev.filter(pl.col("kind") == "nccl_warn")
+    return ev.with_columns(ts=pl.lit(NOW - 5.0))
+
+
+@pytest.mark.parametrize(
+    "timeout_job, timeout_file, warn_job, warn_file, cause",
+    [
+        ("j1", "/logs/a.log", "j1", "/logs/a.log", "network"),   # the job's own log says the network failed
+        ("j1", "/logs/a.log", "j1", "/logs/b.log", "network"),   # another rank's log of the same job
+        ("j1", "/logs/a.log", "j2", "/logs/b.log", "software"),  # another job's network trouble is not this one's
+        (None, "/logs/a.log", None, "/logs/a.log", "network"),   # no job known: the same file
+        (None, "/logs/a.log", None, "/logs/b.log", "software"),  # no job known: another file says nothing of this one
+    ],
+)
+def test_nccl_network_warnings_of_the_same_job_or_file_make_the_cause_network(timeout_job, timeout_file, warn_job, warn_file, cause):
+    """Parsed NCCL warnings reach the finding that they explain (as `analyze` reads them), never
+    another job's or file's; hardware errors still come first."""
+    from gpuvigil.pipeline.hints import HintPolicy
+
+    warns = _warnings(warn_file, job=warn_job)
+    assert warns.height == 5  # the 5 NCCL WARN lines of the 8 (the INFO lines are not warnings), all about the network
+    [f] = _detect(_from_file("h200/s6_nccl_watchdog_timeout.log", timeout_file, job=timeout_job), warns)
+    assert f.cause == cause
+    if cause == "network":
+        assert f.evidence["network_warnings"] == 5 and "NET/IB : Got completion from peer" in f.evidence["first_network_warning"]
+        assert "; 5 NCCL network warning(s) in the log; the ranks that did not join are not in the logs." in f.summary
+    else:
+        assert "network_warnings" not in f.evidence and "network warning" not in f.summary
+    # a network cause is requeued like a software one (when the job is known), cordons nothing
+    assert [h.action.value for h in HintPolicy().hints_for(f)] == (["requeue_job"] if timeout_job else [])
+    [g] = _detect(_from_file("h200/s6_nccl_watchdog_timeout.log", timeout_file, job=timeout_job), warns, _hw(NOW - 1, "gvx"))
+    assert g.cause == "hardware" and "network warning" not in g.summary

@@ -5,7 +5,9 @@ The ranks that print the watchdog's message are the ones that *waited*: they are
 `ranks`, not as culprits. The culprit is named only when the logs can say it: an XID or ECC
 event on one of the reporting ranks' nodes makes the cause hardware and that node the culprit
 (so the requeue hint excludes it); otherwise the finding carries no node, and the requeue
-excludes nothing. The in-process hook or Flight Recorder dumps name culprit ranks (`hang`,
+excludes nothing. NCCL's own network warnings (`nccl_warn` events: IB completion errors, socket
+failures) in the same job's logs, or of no known job in the same file, make the cause `network`
+and are counted in the evidence; they are evidence, never a page of their own. The in-process hook or Flight Recorder dumps name culprit ranks (`hang`,
 `hang_fr`); this detector is what remains when neither is there (observation level L0).
 
 A timeout read from a log of no known job (a `--log` pattern without `{job}`) still pages: one
@@ -23,6 +25,7 @@ from pydantic import BaseModel, Field
 
 from gpuvigil.detectors.common import settings
 from gpuvigil.model import Finding, FindingKind, Severity, log_file, place
+from gpuvigil.parsers.nccl import NET_WARN_PATTERN
 from gpuvigil.pipeline.window import Window
 
 _SEQ = re.compile(r"SeqNum=(\d+)")
@@ -62,14 +65,20 @@ class WatchdogTimeoutDetector:
             return []
         hardware = events.filter(pl.col("kind").is_in(["xid", "ecc_dbe", "ecc"]) & (pl.col("ts") >= now - c.hardware_lookback_seconds))
         timeouts = timeouts.with_columns(log_file(pl.col("source")).alias("_file"))
+        # NCCL's own network warnings in the same job's (or, of no known job, the same file's) log
+        # are the evidence of a network cause, as `analyze` reads them.
+        network = events.filter(
+            (pl.col("kind") == "nccl_warn") & (pl.col("ts") >= now - c.hardware_lookback_seconds)
+            & pl.col("message").str.contains("(?i)" + NET_WARN_PATTERN)
+        ).with_columns(log_file(pl.col("source")).alias("_file"))
         # A job's timeouts are one finding, wherever they were read. Lines of no known job (a log
         # whose path names none) are one finding per node and file: still a page, never dropped.
         groups = timeouts.filter(pl.col("job").is_not_null()).sort("ts").partition_by("job", maintain_order=True)
         groups += timeouts.filter(pl.col("job").is_null()).sort("ts").partition_by(["node", "_file"], maintain_order=True)
-        findings = [self._finding(rows, hardware) for rows in groups if rows.height]
+        findings = [self._finding(rows, hardware, network) for rows in groups if rows.height]
         return sorted(findings, key=lambda f: f.evidence["first_ts"])  # type: ignore[arg-type,return-value]
 
-    def _finding(self, rows: pl.DataFrame, hardware: pl.DataFrame) -> Finding:
+    def _finding(self, rows: pl.DataFrame, hardware: pl.DataFrame, network: pl.DataFrame) -> Finding:
         job = rows["job"][0]
         ranks = sorted({int(r) for r in rows["rank"].drop_nulls().to_list()})
         nodes = sorted({str(n) for n in rows["node"].drop_nulls().to_list()})
@@ -79,7 +88,8 @@ class WatchdogTimeoutDetector:
         hw = hardware.filter(pl.col("node").is_in(nodes)) if nodes else hardware.clear()
         hw_nodes = sorted({str(n) for n in hw["node"].drop_nulls().to_list()})
         xids = sorted({int(x) for x in hw["xid"].drop_nulls().to_list()})
-        cause = "hardware" if hw_nodes else "software"
+        net = network.filter(pl.col("job") == job) if job else network.filter(pl.col("job").is_null() & pl.col("_file").is_in(files))
+        cause = "hardware" if hw_nodes else ("network" if net.height else "software")
         where = f"rank{'s' if len(ranks) != 1 else ''} {', '.join(map(str, ranks))}" if ranks else "its ranks"
         what = f"collective #{seq}" if seq else "a collective"
         why = (f"; XID {', '.join(map(str, xids))} on {', '.join(hw_nodes)}" if xids else f"; hardware errors on {', '.join(hw_nodes)}") if hw_nodes else ""
@@ -105,6 +115,9 @@ class WatchdogTimeoutDetector:
         }
         if files:
             evidence["files"] = files
+        if net.height:
+            evidence["network_warnings"] = int(net.height)
+            evidence["first_network_warning"] = str(net.sort("ts")["message"][0])[:300]
         return Finding(
             kind=FindingKind.NCCL_TIMEOUT,
             severity=Severity.PAGE,
@@ -118,6 +131,7 @@ class WatchdogTimeoutDetector:
             summary=(
                 f"{who}: the NCCL watchdog timed out {what}" + (f" ({op})" if op else "")
                 + f" on {where}" + (f" ({', '.join(nodes)})" if nodes else "") + why
+                + (f"; {net.height} NCCL network warning(s) in the log" if net.height and not hw_nodes else "")
                 + ("" if hw_nodes else "; the ranks that did not join are not in the logs")
                 + "."
             ),

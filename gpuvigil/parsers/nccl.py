@@ -29,10 +29,9 @@ _INIT = re.compile(r"ProcessGroupNCCL initialization options:.*?size:\s*(?P<size
 _NCCL_WARN = re.compile(r"(?:^|\s|\])(?P<host>[\w.\-]+):(?P<pid>\d+):(?P<tid>\d+)\s+\[(?P<dev>\d+)\](?:\s+\S+:\d+)?\s+NCCL WARN\s*(?P<msg>.*)$")
 # Always matches a line containing "NCCL WARN", whatever follows (even embedded newlines).
 _NCCL_WARN_BARE = re.compile(r"NCCL WARN\s*(?P<msg>.*)", re.S)
-_NET_WARN = re.compile(
-    r"NET/|ibv_|\bIB\b|socket|Connection (?:closed|reset|refused)|Broken pipe|connect|remote peer|completion from peer|timed out|Network",
-    re.IGNORECASE,
-)
+# An NCCL WARN about the network (the same pattern in Python's and polars' regex dialects).
+NET_WARN_PATTERN = r"NET/|ibv_|\bIB\b|socket|Connection (?:closed|reset|refused)|Broken pipe|connect|remote peer|completion from peer|timed out|Network"
+_NET_WARN = re.compile(NET_WARN_PATTERN, re.IGNORECASE)
 
 
 @dataclass
