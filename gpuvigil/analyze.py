@@ -30,7 +30,7 @@ import polars as pl
 from gpuvigil import config, throttle
 from gpuvigil.collectors.safe_pickle import looks_like_pickle
 from gpuvigil.errors import UserError
-from gpuvigil.model import Finding, FindingKind, Severity
+from gpuvigil.model import Finding, FindingKind, Severity, place
 from gpuvigil.textsafe import printable
 
 SNIFF_BYTES = 256 * 1024
@@ -382,7 +382,7 @@ class Analyzer:
             report.findings.extend(found)
             kinds.append("kernel_log")
         if nccl_text.looks_like_training_log("".join(log_lines(head_lines, nccl_text._SNIFF))) or (
-            len(head) == SNIFF_BYTES and _grep(path, b"Watchdog caught", b"CUDA out of memory", b"NCCL WARN")
+            len(head) == SNIFF_BYTES and _grep(path, b"Watchdog caught", b"CUDA out of memory", b"HIP out of memory", b"NCCL WARN")
         ):
             parsed = nccl_text.parse_lines(log_lines(_text_lines(path), nccl_text._SNIFF), reference_ts=ref)
             report.findings.extend(nccl_log.findings(parsed, source_file=name, job=self.job, node=self.node, cfg=self.cfg))
@@ -452,7 +452,7 @@ def _xid_counter_findings(text: str, display: str, ts: float, node: str | None) 
                 gpu=gpu,
                 xid=s["xid"],
                 evidence={"fatal": fatal, "action": info.action if info else None, "name": info.name if info else "unknown XID", "metric": s["metric"], "value": s["value"], "gpu_uuid": labels.get("UUID")},
-                summary=f"{s['metric']} counts XID {s['xid']} ({info.name if info else 'unknown'}) on GPU {gpu} of {host or 'this node'}",
+                summary=f"{s['metric']} counts XID {s['xid']} ({info.name if info else 'unknown'}) on {place(host, gpu)}",
                 source=f"{display}:gpu={gpu}",
                 cause="hardware" if fatal else None,
             )

@@ -286,7 +286,7 @@ def build(sources: Sources, cfg: dict[str, Any]) -> list[Source]:
             elif job_of is not None:
                 how = "job from Slurm (the job whose StdOut/StdErr is the file), rank from the lines"
             else:
-                how = "no {job} in the pattern: events carry no job"
+                how = "no {job} in the pattern: its events carry no job; a timeout pages naming the node and file"
             if not root.is_dir():
                 # Jobs create their log folders: not an error, but said at start (a typo shows here).
                 how += f"; {root} does not exist yet"

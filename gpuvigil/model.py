@@ -104,6 +104,9 @@ class Finding(BaseModel):
         """
         if self.kind in JOB_LEVEL_KINDS and self.job:
             return _digest(self.kind.value, self.job)
+        if self.kind in JOB_LEVEL_KINDS and self.evidence.get("files"):
+            # No job known: the logs it was read from tell two jobs' timeouts on a node apart.
+            return _digest(self.kind.value, None, self.node, "|".join(map(str, self.evidence["files"])))  # type: ignore[arg-type]
         if self.kind == FindingKind.COLLECTOR_DOWN:  # one per collector target (URL, device, file)
             return _digest(self.kind.value, self.evidence.get("collector"), self.evidence.get("target"))
         return _digest(self.kind.value, self.job, self.node, self.gpu, self.xid if self.kind == FindingKind.XID else None)
@@ -146,6 +149,48 @@ class Hint(BaseModel):
         d = self.model_dump(mode="json")
         d["id"] = self.id
         return d
+
+
+# Events read from a log file say so in their `source`: "torch:/var/log/train/a.log" (the kind
+# of source, then the file), so that a line of no known job can still be told by its file.
+LOG_SOURCE_SEPARATOR = ":"
+
+
+def log_source(kind: str, path: str | None) -> str:
+    """The `source` of an event read from the log file `path` ('torch' without a file)."""
+    return f"{kind}{LOG_SOURCE_SEPARATOR}{path}" if path else kind
+
+
+def log_file(source: pl.Expr) -> pl.Expr:
+    """The log file an event was read from (null for events not read from a file)."""
+    return source.str.splitn(LOG_SOURCE_SEPARATOR, 2).struct.field("field_1")
+
+
+def place(node: str | None, gpu: int | None = None, *, pci: str | None = None) -> str:
+    """Where a finding is, for its summary: 'n0 GPU 2'. Logs often name no node (a kernel log
+    read without its host name) or no GPU (a VM without the PCI map): what is missing is said as
+    unknown, never printed as 'None'."""
+    if gpu is not None:
+        dev = f"GPU {gpu}"
+    elif pci:
+        dev = f"the GPU at PCI {pci}"
+    else:
+        dev = None
+    if node:
+        return f"{node} {dev}" if dev else f"{node} (GPU unknown)"
+    return f"{dev} of an unknown node" if dev else "an unknown node and GPU"
+
+
+def subject(*, job: str | None = None, ranks: list[int] | tuple[int, ...] = (), node: str | None = None, gpu: int | None = None,
+            pci: str | None = None, where: bool = True) -> str:
+    """Who and where a finding is about, in one wording for every summary: 'job 4242 rank 3 on
+    n0 GPU 2'. A job or rank the rows do not carry is left out (a log whose path names no job
+    is 'an unknown job'); the place is `place` (or left out with where=False)."""
+    ranks = [r for r in ranks if r is not None]
+    who = f"job {job}" if job else "an unknown job"
+    if ranks:
+        who += f" rank{'s' if len(ranks) > 1 else ''} {', '.join(map(str, ranks))}"
+    return f"{who} on {place(node, gpu, pci=pci)}" if where else who
 
 
 def findings_frame(findings: list[Finding]) -> pl.DataFrame:

@@ -141,7 +141,7 @@ EVENTS = pl.Schema(
         "ts": F64,
         "node": STR,
         "gpu": I32,
-        "source": STR,  # nvml | dcgm | kernel | nccl | torch | scheduler | sim
+        "source": STR,  # nvml | dcgm | kernel | nccl | torch | scheduler | sim; read from a log file: torch:<path>, nccl:<path>
         "kind": STR,  # xid | ecc_dbe | ecc_sbe | oom | nccl_warn | nccl_timeout | ...
         "xid": I32,
         "job": STR,

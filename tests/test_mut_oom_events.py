@@ -96,25 +96,26 @@ def test_capacity_finding_carries_the_message_figures_and_advice():
     assert ev["allocated_bytes"] == pytest.approx(136.00 * GIB, abs=0.005 * GIB)
     assert ev["reserved_unallocated_bytes"] == 0
     assert ev["foreign_bytes"] == 0
-    assert f.summary == f"train rank 3 (node-7 GPU 5) died of CUDA OOM asking for 4.00 GiB: {CAPACITY_ADVICE}."
+    assert f.summary == f"CUDA OOM in job train rank 3 on node-7 GPU 5, asking for 4.00 GiB: {CAPACITY_ADVICE}."
 
 
 def test_fragmentation_finding_without_job_or_rank():
     """H200 s3 (8 GiB asked, 24 GiB reserved but unallocated) from a process no job is known for
-    (a node-level log line): no ranks, and the summary says 'a job'."""
+    (a node-level log line): no ranks, and the summary says 'an unknown job'."""
     [f] = tick(OomEventClassifier(), Window(1e9), [event(990.0, FRAGMENTATION, job=None, rank=None)], 1000.0)
     assert (f.kind.value, f.cause, f.job, f.ranks, f.culprit_ranks) == ("oom_fragmentation", "fragmentation", None, [], [])
     assert f.evidence["reserved_unallocated_bytes"] == pytest.approx(24 * GIB, abs=0.005 * GIB)
-    assert f.summary == f"a job (node-7 GPU 5) died of CUDA OOM asking for 8.00 GiB with 24.0 GiB reserved but unallocated: {FRAGMENTATION_ADVICE}."
+    assert f.summary == f"CUDA OOM in an unknown job on node-7 GPU 5, asking for 8.00 GiB with 24.0 GiB reserved but unallocated: {FRAGMENTATION_ADVICE}."
 
 
 def test_public_message_naming_its_own_process_is_not_foreign_memory():
     """public oom_wordings.log line 4: 496 MiB asked, 235.06 MiB free, 330.42 MiB cached; the
     'Process 20398 has 14.52 GiB memory in use' clause is the process itself (its 14.06 GiB
-    allocated + 0.32 GiB cached): fragmentation, nothing held by others."""
+    allocated + 0.32 GiB cached): nothing held by others. Neither the free memory nor the cache
+    (both smaller than the request) could have held it: capacity."""
     [f] = tick(OomEventClassifier(), Window(1e9), [event(990.0, OTHER_PROCESS, rank=0)], 1000.0)
-    assert (f.kind.value, f.evidence["foreign_bytes"], f.evidence["requested_bytes"]) == ("oom_fragmentation", 0, 496 * MIB)
-    assert f.summary == f"train rank 0 (node-7 GPU 5) died of CUDA OOM asking for 0.48 GiB with 0.3 GiB reserved but unallocated: {FRAGMENTATION_ADVICE}."
+    assert (f.kind.value, f.evidence["foreign_bytes"], f.evidence["requested_bytes"]) == ("oom_capacity", 0, 496 * MIB)
+    assert f.summary == f"CUDA OOM in job train rank 0 on node-7 GPU 5, asking for 0.48 GiB with 0.3 GiB reserved but unallocated: {CAPACITY_ADVICE}."
 
 
 def test_other_process_memory_is_in_the_evidence_and_summary():
@@ -128,7 +129,7 @@ def test_other_process_memory_is_in_the_evidence_and_summary():
     assert (f.kind.value, f.cause) == ("oom_foreign_process", "foreign_process")
     assert f.evidence["foreign_bytes"] == 40 * GIB
     assert f.summary == (
-        "train rank 3 (node-7 GPU 5) died of CUDA OOM asking for 4.00 GiB with 0.5 GiB reserved but unallocated and 40.0 GiB held by other "
+        "CUDA OOM in job train rank 3 on node-7 GPU 5, asking for 4.00 GiB with 0.5 GiB reserved but unallocated and 40.0 GiB held by other "
         "processes: another process holds the memory: find and stop it, or requeue the job elsewhere."
     )
 

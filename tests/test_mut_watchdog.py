@@ -13,6 +13,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import polars as pl
+import pytest
 
 from gpuvigil import schemas
 from gpuvigil.collectors.nccl_log import events, parse_lines
@@ -118,10 +119,49 @@ def test_report_seconds_edge_from_the_configuration():
     assert _detect(ev, cfg=cfg_with("watchdog", report_seconds=100.0)) == []
 
 
-def test_a_timeout_line_of_no_known_job_does_not_page():
-    """Guard: no job, no finding (hard negative); the same line with its job pages."""
-    assert _detect(_timeouts("h200/s6_nccl_watchdog_timeout.log", job=None)) == []
-    assert len(_detect(_timeouts("h200/s6_nccl_watchdog_timeout.log"))) == 1
+def _from_file(name: str, path: str | None, *, node: str | None = "gvx", job: str | None = None) -> pl.DataFrame:
+    """The log's timeouts as NcclLogCollector reads them from `path` (its file in `source`)."""
+    ev = events(parse_lines((DATA / name).read_text().splitlines(), reference_ts=0.0), node=node, job=job, file=path)
+    ev = ev.filter(pl.col("kind") == "nccl_timeout")
+    return ev.with_columns(ts=pl.col("ts") - pl.col("ts").max() + NOW)
+
+
+@pytest.mark.parametrize(
+    "node, path, names",
+    [
+        ("gvx", "/var/log/train/a.log", "Job unknown (log gvx:/var/log/train/a.log): "),
+        ("gvx", None, "Job unknown (log gvx (GPU unknown)): "),
+        (None, "/var/log/train/a.log", "Job unknown (log /var/log/train/a.log): "),
+        (None, None, "Job unknown: "),
+    ],
+)
+def test_a_timeout_of_no_known_job_pages_naming_the_node_and_file(node, path, names):
+    """No silent drop: the H200 timeout read from a log whose path names no job is a page that
+    names what is known (node, file), with no job, so that no hint acts on a job."""
+    from gpuvigil.pipeline.hints import HintPolicy
+
+    [f] = _detect(_from_file("h200/s6_nccl_watchdog_timeout.log", path, node=node))
+    assert (f.kind, f.severity, f.job, f.ranks, f.cause, f.node) == (FindingKind.NCCL_TIMEOUT, Severity.PAGE, None, [0], "software", node)
+    assert f.evidence["seq"] == 6 and f.evidence["op"] == "ALLREDUCE" and f.evidence.get("files", []) == ([path] if path else [])
+    assert f.summary == names + "the NCCL watchdog timed out collective #6 (ALLREDUCE) on rank 0" + (f" ({node})" if node else "") + (
+        "; the ranks that did not join are not in the logs.")
+    assert HintPolicy().hints_for(f) == []  # requeue needs a job; a software cause cordons nothing
+
+
+def test_timeouts_of_no_known_job_in_two_files_are_two_findings_and_hardware_still_counts():
+    a = _from_file("h200/s6_nccl_watchdog_timeout.log", "/logs/a.log")
+    b = _from_file("public/nccl_watchdog.log", "/logs/b.log")
+    fs = _detect(a, b, _hw(NOW - 1, "gvx", xid=79))
+    assert sorted(f.evidence["files"][0] for f in fs) == ["/logs/a.log", "/logs/b.log"]
+    assert len({f.id for f in fs}) == 2  # two causes, not one merged by node
+    assert all(f.cause == "hardware" and f.node == "gvx" and f.job is None for f in fs)
+    from gpuvigil.pipeline.hints import HintPolicy
+
+    # the node is known and to blame: cordon it; the job is not known: nothing requeued
+    assert {h.action.value for f in fs for h in HintPolicy().hints_for(f)} == {"cordon_node"}
+    # the same lines with their job are one finding per job, as before
+    [g] = _detect(_from_file("h200/s6_nccl_watchdog_timeout.log", "/logs/a.log", job="j1"))
+    assert g.job == "j1" and g.node is None and g.summary.startswith("j1: ")
 
 
 def test_only_nccl_timeout_events_page():
@@ -173,3 +213,41 @@ def test_ecc_errors_on_two_reporting_nodes_are_both_named_and_so_are_the_nodes()
     assert f.evidence["nodes"] == ["n1", "n2"]
     assert "(n1, n2)" in f.summary
     assert f.summary.endswith("; hardware errors on n1, n2.")
+
+
+def _warnings(path: str | None, *, job: str | None = "j1", node: str | None = "gvx") -> pl.DataFrame:
+    """The public NCCL network warnings (nccl/issues/1405, nccl-tests/issues/166, nccl/issues/795:
+    IB completion status 12, socket connect/close, broken pipe) as read from `path`, just before NOW."""
+    ev = events(parse_lines((DATA / "public/nccl_warn_network.log").read_text().splitlines(), reference_ts=0.0), node=node, job=job, file=path)
+    ev = ev.filter(pl.col("kind") == "nccl_warn")
+    return ev.with_columns(ts=pl.lit(NOW - 5.0))
+
+
+@pytest.mark.parametrize(
+    "timeout_job, timeout_file, warn_job, warn_file, cause",
+    [
+        ("j1", "/logs/a.log", "j1", "/logs/a.log", "network"),   # the job's own log says the network failed
+        ("j1", "/logs/a.log", "j1", "/logs/b.log", "network"),   # another rank's log of the same job
+        ("j1", "/logs/a.log", "j2", "/logs/b.log", "software"),  # another job's network trouble is not this one's
+        (None, "/logs/a.log", None, "/logs/a.log", "network"),   # no job known: the same file
+        (None, "/logs/a.log", None, "/logs/b.log", "software"),  # no job known: another file says nothing of this one
+    ],
+)
+def test_nccl_network_warnings_of_the_same_job_or_file_make_the_cause_network(timeout_job, timeout_file, warn_job, warn_file, cause):
+    """Parsed NCCL warnings reach the finding that they explain (as `analyze` reads them), never
+    another job's or file's; hardware errors still come first."""
+    from gpuvigil.pipeline.hints import HintPolicy
+
+    warns = _warnings(warn_file, job=warn_job)
+    assert warns.height == 5  # the 5 NCCL WARN lines of the 8 (the INFO lines are not warnings), all about the network
+    [f] = _detect(_from_file("h200/s6_nccl_watchdog_timeout.log", timeout_file, job=timeout_job), warns)
+    assert f.cause == cause
+    if cause == "network":
+        assert f.evidence["network_warnings"] == 5 and "NET/IB : Got completion from peer" in f.evidence["first_network_warning"]
+        assert "; 5 NCCL network warning(s) in the log; the ranks that did not join are not in the logs." in f.summary
+    else:
+        assert "network_warnings" not in f.evidence and "network warning" not in f.summary
+    # a network cause is requeued like a software one (when the job is known), cordons nothing
+    assert [h.action.value for h in HintPolicy().hints_for(f)] == (["requeue_job"] if timeout_job else [])
+    [g] = _detect(_from_file("h200/s6_nccl_watchdog_timeout.log", timeout_file, job=timeout_job), warns, _hw(NOW - 1, "gvx"))
+    assert g.cause == "hardware" and "network warning" not in g.summary

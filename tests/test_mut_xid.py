@@ -28,7 +28,7 @@ def test_a_single_real_xid_in_the_window_is_reported():
     assert "CTX SWITCH TIMEOUT" in f.evidence["message"]
     # no GPU index in the kernel line and no job known: the summary says so, never "GPU None"
     assert (f.job, f.ranks, f.gpu) == (None, [], None)
-    assert f.summary == "XID 109 (Context switch timeout error) on node-a a GPU whose index the kernel line does not give: fatal, cordon the node; NVIDIA action RESET_GPU."
+    assert f.summary == "XID 109 (Context switch timeout error) on node-a (GPU unknown): fatal, cordon the node; NVIDIA action RESET_GPU."
 
 
 def test_an_xid_exactly_report_seconds_old_is_still_reported():

@@ -141,13 +141,14 @@ def test_network_warnings_are_attached_to_the_timeout():
 @pytest.mark.parametrize(
     ("line_no", "kind", "wording", "requested", "unallocated"),
     [
-        # free >= request: the figures do not explain the OOM (issue 10: say so, do not guess)
+        # free >= request + the driver's headroom: the figures do not explain the OOM (say so, do not guess)
         (1, FindingKind.OOM_UNEXPLAINED, "old", 50 * MIB, round(18.22 * MIB)),
         (2, FindingKind.OOM_UNEXPLAINED, "old", round(2.26 * GIB), round(1.24 * GIB) - round(781.59 * MIB)),
-        (3, FindingKind.OOM_UNEXPLAINED, "capacty", 32 * MIB, round(1.90 * MIB)),
+        # 41.56 MiB free for 32 MiB: within the driver's headroom, the 4 GiB device is full
+        (3, FindingKind.OOM_CAPACITY, "capacty", 32 * MIB, round(1.90 * MIB)),
         # "Process 20398 has 14.52 GiB" covers PyTorch's 14.39 GiB: it is this process (container);
-        # 235 MiB free + 330 MiB cached would have held 496 MiB -> the cache is fragmented
-        (4, FindingKind.OOM_FRAGMENTATION, "capacty", 496 * MIB, round(330.42 * MIB)),
+        # 235 MiB free and 330 MiB cached in pieces: neither could hold 496 MiB -> capacity
+        (4, FindingKind.OOM_CAPACITY, "capacty", 496 * MIB, round(330.42 * MIB)),
         (5, FindingKind.OOM_FRAGMENTATION, "capacty", round(1.70 * GIB), round(2.30 * GIB)),
         (6, FindingKind.OOM_FRAGMENTATION, "new", 226 * MIB, round(336.73 * MIB)),
         (7, FindingKind.OOM_FRAGMENTATION, "capacty", 3 * GIB, round(4.84 * GIB)),

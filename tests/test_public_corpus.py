@@ -43,7 +43,12 @@ def test_corpus_is_broad_and_sourced():
     cats = {r["category"] for r in LABELS}
     assert {"oom", "xid", "watchdog", "nccl_warn", "nvidia_smi_q", "dcgm_scrape"} <= cats
     # every OOM cause the rule can give, and XIDs of many codes
-    assert {e for r in _by("oom") for e in r["expect"]} >= {"oom_capacity", "oom_fragmentation", "oom_unexplained"}
+    assert {e for r in _by("oom") for e in r["expect"]} >= {"oom_capacity", "oom_fragmentation", "oom_unexplained", "oom_foreign_process"}
+    # every generation's wording, typos included: torch ≤1.3 "cached", 1.4-2.0 "reserved in total
+    # by PyTorch", 2.1 "total capacty", 2.2+ "total capacity of ... of which", ROCm "HIP out of memory"
+    texts = [(PUBLIC / r["file"]).read_text() for r in _by("oom")]
+    for needle in ("cached)", "reserved in total by PyTorch", "total capacty of", "total capacity of", "HIP out of memory"):
+        assert sum(needle in t for t in texts) >= 2, needle
     assert len({e for r in _by("xid") for e in r["expect"]}) >= 12
 
 

@@ -388,3 +388,52 @@ def test_watchdog_detector_on_real_logs_without_hardware_names_no_culprit(log_na
         assert f.evidence["seq"] == seq and f.evidence["op"] == op and f.ranks == ranks
     hints = HintPolicy().hints_for(f)
     assert [(h.action.value, h.exclude_nodes) for h in hints] == [("requeue_job", [])]
+
+
+def test_serve_process_pages_a_watchdog_timeout_from_a_log_whose_path_names_no_job(tmp_path):
+    """`gpuvigil serve --log '<dir>/*.log'` as its own process: the real H200 watchdog timeout
+    log, written into a file whose path names no job, is read, parsed and paged: the finding names
+    the node and the file, carries no job, and no hint acts on a job (none is known)."""
+    logs = tmp_path / "train"
+    logs.mkdir()
+    err = tmp_path / "serve.err"
+    with err.open("w") as err_file:
+        serve = subprocess.Popen(
+            [sys.executable, "-m", "gpuvigil", "serve", "--port", "0", "--log", f"{logs}/*.log", "--node", "gvx", "--duration", "120"],
+            cwd=tmp_path, stdout=subprocess.PIPE, stderr=err_file, text=True, env={**os.environ, "PYTHONPATH": str(REPO)},
+        )
+    try:
+        assert serve.stdout is not None
+        started = serve.stdout.readline()
+        url = re.search(r"metrics (http://\S+/metrics)", started).group(1).replace("0.0.0.0", "127.0.0.1")
+
+        def scrape() -> str | None:
+            try:
+                return httpx.get(url, timeout=5).text
+            except httpx.HTTPError:
+                return None
+
+        # Files present at the first scan are read from their end: write the log after it.
+        wait_for(lambda: (t := scrape()) and any(v >= 1 for _, v in metric(t, "gpuvigil_pipeline_ticks_total")), 60, what="serve's first tick")
+        stamp = time.strftime("%m%d %H:%M:%S", time.localtime())
+        log = logs / "rank0.log"
+        log.write_text(re.sub(r"\[([IWEF])\d{4} \d\d:\d\d:\d\d", lambda m: f"[{m.group(1)}{stamp}",
+                              (DATA / "h200" / "s6_nccl_watchdog_timeout.log").read_text()))
+
+        def paged() -> str | None:
+            t = scrape()
+            return t if t and any(l["kind"] == "nccl_timeout" and v >= 1 for l, v in metric(t, "gpuvigil_findings_total")) else None
+
+        text = wait_for(paged, 60, what="the nccl_timeout finding in /metrics")
+        assert {(l["node"], l["severity"]) for l, v in metric(text, "gpuvigil_node_findings_active") if l["kind"] == "nccl_timeout" and v >= 1} == {("gvx", "page")}
+        assert {l["source"]: v for l, v in metric(text, "gpuvigil_source_up")} == {"logs": 1}
+    finally:
+        serve.terminate()
+        serve.wait(60)
+    said = err.read_text()
+    assert f"(no {{job}} in the pattern: its events carry no job; a timeout pages naming the node and file): up" in said, said
+    found = [line for line in said.splitlines() if "finding page nccl_timeout:" in line]
+    assert len(found) == 1, said
+    assert found[0].endswith(f"finding page nccl_timeout: Job unknown (log gvx:{log}): the NCCL watchdog timed out collective #6 (ALLREDUCE) "
+                             "on rank 0 (gvx); the ranks that did not join are not in the logs."), found
+    assert "None" not in found[0]

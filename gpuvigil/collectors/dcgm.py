@@ -31,7 +31,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from gpuvigil import schemas, signals, xid
 from gpuvigil.errors import UserError
-from gpuvigil.model import Finding, FindingKind, Severity
+from gpuvigil.model import Finding, FindingKind, Severity, place
 
 MIB = 1 << 20
 
@@ -238,7 +238,7 @@ def findings_from_scrape(samples: pl.DataFrame, *, source_file: str | None = Non
     """What a single saved scrape says on its own: each GPU's last XID, and uncorrectable ECC."""
     out: list[Finding] = []
     for row in samples.filter(pl.col("last_xid").is_not_null() | (pl.col("ecc_dbe_volatile_total") > 0) | pl.col("remap_failure")).to_dicts():
-        where = f"GPU {row['gpu']} of {row['node'] or 'this node'}"
+        where = place(row["node"], row["gpu"])
         src = f"{source_file}:gpu={row['gpu']}" if source_file else "dcgm"
         code = row["last_xid"]
         if code is not None:

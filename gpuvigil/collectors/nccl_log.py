@@ -19,9 +19,11 @@ Recognised (with or without torchrun's `[rankN]:` prefix and glog `[E1129 23:07:
   X memory in use.] [Including non-PyTorch memory, this process has X memory in use.] Of the
   allocated memory A is allocated by PyTorch, and U is reserved by PyTorch but unallocated.`
 
-Each OOM is classified (`gpuvigil/config/oom_classify.yaml`): `oom_foreign_process` when other
-processes hold a large share of the device, `oom_fragmentation` when PyTorch's reserved but
-unallocated memory could have held the request had it been contiguous, else `oom_capacity`.
+ROCm builds say `HIP out of memory` in the same wordings. Each OOM is classified
+(`gpuvigil.parsers.oom`, thresholds in `gpuvigil/config/oom_classify.yaml`): `oom_fragmentation`
+when PyTorch's reserved but unallocated memory could have held the request had it been contiguous,
+`oom_unexplained` when the free memory could have, `oom_foreign_process` when it could have without
+the other processes the message lists, else `oom_capacity`.
 
 The line parsing itself (text -> typed records, no I/O) is in `gpuvigil.parsers.nccl` and
 `gpuvigil.parsers.oom`; this module turns parsed logs into findings and `events`, and tails files.
@@ -37,7 +39,7 @@ import polars as pl
 
 from gpuvigil import schemas
 from gpuvigil.collectors.tail import FileTail, TailingLogCollector  # one tail implementation for all logs
-from gpuvigil.model import Finding, FindingKind, Severity
+from gpuvigil.model import Finding, FindingKind, Severity, log_source
 
 # The text parsing is shared with `analyze` and the OOM detector; these names stay importable here.
 from gpuvigil.parsers.nccl import ParsedLog, Progress, WatchdogTimeout, looks_like_training_log, parse_lines  # noqa: F401
@@ -135,7 +137,7 @@ def findings(
             evidence["first_network_warning"] = network_warnings[0].message[:300]
         op = first.op_type or "collective"
         seq_txt = f" #{first.seq}" if first.seq is not None else ""
-        who = f"rank {first.rank}" if len(ranks) <= 1 else f"{len(ranks)} ranks"
+        who = f"{len(ranks)} ranks" if len(ranks) > 1 else (f"rank {ranks[0]}" if ranks else "a rank the log does not name")
         summary = f"NCCL watchdog timeout: {op}{seq_txt} on {who} ran {first.ran_for_ms} ms"
         if evidence["timeout_ms"]:
             summary += f" (timeout {evidence['timeout_ms']} ms)"
@@ -200,6 +202,7 @@ def findings(
             "non_pytorch_bytes": rep.non_pytorch_bytes(),
             "process_used_credible": rep.process_used_credible,
             "wording": rep.wording,
+            **({"allowed_bytes": rep.allowed_bytes} if rep.allowed_bytes is not None else {}),
             "occurrences": seen_oom[rep.key()],
             "rank": rep.rank,
         }
@@ -223,15 +226,23 @@ def findings(
     return out
 
 
-def events(parsed: ParsedLog, *, node: str | None = None, job: str | None = None) -> pl.DataFrame:
-    """The `events` stream: one row per timeout, OOM, progress failure and NCCL warning."""
+def events(parsed: ParsedLog, *, node: str | None = None, job: str | None = None, file: str | None = None) -> pl.DataFrame:
+    """The `events` stream: one row per timeout, OOM, progress failure and NCCL warning. Rows read
+    from a log file carry it in `source` (`torch:<file>`, model.log_source): a line of no known
+    job is still told apart by its file."""
+    torch, nccl = log_source("torch", file), log_source("nccl", file)
     rows: list[dict[str, Any]] = []
     for t in parsed.timeouts:
-        rows.append({"ts": t.ts, "node": node, "source": "torch", "kind": "nccl_timeout", "job": job, "rank": t.rank, "message": t.text})
+        rows.append({"ts": t.ts, "node": node, "source": torch, "kind": "nccl_timeout", "job": job, "rank": t.rank, "message": t.text})
+    # A timeout that the log tells only by these lines (no WorkNCCL line) is a timeout all the same.
+    for _line, ts, rank in parsed.some_failed:
+        rows.append({"ts": ts, "node": node, "source": torch, "kind": "nccl_timeout", "job": job, "rank": rank, "message": "Some NCCL operations have failed or timed out"})
+    for _line, ts, rank in parsed.timeout_at:
+        rows.append({"ts": ts, "node": node, "source": torch, "kind": "nccl_timeout", "job": job, "rank": rank, "message": "Timeout at NCCL work"})
     for o in parsed.ooms:
-        rows.append({"ts": o.ts, "node": node, "gpu": o.gpu, "source": "torch", "kind": "oom", "job": job, "rank": o.rank, "message": o.text})
+        rows.append({"ts": o.ts, "node": node, "gpu": o.gpu, "source": torch, "kind": "oom", "job": job, "rank": o.rank, "message": o.text})
     for w in parsed.warnings:
-        rows.append({"ts": w.ts, "node": w.host or node, "gpu": w.device, "source": "nccl", "kind": "nccl_warn", "job": job, "rank": w.rank, "message": w.message})
+        rows.append({"ts": w.ts, "node": w.host or node, "gpu": w.device, "source": nccl, "kind": "nccl_warn", "job": job, "rank": w.rank, "message": w.message})
     return schemas.frame(sorted(rows, key=lambda r: r["ts"]), schemas.EVENTS)
 
 
@@ -255,8 +266,9 @@ class NcclLogCollector(TailingLogCollector):
         self.errors = 0
         self.node = node
         self.job = job
+        self.path = str(path)
         self.tail = FileTail(Path(path), from_start=from_start)
 
     def events_from(self, lines: list[str], first_line_no: int) -> pl.DataFrame:
         parsed = parse_lines(lines, reference_ts=time.time(), first_line_no=first_line_no)
-        return events(parsed, node=self.node, job=self.job)
+        return events(parsed, node=self.node, job=self.job, file=self.path)

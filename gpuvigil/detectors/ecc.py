@@ -9,7 +9,7 @@ from pydantic import BaseModel
 
 from gpuvigil import xid as xid_table
 from gpuvigil.detectors.common import gpu_jobs, settings
-from gpuvigil.model import Finding, FindingKind, Severity
+from gpuvigil.model import Finding, FindingKind, Severity, place
 from gpuvigil.pipeline.window import Window
 
 
@@ -117,9 +117,9 @@ class EccDetector:
                     },
                     summary=(
                         (
-                            f"Row remapping failed on {row['node']} GPU {row['gpu']}"
+                            f"Row remapping failed on {place(row['node'], row['gpu'])}"
                             if row["remap_failure"] and not (row["dbe_delta"] or 0) and not set(xids) & {48, 63, 94, 95}
-                            else f"Uncorrectable ECC error on {row['node']} GPU {row['gpu']}"
+                            else f"Uncorrectable ECC error on {place(row['node'], row['gpu'])}"
                         )
                         + (f" (XID {', '.join(map(str, xids))})" if xids else "")
                         + (f", under job {job}" if job else "")

@@ -3,7 +3,7 @@
 The message carries the numbers that tell the causes apart (requested size, free memory, what
 this process holds, PyTorch's reserved-but-unallocated memory, other processes): the parser and
 classifier in `gpuvigil.parsers.oom` turn them into `oom_capacity`,
-`oom_fragmentation` or `oom_foreign_process`. Each OOM is reported once, on the first tick the
+`oom_fragmentation`, `oom_foreign_process` or `oom_unexplained`. Each OOM is reported once, on the first tick the
 classifier sees it, however late its line arrives: events are told apart by their content (time,
 node, GPU, job, rank, source, message), not by whether their time is after the previous tick, so a
 line read late (a log file read after a delay) is still reported and the same line read twice is
@@ -19,7 +19,7 @@ import polars as pl
 from pydantic import BaseModel
 
 from gpuvigil.detectors.common import settings
-from gpuvigil.model import Finding, FindingKind, Severity
+from gpuvigil.model import Finding, FindingKind, Severity, subject
 from gpuvigil.parsers.oom import load_oom_config, parse_oom
 from gpuvigil.pipeline.window import Window
 
@@ -65,7 +65,7 @@ class OomEventClassifier:
             kind = report.classify(self.classify_config)
             cause, advice = _CAUSE[kind]
             foreign = report.foreign_bytes()
-            where = f"{row['job'] or 'a job'}" + (f" rank {row['rank']}" if row["rank"] is not None else "") + f" ({row['node']} GPU {row['gpu']})"
+            where = subject(job=row["job"], ranks=[row["rank"]], node=row["node"], gpu=row["gpu"])
             findings.append(
                 Finding(
                     kind=kind,
@@ -86,9 +86,10 @@ class OomEventClassifier:
                         "allocated_bytes": report.allocated_bytes,
                         "reserved_unallocated_bytes": report.reserved_unallocated_bytes,
                         "foreign_bytes": foreign,
+                        **({"allowed_bytes": report.allowed_bytes} if report.allowed_bytes is not None else {}),
                     },
                     summary=(
-                        f"{where} died of CUDA OOM asking for {report.requested_bytes / GIB:.2f} GiB"
+                        f"CUDA OOM in {where}, asking for {report.requested_bytes / GIB:.2f} GiB"
                         + (f" with {report.reserved_unallocated_bytes / GIB:.1f} GiB reserved but unallocated" if report.reserved_unallocated_bytes else "")
                         + (f" and {foreign / GIB:.1f} GiB held by other processes" if foreign else "")
                         + f": {advice}."

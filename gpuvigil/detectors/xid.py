@@ -9,7 +9,7 @@ from pydantic import BaseModel
 
 from gpuvigil import xid as xid_table
 from gpuvigil.detectors.common import gpu_jobs, settings
-from gpuvigil.model import Finding, FindingKind, Severity
+from gpuvigil.model import Finding, FindingKind, Severity, place
 from gpuvigil.pipeline.window import Window
 
 
@@ -80,7 +80,7 @@ class XidDetector:
                         "message": row["message"],
                     },
                     summary=(
-                        f"XID {code} ({meaning}) on {row['node']} " + (f"GPU {row['gpu']}" if row["gpu"] is not None else "a GPU whose index the kernel line does not give")
+                        f"XID {code} ({meaning}) on {place(row['node'], row['gpu'])}"
                         + (f" under job {job}" if job else "")
                         + (f": {'fatal, cordon the node' if fatal else 'application-level'}; NVIDIA action {action}.")
                     ),

@@ -29,10 +29,9 @@ _INIT = re.compile(r"ProcessGroupNCCL initialization options:.*?size:\s*(?P<size
 _NCCL_WARN = re.compile(r"(?:^|\s|\])(?P<host>[\w.\-]+):(?P<pid>\d+):(?P<tid>\d+)\s+\[(?P<dev>\d+)\](?:\s+\S+:\d+)?\s+NCCL WARN\s*(?P<msg>.*)$")
 # Always matches a line containing "NCCL WARN", whatever follows (even embedded newlines).
 _NCCL_WARN_BARE = re.compile(r"NCCL WARN\s*(?P<msg>.*)", re.S)
-_NET_WARN = re.compile(
-    r"NET/|ibv_|\bIB\b|socket|Connection (?:closed|reset|refused)|Broken pipe|connect|remote peer|completion from peer|timed out|Network",
-    re.IGNORECASE,
-)
+# An NCCL WARN about the network (the same pattern in Python's and polars' regex dialects).
+NET_WARN_PATTERN = r"NET/|ibv_|\bIB\b|socket|Connection (?:closed|reset|refused)|Broken pipe|connect|remote peer|completion from peer|timed out|Network"
+_NET_WARN = re.compile(NET_WARN_PATTERN, re.IGNORECASE)
 
 
 @dataclass
@@ -114,7 +113,7 @@ def _complete(line: str) -> bool:
         return _WATCHDOG.search(line) is not None
     if "Timeout at NCCL work" in line or "detected by watchdog at work" in line:
         return _PROGRESS.search(line) is not None
-    if "CUDA out of memory" in line:
+    if "CUDA out of memory" in line or "HIP out of memory" in line:
         rep = parse_oom(line)
         return rep is None or rep.free_bytes is not None
     return True
@@ -226,7 +225,7 @@ def parse_lines(lines: Iterable[str], *, reference_ts: float | None = None, firs
 
 
 _SNIFF = re.compile(
-    r"Watchdog caught collective operation timeout|CUDA out of memory|NCCL (?:WARN|INFO)|ProcessGroupNCCL|"
+    r"Watchdog caught collective operation timeout|(?:CUDA|HIP) out of memory|NCCL (?:WARN|INFO)|ProcessGroupNCCL|"
     r"last enqueued (?:NCCL )?work|Some NCCL operations have failed|PyTorch CUDA memory summary|Traceback \(most recent call last\)",
 )
 

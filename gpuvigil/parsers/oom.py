@@ -4,20 +4,26 @@ shared by the log collectors, `analyze` and the OOM detector.
 
 Each OOM is classified cause first, from what could have served the request (R: request,
 F: free on the device, U: PyTorch's reserved-but-unallocated cache, O: memory other processes
-are *shown* to hold; thresholds in `gpuvigil/config/oom_classify.yaml`):
+are *shown* to hold; thresholds in `gpuvigil/config/oom_classify.yaml`). When the allocator raises,
+it has already handed every wholly free cached segment back to the driver and retried: U is what
+is left, free pieces of segments still partly in use, so U and F cannot be added up to serve one
+request. And not all of F can be handed out: the driver maps memory in pages and needs some for
+its own bookkeeping, so free memory serves R only with a headroom H (`driver_headroom_*`).
 
-1. R > F + U + O: nothing on the device could have served it -> `oom_capacity`;
-2. U >= R: PyTorch's own cache had the room, in pieces -> `oom_fragmentation`;
-3. F >= R: the device had the room free; the figures do not explain the OOM -> `oom_unexplained`;
-4. F + U >= R: free memory plus the cache had the room, but the cache could not be handed back
-   (its free blocks sit in segments that are partly in use) -> `oom_fragmentation`;
-5. otherwise the memory other processes hold made the difference -> `oom_foreign_process`.
+1. U >= R: PyTorch's own cache had the room, in pieces -> `oom_fragmentation`;
+2. F >= R + H: the device had the room free; the figures do not explain the OOM -> `oom_unexplained`;
+3. F + O >= R + H: the memory other processes hold made the difference -> `oom_foreign_process`;
+4. otherwise nothing on the device could have served it -> `oom_capacity`.
+
+With `torch.cuda.set_per_process_memory_fraction` torch 1.x prints "X allowed": F is then at most
+what the fraction leaves this process (X minus its reservation).
 
 Memory that is neither free nor PyTorch's is not another process by default: it holds the CUDA
 context and libraries' workspaces (0.3-1.5 GiB). Other processes count only where the message
 shows them: `Process N has X memory in use` clauses, minus the one that is this process (the
 one equal to `this process has X` when that figure covers PyTorch's reservation; else, in
 containers where NVML reports `this process has 0 bytes`, the smallest one that covers it).
+ROCm builds print the same messages with `HIP` for `CUDA`.
 """
 
 from __future__ import annotations
@@ -32,20 +38,25 @@ from gpuvigil import config
 from gpuvigil.model import FindingKind
 
 _UNITS = {"b": 1, "bytes": 1, "byte": 1, "kib": 1 << 10, "mib": 1 << 20, "gib": 1 << 30, "tib": 1 << 40, "kb": 1 << 10, "mb": 1 << 20, "gb": 1 << 30}
-_SIZE = r"(\d+(?:\.\d+)?)\s*(bytes?|[KMGT]iB|[KMGT]B|B)"
+# At most 15 digits: a longer run is not a memory size (and would overflow to infinity).
+_SIZE = r"(\d{1,15}(?:\.\d{1,15})?)\s*(bytes?|[KMGT]iB|[KMGT]B|B)"
 
 
-_OOM_HEAD = re.compile(r"CUDA out of memory\. Tried to allocate " + _SIZE, re.IGNORECASE)
+_OOM_HEAD = re.compile(r"(?:CUDA|HIP) out of memory\. Tried to allocate " + _SIZE, re.IGNORECASE)
 # Where a head starts, found before whitespace is normalised (a logger may wrap inside it).
-_OOM_HEAD_START = re.compile(r"CUDA\s+out\s+of\s+memory\.\s+Tried\s+to\s+allocate\s", re.IGNORECASE)
+_OOM_HEAD_START = re.compile(r"(?:CUDA|HIP)\s+out\s+of\s+memory\.\s+Tried\s+to\s+allocate\s", re.IGNORECASE)
 # An OOM message with every "Process N has ..." line of a crowded GPU fits in far less.
 _OOM_MAX_CHARS = 64 * 1024
+def _size(name: str) -> str:
+    return rf"(?P<{name}>\d{{1,15}}(?:\.\d{{1,15}})?)\s*(?P<{name}_unit>bytes?|[KMGT]iB|[KMGT]B|B)"
+
+
 _OOM_OLD = re.compile(
-    r"\(GPU (?P<gpu>\d+); " + _SIZE + r" total capacity; " + _SIZE + r" already allocated; " + _SIZE + r" free;"
+    r"\(GPU (?P<gpu>\d+); " + _size("total") + r" total capacity; " + _size("allocated") + r" already allocated; " + _size("free") + r" free;"
     # torch.cuda.set_per_process_memory_fraction adds "X allowed;"
-    r"(?: " + _SIZE + r" allowed;)?"
+    r"(?: " + _size("allowed") + r" allowed;)?"
     # torch ≤1.3 said "cached" for what later releases call "reserved in total by PyTorch"
-    r"(?: " + _SIZE + r" (?P<what>reserved in total by PyTorch|cached))?"
+    r"(?: " + _size("reserved") + r" (?P<what>reserved in total by PyTorch|cached))?"
 )
 _OOM_NEW = re.compile(r"GPU (?P<gpu>\d+) has a total capac(?:i)?ty of " + _SIZE + r" of which " + _SIZE + r" is free\.")
 _OOM_THIS_PROC = re.compile(r"this process has " + _SIZE + r" memory in use")
@@ -71,6 +82,12 @@ class OomClassifyConfig(BaseModel):
     # Other processes holding less than this are not reported as the cause (noise, e.g. a
     # monitoring agent's context), whatever the arithmetic says.
     foreign_min_bytes: int = Field(64 << 20, ge=0)
+    # Free memory serves a request only with this much to spare: the larger of the two.
+    driver_headroom_bytes: int = Field(64 << 20, ge=0)
+    driver_headroom_fraction: float = Field(0.01, ge=0, le=1)
+
+    def headroom(self, requested: int) -> int:
+        return max(self.driver_headroom_bytes, int(self.driver_headroom_fraction * requested))
 
 
 def load_oom_config(cfg: dict[str, Any] | None = None) -> OomClassifyConfig:
@@ -94,6 +111,8 @@ class OomReport:
     text: str = ""
     # "this process has X" covers PyTorch's reservation (X is believable, not a container artefact)
     process_used_credible: bool = False
+    # torch 1.x with a per-process memory fraction: "X allowed"
+    allowed_bytes: int | None = None
 
     def foreign_bytes(self) -> int | None:
         """Device memory the message shows other processes holding (0 when it lists none; None
@@ -108,46 +127,51 @@ class OomReport:
             return None
         return max(0, self.total_bytes - self.free_bytes - self.allocated_bytes - (self.reserved_unallocated_bytes or 0))
 
+    def usable_free_bytes(self) -> int | None:
+        """Free memory this process could have had: F, capped by a memory fraction's allowance."""
+        if self.free_bytes is None or self.allowed_bytes is None:
+            return self.free_bytes
+        ours = (self.allocated_bytes or 0) + (self.reserved_unallocated_bytes or 0)
+        return max(0, min(self.free_bytes, self.allowed_bytes - ours))
+
     def classify(self, cfg: OomClassifyConfig | None = None) -> FindingKind:
         """Cause first: what on the device could have served the request (module docstring)."""
         cfg = cfg or load_oom_config()
-        if self.free_bytes is None:
+        free = self.usable_free_bytes()
+        if free is None:
             return FindingKind.OOM_UNEXPLAINED  # no figures to reason from (truncated message)
         r = self.requested_bytes
-        free = self.free_bytes
-        unalloc = self.reserved_unallocated_bytes or 0
+        need = r + cfg.headroom(r)
         others = self.foreign_bytes() or 0
         if others < cfg.foreign_min_bytes:
             others = 0
-        if r > free + unalloc + others:
-            return FindingKind.OOM_CAPACITY
-        if unalloc >= r:
+        if (self.reserved_unallocated_bytes or 0) >= r:
             return FindingKind.OOM_FRAGMENTATION
-        if free >= r:
+        if free >= need:
             return FindingKind.OOM_UNEXPLAINED
-        if free + unalloc >= r:
-            return FindingKind.OOM_FRAGMENTATION
-        return FindingKind.OOM_FOREIGN_PROCESS
+        if free + others >= need:
+            return FindingKind.OOM_FOREIGN_PROCESS
+        return FindingKind.OOM_CAPACITY
 
     def reason(self, kind: FindingKind) -> str:
         """One sentence saying why, with the figures."""
         g = _gib
-        r, free, unalloc = self.requested_bytes, self.free_bytes, self.reserved_unallocated_bytes or 0
+        r, free, unalloc = self.requested_bytes, self.usable_free_bytes(), self.reserved_unallocated_bytes or 0
+        capped = f" (of {g(self.free_bytes)} free, the memory fraction leaves {g(free)})" if free != self.free_bytes else ""
         if kind == FindingKind.OOM_CAPACITY:
             if self.total_bytes is not None and r > self.total_bytes:
                 return f"the request alone ({g(r)}) exceeds the device ({g(self.total_bytes)})"
-            return f"nothing on the device could have served {g(r)}: {g(free)} free + {g(unalloc)} cached by PyTorch" + (
-                f" + {g(self.foreign_bytes())} held by other processes" if self.foreign_bytes() else ""
-            )
+            cache = f"PyTorch's cache holds only {g(unalloc)}" if unalloc else "PyTorch caches nothing unallocated"
+            short = " (within the headroom the driver keeps)" if free is not None and free >= r else ""
+            return f"nothing on the device could have served {g(r)}: {g(free)} free{capped}{short} and {cache}" + (
+                f"; {g(self.foreign_bytes())} held by other processes would not have made the room" if self.foreign_bytes() else "")
         if kind == FindingKind.OOM_FRAGMENTATION:
-            if unalloc >= r:
-                return f"PyTorch's cache held {g(unalloc)} reserved but unallocated, enough for {g(r)} had it been contiguous"
-            return f"{g(free)} free plus {g(unalloc)} cached by PyTorch would have held {g(r)}, but the cache is split across segments still in use"
+            return f"PyTorch's cache held {g(unalloc)} reserved but unallocated, enough for {g(r)} had it been contiguous"
         if kind == FindingKind.OOM_FOREIGN_PROCESS:
-            return f"{g(self.foreign_bytes())} held by other processes made the difference ({g(free)} free + {g(unalloc)} cached < {g(r)})"
+            return f"{g(self.foreign_bytes())} held by other processes made the difference ({g(free)} free{capped} < {g(r)})"
         if free is None:
             return "the message carries no free-memory figure to explain it"
-        return f"the figures do not explain it: {g(free)} was free for a request of {g(r)} (another allocator, a memory fraction limit or MIG/MPS limits may be involved)"
+        return f"the figures do not explain it: {g(free)} was free{capped} for a request of {g(r)} (another allocator, a memory fraction limit or MIG/MPS limits may be involved)"
 
     def key(self) -> tuple:
         return (self.rank, self.gpu, self.requested_bytes, self.total_bytes, self.free_bytes, self.allocated_bytes, self.reserved_unallocated_bytes)
@@ -169,14 +193,16 @@ def parse_oom(text: str, *, line: int = 0, ts: float = 0.0, rank: int | None = N
         return None
     rep = OomReport(line=line, ts=ts, rank=rank, gpu=None, requested_bytes=_bytes(head[1], head[2]), text=text[:800])
     if m := _OOM_OLD.search(text):
-        g = m.groups()
+        size = lambda name: _bytes(m[name], m[f"{name}_unit"])  # noqa: E731
         rep.wording = "old"
-        rep.gpu = int(g[0])
-        rep.total_bytes = _bytes(g[1], g[2])
-        rep.allocated_bytes = _bytes(g[3], g[4])
-        rep.free_bytes = _bytes(g[5], g[6])
-        if g[9] is not None:
-            amount = _bytes(g[9], g[10])
+        rep.gpu = int(m["gpu"])
+        rep.total_bytes = size("total")
+        rep.allocated_bytes = size("allocated")
+        rep.free_bytes = size("free")
+        if m["allowed"] is not None:
+            rep.allowed_bytes = size("allowed")
+        if m["reserved"] is not None:
+            amount = size("reserved")
             # torch ≤1.3's "cached" is what the cache holds beyond live tensors; later releases
             # give the whole reservation.
             rep.reserved_unallocated_bytes = amount if m["what"] == "cached" else max(0, amount - rep.allocated_bytes)
