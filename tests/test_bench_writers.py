@@ -116,6 +116,10 @@ def soak_result(**over) -> dict:
         ({"rss_slope_medians_mb_per_hour": 74.6}, "serve RSS slope once its windows were full (fit through the minute medians)", "not met"),
         ({"lost": ["abc"]}, "page findings lost (raised, never paged)", "not met"),
         ({"tmpfs": False}, "serve kept running while the disk was full", "not measured"),
+        # A window of a minute or two cannot show a trend: not judged either way.
+        ({"rss_slope_medians_mb_per_hour": 12.0, "steady_window_s": 90.0}, "serve RSS slope once its windows were full (fit through the minute medians)", "not measured"),
+        ({"rss_slope_medians_mb_per_hour": float("nan")}, "serve RSS slope once its windows were full (fit through the minute medians)", "not measured"),
+        ({}, "serve RSS slope once its windows were full (fit through the minute medians)", "met"),
     ],
 )
 def test_soak_targets(over, what, expected):
