@@ -876,8 +876,10 @@ def summary(r: dict[str, Any], cmd: str | None = None) -> str:
         "| --- | --- |",
         f"| page findings raised / paged / lost / paged twice | {r['page_findings_raised']} / {r['paged']} / {len(r['lost'])} / {len(r['paged_twice'])} |",
         f"| tick p50 / p99 (period {r['tick_seconds']:g} s) | {r['tick_p50_s']:.2f} / {r['tick_p99_s']:.2f} s |",
-        f"| serve RSS slope once the windows were full, jobs level | {r['rss_slope_mb_per_hour']:.1f} MB/h over {r['steady_window_s']:.0f} s "
-        f"({_range(r['running_jobs_steady'])} training jobs running); through the minute medians {r['rss_slope_medians_mb_per_hour']:.1f} MB/h |",
+        (f"| serve RSS slope once the windows were full, jobs level | {r['rss_slope_mb_per_hour']:.1f} MB/h over {r['steady_window_s']:.0f} s "
+         f"({_range(r['running_jobs_steady'])} training jobs running); through the minute medians {r['rss_slope_medians_mb_per_hour']:.1f} MB/h |"
+         if r["steady_window_s"] >= MIN_SLOPE_WINDOW_SECONDS else
+         f"| serve RSS slope once the windows were full | – (steady window {r['steady_window_s']:.0f} s: too short to fit) |"),
         f"| `/metrics` scrape p50 / max | {r['scrape_p50_s']:.2f} / {r['scrape_max_s']:.2f} s |",
         f"| API reads during the run (API in its own process) | {r['api_req_per_s']:.0f} req/s, p50 {r['api_p50_ms']:.1f} ms, p99 {r['api_p99_ms']:.0f} ms |",
         f"| CPU of serve / its API process | {_num(r['serve_cpu_s'])} / {_num(r['api_cpu_s'])} s over {r['serve_life_s']:.0f} s |",
