@@ -174,7 +174,7 @@ def run(gpus: int = TARGET_GPUS, hours: float = 2.0, step: float = 30.0, repeats
     }
 
 
-def markdown(res: dict[str, Any]) -> str:
+def markdown(res: dict[str, Any], cmd: str | None = None) -> str:
     e = res["month_estimate_s"]
     month_ticks = MONTH_SECONDS / res["step_s"]
     per_month = TARGET_GPUS / res["gpus"] * month_ticks / res["ticks"]  # slice -> month factor
@@ -182,8 +182,16 @@ def markdown(res: dict[str, Any]) -> str:
     read_cpu_min = month_samples / res["read_lines_per_cpu_s"] / 60
     convert_cpu_min = res["convert_cpu_s"] * per_month / 60
     replay_cpu_min = res["replay_cpu_s"] * per_month / 60
+    from benchmarks.report import provenance
+
     return (
-        "## Replay of recorded history (`gpuvigil bench replay`)\n\n"
+        "## Replay of recorded history\n\n"
+        + provenance(
+            cmd or res.get("command") or "gpuvigil bench replay",
+            f"**generated** dcgm-exporter series (`benchmarks/replay_series.py`: simulated values with XID/thermal/ECC faults), sampled every "
+            f"{res['step_s']:g} s, as dcgm-exporter refreshes; no real trace.",
+        )
+        + "\n\nTargets: none set for this benchmark; its figures are for comparing runs of the same command.\n\n"
         f"Question: how long does `gpuvigil replay` take over a month of 1,000 GPUs at 30 s? Measured on a **scaled slice** "
         f"({res['gpus']:,} GPUs x {res['slice_hours']:g} h = {res['ticks']} ticks, {res['samples']:,} field samples) of **generated** "
         "dcgm-exporter series (simulated values with XID/thermal/ECC faults, `benchmarks/replay_series.py`), then **extrapolated** "
@@ -201,9 +209,6 @@ def markdown(res: dict[str, Any]) -> str:
         f"| **total from Prometheus** (decode + convert + pipeline; the server's own time not included) | | **{res['month_query_range_cpu_min'] + convert_cpu_min + replay_cpu_min:,.1f} min** |\n\n"
         f"- The slice raised {res['findings']} finding(s), {res['pages']} page(s); peak RSS {res['peak_rss_mib']:,.0f} MiB.\n"
         f"- Wall time extrapolated from this loaded run (not a target figure): {res['month_total_min']:,.0f} min from text.\n"
-        "- Before the per-tick and reader work of this round, the same benchmark gave 64.2 min CPU from text (committed figure; "
-        "73.3 min re-measured at the start of the round on the loaded machine): read 451k samples/CPU-s, convert 2.91 s, "
-        "pipeline 12.5 ms CPU/tick. docs/replay.md has the stage-by-stage account.\n"
         "- Reading a Prometheus server instead of files goes through `query_range` in chunks of 10,000 points a series; "
         "that transfer is the server's cost and is not in these figures.\n"
     )
@@ -220,6 +225,9 @@ def add_parser(sub) -> None:
 
 def main(args: argparse.Namespace) -> int:
     res = run(args.gpus, args.hours)
+    from benchmarks.report import command
+
+    res["command"] = command("replay")
     if not args.no_write:
         from benchmarks.report import write_section
 

@@ -345,14 +345,19 @@ def run(quick: bool, workdir: Path, log=print) -> dict[str, Any]:
     return res
 
 
-def markdown(r: dict[str, Any]) -> str:
+def markdown(r: dict[str, Any], cmd: str | None = None) -> str:
     a, d, n, f = r["agent"], r["detect"], r["nats"], r["fleet"]
     per_core_msgs = 1.0 / (1.0 / d["msgs_per_cpu_second"] + n["fetch_cpu_us_per_msg"] / 1e6)
     per_core_rows = per_core_msgs * d["rows"] / d["messages"]
     fmt = lambda v, spec=".2f": "n/a" if v is None else format(v, spec)  # noqa: E731
+    from benchmarks.report import provenance
+
     return "\n".join([
-        f"Measured by `gpuvigil bench scale{' --quick' if r['quick'] else ''}` on this machine (2 shared cores, loaded by other work; CPU times are "
-        "thread/process CPU). **All rows come from the simulator** (8 GPUs per node, one 8-GPU job per node, hook + device telemetry at 1 Hz).",
+        provenance(cmd or r.get("command") or "gpuvigil bench scale", "**simulated** cluster: all rows come from gpuvigil's simulator (8 GPUs per node, one 8-GPU job per node, "
+                   "hook + device telemetry sampled at 1 Hz); a real nats-server carries them. Measured on a shared 2-core machine, loaded by other work; "
+                   "CPU times are thread/process CPU."),
+        "",
+        "Targets: none set for this benchmark; its figures feed the model below.",
         "",
         "| figure | value |",
         "|---|---|",
@@ -420,6 +425,9 @@ def main(args) -> int:
     workdir = args.workdir or Path(tempfile.mkdtemp(prefix="gpuvigil-scale-"))
     workdir.mkdir(parents=True, exist_ok=True)
     res = run(args.quick, workdir, log=lambda m: print(m, file=sys.stderr, flush=True))
+    from benchmarks.report import command
+
+    res["command"] = command("scale")
     md = markdown(res)
     if not args.no_write:
         from benchmarks.report import write_section

@@ -70,5 +70,7 @@ def test_bench_pipeline_measures_both_fleets_by_default_each_with_its_own_table(
     rows = _bench_rows()
     assert [r["hook"] for r in rows] == [True, False]
     hooked, l0 = markdown(rows[:1]), markdown(rows[1:])
-    assert hooked.startswith("## Pipeline throughput (") and "Fleet: every job runs the in-process hook" in hooked
-    assert l0.startswith("## Pipeline throughput, L0 fleet (") and "Fleet: no job runs the hook" in l0
+    assert hooked.startswith("## Pipeline throughput, hooked fleet\n") and "Fleet: every job runs the in-process hook" in hooked
+    assert l0.startswith("## Pipeline throughput, L0 fleet\n") and "Fleet: no job runs the hook" in l0
+    for table in (hooked, l0):
+        assert "Written by `gpuvigil bench pipeline`." in table and "**simulated** cluster" in table and "sampled once per 1 s tick" in table

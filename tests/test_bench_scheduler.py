@@ -302,7 +302,7 @@ def test_target_summary_says_which_half_each_trace_misses():
     ratio = ref["fgd"]["100"]["mean"] / ref["best_fit"]["100"]["mean"]
     assert rows == [
         f"| `default` | {ratio:.2f} | 0.70 | 10.00 | 7.00 | 6.00 | 7.00 | 0.60 | yes | 1 of 2 | yes | met |",
-        "| `made_up` | – | 0.70 | 10.00 | 7.00 | 6.50 | 7.00 | 0.65 | yes | 2 of 2 | no | misses <= 0.7 x best-fit |",
+        "| `made_up` | – | 0.70 | 10.00 | 7.00 | 6.50 | 7.00 | 0.65 | yes | 2 of 2 | no | not met: misses <= 0.7 x best-fit |",
     ]
     # A study that lacks one of best-fit, FGD and ours adds no row.
     assert bench.target_summary({"x.csv": {"policies": {"fgd": met["policies"]["fgd"]}}}) == []
