@@ -1,6 +1,9 @@
 """Every built-in scenario end to end on the simulated cluster: the injected fault, a finding of
-the right kind naming the right job/rank/node, and the scheduler's action; hard negatives raise
-nothing. This is what `make demo` shows."""
+the right kind naming the right job/rank/node/GPU with its cause and severity within its latency
+bound, and the scheduler's action; hard negatives raise nothing. This is what `make demo` shows.
+
+Each simulated fault type is tested end to end once: here where the demo has it, in
+test_detectors_faults.py (hints off, so an OOM runs its course) where it has not."""
 
 from __future__ import annotations
 
@@ -21,13 +24,18 @@ EXPECTED = {
     "checkpoint_pause": (None, {}, None, False),
     "leak_to_oom": ("oom_predicted", {"cause": "leak"}, "resized", True),
     "fragmentation_oom": ("oom_predicted", {"cause": "fragmentation"}, "set_alloc_conf", True),
-    "nccl_hang": ("collective_hang", {"cause": "software"}, "requeued", True),
-    "node_xid79": ("xid", {"xid": 79, "severity": "page"}, "cordoned", True),
-    "ecc_dbe": ("ecc", {"severity": "page"}, "drained", True),
+    "nccl_hang": ("collective_hang", {"cause": "software", "severity": "page"}, "requeued", True),
+    "node_xid79": ("xid", {"xid": 79, "severity": "page", "cause": "hardware"}, "cordoned", True),
+    "ecc_dbe": ("ecc", {"severity": "page", "cause": "hardware"}, "drained", True),
     "thermal_throttle": ("thermal_throttle", {}, "avoid_gpu", False),
     "straggler": ("straggler", {}, "avoid_gpu", False),
     "cluster_fragmentation": ("fragmentation_cluster", {}, "moved", True),
 }
+
+# Seconds from the fault's onset within which its first finding must come.
+LATENCY_BOUND = {"nccl_hang": 10, "node_xid79": 5, "ecc_dbe": 5, "thermal_throttle": 60, "straggler": 60}
+# Kinds whose finding must name the faulty GPU itself.
+NAMES_GPU = ("xid", "ecc", "thermal_throttle", "straggler", "collective_hang")
 
 
 @pytest.fixture(scope="module")
@@ -60,6 +68,10 @@ def test_scenario_end_to_end(results, name):
         assert first["node"] == fault["node"]
     if kind in ("collective_hang", "straggler"):
         assert first["culprit_ranks"] == fault["ranks"]
+    if kind in NAMES_GPU and fault["gpu"] is not None:
+        assert first["gpu"] == fault["gpu"], (first["gpu"], fault["gpu"])
+    if name in LATENCY_BOUND:
+        assert first["ts"] <= fault["ts"] + LATENCY_BOUND[name], (first["ts"] - fault["ts"], LATENCY_BOUND[name])
     if kind == "oom_predicted":
         assert set(fault["ranks"]) <= set(first["ranks"])
         assert first["evidence"]["time_to_oom_seconds"] > 0
