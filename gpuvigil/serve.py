@@ -235,6 +235,8 @@ class Server:
         pipeline = Pipeline(collectors, detectors, sinks=[scheduler, *sinks], cfg=self.cfg)
         for s in self.sources:  # a source's `up` is its collector's health in the pipeline
             s.health = pipeline.health
+            if s.collector is not None:  # its state changes are logged under the source's name
+                pipeline.health.labels[s.collector.name] = s.label
         self.runtime = Runtime(pipeline, scheduler, None, now=time.time())
 
     def _make_acting(self, src: Any):
@@ -365,7 +367,9 @@ class Server:
 
 
 def run(args: argparse.Namespace) -> int:
-    logging.basicConfig(level=getattr(logging, args.log_level.upper()), format="%(asctime)s %(levelname)s %(name)s: %(message)s", stream=sys.stderr)
+    from gpuvigil.logsetup import configure as configure_logging
+
+    configure_logging(args.log_level)
     server = Server(args)
     server.start()
     previous = {sig: signal.signal(sig, lambda signum, frame: server.stop()) for sig in (signal.SIGTERM, signal.SIGINT)}
