@@ -7,8 +7,9 @@ What it reads and what it may do come from the `sources:` section of `--config` 
 log, torch/NCCL logs, Flight Recorder dumps, the in-process hook's receiver, the scheduler's job
 map, and `--act off|dry-run|on` for the Slurm/Kubernetes adapters. With nothing configured it
 runs the simulated cluster (`--source sim`, the demo); a real source that cannot start is an
-error naming it, never a silent switch to simulated data. At start it logs one line per source;
-`/metrics` exports `gpuvigil_source_up` per source.
+error naming it, never a silent switch to simulated data. At start it logs one line per source
+(waiting for its first read), then one line per change of state: a source up (after its first
+successful read) or down, a finding, an action; `/metrics` exports `gpuvigil_source_up` per source.
 
 The tick loop and metric scrapes share one lock, so a scrape never sees half a tick. SIGTERM or
 SIGINT stops the loop, flushes the alert outbox and the OTLP exporter, stops every thread and
