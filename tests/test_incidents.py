@@ -146,3 +146,17 @@ def test_api_finding_reads_carry_the_incident(tmp_path):
     assert found and all(f.incident and f.incident_role == "opened" for f in found)
     assert {f.incident for f in found} == {f.incident for f in rt.pipeline.all_findings}
     store.close()
+
+
+def test_a_finding_no_pipeline_placed_is_an_incident_of_its_own(tmp_path):
+    """Pushed without a pipeline (no incident): its own id, so Alertmanager's grouping by incident
+    does not put every such alert in one group."""
+    settings = alert_settings_for_tests("http://127.0.0.1:9")
+    pusher = AlertPusher("http://127.0.0.1:9", tmp_path / "outbox.sqlite", settings)
+    try:
+        a, b = F(K.XID, node="n1"), F(K.XID, node="n2")
+        labels = [pusher.alert_for(f, {}, starts_at=0.0, ends_at=1.0)["labels"] for f in (a, b)]
+    finally:
+        pusher.close()
+    assert [lab["incident"] for lab in labels] == [a.id, b.id] and a.id != b.id
+    assert not [lab for lab in labels if "update" in lab]

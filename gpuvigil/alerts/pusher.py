@@ -315,12 +315,12 @@ class AlertPusher:
             labels["hardware"] = "fatal"
         if f.kind == FindingKind.XID and f.xid is not None:
             labels["xid"] = str(f.xid)
-        if f.incident:
-            # The incident's alerts share a notification group (alertmanager.yml groups findings
-            # by `incident`) and its owner: the team of the finding that opened it.
-            labels["incident"] = f.incident
-            if f.incident_role == "update":
-                labels["update"] = "true"
+        # The incident's alerts share a notification group (alertmanager.yml groups findings by
+        # `incident`) and its owner: the team of the finding that opened it. A finding no pipeline
+        # placed is an incident of its own, never grouped with every other such finding.
+        labels["incident"] = f.incident or f.id
+        if f.incident_role == "update":
+            labels["update"] = "true"
         if f.kind == FindingKind.COLLECTOR_DOWN:
             # gpuvigil's own plumbing: the platform team's, one alert per collector target.
             labels.update(team=s.default_team, scope="cluster", collector=str(f.evidence.get("collector") or ""), target=str(f.evidence.get("target") or ""))
