@@ -23,7 +23,6 @@ import json
 import logging
 import os
 import signal
-import sys
 import threading
 import time
 from contextlib import ExitStack

@@ -26,7 +26,6 @@ import logging
 import math
 import os
 import socket
-import sys
 import time
 from pathlib import Path
 from typing import Any

@@ -22,7 +22,6 @@ import asyncio
 import json
 import logging
 import signal
-import sys
 import threading
 import time
 from collections.abc import Mapping

@@ -20,7 +20,6 @@ import logging
 import math
 import os
 import socket
-import sys
 import time
 from datetime import UTC, datetime
 from typing import Any

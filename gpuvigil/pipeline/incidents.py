@@ -93,17 +93,6 @@ class Incident:
     messaged: set[tuple[Any, ...]] = field(default_factory=set)  # places named by its messages
     known: set[tuple[Any, ...]] = field(default_factory=set)  # places named by known kinds
 
-    def summary(self) -> dict[str, Any]:
-        return {
-            "id": self.id,
-            "opened_at": self.opened_at,
-            "last_seen": self.last_seen,
-            "title": self.title.summary,
-            "kind": self.title.kind.value,
-            "severity": self.severity,
-            "findings": [{"id": k, "kind": f.kind.value, "role": self.roles[k], "ts": f.ts} for k, f in self.findings.items()],
-        }
-
 
 class IncidentTracker:
     """Assigns each finding to an incident (see the module's docstring). Bounded: an incident is
