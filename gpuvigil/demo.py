@@ -31,16 +31,49 @@ _MUST_NAME = {
 }
 
 
-def alert_route(finding: dict[str, Any], tenant: str | None, settings) -> dict[str, str]:
-    """Where Alertmanager sends this finding with the shipped routing (alerts/alertmanager.yml)."""
+def alert_route(finding: dict[str, Any], team: str, settings) -> dict[str, Any]:
+    """Where Alertmanager sends this finding's alert with the shipped routing (alerts/alertmanager.yml):
+    `team` is its incident's (alerts.pusher.incident_teams)."""
     from gpuvigil.alerts.alertmanager_config import NULL_RECEIVER, receiver_name
-    from gpuvigil.alerts.settings import HARDWARE_KINDS
 
     severity = finding["severity"]
-    hardware = finding["kind"] in HARDWARE_KINDS or not finding["job"]
-    team = settings.hardware_team if hardware else settings.team_of_tenant(tenant)
-    receiver = receiver_name(team, severity) if severity in ("page", "ticket") else NULL_RECEIVER
-    return {"finding_id": finding["id"], "severity": severity, "team": team, "receiver": receiver}
+    pushed = severity in settings.push_severities and severity in ("page", "ticket")
+    receiver = receiver_name(team, severity) if pushed else NULL_RECEIVER
+    return {
+        "finding_id": finding["id"],
+        "incident": finding["incident"],
+        "update": finding["incident_role"] == "update",
+        "severity": severity,
+        "team": team,
+        "receiver": receiver,
+    }
+
+
+def alerts_of(findings: list[Any], tenants: dict[str, str], settings) -> list[dict[str, Any]]:
+    """The alerts the pusher sends for these findings (in the order first raised): one per
+    message of an incident (its opening finding and its updates), none for evidence."""
+    from gpuvigil.alerts.pusher import incident_teams, is_message, team_of
+
+    teams = incident_teams(findings, tenants, settings)
+    return [
+        alert_route(f.to_json_dict(), teams.get(f.incident or "") or team_of(f, tenants.get(f.job or "", ""), settings), settings)
+        for f in findings
+        if is_message(f)
+    ]
+
+
+def oncall_messages(res: ScenarioResult) -> dict[str, int]:
+    """What on-call receives in a run: the alerts that reach a receiver (not the blackhole),
+    split into first messages of an incident and updates."""
+    from gpuvigil.alerts.alertmanager_config import NULL_RECEIVER
+
+    delivered = [a for a in res.alerts if a["receiver"] != NULL_RECEIVER]
+    return {
+        "messages": len(delivered),
+        "first": sum(1 for a in delivered if not a["update"]),
+        "updates": sum(1 for a in delivered if a["update"]),
+        "incidents": len({f["incident"] for f in res.findings}),
+    }
 
 
 @dataclass
@@ -122,10 +155,11 @@ def run_scenario(name: str, nodes: int | None = None, seed: int = 0, config_path
     rt.run(rt.cluster.scenario.duration_seconds)
     from gpuvigil.alerts.settings import load_settings
 
-    findings = [f.to_json_dict() for f in rt.pipeline.all_findings]
+    raised = list(rt.pipeline.all_findings)
+    findings = [f.to_json_dict() for f in raised]
     injected = [f.to_json_dict() for f in rt.cluster.injected]
     settings = load_settings(cfg)
-    tenants = {name: js.spec.tenant for name, js in rt.scheduler.jobs.items()}
+    tenants = {name: js.spec.tenant or "" for name, js in rt.scheduler.jobs.items()}
     return ScenarioResult(
         scenario=sc.name,
         description=sc.description,
@@ -137,7 +171,7 @@ def run_scenario(name: str, nodes: int | None = None, seed: int = 0, config_path
         findings=findings,
         hints=[h.to_json_dict() for h in rt.pipeline.all_hints],
         actions=[a.to_json_dict() for a in rt.scheduler.actions if a.ts > 0],
-        alerts=[alert_route(f, tenants.get(f["job"] or ""), settings) for f in findings],
+        alerts=alerts_of(raised, tenants, settings),
         problems=check(list(sc.expect), injected, findings),
     )
 
@@ -152,30 +186,75 @@ def _fmt_ranks(ranks: list[int]) -> str:
     return str(ranks)
 
 
-def render_timeline(res: ScenarioResult) -> list[tuple[float, str, str, str]]:
-    """(ts, stage, style, text) rows: injected → detected → alerted → action → resumed."""
-    rows: list[tuple[float, str, str, str]] = []
+def _incident_places(findings: list[dict[str, Any]]) -> tuple[set[str], set[str]]:
+    return {f["job"] for f in findings if f["job"]}, {f["node"] for f in findings if f["node"]}
+
+
+def render_timelines(res: ScenarioResult) -> list[tuple[str, list[tuple[float, str, str, str]]]]:
+    """One timeline per incident: (heading, rows of (ts, stage, style, text)), in the order the
+    incidents opened: the fault injected → its findings (each message to on-call, or evidence
+    only) → where the messages went → the scheduler's actions → the job resumed. Injected faults
+    and actions that touch no incident's job or node come last, under their own heading."""
     onset = min((f["ts"] for f in res.injected), default=None)
-    for f in res.injected:
-        where = f"job={f['job']} ranks={_fmt_ranks(f['ranks'])}" + (f" node={f['node']} gpu={f['gpu']}" if f["node"] else "")
-        rows.append((f["ts"], "INJECTED", "bold yellow", f"{f['kind']}  {where}"))
+    by_incident: dict[str, list[dict[str, Any]]] = {}
     for f in res.findings:
-        lat = f" (+{f['ts'] - onset:.0f} s after onset)" if onset is not None and f["ts"] >= onset else ""
-        who = f"job={f['job']}" + (f" ranks={_fmt_ranks(f['culprit_ranks'] or f['ranks'])}" if (f["culprit_ranks"] or f["ranks"]) else "")
-        who += (f" node={f['node']}" if f["node"] else "") + (f" gpu={f['gpu']}" if f["gpu"] is not None else "")
-        rows.append((f["ts"], "DETECTED", "bold red" if f["severity"] == "page" else "bold magenta", f"{f['kind']} [{f['severity']}] {who}{lat}\n{f['summary']}"))
-        route = next((a for a in res.alerts if a["finding_id"] == f["id"]), None)
-        if route:
-            rows.append((f["ts"], "ALERTED", "cyan", f"{route['severity']} → team {route['team']}, receiver {route['receiver']}"))
+        by_incident.setdefault(f["incident"] or f["id"], []).append(f)
+    routes = {a["finding_id"]: a for a in res.alerts}
+    hints = {h["id"]: h["finding_id"] for h in res.hints}
     faulted_jobs = {f["job"] for f in res.injected}
-    for a in res.actions:
-        stage = "RESUMED" if a["action"] == "placed" else "ACTION"
-        if a["action"] == "placed" and a["job"] not in faulted_jobs:
-            continue
+    used_faults: set[int] = set()
+    used_actions: set[int] = set()
+    out: list[tuple[str, list[tuple[float, str, str, str]]]] = []
+
+    def injected_row(f: dict[str, Any]) -> tuple[float, str, str, str]:
+        where = f"job={f['job']} ranks={_fmt_ranks(f['ranks'])}" + (f" node={f['node']} gpu={f['gpu']}" if f["node"] else "")
+        return (f["ts"], "INJECTED", "bold yellow", f"{f['kind']}  {where}")
+
+    def action_row(a: dict[str, Any]) -> tuple[float, str, str, str]:
         target = a["job"] or a["node"] or ""
         if a["action"] == "avoid_gpu":
             target = f"{a['node']} GPU {a['gpu']}"
-        rows.append((a["ts"], stage, "green", f"{a['action']} {target}: {a['detail']}"))
+        return (a["ts"], "RESUMED" if a["action"] == "placed" else "ACTION", "green", f"{a['action']} {target}: {a['detail']}")
+
+    for incident, findings in by_incident.items():
+        rows: list[tuple[float, str, str, str]] = []
+        jobs, nodes = _incident_places(findings)
+        ids = {f["id"] for f in findings}
+        for i, fault in enumerate(res.injected):
+            if fault["job"] in jobs or (fault["node"] and fault["node"] in nodes):
+                rows.append(injected_row(fault))
+                used_faults.add(i)
+        for f in findings:
+            lat = f" (+{f['ts'] - onset:.0f} s after onset)" if onset is not None and f["ts"] >= onset else ""
+            who = f"job={f['job']}" + (f" ranks={_fmt_ranks(f['culprit_ranks'] or f['ranks'])}" if (f["culprit_ranks"] or f["ranks"]) else "")
+            who += (f" node={f['node']}" if f["node"] else "") + (f" gpu={f['gpu']}" if f["gpu"] is not None else "")
+            role = {"opened": "opens the incident", "update": "updates the incident", "evidence": "evidence, no message"}.get(f["incident_role"] or "", "")
+            style = "bold red" if f["severity"] == "page" else "bold magenta" if f["incident_role"] != "evidence" else "dim"
+            rows.append((f["ts"], "DETECTED", style, f"{f['kind']} [{f['severity']}] {who}{lat}: {role}\n{f['summary']}"))
+            route = routes.get(f["id"])
+            if route:
+                what = "update" if route["update"] else "message"
+                rows.append((f["ts"], "ALERTED", "cyan", f"{what}: {route['severity']} → team {route['team']}, receiver {route['receiver']}"))
+        for j, a in enumerate(res.actions):
+            if j in used_actions:
+                continue
+            mine = hints.get(a.get("hint_id") or "") in ids
+            resumed = a["action"] == "placed" and a["job"] in faulted_jobs and a["job"] in jobs and any(f["ts"] <= a["ts"] for f in findings)
+            if mine or resumed:
+                rows.append(action_row(a))
+                used_actions.add(j)
+        title = next((f for f in reversed(findings) if f["incident_role"] in ("opened", "update")), findings[0])
+        messages = sum(1 for f in findings if routes.get(f["id"]))
+        heading = f"incident {incident}: {title['kind']} ({len(findings)} finding(s), {messages} alert(s))"
+        out.append((heading, _ordered(rows)))
+    rest = [injected_row(f) for i, f in enumerate(res.injected) if i not in used_faults]
+    rest += [action_row(a) for j, a in enumerate(res.actions) if j not in used_actions and a["action"] != "placed"]
+    if rest or not out:
+        out.append(("no incident", _ordered(rest)))
+    return out
+
+
+def _ordered(rows: list[tuple[float, str, str, str]]) -> list[tuple[float, str, str, str]]:
     order = {"INJECTED": 0, "DETECTED": 1, "ALERTED": 2, "ACTION": 3, "RESUMED": 4}
     return sorted(rows, key=lambda r: (r[0], order[r[1]]))
 
@@ -185,14 +264,17 @@ def print_text(results: list[ScenarioResult], console) -> None:
 
     for res in results:
         console.print(f"\n[bold]━━ {res.scenario}[/bold] — {escape(res.description)}")
-        rows = render_timeline(res)
-        if not rows:
-            console.print("   (no fault injected)")
-        for ts, stage, style, text in rows:
-            first, *rest = text.split("\n")
-            console.print(f"  t={ts:7.1f}s  [{style}]{stage:<9}[/{style}] {escape(first)}")
-            for line in rest:
-                console.print(f"                       {escape(line)}", style="dim")
+        for heading, rows in render_timelines(res):
+            console.print(f"  [bold]{escape(heading)}[/bold]")
+            if not rows:
+                console.print("   (no fault injected)")
+            for ts, stage, style, text in rows:
+                first, *rest = text.split("\n")
+                console.print(f"  t={ts:7.1f}s  [{style}]{stage:<9}[/{style}] {escape(first)}")
+                for line in rest:
+                    console.print(f"                       {escape(line)}", style="dim")
+        m = oncall_messages(res)
+        console.print(f"  on-call received {m['messages']} message(s): {m['first']} first, {m['updates']} update(s), for {len(res.injected)} injected fault(s)")
         if res.ok:
             verdict = "no finding, as expected" if not res.expect else f"detected {', '.join(res.expect)} naming the right job/rank/node"
             console.print(f"  [bold green]✓ {verdict}[/bold green]")

@@ -72,16 +72,25 @@ class Source:
     health: HealthTracker | None = None
 
     @property
+    def label(self) -> tuple[str, str]:
+        """How the health tracker's log lines name it (pipeline/health.py)."""
+        return f"source {self.kind}", self.where
+
+    @property
     def up(self) -> bool:
         if self.up_fn is not None:
             return self.up_fn()
-        if self.collector is None or self.health is None:
+        if self.collector is None:
             return True
-        return self.health.last_read_ok(self.collector.name)
+        return self.health is not None and self.health.last_read_ok(self.collector.name)
 
     def line(self) -> str:
+        """The start-up line: what it reads, and its state. A source with a collector is up only
+        after its first successful read; the pipeline's health tracker logs that, and every later
+        change of state, under the same name (`label`)."""
         why = self.health.reason(self.collector.name) if self.health is not None and self.collector is not None else None
-        state = "up" if self.up else f"DOWN ({why or ''})"
+        unread = self.up_fn is None and self.collector is not None and (self.health is None or not self.health.read_yet(self.collector.name))
+        state = "waiting for its first read" if unread else "up" if self.up else f"DOWN ({why or ''})"
         return f"source {self.kind}: {self.where}" + (f" ({self.detail})" if self.detail else "") + f": {state}"
 
     def close(self) -> None:

@@ -10,7 +10,7 @@ from __future__ import annotations
 import hashlib
 import json
 from enum import StrEnum
-from typing import Any
+from typing import Any, Literal
 
 import polars as pl
 from pydantic import BaseModel, ConfigDict, Field
@@ -94,6 +94,11 @@ class Finding(BaseModel):
     summary: str
     source: str | None = None  # file:line for offline analysis, detector name online
     cause: str | None = None  # e.g. hardware | software | leak | fragmentation
+    # The incident the finding belongs to (pipeline/incidents.py: the one rule that groups them) and
+    # its part in it: "opened" it, an "update" (a message marked as one), or "evidence" only (no
+    # message). None until the pipeline places it.
+    incident: str | None = None
+    incident_role: Literal["opened", "update", "evidence"] | None = None
 
     @property
     def cause_key(self) -> str:
@@ -118,6 +123,8 @@ class Finding(BaseModel):
     def to_json_dict(self) -> dict[str, Any]:
         d = self.model_dump(mode="json")
         d["id"] = self.id
+        if d["incident"] is None:  # not placed by a pipeline (offline analysis of one file): no incident to name
+            del d["incident"], d["incident_role"]
         return d
 
 

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import io
+import collections
 import json
 import math
 import re
@@ -850,6 +851,10 @@ def run_replay(
     gpu_keys: set[tuple] = set(streams["gpu_samples"].select("node", "gpu").unique().rows()) if "gpu_samples" in streams else set()
     kept: list[pl.DataFrame] = [streams["gpu_samples"]] if "gpu_samples" in streams else []
     it = prefetch(chunks) if chunks is not None else None
+    # Logs and dumps: diagnosed offline, fired at their own time (clamped to the replayed span).
+    offline = sorted(((min(max(f.ts if f.ts > 10 * 365 * 86400 else t0, t0), t1), f) for f in recorded.offline), key=lambda x: x[0])
+    offline_at = list(offline)
+    pending = collections.deque(offline)
     fetched_until = -math.inf if it is not None else math.inf
     for i in range(n_ticks):
         now = t0 + i * step
@@ -866,16 +871,19 @@ def run_replay(
                 gpu_keys |= set(part["gpu_samples"].select("node", "gpu").unique().rows())
                 if sum(x.height for x in kept) + part["gpu_samples"].height <= REPORT_SAMPLES_MAX:
                     kept.append(part["gpu_samples"].select("ts", "node", "gpu", "memory_used_bytes", "memory_total_bytes"))
+        while pending and pending[0][0] <= now:  # dated log/dump findings join incidents in time order
+            at, f = pending.popleft()
+            pipeline.incidents.observe([f], at)
         res = pipeline.tick(now)
         fired.extend(Fired(now, f) for f in res.new_findings)
         hints.extend(FiredHint(now, h) for h in res.new_hints)
     if it is not None:
         it.close()  # type: ignore[attr-defined]  # stops the prefetch thread
-    # Logs and dumps: diagnosed offline, fired at their own time, through the same hint rules.
+    for at, f in pending:  # after the last tick
+        pipeline.incidents.observe([f], at)
+    # ... through the same hint rules.
     policy = HintPolicy(cfg)
-    for f in recorded.offline:
-        at = f.ts if f.ts > 10 * 365 * 86400 else t0
-        at = min(max(at, t0), t1)
+    for at, f in offline_at:
         fired.append(Fired(at, f))
         hints.extend(FiredHint(at, h) for h in policy.hints_for(f))
     fired.sort(key=lambda x: (x.at, x.finding.ts))
@@ -908,7 +916,7 @@ def json_records(result: ReplayResult, policy: Any) -> Iterable[dict[str, Any]]:
     from gpuvigil.analyze import to_json_line
 
     for f in result.findings:
-        yield {"record": "finding", "fired_at": f.at, **to_json_line(f.finding, policy)}
+        yield {"record": "finding", "fired_at": f.at, **to_json_line(f.finding, policy), "incident": f.finding.incident, "incident_role": f.finding.incident_role}
     for h in result.hints:
         d = h.hint.model_dump(mode="json")
         yield {"record": "hint", "fired_at": h.at, **d}

@@ -7,8 +7,9 @@ What it reads and what it may do come from the `sources:` section of `--config` 
 log, torch/NCCL logs, Flight Recorder dumps, the in-process hook's receiver, the scheduler's job
 map, and `--act off|dry-run|on` for the Slurm/Kubernetes adapters. With nothing configured it
 runs the simulated cluster (`--source sim`, the demo); a real source that cannot start is an
-error naming it, never a silent switch to simulated data. At start it logs one line per source;
-`/metrics` exports `gpuvigil_source_up` per source.
+error naming it, never a silent switch to simulated data. At start it logs one line per source
+(waiting for its first read), then one line per change of state: a source up (after its first
+successful read) or down, a finding, an action; `/metrics` exports `gpuvigil_source_up` per source.
 
 The tick loop and metric scrapes share one lock, so a scrape never sees half a tick. SIGTERM or
 SIGINT stops the loop, flushes the alert outbox and the OTLP exporter, stops every thread and
@@ -22,7 +23,6 @@ import json
 import logging
 import os
 import signal
-import sys
 import threading
 import time
 from contextlib import ExitStack
@@ -235,6 +235,8 @@ class Server:
         pipeline = Pipeline(collectors, detectors, sinks=[scheduler, *sinks], cfg=self.cfg)
         for s in self.sources:  # a source's `up` is its collector's health in the pipeline
             s.health = pipeline.health
+            if s.collector is not None:  # its state changes are logged under the source's name
+                pipeline.health.labels[s.collector.name] = s.label
         self.runtime = Runtime(pipeline, scheduler, None, now=time.time())
 
     def _make_acting(self, src: Any):
@@ -365,7 +367,9 @@ class Server:
 
 
 def run(args: argparse.Namespace) -> int:
-    logging.basicConfig(level=getattr(logging, args.log_level.upper()), format="%(asctime)s %(levelname)s %(name)s: %(message)s", stream=sys.stderr)
+    from gpuvigil.logsetup import configure as configure_logging
+
+    configure_logging(args.log_level)
     server = Server(args)
     server.start()
     previous = {sig: signal.signal(sig, lambda signum, frame: server.stop()) for sig in (signal.SIGTERM, signal.SIGINT)}

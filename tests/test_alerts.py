@@ -92,6 +92,11 @@ def test_amtool_check_config():
         ({"severity": "ticket", "team": "gpu-platform"}, "gpu-platform-ticket"),
         ({"severity": "info", "team": "ml-research"}, "blackhole"),
         ({"alertname": "SomethingWithoutSeverity"}, "gpu-platform-ticket"),
+        # gpuvigil's own findings (grouped by incident) route by the same severity and team.
+        ({"origin": "finding", "incident": "abc", "severity": "page", "team": "ml-vision"}, "ml-vision-page"),
+        ({"origin": "finding", "incident": "abc", "severity": "ticket", "team": "ml-research", "update": "true"}, "ml-research-ticket"),
+        ({"origin": "finding", "incident": "abc", "severity": "info", "team": "ml-research"}, "blackhole"),
+        ({"origin": "finding", "kind": "collector_down"}, "gpu-platform-ticket"),
     ],
 )
 def test_amtool_routes(labels, receiver):
@@ -108,7 +113,11 @@ def test_alertmanager_document_shape():
     doc = alertmanager_config.alertmanager_document(load_settings())
     route = doc["route"]
     assert route["group_by"] == ["alertname", "job", "node"]
-    repeats = {r["matchers"][0]: r.get("repeat_interval") for r in route["routes"]}
+    # gpuvigil's findings first, grouped by incident, under the same severity/team tree as rules'.
+    findings, *rules_routes = route["routes"]
+    assert findings["matchers"] == ['origin="finding"'] and findings["group_by"] == ["incident"]
+    assert findings["routes"] == rules_routes
+    repeats = {r["matchers"][0]: r.get("repeat_interval") for r in rules_routes}
     assert repeats['severity="page"'] == "4h" and repeats['severity="ticket"'] == "24h"
     hw = doc["inhibit_rules"][0]
     assert hw == {"source_matchers": ['hardware="fatal"'], "target_matchers": ['scope="job"'], "equal": ["node"]}
@@ -118,7 +127,8 @@ def test_settings_overrides_flow_into_the_config():
     cfg = config.load(overrides={"alerts": {"group_wait": "1s", "repeat_interval": {"page": "1h", "ticket": "2h"}}})
     doc = alertmanager_config.alertmanager_document(load_settings(cfg))
     assert doc["route"]["group_wait"] == "1s"
-    assert doc["route"]["routes"][0]["repeat_interval"] == "1h"
+    findings, page = doc["route"]["routes"][:2]
+    assert page["repeat_interval"] == "1h" and findings["routes"][0]["repeat_interval"] == "1h"
 
 
 @pytest.mark.parametrize(

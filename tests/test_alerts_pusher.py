@@ -65,9 +65,12 @@ def test_findings_arrive_in_alertmanager_with_labels_and_annotations(alertmanage
     assert pusher.flush() == 2 and pusher.pending() == 0
     xid = am_alerts(alertmanager, alertname=alert_name("xid"), node="node-b")
     assert len(xid) == 1
+    raised = {f.kind.value: f for f in rt.pipeline.all_findings}
+    # Each finding opened its own incident (another GPU, another job): no `update` label.
+    assert raised["xid"].incident and raised["xid"].incident != raised["oom_predicted"].incident
     assert xid[0]["labels"] == {
         "alertname": "GpuvigilXid", "severity": "page", "kind": "xid", "node": "node-b", "gpu": "1", "xid": "79",
-        "team": "gpu-platform", "scope": "node", "origin": "finding", "hardware": "fatal",
+        "team": "gpu-platform", "scope": "node", "origin": "finding", "hardware": "fatal", "incident": raised["xid"].incident,
     }
     ann = xid[0]["annotations"]
     assert ann["summary"].startswith("XID 79 on node-b")

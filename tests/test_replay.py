@@ -501,12 +501,14 @@ def test_exemplar_lines_are_read_as_prometheus_client_reads_them(tmp_path):
 
 def test_replay_json_findings_carry_exactly_analyzes_fields(capsys):
     """`replay --format json` finding records are `analyze --format json`'s objects, same keys and
-    values, plus `record` and `fired_at` (issue 10: same fields as analyze)."""
+    values, plus `record`, `fired_at` and the incident each belongs to (issue 10: same fields as analyze)."""
     files = [str(DATA / "public" / "kernel_dbe_syslog.log"), str(DATA / "h200" / "s3_fragmentation.log")]
     assert cli.main(["analyze", "--format", "json", "--node", "worker4", "--job", "train", *files]) in (0, 1)
     analyzed = [r for r in _records(capsys) if "kind" in r]
     assert cli.main(["replay", "--format", "json", "--node", "worker4", "--job", "train", "--step", "60", *files]) == 0
     replayed = [r for r in _records(capsys) if r["record"] == "finding"]
     assert analyzed and len(replayed) == len(analyzed)
-    stripped = sorted((json.dumps({k: v for k, v in r.items() if k not in ("record", "fired_at")}, sort_keys=True) for r in replayed))
+    # Replay places every finding in an incident (pipeline/incidents.py), logs and dumps included.
+    assert all(r["incident"] and r["incident_role"] in ("opened", "update", "evidence") for r in replayed)
+    stripped = sorted((json.dumps({k: v for k, v in r.items() if k not in ("record", "fired_at", "incident", "incident_role")}, sort_keys=True) for r in replayed))
     assert stripped == sorted(json.dumps(r, sort_keys=True) for r in analyzed)

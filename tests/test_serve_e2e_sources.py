@@ -163,7 +163,9 @@ def test_a_source_that_cannot_start_exits_non_zero_naming_it(tmp_path):
 def test_sources_that_wait_for_jobs_say_so_at_start(tmp_path):
     done = _serve_process(tmp_path, "--log", str(tmp_path / "train" / "{job}" / "rank{rank}.log"), "--fr-dump-dir", str(tmp_path / "fr"))
     assert done.returncode == 0, done.stderr
-    assert f"source logs: {tmp_path}/train/{{job}}/rank{{rank}}.log (job, rank from the path; {tmp_path}/train does not exist yet): up" in done.stderr
+    # up only once read: the start-up line waits for the first read, the next line says it is up
+    assert f"source logs: {tmp_path}/train/{{job}}/rank{{rank}}.log (job, rank from the path; {tmp_path}/train does not exist yet): waiting for its first read" in done.stderr
+    assert f"source logs: {tmp_path}/train/{{job}}/rank{{rank}}.log is up" in done.stderr
     assert (tmp_path / "fr").is_dir() and (tmp_path / "fr").stat().st_mode & 0o7777 == 0o1777
     assert f"source flight_recorder: {tmp_path}/fr" in done.stderr
 
@@ -192,7 +194,8 @@ def test_a_failing_source_is_down_in_the_pipeline_s_health_and_reports_why():
     dcgm = Source("dcgm", url, DcgmCollector(url, timeout_seconds=0.5))
     boom = Source("nvml", "NVML on gvx", Raises())
     try:
-        assert dcgm.up and boom.up  # before the pipeline has them: started, so up
+        assert not dcgm.up and not boom.up  # started, but not read yet: not up
+        assert dcgm.line().endswith(": waiting for its first read")
         health = HealthTracker(down_after=3)
         dcgm.health = boom.health = health
         assert health.collect_all([dcgm.collector, boom.collector], time.time()) == []
@@ -217,8 +220,10 @@ def test_serve_reads_kernel_log_torch_logs_and_the_hook_receiver(tmp_path):
     try:
         lines = server.describe()
         assert [line.split(":")[0] for line in lines] == ["source kernel_log", "source logs", "source hook"]
-        assert all(line.endswith(": up") for line in lines), lines
+        # each is up once the pipeline has read it (the files, the receiver's queue)
+        assert all(line.endswith(": waiting for its first read") for line in lines), lines
         loop_in_thread(server)
+        wait_for(lambda: all(line.endswith(": up") for line in server.describe()), 30, what="every source read once")
         t = since_boot()
         with kern.open("a") as f:
             f.write(f"[{t:12.6f}] usb 1-1: new high-speed USB device number 3 using xhci_hcd\n")
@@ -352,9 +357,10 @@ def test_job_map_from_the_prolog_s_files_reaches_the_window(tmp_path):
     server = Server(flags("--port", "0", "--job-map-dir", str(jobmap), "--node", "gvx"))
     server.start()
     try:
-        assert server.describe()[0].startswith(f"source job_map: {jobmap} (job map: job-mapping dir {jobmap}): up")
+        assert server.describe()[0] == f"source job_map: {jobmap} (job map: job-mapping dir {jobmap}): waiting for its first read"
         server.args.duration = 1.5
         server.loop()
+        assert server.describe()[0] == f"source job_map: {jobmap} (job map: job-mapping dir {jobmap}): up"
         with server.lock:
             gpu_jobs = server.runtime.pipeline.window.get("gpu_jobs")
         assert sorted(gpu_jobs.select("node", "gpu", "job").unique().rows()) == [("gvx", 1, "5150"), ("gvx", 3, "5150")]

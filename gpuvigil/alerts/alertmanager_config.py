@@ -3,13 +3,16 @@ and evaluates its rules (alerts/prometheus.yml), both generated from the `alerts
 
 Routing: severity first (`page` → the team's pager receiver, `ticket` → its ticket receiver,
 `info` → nowhere), then the `team` label picks the team (gpuvigil sets `team` from the job's
-tenant via `tenants:`; hardware alerts go to `hardware_team`). Grouping is per alert name, job
-and node. A fatal hardware alert on a node inhibits job-scoped alerts on the same node: the job
+tenant via `tenants:`; hardware alerts go to `hardware_team`; every alert of one incident goes to
+the team of the finding that opened it). gpuvigil's findings are grouped by incident
+(`finding_group_by`), so an incident's update lands in the notification group of its first
+message; the rules' alerts are grouped per alert name, job and node (`group_by`). A fatal hardware alert on a node inhibits job-scoped alerts on the same node: the job
 failing there is a consequence, and the pager should ring once, for the cause.
 """
 
 from __future__ import annotations
 
+import copy
 from typing import Any
 
 from gpuvigil.alerts.settings import AlertSettings
@@ -38,6 +41,12 @@ def alertmanager_document(s: AlertSettings) -> dict[str, Any]:
             route["routes"] = team_routes
         routes.append(route)
     routes.append({"matchers": ['severity="info"'], "receiver": NULL_RECEIVER})
+    findings_route = {
+        "matchers": ['origin="finding"'],
+        "receiver": receiver_name(s.default_team, "ticket"),
+        "group_by": list(s.finding_group_by),
+        "routes": copy.deepcopy(routes),  # deep: no YAML anchors in the file
+    }
     receivers = [{"name": NULL_RECEIVER}]
     for team in sorted(s.teams):
         for severity in ("page", "ticket"):
@@ -50,7 +59,7 @@ def alertmanager_document(s: AlertSettings) -> dict[str, Any]:
             "group_wait": s.group_wait,
             "group_interval": s.group_interval,
             "repeat_interval": s.repeat_interval.get("ticket", "24h"),
-            "routes": routes,
+            "routes": [findings_route, *routes],
         },
         "inhibit_rules": [
             {

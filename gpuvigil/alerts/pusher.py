@@ -95,6 +95,35 @@ MIGRATIONS: list[sqlitedb.Migration] = [SCHEMA, PEERS_SCHEMA, RESEND_SCHEMA]
 KEEP_FIRING_TICKS_LATE = 3.0
 
 
+def is_message(f: Finding) -> bool:
+    """Whether a finding is a message to on-call: it opened its incident or updates it. Evidence
+    only (an explained anomaly, a symptom of an incident's known cause) is never pushed."""
+    return f.incident_role != "evidence"
+
+
+def team_of(f: Finding, tenant: str | None, s: AlertSettings) -> str:
+    """The team a finding's alert goes to: hardware and job-less findings to the hardware team,
+    the rest to the team of the job's tenant."""
+    if f.kind == FindingKind.COLLECTOR_DOWN:
+        return s.default_team
+    hardware = f.kind.value in HARDWARE_KINDS or not f.job
+    return s.hardware_team if hardware else s.team_of_tenant(tenant)
+
+
+def incident_teams(findings: Sequence[Finding], tenants: dict[str, str], s: AlertSettings, known: dict[str, str] | None = None) -> dict[str, str]:
+    """Incident → the team its alerts go to: the team of the finding that opened it (from `known`
+    when the opener is no longer among `findings`), so that its updates land in the same
+    notification group as its first message."""
+    teams: dict[str, str] = {}
+    for f in findings:
+        if f.incident and f.incident_role == "opened":
+            teams[f.incident] = team_of(f, tenants.get(f.job or "", ""), s)
+    for f in findings:
+        if f.incident and f.incident not in teams:
+            teams[f.incident] = (known or {}).get(f.incident) or team_of(f, tenants.get(f.job or "", ""), s)
+    return teams
+
+
 def alert_name(kind: str) -> str:
     """`oom_predicted` → `GpuvigilOomPredicted`."""
     return "Gpuvigil" + "".join(part.capitalize() for part in kind.split("_"))
@@ -166,6 +195,7 @@ class AlertPusher:
         self.write_failures_total = 0
         self.timer_resends_total = 0
         self._resend_failing = False
+        self._incident_team: dict[str, str] = {}
         # The timer re-sends only findings a tick of this process confirmed: after a restart, the
         # alerts of findings the new pipeline does not see again resolve by their endsAt.
         self._started = self.clock()
@@ -196,11 +226,12 @@ class AlertPusher:
     def _enqueue_tick(self, result: Any, window: Any) -> None:
         tenants = self._tenants(window)
         pushed = set(self.settings.push_severities)
+        self._incident_team = teams = incident_teams(result.active_findings, tenants, self.settings, self._incident_team)
         now = self.clock()
         with sqlitedb.transaction(self.db, self._lock):
             cur = self.db.cursor()
             for finding in result.active_findings:
-                if finding.severity.value not in pushed:
+                if finding.severity.value not in pushed or not is_message(finding):
                     continue
                 row = cur.execute("SELECT starts_at, last_enqueued_at, alert_json FROM sent WHERE fingerprint = ?", (finding.id,)).fetchone()
                 # Alertmanager knows an alert by its labels. One incident keeps the labels it was
@@ -217,7 +248,7 @@ class AlertPusher:
                     cur.execute("UPDATE sent SET confirmed_at = ? WHERE fingerprint = ?", (now, finding.id))
                     continue
                 starts_at = row[0] if row is not None else now
-                alert = self.alert_for(finding, tenants, starts_at=starts_at, ends_at=now + self.settings.end_after_seconds)
+                alert = self.alert_for(finding, tenants, starts_at=starts_at, ends_at=now + self.settings.end_after_seconds, incident_team=teams.get(finding.incident or ""))
                 if sent_labels is not None:
                     alert["labels"] = sent_labels
                 self._enqueue(cur, finding.id, "firing", alert, now)
@@ -260,12 +291,14 @@ class AlertPusher:
         pairs = jobs.select(pl.col("job"), pl.col("tenant").fill_null("")).unique("job")
         return dict(zip(pairs["job"].to_list(), pairs["tenant"].to_list(), strict=True))
 
-    def alert_for(self, f: Finding, tenants: dict[str, str], *, starts_at: float, ends_at: float) -> dict[str, Any]:
+    def alert_for(self, f: Finding, tenants: dict[str, str], *, starts_at: float, ends_at: float, incident_team: str | None = None) -> dict[str, Any]:
         s = self.settings
         kind = f.kind.value
         tenant = tenants.get(f.job or "", "")
         hardware = kind in HARDWARE_KINDS
-        team = s.hardware_team if hardware or not f.job else s.team_of_tenant(tenant)
+        team = team_of(f, tenant, s)
+        if incident_team is not None and f.kind != FindingKind.COLLECTOR_DOWN:
+            team = incident_team
         labels = {
             "alertname": alert_name(kind),
             "severity": f.severity.value,
@@ -282,6 +315,12 @@ class AlertPusher:
             labels["hardware"] = "fatal"
         if f.kind == FindingKind.XID and f.xid is not None:
             labels["xid"] = str(f.xid)
+        # The incident's alerts share a notification group (alertmanager.yml groups findings by
+        # `incident`) and its owner: the team of the finding that opened it. A finding no pipeline
+        # placed is an incident of its own, never grouped with every other such finding.
+        labels["incident"] = f.incident or f.id
+        if f.incident_role == "update":
+            labels["update"] = "true"
         if f.kind == FindingKind.COLLECTOR_DOWN:
             # gpuvigil's own plumbing: the platform team's, one alert per collector target.
             labels.update(team=s.default_team, scope="cluster", collector=str(f.evidence.get("collector") or ""), target=str(f.evidence.get("target") or ""))

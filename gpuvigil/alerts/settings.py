@@ -50,6 +50,7 @@ class AlertSettings(BaseModel):
     tenants: dict[str, str] = Field(default_factory=dict)
     teams: dict[str, dict[str, dict[str, Any]]]
     group_by: list[str] = Field(default_factory=lambda: ["alertname", "job", "node"])
+    finding_group_by: list[str] = Field(default_factory=lambda: ["incident"])
     group_wait: str = "30s"
     group_interval: str = "5m"
     repeat_interval: dict[str, str] = Field(default_factory=lambda: {"page": "4h", "ticket": "24h"})

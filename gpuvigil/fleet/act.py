@@ -26,7 +26,6 @@ import logging
 import math
 import os
 import socket
-import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -474,7 +473,9 @@ class Act:
 
 
 def run(args: argparse.Namespace) -> int:
-    logging.basicConfig(level=getattr(logging, args.log_level.upper()), format="%(asctime)s %(levelname)s %(name)s: %(message)s", stream=sys.stderr)
+    from gpuvigil.logsetup import configure as configure_logging
+
+    configure_logging(args.log_level)
     from gpuvigil.fleet.metrics import act_families, endpoint
 
     a = Act(args)

@@ -22,7 +22,6 @@ import asyncio
 import json
 import logging
 import signal
-import sys
 import threading
 import time
 from collections.abc import Mapping
@@ -480,7 +479,9 @@ def install_signals(loop: asyncio.AbstractEventLoop, stop: asyncio.Event) -> Non
 
 
 def run(args: argparse.Namespace) -> int:
-    logging.basicConfig(level=getattr(logging, args.log_level.upper()), format="%(asctime)s %(levelname)s %(name)s: %(message)s", stream=sys.stderr)
+    from gpuvigil.logsetup import configure as configure_logging
+
+    configure_logging(args.log_level)
     if args.print_nats_mapping:
         _cfg, fleet = load(args)
         print(transport.nats_mapping(fleet))

@@ -20,7 +20,6 @@ import logging
 import math
 import os
 import socket
-import sys
 import time
 from datetime import UTC, datetime
 from typing import Any
@@ -355,7 +354,9 @@ class Detect:
 
 
 def run(args: argparse.Namespace) -> int:
-    logging.basicConfig(level=getattr(logging, args.log_level.upper()), format="%(asctime)s %(levelname)s %(name)s: %(message)s", stream=sys.stderr)
+    from gpuvigil.logsetup import configure as configure_logging
+
+    configure_logging(args.log_level)
     from gpuvigil.fleet.metrics import detect_families, endpoint
 
     d = Detect(args)

@@ -17,6 +17,7 @@ from gpuvigil.detectors.levels import LevelSelector, LevelsConfig
 from gpuvigil.model import Finding, Hint
 from gpuvigil.pipeline.health import HealthTracker
 from gpuvigil.pipeline.hints import HintPolicy
+from gpuvigil.pipeline.incidents import IncidentsConfig, IncidentTracker
 from gpuvigil.pipeline.jobjoin import JobJoin
 from gpuvigil.pipeline.window import Window
 from gpuvigil.recentlog import RecentLog
@@ -38,6 +39,8 @@ class PipelineConfig(BaseModel):
     # The newest findings and hints kept in memory (`all_findings`/`all_hints`, for /metrics and
     # tests); the hint store keeps them all on disk. Bounded so a long-running serve stays flat.
     findings_kept: int = Field(10_000, ge=1)
+    # Which findings are one incident, one message to on-call (pipeline/incidents.py).
+    incidents: IncidentsConfig = Field(default_factory=IncidentsConfig)
 
 
 @dataclass
@@ -171,6 +174,7 @@ class Pipeline:
         self.detectors = list(detectors)
         self.sinks = list(sinks)
         self.hint_policy = HintPolicy(cfg)
+        self.incidents = IncidentTracker(self.config.incidents)
         self.window = Window(
             declared_horizons(self.config.horizon_seconds, self.detectors, self.config.tick_seconds),
             columns=declared_columns(self.detectors),
@@ -270,6 +274,10 @@ class Pipeline:
             if key in recovered or now - self.last_seen[key] > self._clear_after(finding):
                 cleared.append(self.active.pop(key))
                 expired.extend(self.active_hints.pop(key, []))
+        self.incidents.forget(f.id for f in cleared)
+        self.incidents.expire(now)
+        # Every reported finding gets its incident and role before any sink sees it.
+        self.incidents.observe(reported, now)
 
         new: list[Finding] = []
         new_hints: list[Hint] = []

@@ -8,6 +8,10 @@ targets (the tick goes on without it). After
 down: a WARNING names it and the reason, its `gpuvigil_collector_up` goes to 0, and a
 `collector_down` finding (ticket) is raised every tick while it stays down. The first success
 after that logs the recovery and clears the finding at once.
+
+A target is up only once a read of it worked: its first successful read is logged ("... is up"),
+once, and until then `last_read_ok` is False. The log has one line per change of state (up, down,
+up again), never one per read.
 """
 
 from __future__ import annotations
@@ -35,6 +39,7 @@ class CollectorHealth:
     down_since: float | None = None
     failures_total: int = 0
     node: str | None = None  # the node the collector watches, when it is one node's
+    ever_ok: bool = False  # a read of it has worked (it was reported up)
 
 
 def _one_line(text: str, limit: int = 300) -> str:
@@ -42,7 +47,10 @@ def _one_line(text: str, limit: int = 300) -> str:
     return line if len(line) <= limit else line[: limit - 1] + "…"
 
 
-def _who(collector: str, target: str) -> str:
+def _who(collector: str, target: str, label: tuple[str, str] | None = None) -> str:
+    if label is not None:  # how its owner names it, e.g. serve's ("source dcgm", where it reads)
+        name, where = label
+        return f"{name}: {where if target == collector else target}"
     return f"collector {collector}" if target == collector or target in collector else f"collector {collector}: {target}"
 
 
@@ -77,6 +85,9 @@ class HealthTracker:
         self.down_after = down_after
         self.table: dict[tuple[str, str], CollectorHealth] = {}
         self.recovered: list[str] = []  # ids of findings to clear this tick
+        # collector name → how the log names it: (name, where it reads), e.g. serve's ("source
+        # dcgm", URL); a target of its own is named instead of `where`. Default "collector NAME".
+        self.labels: dict[str, tuple[str, str]] = {}
 
     def _targets_of(self, collector: Collector) -> list[str]:
         known = [t for (c, t) in self.table if c == collector.name]
@@ -116,11 +127,18 @@ class HealthTracker:
         node = getattr(source, "node", None)
         for target, reason in targets.items():
             h = self.table.setdefault((collector, str(target)), CollectorHealth(collector, str(target), node=node if isinstance(node, str) else None))
+            who = _who(collector, str(target), self.labels.get(collector))
             if reason is None:
                 if not h.up:
-                    log.info("%s recovered after %.0f s down (%d failed collects)", _who(collector, str(target)), now - (h.down_since or now), h.consecutive_failures)
                     self.recovered.append(finding_id(collector, str(target)))
-                h.up, h.consecutive_failures, h.failing_since, h.down_since = True, 0, None, None
+                if not h.up and h.ever_ok:
+                    log.info("%s is up again: recovered after %.0f s down (%d failed collects)", who, now - (h.down_since or now), h.consecutive_failures)
+                elif not h.ever_ok:
+                    # A named source's first read is news to whoever watches the log; a built-in
+                    # collector's (the scheduler's own state) is not.
+                    log.log(logging.INFO if collector in self.labels else logging.DEBUG,
+                            "%s is up" + (" after %d failed collects" % h.consecutive_failures if h.consecutive_failures else ""), who)
+                h.up, h.ever_ok, h.consecutive_failures, h.failing_since, h.down_since = True, True, 0, None, None
                 continue
             h.reason = _one_line(reason)
             h.failures_total += 1
@@ -129,11 +147,17 @@ class HealthTracker:
                 h.failing_since = now
             if h.up and h.consecutive_failures >= self.down_after:
                 h.up, h.down_since = False, now
-                log.warning("%s is down after %d failed collects in a row: %s", _who(collector, str(target)), h.consecutive_failures, h.reason)
+                log.warning("%s is down after %d failed collects in a row: %s", who, h.consecutive_failures, h.reason)
 
     def last_read_ok(self, collector: str) -> bool:
-        """Whether every target of `collector` worked on its last collect (True before the first)."""
-        return all(h.consecutive_failures == 0 for (c, _t), h in self.table.items() if c == collector)
+        """Whether every target of `collector` worked on its last collect: False before its first
+        successful read (a source is not up until it has been read)."""
+        targets = [h for (c, _t), h in self.table.items() if c == collector]
+        return bool(targets) and all(h.ever_ok and h.consecutive_failures == 0 for h in targets)
+
+    def read_yet(self, collector: str) -> bool:
+        """Whether `collector` has been collected at all (a read tried, whatever its outcome)."""
+        return any(c == collector for (c, _t) in self.table)
 
     def reason(self, collector: str) -> str | None:
         return next((h.reason for (c, _t), h in self.table.items() if c == collector and h.consecutive_failures), None)

@@ -1,0 +1,162 @@
+"""One incident per fault (gpuvigil/pipeline/incidents.py): the grouping rule, table-driven; its
+window and ranks as config; what the alert pusher sends (evidence never, updates marked); the
+incident in the API's finding reads. End to end (simulator, real Alertmanager): test_incidents_e2e.py."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from gpuvigil import config
+from gpuvigil.alerts.pusher import AlertPusher
+from gpuvigil.model import Finding, FindingKind, Severity
+from gpuvigil.pipeline.core import PipelineConfig
+from gpuvigil.pipeline.incidents import IncidentsConfig, IncidentTracker
+from obs_helpers import alert_settings_for_tests, tiny_runtime
+
+K = FindingKind
+
+
+def F(kind: FindingKind, *, job: str | None = "train", node: str | None = "n1", gpu: int | None = 0, ranks=(0,), sev: str = "ticket", culprits=None) -> Finding:
+    return Finding(kind=kind, severity=Severity(sev), ts=0.0, job=job, node=node, gpu=gpu, ranks=list(ranks),
+                   culprit_ranks=list(ranks if culprits is None else culprits), summary=f"{kind.value} on {node}/{gpu}")
+
+
+# (what happens, [(tick, finding)], expected [(incident number, role)] in the same order)
+CASES = [
+    ("straggler scenario: a known finding, then anomalies about its GPU",
+     [(91, F(K.STRAGGLER)), (131, F(K.ANOMALY, culprits=[])), (201, F(K.ANOMALY, culprits=[], node="n1", gpu=0))],
+     [(0, "opened"), (0, "evidence"), (0, "evidence")]),
+    ("thermal scenario: anomaly first, the known cause re-titles, the symptom is evidence",
+     [(91, F(K.ANOMALY, culprits=[])), (95, F(K.THERMAL_THROTTLE, culprits=[])), (116, F(K.STRAGGLER))],
+     [(0, "opened"), (0, "update"), (0, "evidence")]),
+    ("seen at once by two detectors: the known kind opens, the anomaly is explained",
+     [(10, F(K.ANOMALY, culprits=[])), (10, F(K.THERMAL_THROTTLE, culprits=[]))],
+     [(0, "evidence"), (0, "opened")]),
+    ("an escalation is an update even when it explains no better",
+     [(10, F(K.THERMAL_THROTTLE)), (20, F(K.STRAGGLER, sev="page"))],
+     [(0, "opened"), (0, "update")]),
+    ("same job, another GPU: one incident, and a message about the GPU no message named",
+     [(10, F(K.XID, sev="page")), (20, F(K.XID, sev="page", node="n2", gpu=3, ranks=(5,)))],
+     [(0, "opened"), (0, "update")]),
+    ("an anomaly about another GPU of the job is not explained by the known finding",
+     [(10, F(K.STRAGGLER)), (20, F(K.ANOMALY, node="n2", gpu=3, ranks=(5,), culprits=[]))],
+     [(0, "opened"), (0, "update")]),
+    ("shared GPU, different jobs (the GPU was given to another job): one incident",
+     [(10, F(K.ECC, job="a")), (20, F(K.THERMAL_THROTTLE, job="b"))],
+     [(0, "opened"), (0, "evidence")]),
+    ("nothing shared: two incidents",
+     [(10, F(K.XID, job="a", node="n1", gpu=0)), (20, F(K.XID, job="b", node="n2", gpu=0))],
+     [(0, "opened"), (1, "opened")]),
+    ("past the window: a new incident",
+     [(10, F(K.STRAGGLER)), (10 + 600 + 1, F(K.THERMAL_THROTTLE))],
+     [(0, "opened"), (1, "opened")]),
+    ("job-level finding without GPU joins by job",
+     [(10, F(K.OOM_PREDICTED, node=None, gpu=None, ranks=(0, 1))), (30, F(K.COLLECTIVE_HANG, node="n1", gpu=1, ranks=(0, 1, 2), culprits=[2]))],
+     [(0, "opened"), (0, "update")]),
+    ("no job, no GPU (a collector down): its own incident",
+     [(10, F(K.COLLECTOR_DOWN, job=None, node=None, gpu=None, ranks=())), (11, F(K.XID, job=None, node="n1", gpu=0, ranks=()))],
+     [(0, "opened"), (1, "opened")]),
+]
+
+
+@pytest.mark.parametrize("what, stream, expected", CASES, ids=[c[0] for c in CASES])
+def test_incident_rule(what, stream, expected):
+    tracker = IncidentTracker(settings=IncidentsConfig())
+    by_tick: dict[float, list[Finding]] = {}
+    for t, f in stream:
+        by_tick.setdefault(t, []).append(f)
+    for t in sorted(by_tick):
+        tracker.expire(t)
+        tracker.observe(by_tick[t], t)
+    # incidents numbered in the order they were opened
+    opened_order: dict[str | None, int] = {}
+    for _t, f in sorted(stream, key=lambda x: x[0]):
+        opened_order.setdefault(f.incident, len(opened_order))
+    got = [(opened_order[f.incident], f.incident_role) for _t, f in stream]
+    assert got == expected, what
+
+
+def test_a_placed_finding_keeps_its_incident_and_role_while_reported():
+    tracker = IncidentTracker(settings=IncidentsConfig())
+    first = F(K.ANOMALY, culprits=[])
+    tracker.observe([first], 1.0)
+    tracker.observe([F(K.THERMAL_THROTTLE)], 2.0)
+    again = F(K.ANOMALY, culprits=[])  # the detector's next report: a new object, same cause
+    tracker.observe([again], 3.0)
+    assert (again.incident, again.incident_role) == (first.incident, "opened")
+    # reported every tick, the incident stays live past the window
+    for t in range(4, 700):
+        tracker.observe([F(K.ANOMALY, culprits=[])], float(t))
+        tracker.expire(float(t))
+    late = F(K.STRAGGLER)
+    tracker.observe([late], 700.0)
+    assert late.incident == first.incident and late.incident_role == "evidence"
+    # quiet for longer than the window: forgotten (bounded memory), the next one opens anew
+    assert tracker.expire(700.0 + 601.0) and not tracker.live
+    later = F(K.STRAGGLER)
+    tracker.observe([later], 1302.0)
+    assert later.incident != first.incident and later.incident_role == "opened"
+
+
+def test_window_and_ranks_are_config_data():
+    cfg = config.load(overrides={"pipeline": {"incidents": {"window_seconds": 5, "explains": {"anomaly": 0, "straggler": 3, "default": 2}}}})
+    tracker = IncidentTracker(config.section("pipeline", PipelineConfig, cfg).incidents)
+    a, b, c = F(K.THERMAL_THROTTLE), F(K.STRAGGLER), F(K.ECC)
+    tracker.observe([a], 0.0)
+    tracker.observe([b], 1.0)  # ranks above thermal here: re-titles
+    assert b.incident_role == "update" and tracker.incident_of(b.id).title is b
+    tracker.expire(20.0)
+    tracker.observe([c], 20.0)
+    assert c.incident != a.incident
+    with pytest.raises(config.ConfigError, match="window_seconds"):
+        config.load(overrides={"pipeline": {"incidents": {"window_seconds": 0}}})
+
+
+# -- alerts -------------------------------------------------------------------------------------------
+def test_evidence_is_never_pushed_and_updates_say_so(tmp_path):
+    settings = alert_settings_for_tests("http://127.0.0.1:9")
+    straggler = F(K.STRAGGLER, node="node-a", gpu=0, ranks=(0,))
+    anomaly = F(K.ANOMALY, node="node-a", gpu=0, ranks=(0,), culprits=[])
+    hang = Finding(kind=K.COLLECTIVE_HANG, severity=Severity.PAGE, ts=0.0, job="train", node="node-b", gpu=0, ranks=[0, 1, 2], culprit_ranks=[2],
+                   summary="train hangs on rank 2")
+    pusher = AlertPusher("http://127.0.0.1:9", tmp_path / "outbox.sqlite", settings)
+    rt = tiny_runtime([straggler, anomaly, hang], sinks=[pusher])
+    rt.step()
+    with pusher._lock:
+        rows = [json.loads(r[0]) for r in pusher.db.execute("SELECT alert_json FROM outbox ORDER BY id")]
+    by_kind = {r["labels"]["kind"]: r["labels"] for r in rows}
+    assert set(by_kind) == {"collective_hang", "straggler"}  # the explained anomaly is not pushed
+    incident = by_kind["collective_hang"]["incident"]
+    assert by_kind["straggler"]["incident"] == incident
+    assert "update" not in by_kind["collective_hang"] and by_kind["straggler"]["update"] == "true"
+    # one incident, one team: the hang's (the job's tenant, research), for the straggler too
+    assert by_kind["straggler"]["team"] == by_kind["collective_hang"]["team"] == "ml-research"
+    pusher.close()
+
+
+def test_api_finding_reads_carry_the_incident(tmp_path):
+    from gpuvigil.api import HintStore
+
+    store = HintStore(tmp_path / "hints.db")
+    rt = tiny_runtime(sinks=[store])
+    rt.step()
+    found = store.findings()
+    assert found and all(f.incident and f.incident_role == "opened" for f in found)
+    assert {f.incident for f in found} == {f.incident for f in rt.pipeline.all_findings}
+    store.close()
+
+
+def test_a_finding_no_pipeline_placed_is_an_incident_of_its_own(tmp_path):
+    """Pushed without a pipeline (no incident): its own id, so Alertmanager's grouping by incident
+    does not put every such alert in one group."""
+    settings = alert_settings_for_tests("http://127.0.0.1:9")
+    pusher = AlertPusher("http://127.0.0.1:9", tmp_path / "outbox.sqlite", settings)
+    try:
+        a, b = F(K.XID, node="n1"), F(K.XID, node="n2")
+        labels = [pusher.alert_for(f, {}, starts_at=0.0, ends_at=1.0)["labels"] for f in (a, b)]
+    finally:
+        pusher.close()
+    assert [lab["incident"] for lab in labels] == [a.id, b.id] and a.id != b.id
+    assert not [lab for lab in labels if "update" in lab]
