@@ -64,8 +64,8 @@ def test_default_sources_send_every_tick_as_before():
     assert rows["rank_progress"].group_by("delivered").len()["len"].to_list() == [16] * 30
 
 
-def test_dcgm_exporter_at_30s_each_node_on_its_own_phase():
-    gs = _observe(_scenario(sources={"device_seconds": 30}), 300)["gpu_samples"]
+def test_prometheus_history_at_30s_each_node_on_its_own_phase():
+    gs = _observe(_scenario(sources={"device_seconds": 30, "device_mode": "history"}), 300)["gpu_samples"]
     gaps = _gaps(gs)
     assert (gaps["gap"] == 30).all(), gaps["gap"].unique().to_list()
     per_node = gs.group_by("node").agg(pl.col("ts").n_unique().alias("n"), pl.col("ts").min().alias("first"))
@@ -77,7 +77,7 @@ def test_dcgm_exporter_at_30s_each_node_on_its_own_phase():
 
 
 def test_a_tick_coarser_than_the_interval_yields_one_sample_a_tick():
-    gs = _observe(_scenario(sources={"device_seconds": 10}), 300, tick=30)["gpu_samples"]
+    gs = _observe(_scenario(sources={"device_seconds": 10, "device_mode": "history"}), 300, tick=30)["gpu_samples"]
     assert (_gaps(gs)["gap"] == 30).all()
 
 
@@ -86,7 +86,7 @@ def test_sampling_does_not_change_the_world():
     (the sampler draws from its own random stream), and the hook's rows are identical."""
     every = _observe(_scenario(faults=[{"type": "memory_leak", "at": 60, "job": "train", "ranks": [3], "leak_gib_per_step": 0.2}]), 240)
     sparse = _observe(
-        _scenario(faults=[{"type": "memory_leak", "at": 60, "job": "train", "ranks": [3], "leak_gib_per_step": 0.2}], sources={"device_seconds": 30}), 240
+        _scenario(faults=[{"type": "memory_leak", "at": 60, "job": "train", "ranks": [3], "leak_gib_per_step": 0.2}], sources={"device_seconds": 30, "device_mode": "history"}), 240
     )
     key = ["ts", "node", "gpu"]
     joined = sparse["gpu_samples"].join(every["gpu_samples"], on=key, how="left", suffix="_1s")
@@ -97,7 +97,7 @@ def test_sampling_does_not_change_the_world():
 
 
 def test_lost_late_and_drifting_samples():
-    sampler = DeviceSampler([f"n{i}" for i in range(20)], 30.0, drop_share=0.1, late_share=0.2, late_seconds=(5.0, 60.0), jitter=3.0, seed=4)
+    sampler = DeviceSampler([f"n{i}" for i in range(20)], 30.0, drop_share=0.1, late_share=0.2, late_seconds=(5.0, 60.0), jitter=3.0, seed=4, mode="history")
     got = []
     for t in range(1, 3601):
         frame = pl.DataFrame({"ts": [float(t)] * 20, "node": [f"n{i}" for i in range(20)], "gpu": list(range(20))})
@@ -115,6 +115,37 @@ def test_lost_late_and_drifting_samples():
     # Intervals drift within the jitter (a tick of 1 s on top), and drops leave wider gaps.
     gaps = rows.sort("node", "ts").with_columns(pl.col("ts").diff().over("node").alias("gap")).drop_nulls("gap")["gap"]
     assert gaps.min() >= 26 and (gaps.is_between(26, 35)).mean() > 0.7 and gaps.max() >= 54
+
+
+def test_a_scraped_exporter_repeats_its_last_refresh_until_the_next():
+    """dcgm-exporter scraped every tick: the values of its last refresh (every 30 s per node),
+    stamped with the scrape's time; the device's memory moves in 30 s stairs."""
+    leak = [{"type": "memory_leak", "at": 30, "job": "train", "ranks": [3], "leak_gib_per_step": 0.5}]
+    scraped = _observe(_scenario(faults=leak, sources={"device_seconds": 30}), 180)["gpu_samples"]
+    every = _observe(_scenario(faults=leak), 180)["gpu_samples"]
+    assert (scraped["ts"] == scraped["delivered"]).all()
+    gpu = scraped.filter((pl.col("node") == "node-000") & (pl.col("gpu") == 3)).sort("ts")
+    assert gpu.height >= 150, "a row every tick once the exporter has refreshed"
+    changes = gpu.filter(pl.col("memory_used_bytes").diff() != 0)
+    assert 3 <= changes.height <= 6 and (changes["ts"].diff().drop_nulls() % 30 == 0).all(), changes["ts"].to_list()
+    # Each value is the world's reading at the refresh: the same as the every-tick row then.
+    refresh = gpu.filter(pl.col("memory_used_bytes").diff().fill_null(1) != 0).select("ts", "memory_used_bytes")
+    truth = every.filter((pl.col("node") == "node-000") & (pl.col("gpu") == 3)).select("ts", pl.col("memory_used_bytes").alias("truth"))
+    assert (refresh.join(truth, on="ts")["memory_used_bytes"] == refresh.join(truth, on="ts")["truth"]).all()
+
+
+def test_a_late_refresh_keeps_the_old_values_longer():
+    sampler = DeviceSampler(["a", "b"], 30.0, late_share=0.5, late_seconds=(10.0, 10.0), seed=2, mode="scraped")
+    seen = []
+    for t in range(1, 301):
+        f = pl.DataFrame({"ts": [float(t)] * 2, "node": ["a", "b"], "v": [t, t]})
+        out = sampler.deliver(float(t), {"gpu_samples": f})["gpu_samples"]
+        seen.append(out.with_columns(pl.lit(t).alias("now")))
+    rows = pl.concat(seen)
+    assert (rows["ts"] == rows["now"].cast(pl.Float64)).all()
+    age = rows.with_columns((pl.col("now") - pl.col("v")).alias("age"))
+    # On time, a value is at most 30 s old; a late refresh lands 10 s after it was taken.
+    assert age["age"].max() <= 30 + 10 and (age["age"] > 30).any() and sampler.late > 0
 
 
 # -- the in-process hook ------------------------------------------------------------------------------

@@ -164,7 +164,7 @@ class SimulatedCluster:
         self.sources = src
         self.sampler = DeviceSampler(
             self.node_names, src.device_seconds, drop_share=src.drop_share, late_share=src.late_share,
-            late_seconds=src.late_seconds, jitter=src.jitter_seconds, seed=seed,
+            late_seconds=src.late_seconds, jitter=src.jitter_seconds, seed=seed, mode=src.device_mode,
         )
         # Stragglers that come and go: (fault, job, ranks, onset, generation) of each.
         self._episodes: list[list] = []  # [fault, job, ranks, onset, generation, slow now]

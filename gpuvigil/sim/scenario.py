@@ -121,6 +121,10 @@ class SourcesConfig(_Strict):
     # Device telemetry (gpu_samples and NVML's per-process memory): seconds between a node's
     # samples; None: every pipeline tick. Each node's exporter runs on its own phase.
     device_seconds: float | None = Field(None, gt=0, le=3600)
+    # How those samples reach the pipeline (gpuvigil.sim.sources): `scraped` (the exporter
+    # scraped every tick answers with its last refresh, stamped with the scrape's time) or
+    # `history` (Prometheus history, as `replay` reads it: a row per sample, at its own time).
+    device_mode: Literal["scraped", "history"] = "scraped"
     # The in-process hook: `tick` (a record per rank every pipeline tick), `step` (at the end
     # of a step, at most once per hook_seconds: a rank that makes no step publishes nothing),
     # `background` (a thread publishes every hook_seconds, steps or not), `none` (no hook: the

@@ -11,6 +11,14 @@ compares sample rates on identical runs.
 
 A source samples the world as it is on the tick at or after its due time; at a tick coarser
 than the sample interval a node yields one sample per tick (the world has no state in between).
+
+Two ways such samples reach the pipeline (`mode`):
+- `scraped`: the pipeline scrapes the exporter on every tick (gpuvigil.collectors.dcgm), and the
+  exporter answers with the values of its last refresh, stamped with the scrape's time: the same
+  readings for up to an interval, then a jump. A lost refresh keeps the old values one interval
+  more; a late one keeps them until it lands.
+- `history`: Prometheus history (`gpuvigil replay`): one row per node per interval, with the time
+  it was taken; a lost sample is a gap, a late one arrives after newer rows of other nodes.
 """
 
 from __future__ import annotations
@@ -42,7 +50,13 @@ class DeviceSampler:
         jitter: float = 0.0,
         seed: int = 0,
         streams: Sequence[str] = DEVICE_STREAMS,
+        mode: str = "scraped",
     ):
+        if mode not in ("scraped", "history"):
+            raise ValueError(f"unknown device sample mode {mode!r}")
+        self.mode = mode
+        self._cache: dict[str, pl.DataFrame] = {}  # scraped: stream -> the rows of each node's last refresh
+        self._refresh_late: list[tuple[float, str, dict[str, pl.DataFrame]]] = []  # scraped: (lands at, node, rows)
         self.nodes = list(nodes)
         self.interval = interval
         self.drop_share = drop_share
@@ -87,10 +101,13 @@ class DeviceSampler:
 
     def deliver(self, now: float, frames: Mapping[str, pl.DataFrame]) -> dict[str, pl.DataFrame]:
         """The frames a collector receives at `now`: device rows of the nodes due (plus late ones
-        released now, with the time they were taken), every other stream as it is."""
+        released now, with the time they were taken), every other stream as it is; `scraped`:
+        every node's rows of its last refresh, stamped `now`."""
         out = dict(frames)
         if self.passthrough:
             return out
+        if self.mode == "scraped":
+            return self._scraped(now, frames, out)
         on_time, late = self.due(now)
         if late:
             lo, hi = self.late_seconds
@@ -109,4 +126,25 @@ class DeviceSampler:
                 parts += [h[2] for h in ready]
                 self._held = [h for h in self._held if not (h[1] == stream and h[0] <= now + 1e-9)]
             out[stream] = parts[0] if len(parts) == 1 else pl.concat(parts, how="vertical_relaxed")
+        return out
+
+    def _scraped(self, now: float, frames: Mapping[str, pl.DataFrame], out: dict[str, pl.DataFrame]) -> dict[str, pl.DataFrame]:
+        on_time, late = self.due(now)
+        for node in late:
+            self._refresh_late.append((now + float(self.rng.uniform(*self.late_seconds)), node, {s: frames[s].filter(pl.col("node") == node) for s in self.streams if s in frames}))
+        ready = [h for h in self._refresh_late if h[0] <= now + 1e-9]
+        self._refresh_late = [h for h in self._refresh_late if h[0] > now + 1e-9]
+        refreshed = set(on_time) | {h[1] for h in ready}
+        for stream in self.streams:
+            df = frames.get(stream)
+            if df is None:
+                continue
+            parts = [df.filter(pl.col("node").is_in(on_time))] + [h[2][stream] for h in ready if stream in h[2]]
+            old = self._cache.get(stream)
+            if old is not None:
+                # A refresh replaces all of its node's rows (a process that left is gone).
+                parts.insert(0, old.filter(~pl.col("node").is_in(sorted(refreshed))))
+            cache = pl.concat(parts, how="vertical_relaxed")
+            self._cache[stream] = cache
+            out[stream] = cache.with_columns(pl.lit(now, dtype=df.schema["ts"]).alias("ts"))
         return out
