@@ -109,7 +109,7 @@ def _fault(run: dict[str, Any]) -> str:
     if not run["faults"]:
         return f"none ({run['duration_seconds'] / 3600:.1f} h)"
     f = run["faults"][0]
-    out = f"{f['type']} from {f['at'] / 60:.0f} min"
+    out = f"{f['type']} from {f['at'] / 60:.0f} min" if f["at"] >= 600 else f"{f['type']} from {f['at']:.0f} s"
     if f.get("lasts_seconds"):
         out += f", {f['lasts_seconds'] / 60:.0f} min in every {f['recurs_every_seconds'] / 60:.0f}"
     return out + f" (run {run['duration_seconds'] / 3600:.1f} h)"
