@@ -31,13 +31,15 @@ TARGETS = {
 }
 
 
-def run_one(name: str, seed: int = 0) -> dict[str, Any]:
+def run_one(name: str, seed: int = 0, sample_interval: float | None = None) -> dict[str, Any]:
     from gpuvigil import config
     from gpuvigil.runtime import build_simulated
     from gpuvigil.sim import scenario as scenario_mod
 
     t0, c0 = time.perf_counter(), time.process_time()
     sc = scenario_mod.load(name)
+    if sample_interval is not None:
+        sc = scenario_mod.with_sources(sc, device_seconds=sample_interval)
     cfg = config.load(overrides={"hints": {"rules": []}})
     rt = build_simulated(sc, seed=seed, cfg=cfg)
     assert rt.cluster is not None
@@ -156,14 +158,19 @@ def cmd(args) -> int:
         if unknown:
             raise UserError(f"--scenarios: unknown realistic scenario(s) {', '.join(unknown)} (known: {', '.join(names)})")
         names = wanted
+    if args.sample_interval is not None:
+        if args.sample_interval <= 0:
+            raise UserError(f"--sample-interval must be > 0, got {args.sample_interval}")
+        for n in names:  # a value a scenario does not take fails before any simulation starts
+            scenario_mod.with_sources(scenario_mod.load(n), device_seconds=args.sample_interval)
     workers = max(1, min(len(names), args.workers or os.cpu_count() or 1))
     t0 = time.perf_counter()
     if workers == 1:
-        runs = [run_one(n, args.seed) for n in names]
+        runs = [run_one(n, args.seed, args.sample_interval) for n in names]
     else:
         # spawn, not fork: a forked child of a process whose polars thread pool ran can deadlock.
         with ProcessPoolExecutor(max_workers=workers, mp_context=multiprocessing.get_context("spawn")) as pool:
-            runs = list(pool.map(run_one, names, [args.seed] * len(names)))
+            runs = list(pool.map(run_one, names, [args.seed] * len(names), [args.sample_interval] * len(names)))
     meta = {
         "seed": args.seed,
         "workers": workers,
@@ -176,7 +183,7 @@ def cmd(args) -> int:
     if not args.no_write:
         from benchmarks.report import write_section
 
-        write_section("realistic", md, Path(args.output) if args.output else None)
+        write_section(args.section or "realistic", md, Path(args.output) if args.output else None)
     if args.json:
         out = {"meta": meta, "runs": [{k: r[k] for k in ("scenario", "expect", "sources", "tick_seconds", "ticks")} | {"verdicts": verdict(r)} for r in runs]}
         sys.stdout.write(json.dumps(out, sort_keys=True) + "\n")
@@ -189,8 +196,10 @@ def add_parser(sub) -> None:
     p = sub.add_parser("realistic", help="the detectors on the realistic scenarios: real sample rates and fault time scales")
     p.add_argument("--scenarios", default=None, help="comma-separated realistic scenario names (default: all of them)")
     p.add_argument("--seed", type=int, default=0, help="random seed (runs are deterministic per seed)")
+    p.add_argument("--sample-interval", type=float, default=None, metavar="SECONDS", help="device telemetry every SECONDS in every scenario (default: each scenario's own)")
     p.add_argument("--workers", type=int, default=None, help="parallel worker processes (default: one per core)")
     p.add_argument("--no-write", action="store_true", help="do not write docs/benchmarks.md")
     p.add_argument("--output", default=None, help="markdown file to write the section into (default docs/benchmarks.md)")
     p.add_argument("--json", action="store_true", help="print the verdicts as one JSON object")
+    p.add_argument("--section", default=None, help="docs/benchmarks.md section to write (default: realistic), e.g. realistic-30s for a run with --sample-interval 30")
     p.set_defaults(func=cmd)

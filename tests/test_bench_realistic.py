@@ -74,5 +74,6 @@ def test_cli_runs_a_scenario_and_writes_its_section(tmp_path):
     assert v["kind"] == "xid" and isinstance(v["met"], bool)
     text = doc.read_text()
     assert "<!-- bench:realistic:start -->" in text and "| xid79_logs_without_job | nvml every 1 s (scraped), hook step ≥ 1 s, 5% lost, 10% late, logs name no job |" in text
-    bad = subprocess.run([sys.executable, "-m", "gpuvigil", "bench", "realistic", "--scenarios", "nope"], capture_output=True, text=True, timeout=120)
-    assert bad.returncode == 2 and "unknown realistic scenario" in bad.stderr and "Traceback" not in bad.stderr
+    for args, message in ((["--scenarios", "nope"], "unknown realistic scenario"), (["--sample-interval", "0"], "--sample-interval must be > 0")):
+        bad = subprocess.run([sys.executable, "-m", "gpuvigil", "bench", "realistic", *args], capture_output=True, text=True, timeout=120)
+        assert bad.returncode == 2 and message in bad.stderr and "Traceback" not in bad.stderr
