@@ -304,14 +304,16 @@ class ResolutionShadows:
         from gpuvigil.sim.sources import DeviceSampler
 
         self.shadows = shadows
-        self.every_tick = [r for r in resolutions if r <= tick + 1e-9]
+        # Every tick is the L0 shadow's own view, where the shadows run one.
+        has_l0 = "L0" in getattr(shadows, "pipelines", {})
+        self.every_tick = [r for r in resolutions if r <= tick + 1e-9] if has_l0 else []
         self.pipelines: dict[float, Any] = {}
         self.samplers: dict[float, Any] = {}
         nodes = list(shadows.rt.cluster.node_names)
         for r in resolutions:
             if r in self.every_tick:
                 continue
-            sampler = DeviceSampler(nodes, r, seed=seed * 1000 + int(r), mode="scraped")
+            sampler = DeviceSampler(nodes, r if r > tick + 1e-9 else None, seed=seed * 1000 + int(r), mode="scraped")
             replay = Replay(shadows.recorder, L0_STREAMS)
             self.samplers[r] = sampler
             dets = [d for d in default_detectors(cfg) if RANK[d.level] <= RANK["L0"]]
@@ -337,7 +339,7 @@ class _Sampled:
     def __init__(self, inner: Any, sampler: Any):
         self.inner = inner
         self.sampler = sampler
-        self.name = f"sampled-{sampler.interval:g}s"
+        self.name = f"sampled-{sampler.interval or 0:g}s"
         self.errors = 0
 
     def collect(self, now: float) -> dict[str, pl.DataFrame]:

@@ -292,3 +292,30 @@ def test_a_run_is_observed_at_each_resolution_on_the_same_world():
     # The counters of a 30 s refresh reach the pipeline no sooner than at 1 s.
     first = {k: min(f["ts"] for f in v if f["kind"] == "ecc") for k, v in res.resolution_findings.items()}
     assert first["30"] >= first["1"]
+
+
+def test_resolutions_do_not_need_the_l0_shadow():
+    """Where the level shadows run no L0 pipeline, every interval (the tick's included) gets a
+    pipeline of its own: the resolution rows never depend on which levels were asked for."""
+    from benchmarks.detectors import ResolutionShadows
+    from benchmarks.levels import LevelShadows
+    from gpuvigil import config
+    from gpuvigil.runtime import build_simulated
+    from gpuvigil.sim.scenario import Scenario
+
+    case = make_case(CASE_TYPES.index("ecc_dbe"), seed=0, max_gpus=16, quick=True)
+    cfg = config.load(overrides={"pipeline": {"tick_seconds": case.tick_seconds}, "hints": {"rules": []}})
+    rt = build_simulated(Scenario.model_validate(case.scenario), seed=case.index, cfg=cfg)
+    shadows = LevelShadows(rt, cfg)
+    try:
+        del shadows.pipelines["L0"]
+        sampled = ResolutionShadows(shadows, cfg, (1.0, 30.0), case.tick_seconds, seed=case.index)
+        assert sorted(sampled.pipelines) == [1.0, 30.0] and sampled.every_tick == []
+        for _ in range(20):
+            rt.step()
+            shadows.tick(rt.now)
+            sampled.tick(rt.now)
+        assert sorted(sampled.findings()) == ["1", "30"]
+        assert sampled.samplers[1.0].passthrough and not sampled.samplers[30.0].passthrough
+    finally:
+        shadows.close()
