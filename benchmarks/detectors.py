@@ -105,6 +105,8 @@ class Case:
     step_time_seconds: float
     gpus: int
     onset: float
+    # Device sample intervals (s) the L0 view is also measured at (`--resolutions`).
+    resolutions: tuple[float, ...] = ()
 
 
 @dataclass
@@ -128,6 +130,8 @@ class RunResult:
     telemetry: str | None = None
     oom_wordings: list[str] = field(default_factory=list)  # wording of each OOM message (same order as oom_events)
     cpu_seconds: float | None = None  # process CPU time of the run (wall time on a loaded machine measures the others)
+    # L0 findings with device telemetry sampled every N s (key: str(N)), the world unchanged.
+    resolution_findings: dict[str, list[dict[str, Any]]] = field(default_factory=dict)
 
 
 def _log_uniform(rng: np.random.Generator, lo: float, hi: float) -> float:
@@ -284,6 +288,64 @@ class BaselineSink:
         return {j: float(s) + WATCHDOG_SECONDS for j, s in self.in_flight.group_by("job").agg(pl.col("since").min()).iter_rows()}
 
 
+class ResolutionShadows:
+    """The L0 view again with its device telemetry sampled every N s (a per-node clock, as an
+    exporter scraped at that interval sends it: gpuvigil.sim.sources), on the same world.
+
+    An interval no longer than the tick is the L0 shadow itself (every tick). Every L0 detector
+    runs on the sampled streams, the hardware ones (XID, thermal, anomaly) included, since they
+    read the same device samples."""
+
+    def __init__(self, shadows: Any, cfg: dict[str, Any], resolutions: tuple[float, ...], tick: float, seed: int = 0):
+        from benchmarks.levels import L0_STREAMS, Replay
+        from gpuvigil.detectors.levels import RANK
+        from gpuvigil.detectors.registry import default_detectors
+        from gpuvigil.pipeline.core import Pipeline
+        from gpuvigil.sim.sources import DeviceSampler
+
+        self.shadows = shadows
+        # Every tick is the L0 shadow's own view, where the shadows run one.
+        has_l0 = "L0" in getattr(shadows, "pipelines", {})
+        self.every_tick = [r for r in resolutions if r <= tick + 1e-9] if has_l0 else []
+        self.pipelines: dict[float, Any] = {}
+        self.samplers: dict[float, Any] = {}
+        nodes = list(shadows.rt.cluster.node_names)
+        for r in resolutions:
+            if r in self.every_tick:
+                continue
+            sampler = DeviceSampler(nodes, r if r > tick + 1e-9 else None, seed=seed * 1000 + int(r), mode="scraped")
+            replay = Replay(shadows.recorder, L0_STREAMS)
+            self.samplers[r] = sampler
+            dets = [d for d in default_detectors(cfg) if RANK[d.level] <= RANK["L0"]]
+            self.pipelines[r] = Pipeline([_Sampled(replay, sampler)], dets, cfg=cfg)
+
+    def tick(self, now: float) -> None:
+        for p in self.pipelines.values():
+            p.tick(now)
+
+    def findings(self) -> dict[str, list[dict[str, Any]]]:
+        out = {}
+        if self.every_tick:
+            l0 = self.shadows.findings()["L0"]
+            out.update({f"{r:g}": l0 for r in self.every_tick})
+        for r, p in self.pipelines.items():
+            out[f"{r:g}"] = sorted((f.to_json_dict() for f in p.all_findings.every()), key=lambda d: d["ts"])
+        return out
+
+
+class _Sampled:
+    """A collector's frames thinned by a device sample clock."""
+
+    def __init__(self, inner: Any, sampler: Any):
+        self.inner = inner
+        self.sampler = sampler
+        self.name = f"sampled-{sampler.interval or 0:g}s"
+        self.errors = 0
+
+    def collect(self, now: float) -> dict[str, pl.DataFrame]:
+        return self.sampler.deliver(now, self.inner.collect(now))
+
+
 def run_case(case: Case) -> RunResult:
     from gpuvigil import config
     from gpuvigil.sim.scenario import Scenario
@@ -300,10 +362,12 @@ def run_case(case: Case) -> RunResult:
         from benchmarks.levels import LevelShadows
 
         shadows = LevelShadows(rt, cfg)
+        sampled = ResolutionShadows(shadows, cfg, case.resolutions, case.tick_seconds, seed=case.index)
         try:
             while rt.now + rt.tick_seconds <= sc.duration_seconds + 1e-9:
                 rt.step()
                 shadows.tick(rt.now)
+                sampled.tick(rt.now)
         finally:
             shadows.close()
         onset = min((f.ts for f in rt.cluster.injected), default=None)
@@ -329,6 +393,7 @@ def run_case(case: Case) -> RunResult:
             telemetry=case.scenario.get("telemetry"),
             oom_wordings=list(getattr(rt.cluster, "oom_wordings", [])),
             cpu_seconds=time.process_time() - c0,
+            resolution_findings=sampled.findings(),
         )
     except Exception as exc:  # a crashed run is reported, not hidden
         return RunResult(case.index, case.case_type, case.gpus, case.step_time_seconds, case.tick_seconds, None, [], [], [], {}, [], time.perf_counter() - t0, 0, error=f"{type(exc).__name__}: {exc}")
@@ -857,6 +922,121 @@ def markdown(summary: dict[str, Any], meta: dict[str, Any], cost: dict[str, Any]
     return "\n".join(lines)
 
 
+# -- L0 by device sample interval ---------------------------------------------------------------------
+DEFAULT_RESOLUTIONS = (1.0, 10.0, 30.0)
+RESOLUTION_NAMES = {1.0: "NVML polled at 1 s", 10.0: "a 10 s scrape", 15.0: "Prometheus at 15 s", 30.0: "dcgm-exporter's default", 60.0: "Prometheus at 60 s"}
+
+
+def parse_resolutions(spec: str | None) -> tuple[float, ...]:
+    """`--resolutions`: device sample intervals in seconds, comma-separated (`none`: skip)."""
+    from gpuvigil.errors import UserError
+
+    if spec is None:
+        return DEFAULT_RESOLUTIONS
+    if spec.strip().lower() in ("", "none"):
+        return ()
+    out: list[float] = []
+    for part in (p.strip() for p in spec.split(",") if p.strip()):
+        try:
+            r = float(part)
+        except ValueError:
+            raise UserError(f"--resolutions: {part!r} is not a number of seconds") from None
+        if not 0 < r <= 3600:
+            raise UserError(f"--resolutions: {part} s is outside (0, 3600]")
+        out.append(r)
+    return tuple(sorted(set(out)))
+
+
+def score_resolutions(results: list[RunResult]) -> dict[str, dict[str, Any]]:
+    """The L0 figures per device sample interval (`RunResult.resolution_findings`)."""
+    from dataclasses import replace
+
+    keys = sorted({k for r in results for k in r.resolution_findings}, key=float)
+    return {k: score([replace(r, level_findings={"L0": r.resolution_findings.get(k, [])}) for r in results if not r.error], "L0") for k in keys}
+
+
+def fault_time_scales(quick: bool, results: list[RunResult] | None = None) -> str:
+    """The time scales of the suite's faults, as drawn and (memory faults) as they played out."""
+    lo, hi = (100.0, 140.0) if quick else FAULT_RANGES["time_to_oom_seconds"]
+    pause = "30–60 s" if quick else "30–240 s"
+    seen = sorted(
+        o["ts"] - r.onset
+        for r in results or []
+        if r.case_type in MEMORY_FAULTS and r.onset is not None
+        for o in r.oom_events[:1]
+    )
+    played = f" (in these runs {seen[0]:.0f}–{seen[-1]:.0f} s, {len(seen)} OOMs)" if seen else ""
+    return (
+        f"Fault time scales in these runs: leaks, fragmentation and foreign processes are drawn to reach their OOM {lo:.0f}–{hi:.0f} s after onset "
+        f"or 12 steps, whichever is longer{played}; hangs and lost GPUs are held for at least 120 s or 6 steps; stragglers, hot GPUs, PCIe "
+        f"replays and power excursions stay from onset to the end of the run (at least 120 s); checkpoint, data-loader and evaluation pauses "
+        f"last {pause}. Real leaks grow over 10 min to 6 h and stragglers come and go: those time scales are in the realistic scenarios "
+        "(`gpuvigil demo --scenario realistic`, gpuvigil/sim/scenarios/realistic/), not in this suite."
+    )
+
+
+def resolution_markdown(by_res: dict[str, dict[str, Any]], results: list[RunResult], quick: bool) -> str:
+    """The L0 section per device sample interval: every target with its computed met / not met."""
+    if not by_res:
+        return ""
+    ticks = sorted({r.tick_seconds for r in results if not r.error})
+    tick_span = f"{ticks[0]:g}–{ticks[-1]:g} s" if ticks and ticks[0] != ticks[-1] else f"{ticks[0]:g} s" if ticks else "–"
+    pc = lambda v: f"{100 * v:.1f}%"  # noqa: E731
+
+    def interval(k: str) -> str:
+        r = float(k)
+        name = RESOLUTION_NAMES.get(r)
+        return f"{k} s" + (f" ({name})" if name else "")
+
+    lines = [
+        "### L0 by device sample interval (simulated)",
+        "",
+        f"The L0 view (device telemetry, per-process memory, logs and the job map; no in-process hook) of the same {len(results)} simulated runs, "
+        f"its device telemetry refreshed per node every {', '.join(f'{k} s' for k in by_res)} (`--resolutions`; gpuvigil.sim.sources, mode `scraped`: "
+        f"each node's exporter refreshes on its own phase and the pipeline scrapes it every tick, reading the last refresh, as gpuvigil's DCGM "
+        f"collector reads dcgm-exporter). The world is the same at every interval: only what the exporter sends differs. A reading cannot be "
+        f"refreshed more often than the pipeline ticks ({tick_span} in these runs, longer for slower jobs), so the shortest interval is every tick. "
+        "No sample is lost or late here.",
+        "",
+        fault_time_scales(quick, results),
+        "",
+        "| target (L0) | device sample interval | runs k / n | share | goal | met | one-sided 95% bound | what the sample shows |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for k, sm in by_res.items():
+        for row in target_rows({"L0": sm}):
+            if row["shown"]:
+                shows = "shown"
+            elif row["refuted"]:
+                shows = f"missed (true rate ≤ {pc(row['upper'])})"
+            else:
+                shows = "not shown"
+            met = "met" if row["share"] >= row["goal"] else "not met"
+            lines.append(f"| {row['target']} | {interval(k)} | {row['k']} / {row['n']} | {pc(row['share'])} | ≥ {pc(row['goal'])} | {met} | ≥ {pc(row['lower'])} | {shows} |")
+    lines += [
+        "",
+        "| kind | device sample interval | expected | detected | FP | recall | latency p50 / p90 (s) | OOM warned before it | lead p50 (s) |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+    kinds = sorted({kk for sm in by_res.values() for kk in sm if kk not in ("hard_negatives", "oom_messages_without_figures") and not kk.startswith("baseline_")})
+    for kk in kinds:
+        for k, sm in by_res.items():
+            s = sm.get(kk)
+            if not s:
+                continue
+            lines.append(
+                f"| {kk} | {k} s | {s['expected']} | {s['detected']} | {s['false_positives']} | {_fmt(s['recall'], True)} | "
+                f"{_fmt(s['latency_p50_seconds'])} / {_fmt(s['latency_p90_seconds'])} | {_fmt(s.get('oom_recall'), True)} | {_fmt(s.get('lead_p50_seconds'))} |"
+            )
+    lines += [
+        "",
+        "Hard negatives and healthy runs without any page at L0: "
+        + "; ".join(f"{k} s {sm['hard_negatives']['page_free_runs']}/{sm['hard_negatives']['runs']}" for k, sm in by_res.items() if sm.get("hard_negatives"))
+        + ". \"met\" compares the share in these runs with the goal; \"what the sample shows\" says whether the runs are enough to prove it (exact Clopper–Pearson bound).",
+    ]
+    return "\n".join(lines)
+
+
 def parse_cases(spec: str | None) -> list[str] | None:
     """`--cases`: comma-separated case types, `all` for every type; a repeated type weighs more."""
     if not spec:
@@ -875,9 +1055,12 @@ def parse_cases(spec: str | None) -> list[str] | None:
 
 
 def run_suite(
-    runs: int, seed: int, workers: int, max_gpus: int = 1024, progress: bool = False, quick: bool = False, types: list[str] | None = None, on_result=None
+    runs: int, seed: int, workers: int, max_gpus: int = 1024, progress: bool = False, quick: bool = False, types: list[str] | None = None, on_result=None,
+    resolutions: tuple[float, ...] = (),
 ) -> tuple[list[RunResult], float]:
-    cases = [make_case(i, seed, max_gpus, quick, types) for i in range(runs)]
+    from dataclasses import replace
+
+    cases = [replace(make_case(i, seed, max_gpus, quick, types), resolutions=tuple(resolutions)) for i in range(runs)]
     # Biggest first so that the pool's tail is short; on one worker, in index order instead, so
     # that a long suite cut short has a prefix of the case cycle (its mix as asked).
     order = sorted(cases, key=lambda c: -(c.gpus * c.scenario["duration_seconds"] / c.tick_seconds)) if workers > 1 else cases
@@ -915,6 +1098,7 @@ def cmd(args) -> int:
     max_gpus = 32 if args.quick else 1024
     workers = args.workers or max(1, os.cpu_count() or 1)
     types = parse_cases(getattr(args, "cases", None))
+    resolutions = parse_resolutions(getattr(args, "resolutions", None))
     if getattr(args, "from_dumps", None):
         return _report(args, load_dumps(args.from_dumps.split(",")), sum_wall=True, workers=1, types=types)
     dump = open(args.dump_runs, "w") if getattr(args, "dump_runs", None) else None
@@ -930,7 +1114,10 @@ def cmd(args) -> int:
             dump.flush()
 
     try:
-        results, wall = run_suite(runs, args.seed, workers, max_gpus, progress=not args.json and sys.stderr.isatty(), quick=args.quick, types=types, on_result=on_result)
+        results, wall = run_suite(
+            runs, args.seed, workers, max_gpus, progress=not args.json and sys.stderr.isatty(), quick=args.quick, types=types, on_result=on_result,
+            resolutions=resolutions,
+        )
     finally:
         if dump is not None:
             dump.close()
@@ -976,12 +1163,15 @@ def _report(args, results: list[RunResult], wall: float = 0.0, workers: int = 1,
     }
     cost = None if args.quick or args.cost_gpus == 0 else measure_cost(args.cost_gpus)
     md = markdown(summary, meta, cost, levels)
+    by_res = score_resolutions(results)
+    if by_res:
+        md = md.rstrip() + "\n\n" + resolution_markdown(by_res, results, bool(args.quick))
     if not args.no_write:
         from benchmarks.report import write_section
 
         write_section(getattr(args, "section", None) or "detectors", md, Path(args.output) if args.output else None)
     if args.json:
-        sys.stdout.write(json.dumps({**summary, "levels": levels, "meta": meta, "cost": cost, "errors": [f"run {r.index} ({r.case_type}): {r.error}" for r in errors]}, sort_keys=True) + "\n")
+        sys.stdout.write(json.dumps({**summary, "levels": levels, "resolutions": by_res, "meta": meta, "cost": cost, "errors": [f"run {r.index} ({r.case_type}): {r.error}" for r in errors]}, sort_keys=True) + "\n")
     else:
         sys.stdout.write(md + "\n")
         for r in errors:
@@ -1002,5 +1192,11 @@ def add_parser(sub) -> None:
     p.add_argument("--dump-runs", default=None, metavar="FILE.jsonl", help="also write every run (ground truth and findings per level) as JSON lines")
     p.add_argument("--cases", default=None, help="case types to cycle through, comma-separated (`all` = every type; a repeated type weighs more), e.g. all,nccl_hang,gpu_lost")
     p.add_argument("--from-dumps", default=None, metavar="FILE.jsonl[,FILE.jsonl]", help="score runs written by --dump-runs (comma-separated files, e.g. several seeds) instead of simulating")
+    p.add_argument(
+        "--resolutions",
+        default=None,
+        metavar="S[,S...]",
+        help="device sample intervals in seconds the L0 view is also measured at (default 1,10,30: NVML, a 10 s scrape, dcgm-exporter's default; none: skip)",
+    )
     p.add_argument("--section", default=None, help="docs/benchmarks.md section to write (default: detectors), e.g. detectors-levels for a reduced per-level run beside the full one")
     p.set_defaults(func=cmd)

@@ -90,6 +90,8 @@ class ScenarioResult:
     actions: list[dict[str, Any]]
     alerts: list[dict[str, Any]] = field(default_factory=list)
     problems: list[str] = field(default_factory=list)
+    # What the instruments sent (scenario `sources`, the pipeline tick): every run says it.
+    sampling: dict[str, Any] = field(default_factory=dict)
 
     @property
     def ok(self) -> bool:
@@ -107,6 +109,7 @@ class ScenarioResult:
             "alerts": self.alerts,
             "hints": self.hints,
             "actions": self.actions,
+            "sampling": self.sampling,
         }
 
 
@@ -144,11 +147,36 @@ def check(expect: list[str], injected: list[dict[str, Any]], findings: list[dict
     return problems
 
 
-def run_scenario(name: str, nodes: int | None = None, seed: int = 0, config_path: str | None = None) -> ScenarioResult:
+def sampling_of(sc: scenario_mod.Scenario, tick_seconds: float) -> dict[str, Any]:
+    """How the run's sources reported (scenario `sources`), with the pipeline tick it ran at."""
+    src = sc.sources
+    return {
+        "telemetry": sc.telemetry,
+        "device_seconds": src.device_seconds if src.device_seconds is not None else tick_seconds,
+        "hook": src.hook,
+        "hook_seconds": src.hook_seconds,
+        "tick_seconds": tick_seconds,
+        "drop_share": src.drop_share,
+        "late_share": src.late_share,
+        "jitter_seconds": src.jitter_seconds,
+        "logs_name_job": src.logs_name_job,
+    }
+
+
+def describe_sampling(s: dict[str, Any]) -> str:
+    hook = "no hook" if s["hook"] == "none" else "hook every tick" if s["hook"] == "tick" else f"hook {s['hook']} (≥ {s['hook_seconds']:g} s)"
+    lossy = f", {100 * s['drop_share']:.0f}% dropped, {100 * s['late_share']:.0f}% late, ±{s['jitter_seconds']:g} s jitter" if s["drop_share"] or s["late_share"] or s["jitter_seconds"] else ""
+    logs = "" if s["logs_name_job"] else ", logs without job names"
+    return f"simulated: {s['telemetry']} every {s['device_seconds']:g} s{lossy}, {hook}{logs}, tick {s['tick_seconds']:g} s"
+
+
+def run_scenario(name: str, nodes: int | None = None, seed: int = 0, config_path: str | None = None, sample_interval: float | None = None) -> ScenarioResult:
     from gpuvigil import config
     from gpuvigil.runtime import build_simulated
 
     sc = scenario_mod.load(name)
+    if sample_interval is not None:
+        sc = scenario_mod.with_sources(sc, device_seconds=sample_interval)
     cfg = config.load(config_path) if config_path else None
     rt = build_simulated(sc, nodes=nodes, seed=seed, cfg=cfg)
     assert rt.cluster is not None
@@ -173,10 +201,11 @@ def run_scenario(name: str, nodes: int | None = None, seed: int = 0, config_path
         actions=[a.to_json_dict() for a in rt.scheduler.actions if a.ts > 0],
         alerts=alerts_of(raised, tenants, settings),
         problems=check(list(sc.expect), injected, findings),
+        sampling=sampling_of(sc, rt.tick_seconds),
     )
 
 
-def _run_one(args: tuple[str, int | None, int, str | None]) -> ScenarioResult:
+def _run_one(args: tuple[str, int | None, int, str | None, float | None]) -> ScenarioResult:
     return run_scenario(*args)
 
 
@@ -264,6 +293,8 @@ def print_text(results: list[ScenarioResult], console) -> None:
 
     for res in results:
         console.print(f"\n[bold]━━ {res.scenario}[/bold] — {escape(res.description)}")
+        if res.sampling:
+            console.print(f"   ({escape(describe_sampling(res.sampling))})", style="dim")
         for heading, rows in render_timelines(res):
             console.print(f"  [bold]{escape(heading)}[/bold]")
             if not rows:
@@ -287,9 +318,16 @@ def cmd_demo(args) -> int:
     from rich.console import Console
     from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
-    names = scenario_mod.builtin_names() if args.scenario == "all" else [args.scenario]
-    if args.scenario != "all":
+    groups = {"all": scenario_mod.builtin_names, "realistic": scenario_mod.realistic_names}
+    names = groups[args.scenario]() if args.scenario in groups else [args.scenario]
+    if args.scenario not in groups:
         scenario_mod.load(args.scenario)  # fail fast with a one-line error
+    sample_interval = getattr(args, "sample_interval", None)
+    if sample_interval is not None:
+        if sample_interval <= 0:
+            raise UserError(f"--sample-interval must be > 0, got {sample_interval}")
+        for name in names:
+            scenario_mod.with_sources(scenario_mod.load(name), device_seconds=sample_interval)
     if args.nodes is not None and args.nodes < 1:
         raise UserError(f"--nodes must be >= 1, got {args.nodes}")
     if args.nodes is not None:
@@ -301,7 +339,7 @@ def cmd_demo(args) -> int:
 
         # Build once here so a bad value is reported before any simulation starts.
         build_simulated(names[0], nodes=args.nodes, seed=args.seed, cfg=config.load(args.config))
-    jobs = [(n, args.nodes, args.seed, args.config) for n in names]
+    jobs = [(n, args.nodes, args.seed, args.config, sample_interval) for n in names]
     err = Console(stderr=True)
     workers = max(1, min(len(jobs), os.cpu_count() or 1, args.jobs or 64))
     results: dict[str, ScenarioResult] = {}
@@ -343,7 +381,19 @@ def cmd_demo(args) -> int:
 
 def add_parser(sub) -> None:
     p = sub.add_parser("demo", help="run fault scenarios end to end on the simulated cluster")
-    p.add_argument("--scenario", default="all", help=f"scenario name or file, or 'all' (built-in: {', '.join(scenario_mod.builtin_names())})")
+    p.add_argument(
+        "--scenario",
+        default="all",
+        help=f"scenario name or file; 'all': the fast built-in ones ({', '.join(scenario_mod.builtin_names())}); "
+        f"'realistic': real sample rates and time scales ({', '.join(scenario_mod.realistic_names())})",
+    )
+    p.add_argument(
+        "--sample-interval",
+        type=float,
+        default=None,
+        metavar="SECONDS",
+        help="device telemetry every SECONDS per node (30: dcgm-exporter's default, 1: NVML); default: the scenario's (the fast ones: every tick)",
+    )
     p.add_argument("--nodes", type=int, default=None, help="override the scenario's node count")
     p.add_argument("--seed", type=int, default=0, help="random seed (runs are deterministic per seed)")
     p.add_argument("--json", action="store_true", help="one JSON object per scenario on stdout")

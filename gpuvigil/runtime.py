@@ -55,6 +55,10 @@ def build_simulated(
     if nodes is not None:
         sc = scenario_mod.with_nodes(sc, nodes)
     cfg = config.defaults() if cfg is None else cfg
+    if sc.tick_seconds is not None:
+        # A scenario on real time scales says the tick it runs at (hours sampled every 30 s
+        # need no 1 s tick).
+        cfg = {**cfg, "pipeline": {**cfg.get("pipeline", {}), "tick_seconds": sc.tick_seconds}}
     # The world: the scheduler is built from the cluster's node list; the cluster reads its
     # placements. The simulated collector only reads the world.
     scheduler = Scheduler(node_specs(sc), cfg)

@@ -13,6 +13,7 @@ import pytest
 
 from benchmarks.detectors import (
     CASE_TYPES,
+    DEFAULT_RESOLUTIONS,
     MUST,
     NEGATIVE,
     POSITIVE,
@@ -20,6 +21,10 @@ from benchmarks.detectors import (
     clopper_pearson,
     make_case,
     parse_cases,
+    parse_resolutions,
+    resolution_markdown,
+    run_case,
+    score_resolutions,
     runs_needed,
     score,
     target_rows,
@@ -103,6 +108,16 @@ def test_quick_suite_completes_with_a_well_formed_table(tmp_path):
     assert any(line.startswith("| collective_hang |") for line in kinds)
     assert any(line.startswith("| baseline_watchdog_600s |") for line in kinds)
     assert any(t[0].startswith("| target (issue 9) |") for t in tables)
+    # The L0 view at each device sample interval (NVML 1 s, 10 s, dcgm-exporter's 30 s), with a
+    # computed met / not met per target and the fault time scales stated.
+    assert sorted(result["resolutions"], key=float) == ["1", "10", "30"]
+    for k, sm in result["resolutions"].items():
+        assert sm["hard_negatives"]["runs"] == len(NEGATIVE), k
+        assert sm["collective_hang"]["expected"] == 2, k
+    [res_targets] = [t for t in tables if t[0].startswith("| target (L0) | device sample interval |")]
+    assert {line.split("|")[2].strip().split(" ")[0] for line in res_targets[2:]} == {"1", "10", "30"}
+    assert all(line.split("|")[6].strip() in ("met", "not met") for line in res_targets[2:])
+    assert "### L0 by device sample interval (simulated)" in text and "Fault time scales in these runs" in text
 
 
 def test_cases_option_weights_and_restricts_the_cycle():
@@ -235,3 +250,72 @@ def test_from_dumps_rescores_runs_without_simulating(tmp_path):
     assert "| exact culprit ranks | L1 | 149 / 149 | 100.0% | ≥ 98.0% | ≥ 98.0% | shown |" in proc.stdout
     bad = subprocess.run([sys.executable, "-m", "gpuvigil", "bench", "detectors", "--from-dumps", str(tmp_path / "none.jsonl")], capture_output=True, text=True, timeout=60)
     assert bad.returncode == 2 and "--from-dumps: cannot read" in bad.stderr and "Traceback" not in bad.stderr
+
+
+def test_resolutions_option():
+    assert parse_resolutions(None) == DEFAULT_RESOLUTIONS == (1.0, 10.0, 30.0)
+    assert parse_resolutions("30, 1,30") == (1.0, 30.0) and parse_resolutions("none") == ()
+    for bad, message in (("0", "outside"), ("x", "not a number"), ("4000", "outside")):
+        with pytest.raises(UserError, match=message):
+            parse_resolutions(bad)
+
+
+def test_each_resolution_is_scored_with_met_or_not_met():
+    """The same leak run seen at 1 s (warned before the OOM) and at 30 s (not warned): each
+    interval gets its own figures and its own verdict per target."""
+    warn = _f("oom_predicted", 180.0, cause="leak", level="L0")
+    runs = [_leak_run("torch_2x", [warn])]
+    runs[0].resolution_findings = {"1": [warn], "30": []}
+    by_res = score_resolutions(runs)
+    assert list(by_res) == ["1", "30"]
+    assert by_res["1"]["oom_predicted"]["warned_before_oom"] == 1 and by_res["30"]["oom_predicted"]["warned_before_oom"] == 0
+    md = resolution_markdown(by_res, runs, quick=False)
+    assert "| OOM warned before the OOM (recall) | 1 s (NVML polled at 1 s) | 1 / 1 | 100.0% | ≥ 90.0% | met |" in md
+    assert "| OOM warned before the OOM (recall) | 30 s (dcgm-exporter's default) | 0 / 1 | 0.0% | ≥ 90.0% | not met |" in md
+    assert "120–360 s after onset" in md and "(simulated)" in md
+    for table in [b for b in md.split("\n\n") if b.startswith("|")]:
+        rows = table.splitlines()
+        assert all(len(r.split("|")) == len(rows[0].split("|")) for r in rows), rows[0]
+
+
+def test_a_run_is_observed_at_each_resolution_on_the_same_world():
+    case = make_case(CASE_TYPES.index("ecc_dbe"), seed=0, max_gpus=16, quick=True)
+    case.resolutions = (1.0, 30.0)
+    res = run_case(case)
+    assert res.error is None
+    assert sorted(res.resolution_findings) == ["1", "30"]
+    # An interval no longer than the tick is the L0 shadow itself.
+    assert res.resolution_findings["1"] == res.level_findings["L0"]
+    for k, found in res.resolution_findings.items():
+        ecc = [f for f in found if f["kind"] == "ecc"]
+        assert ecc and ecc[0]["node"] == res.injected[0]["node"], (k, [f["kind"] for f in found])
+    # The counters of a 30 s refresh reach the pipeline no sooner than at 1 s.
+    first = {k: min(f["ts"] for f in v if f["kind"] == "ecc") for k, v in res.resolution_findings.items()}
+    assert first["30"] >= first["1"]
+
+
+def test_resolutions_do_not_need_the_l0_shadow():
+    """Where the level shadows run no L0 pipeline, every interval (the tick's included) gets a
+    pipeline of its own: the resolution rows never depend on which levels were asked for."""
+    from benchmarks.detectors import ResolutionShadows
+    from benchmarks.levels import LevelShadows
+    from gpuvigil import config
+    from gpuvigil.runtime import build_simulated
+    from gpuvigil.sim.scenario import Scenario
+
+    case = make_case(CASE_TYPES.index("ecc_dbe"), seed=0, max_gpus=16, quick=True)
+    cfg = config.load(overrides={"pipeline": {"tick_seconds": case.tick_seconds}, "hints": {"rules": []}})
+    rt = build_simulated(Scenario.model_validate(case.scenario), seed=case.index, cfg=cfg)
+    shadows = LevelShadows(rt, cfg)
+    try:
+        del shadows.pipelines["L0"]
+        sampled = ResolutionShadows(shadows, cfg, (1.0, 30.0), case.tick_seconds, seed=case.index)
+        assert sorted(sampled.pipelines) == [1.0, 30.0] and sampled.every_tick == []
+        for _ in range(20):
+            rt.step()
+            shadows.tick(rt.now)
+            sampled.tick(rt.now)
+        assert sorted(sampled.findings()) == ["1", "30"]
+        assert sampled.samplers[1.0].passthrough and not sampled.samplers[30.0].passthrough
+    finally:
+        shadows.close()

@@ -3,7 +3,12 @@
 The world (`gpuvigil.sim.cluster.SimulatedCluster`: hardware, training processes, faults and the
 scheduler that places them) is built by the wiring and handed in. This module does not import it:
 anything with `observe(now)` returning the declared streams will do, so collectors stay readers
-of a world rather than owners of one."""
+of a world rather than owners of one.
+
+What a tick brings is what the world's sources send then (the scenario's `sources`,
+gpuvigil.sim.sources): device readings refreshed every 30 s by a simulated dcgm-exporter, hook
+records only at step ends, lost and late samples, log lines without a job. A stream may have no
+rows on a tick, as with a real collector."""
 
 from __future__ import annotations
 

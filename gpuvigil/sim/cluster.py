@@ -29,6 +29,7 @@ from gpuvigil import schemas, throttle
 from gpuvigil.sim import device as dev
 from gpuvigil.sim import faults
 from gpuvigil.sim.scenario import FaultConfig, JobConfig, Scenario
+from gpuvigil.sim.sources import DeviceSampler
 from gpuvigil.scheduler.core import JobSpec, NodeSpec, Scheduler
 
 GIB = 1 << 30
@@ -104,6 +105,9 @@ class SimJob:
     hang_since: float | None = None
     timeout_dumped: bool = False
     dev_footprint: np.ndarray = field(default_factory=lambda: np.zeros(0))
+    # The in-process hook's publishing clock (SourcesConfig.hook): steps seen, next publish.
+    hook_step_seen: int = -1
+    hook_next: float = 0.0
 
 
 class SimulatedCluster:
@@ -156,6 +160,14 @@ class SimulatedCluster:
         self.inspector = False
         self.fr_watchdog_seconds = 600.0
         self._fr_requests: set[str] = set()
+        src = scenario.sources
+        self.sources = src
+        self.sampler = DeviceSampler(
+            self.node_names, src.device_seconds, drop_share=src.drop_share, late_share=src.late_share,
+            late_seconds=src.late_seconds, jitter=src.jitter_seconds, seed=seed, mode=src.device_mode,
+        )
+        # Stragglers that come and go: (fault, job, ranks, onset, generation) of each.
+        self._episodes: list[list] = []  # [fault, job, ranks, onset, generation, slow now]
         self._submit_jobs()
 
     # -- set-up -------------------------------------------------------------------------------
@@ -256,11 +268,9 @@ class SimulatedCluster:
                 n, g_ = job.placement[r]
                 self.thermal_target[self._gpu_index(n, g_)] = f.temperature_c
         elif f.type == "straggler":
-            job.slowdown[ranks] = f.slowdown
-            if f.mode == "gpu":
-                self.device.clock_cap[job.gpu_idx[ranks]] = 1.0 / f.slowdown
-            else:
-                job.host_slow[ranks] = True
+            self._set_straggler(job, f, ranks, True)
+            if f.lasts_seconds is not None:
+                self._episodes.append([f, job.cfg.name, list(ranks), self.now, job.generation, True])
         elif f.type == "long_checkpoint":
             job.long_ckpt_until = self.now + f.duration_seconds
             job.stall_checkpoints = True
@@ -297,6 +307,34 @@ class SimulatedCluster:
         kind = {"long_checkpoint": "checkpoint_pause"}.get(f.type, f.type)
         self.injected.append(InjectedFault(kind, self.now, job.cfg.name, sorted(ranks), node, gpu))
 
+    def _set_straggler(self, job: SimJob, f: FaultConfig, ranks: list[int], slow: bool) -> None:
+        job.slowdown[ranks] = f.slowdown if slow else 1.0
+        if f.mode == "gpu":
+            self.device.clock_cap[job.gpu_idx[ranks]] = 1.0 / f.slowdown if slow else 1.0
+        else:
+            job.host_slow[ranks] = slow
+
+    def _play_episodes(self) -> None:
+        """Stragglers that come and go: slow for `lasts_seconds` of every `recurs_every_seconds`.
+        Each return is ground truth of its own (an injected fault at its start)."""
+        keep = []
+        for ep in self._episodes:
+            f, name, ranks, onset, gen, slow_before = ep
+            job = self.jobs[name]
+            if job.generation != gen or not job.placement:
+                continue  # the job left that hardware: the slowness stayed behind
+            keep.append(ep)
+            since = self.now - onset
+            period = f.recurs_every_seconds
+            slow = (since % period if period else since) < (f.lasts_seconds or 0.0)
+            if slow != slow_before:
+                ep[5] = slow
+                self._set_straggler(job, f, ranks, slow)
+                if slow:
+                    node, gpu = job.placement[ranks[0]]
+                    self.injected.append(InjectedFault("straggler", self.now, name, sorted(ranks), node, gpu))
+        self._episodes = keep
+
     def _xid_event(self, idx: int, xid: int, text: str, job: str | None) -> None:
         node = self.node_names[self.gpu_node[idx]]
         gpu = int(self.gpu_local[idx])
@@ -311,7 +349,7 @@ class SimulatedCluster:
                 "source": "kernel",
                 "kind": "xid",
                 "xid": xid,
-                "job": job,
+                "job": job if self.sources.logs_name_job else None,
                 "message": f"NVRM: Xid (PCI:0000:{bus:02x}:00): {xid}, pid=<unknown>, name=<unknown>, {text}",
             }
         )
@@ -320,7 +358,9 @@ class SimulatedCluster:
         if oom_message is not None and rank is not None:
             node, gpu = job.placement[rank]
             self._events.append(
-                {"ts": self.now, "node": node, "gpu": gpu, "source": "torch", "kind": "oom", "job": job.cfg.name, "rank": rank, "message": oom_message}
+                {"ts": self.now, "node": node, "gpu": gpu, "source": "torch", "kind": "oom", "message": oom_message,
+                 # A log whose path names no job says neither job nor rank (the rank may be in the text).
+                 **({"job": job.cfg.name, "rank": rank} if self.sources.logs_name_job else {"job": None, "rank": None})}
             )
         self.scheduler.job_failed(job.cfg.name, self.now, reason)
         job.placement = []
@@ -359,6 +399,8 @@ class SimulatedCluster:
         job.dev_footprint = np.zeros(0)
         job.hang_since = None
         job.timeout_dumped = False
+        job.hook_step_seen = from_step
+        job.hook_next = self.now + self.sources.hook_seconds
         if first_start:
             job.slowdown = np.ones(n)
             job.leak_bytes_per_step = np.zeros(n)
@@ -455,6 +497,8 @@ class SimulatedCluster:
         for f in due:
             self._activate(f)
         self._pending_faults = sorted(self._pending_faults + self._deferred, key=lambda f: f.at)
+        if self._episodes:
+            self._play_episodes()
 
         rp_cols: dict[str, list] = {k: [] for k in schemas.RANK_PROGRESS}
         al_cols: dict[str, list] = {k: [] for k in schemas.ALLOCATOR_STATS}
@@ -469,7 +513,11 @@ class SimulatedCluster:
             self._advance(job, dt)
             if not job.placement:
                 continue
-            self._emit_job(job, now, rp_cols, al_cols, gpu_mem, gpu_busy)
+            if self._hook_publishes(job, now):
+                self._emit_job(job, now, rp_cols, al_cols, gpu_mem, gpu_busy)
+            else:
+                # The job runs on (its state and draws are the same), its hook says nothing now.
+                self._emit_job(job, now, {k: [] for k in rp_cols}, {k: [] for k in al_cols}, gpu_mem, gpu_busy)
         foreign = np.nonzero(self.foreign_bytes > 0)[0]
         self.device.foreign_rows(now, [self.node_names[self.gpu_node[i]] for i in foreign], self.gpu_local[foreign].tolist(), [self.gpu_uuid[i] for i in foreign], self.foreign_bytes[foreign])
         frames = {
@@ -483,7 +531,28 @@ class SimulatedCluster:
             frames["fr_pipes"] = pl.concat(self._pipes)
         self._events = []
         self._fr_requests.clear()
-        return frames
+        return self.sampler.deliver(now, frames)
+
+    def _hook_publishes(self, job: SimJob, now: float) -> bool:
+        """Whether the job's in-process hook publishes a record per rank on this tick."""
+        mode = self.sources.hook
+        if mode == "tick":
+            return True
+        if mode == "none":
+            return False
+        due = now + 1e-9 >= job.hook_next
+        if mode == "step":
+            # Hook.step(): at the end of a step, once the interval has passed since the last
+            # record; a rank stuck in a collective, a checkpoint or start-up ends no step.
+            step = int(math.floor(job.phase))
+            ended = step > job.hook_step_seen
+            job.hook_step_seen = max(job.hook_step_seen, step)
+            due = due and ended
+        if due:
+            period = self.sources.hook_seconds
+            # Hook.step() waits a whole interval from its last record; a background thread keeps its beat.
+            job.hook_next = now + period if mode == "step" else job.hook_next + period * (math.floor((now - job.hook_next) / period) + 1)
+        return due
 
     def request_fr_dump(self, job: str) -> bool:
         """A write to the job's debug-info pipes: every live rank dumps its Flight Recorder on the
@@ -705,7 +774,8 @@ class SimulatedCluster:
         hot = ~np.isnan(self.thermal_target)
         # A GPU drawing excess power runs a little warmer (150 W: +6 °C), well below throttling.
         target = np.where(hot, self.thermal_target, 35.0 + 40.0 * util + 0.04 * self.power_excess)
-        self.temp_c += (target - self.temp_c) * 0.1 + 0.3 * rng.standard_normal(n)
+        # A tenth of the gap closes per second (a 10 s time constant), whatever the tick.
+        self.temp_c += (target - self.temp_c) * (1.0 - 0.9**self.pipeline_tick) + 0.3 * rng.standard_normal(n)
         sm = self._sm_clock(np.arange(n)) * np.where(util > 0.01, 1.0, 0.2)
         sm = np.maximum(sm, 345.0)
         capped = self.device.clock_cap < 1.0

@@ -16,6 +16,8 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_valida
 
 from gpuvigil.errors import UserError
 
+REALISTIC = "realistic"
+
 FaultType = Literal[
     "memory_leak",  # allocated memory grows every step on the given ranks until OOM
     "fragmentation",  # reserved-but-unallocated grows every step; cured by expandable_segments
@@ -88,6 +90,66 @@ class FaultConfig(_Strict):
     # nccl_hang: outside (the culprit never entered: host-side) | inside (stuck in a device kernel);
     # straggler: host (the rank waits on its CPU side, its GPU idles) | gpu (a power-capped GPU runs slower).
     mode: Literal["outside", "inside", "host", "gpu"] | None = None
+    # straggler that comes and goes (a noisy neighbour, a host that swaps now and then): slow for
+    # `lasts_seconds`, then back to normal, and slow again every `recurs_every_seconds` from the
+    # onset. None: it stays slow (the fast scenarios' straggler).
+    lasts_seconds: float | None = Field(None, gt=0)
+    recurs_every_seconds: float | None = Field(None, gt=0)
+
+    @model_validator(mode="after")
+    def _episodes(self) -> FaultConfig:
+        if self.recurs_every_seconds is not None:
+            if self.lasts_seconds is None:
+                raise ValueError("recurs_every_seconds needs lasts_seconds")
+            if self.recurs_every_seconds <= self.lasts_seconds:
+                raise ValueError("recurs_every_seconds must be longer than lasts_seconds")
+        if self.lasts_seconds is not None and self.type != "straggler":
+            raise ValueError("lasts_seconds / recurs_every_seconds apply to straggler faults")
+        return self
+
+
+class SourcesConfig(_Strict):
+    """How the cluster's instruments report: what a collector of each source receives, and when.
+
+    The defaults are the simulator's fast model (every source answers on every pipeline tick,
+    every sample arrives, logs name their job). Real sources differ: dcgm-exporter refreshes its
+    fields every 30 s (its `-c 30000` default), NVML is polled at about 1 s, Prometheus keeps
+    15-60 s history, the in-process hook publishes at the end of a step at most once per
+    interval (gpuvigil.instrument), scrapes fail, arrive late and drift, and most log files
+    carry no job name."""
+
+    # Device telemetry (gpu_samples and NVML's per-process memory): seconds between a node's
+    # samples; None: every pipeline tick. Each node's exporter runs on its own phase.
+    device_seconds: float | None = Field(None, gt=0, le=3600)
+    # How those samples reach the pipeline (gpuvigil.sim.sources): `scraped` (the exporter
+    # scraped every tick answers with its last refresh, stamped with the scrape's time) or
+    # `history` (Prometheus history, as `replay` reads it: a row per sample, at its own time).
+    device_mode: Literal["scraped", "history"] = "scraped"
+    # The in-process hook: `tick` (a record per rank every pipeline tick), `step` (at the end
+    # of a step, at most once per hook_seconds: a rank that makes no step publishes nothing),
+    # `background` (a thread publishes every hook_seconds, steps or not), `none` (no hook: the
+    # jobs are observed from device telemetry and logs alone).
+    hook: Literal["tick", "step", "background", "none"] = "tick"
+    hook_seconds: float = Field(1.0, gt=0, le=3600)
+    # Device samples: share of a node's scrapes lost, share delivered late (and how late, s),
+    # and the spread of the interval between a node's samples (s, uniform ±).
+    drop_share: float = Field(0.0, ge=0, le=0.9)
+    late_share: float = Field(0.0, ge=0, le=0.9)
+    late_seconds: tuple[float, float] = (5.0, 60.0)
+    jitter_seconds: float = Field(0.0, ge=0)
+    # Whether kernel and torch log lines come with the job's name (a log path per job) or
+    # without (a node's kernel log, a launcher's log whose path names no job): then the
+    # pipeline must find the job from the GPU.
+    logs_name_job: bool = True
+
+    @model_validator(mode="after")
+    def _check(self) -> SourcesConfig:
+        lo, hi = self.late_seconds
+        if not 0 <= lo <= hi:
+            raise ValueError("late_seconds must be [low, high] with 0 <= low <= high")
+        if self.device_seconds is not None and self.jitter_seconds >= self.device_seconds:
+            raise ValueError("jitter_seconds must be shorter than device_seconds")
+        return self
 
 
 class PendingGangConfig(_Strict):
@@ -113,6 +175,10 @@ class Scenario(_Strict):
     background: BackgroundConfig = Field(default_factory=BackgroundConfig)
     fragmented_cluster: PendingGangConfig | None = None
     faults: list[FaultConfig] = Field(default_factory=list)
+    sources: SourcesConfig = Field(default_factory=SourcesConfig)
+    # The pipeline tick this scenario is meant to run at (None: the configured one). A scenario
+    # of hours sampled every 30 s needs no 1 s tick: 6 h at 30 s is 720 ticks.
+    tick_seconds: float | None = Field(None, gt=0, le=3600)
     # Ground truth for tests and benchmarks: finding kinds the detectors must raise (empty for
     # healthy runs and hard negatives, which must raise none).
     expect: list[str] = Field(default_factory=list)
@@ -141,9 +207,22 @@ class Scenario(_Strict):
         return self
 
 
-def builtin_names() -> list[str]:
-    folder = resources.files(__package__).joinpath("scenarios")
+def _names(*parts: str) -> list[str]:
+    folder = resources.files(__package__).joinpath("scenarios", *parts)
     return sorted(e.name[:-5] for e in folder.iterdir() if e.name.endswith(".yaml"))
+
+
+def builtin_names() -> list[str]:
+    """The fast scenarios (`gpuvigil demo` with no --scenario): every source answers each 1 s
+    tick and faults play out within minutes."""
+    return _names()
+
+
+def realistic_names() -> list[str]:
+    """The scenarios on real time scales and sample rates (`scenarios/realistic/`): dcgm-exporter
+    at 30 s, NVML at 1 s, leaks over tens of minutes to hours, stragglers that come and go, logs
+    without job names, lost and late samples. `gpuvigil demo --scenario realistic` runs them."""
+    return _names(REALISTIC)
 
 
 def _parse(text: str, origin: str, json_only: bool = False) -> Scenario:
@@ -164,12 +243,13 @@ def _parse(text: str, origin: str, json_only: bool = False) -> Scenario:
 def load(name_or_path: str | Path) -> Scenario:
     """A built-in scenario by name, or a scenario file by path."""
     text_name = str(name_or_path)
-    if text_name in builtin_names():
-        entry = resources.files(__package__).joinpath("scenarios", f"{text_name}.yaml")
-        return _parse(entry.read_text(), f"scenario {text_name}")
+    for parts in ((), (REALISTIC,)):
+        if text_name in _names(*parts):
+            entry = resources.files(__package__).joinpath("scenarios", *parts, f"{text_name}.yaml")
+            return _parse(entry.read_text(), f"scenario {text_name}")
     path = Path(name_or_path)
     if not path.suffix:
-        raise UserError(f"unknown scenario {text_name!r} (built-in: {', '.join(builtin_names())})")
+        raise UserError(f"unknown scenario {text_name!r} (built-in: {', '.join(builtin_names())}; realistic: {', '.join(realistic_names())})")
     try:
         text = path.read_text()
     except OSError as exc:
@@ -185,3 +265,20 @@ def with_nodes(sc: Scenario, nodes: int) -> Scenario:
         first = exc.errors()[0]
         msg = str(first.get("msg", exc)).removeprefix("Value error, ")
         raise UserError(f"scenario {sc.name} with --nodes {nodes}: {msg}") from None
+
+
+def with_sources(sc: Scenario, device_seconds: float | None = None, tick_seconds: float | None = None) -> Scenario:
+    """The scenario with its device telemetry sampled every `device_seconds` (and, if given,
+    run at a pipeline tick of `tick_seconds`); a bad value is a UserError."""
+    update: dict = {}
+    if device_seconds is not None:
+        update["sources"] = {**sc.sources.model_dump(), "device_seconds": device_seconds}
+    if tick_seconds is not None:
+        update["tick_seconds"] = tick_seconds
+    try:
+        return Scenario.model_validate({**sc.model_dump(), **update})
+    except ValidationError as exc:
+        first = exc.errors()[0]
+        where = ".".join(str(p) for p in first["loc"]) or "scenario"
+        msg = str(first.get("msg", exc)).removeprefix("Value error, ")
+        raise UserError(f"scenario {sc.name} with --sample-interval {device_seconds}: {where}: {msg}") from None
