@@ -58,7 +58,7 @@ def test_hang_finding_says_who_where_why_and_how_long():
     assert (f.ranks, f.culprit_ranks, f.node, f.gpu) == ([2], [2], "n0", 2)
     assert f.evidence == {
         "pending_seq": 11, "op": "ALLREDUCE", "stalled_seconds": 6.0, "threshold_seconds": 5.0, "step_time_seconds": 0.5,
-        "waiting_ranks": 7, "world_size": 8, "culprit_nodes": ["n0"], "silent_ranks": [], "xids": [],
+        "waiting_ranks": 7, "world_size": 8, "culprit_nodes": ["n0"], "silent_ranks": [], "not_started_ranks": [], "xids": [],
     }
     assert f.summary == "j is hung in collective #11: rank 2 (n0 GPU 2) did not join (it never entered the collective); 7 ranks have waited 6 s."
 
@@ -248,3 +248,53 @@ def test_culprits_one_of_which_names_no_node_are_paged_with_the_node_known():
     no_node = lambda t: stuck((1, 5))(t).with_columns(pl.when(pl.col("rank") == 5).then(None).otherwise(pl.col("node")).alias("node"))  # noqa: E731
     [f] = run(no_node, T)[6]
     assert (f.culprit_ranks, f.node, f.gpu, f.evidence["culprit_nodes"], f.severity.value) == ([1, 5], "n0", None, ["n0"], "page")
+
+
+# -- a rank stuck inside a kernel: enqueued like its peers, never started (start records) --------
+
+
+def in_kernel(culprits=(2,), n=8, started_known=True):
+    def at(t):
+        df = rank_rows(t, [11] * n, [10] * n)
+        started = [(10 if r in culprits else 11) if started_known else -1 for r in range(n)]
+        return df.with_columns(pl.Series("last_started_seq", started, dtype=pl.Int64))
+
+    return at
+
+
+def test_rank_that_enqueued_but_never_started_the_collective_is_the_culprit():
+    """Every rank enqueued #11; rank 2's kernel never started (a compute kernel before it hangs),
+    the 7 others started it and spin. Found at the same 5 s floor as a missing rank."""
+    found = run(in_kernel(), T)
+    assert [bool(f) for f in found] == [False] * 6 + [True] * 2
+    [f] = found[6]
+    assert (f.culprit_ranks, f.node, f.gpu, f.cause) == ([2], "n0", 2, "software")
+    assert f.evidence["not_started_ranks"] == [2] and f.evidence["waiting_ranks"] == 7 and f.evidence["pending_seq"] == 11
+    assert "stuck in a kernel before the collective" in f.summary
+
+
+def test_without_start_records_a_rank_stuck_in_a_kernel_is_not_named():
+    """gloo, or NCCL without TORCH_NCCL_ENABLE_TIMING: last_started is -1 everywhere; nobody is
+    missing, so the hook names nobody (the L0/L1 detectors beside it see the job)."""
+    assert not any(run(in_kernel(started_known=False), T))
+    # Every rank started #11 (a plain slow collective): nobody lags, no finding either.
+    assert not any(run(in_kernel(culprits=(), started_known=True), T))
+
+
+def test_healthy_jobs_are_those_whose_fresh_reports_show_no_stall():
+    det = HangDetector()
+    w = Window(1e9)
+    seen = {}
+    for t in T:
+        # j: completing every second; k: all outside collectives; s: stuck since 0 s.
+        w.add("rank_progress", pl.concat([rank_rows(t, [int(t) + 1] * 4, [int(t)] * 4, job="j"), rank_rows(t, [5] * 4, [5] * 4, job="k"),
+                                          stuck(n=4, job="s")(t)]))
+        w.seal(t)
+        det.detect(w)
+        seen[t] = set(det.healthy_jobs)
+    assert seen[0.0] == {"j", "k", "s"}  # nobody has waited past the floor yet
+    assert seen[5.0] == {"j", "k", "s"} and seen[6.0] == {"j", "k"}
+    # A job whose reports stopped is vouched for by nobody.
+    w.seal(20.0)
+    det.detect(w)
+    assert det.healthy_jobs == set()
