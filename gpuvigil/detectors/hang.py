@@ -8,8 +8,10 @@ Signals, all from `rank_progress` (the in-process hook's Flight Recorder `pg_sta
   reports stopped while their peers kept reporting (a dead process or a GPU off the bus), and,
   where the Flight Recorder records kernel starts (NCCL with TORCH_NCCL_ENABLE_TIMING=1), ranks
   that enqueued it but never started it while their peers did: stuck in a kernel before it.
-  Without start records such a rank looks like its peers and the hook names nobody; the L0/L1
-  detectors, which run beside this one for hooked jobs (detectors/levels.py), still see the job.
+  Without start records such a rank looks like its peers: when every rank has entered the
+  pending collective and none completes it for longer (`all_entered_*`), the job is paged hung
+  with no culprit named; the L0/L1 detectors, which run beside this one for hooked jobs
+  (detectors/levels.py), join it with theirs.
 A checkpoint save or a data-loader stall pauses all ranks *outside* collectives (enqueued ==
 completed everywhere), so it is never a hang. XID/ECC events on a culprit's node say hardware.
 """
@@ -32,6 +34,11 @@ class HangConfig(BaseModel):
     stale_report_seconds: float = 5.0
     hardware_lookback_seconds: float = 120.0
     forget_after_seconds: float = 900.0
+    # Every rank entered the pending collective and none completes it (nobody missing, nobody
+    # silent): a rank stuck inside a kernel or the network, which start records would name. Paged
+    # without a culprit after max(all_entered_min_seconds, all_entered_step_factor x step time).
+    all_entered_min_seconds: float = 8.0
+    all_entered_step_factor: float = 3.0
 
 
 class HangDetector:
@@ -137,9 +144,14 @@ class HangDetector:
         findings = []
         for job_rows in ranks.partition_by("job"):
             culprits = job_rows.filter(pl.col("culprit")).sort("rank")
-            if culprits.height == 0 or culprits.height == job_rows.height:
+            if culprits.height == job_rows.height:
                 continue  # nobody waiting on anybody: not a collective hang
             first = job_rows.row(0, named=True)
+            if culprits.height == 0:
+                # Everybody entered it: hung only if it stays incomplete well past the cadence.
+                if first["stalled_seconds"] > max(c.all_entered_min_seconds, c.all_entered_step_factor * (first["step_time"] or 0.0)):
+                    findings.append(self._all_entered(job_rows, first, events, now))
+                continue
             job = first["job"]
             culprit_nodes = node_names(culprits["node"])
             hw = events.filter(pl.col("node").is_in(culprit_nodes))
@@ -184,3 +196,35 @@ class HangDetector:
                 )
             )
         return findings
+
+    def _all_entered(self, job_rows: pl.DataFrame, first: dict[str, Any], events: pl.DataFrame, now: float) -> Finding:
+        job = first["job"]
+        nodes = node_names(job_rows["node"])
+        hw = events.filter(pl.col("node").is_in(nodes))
+        xids = sorted({int(x) for x in hw["xid"].drop_nulls().to_list()})
+        seq = int(first["min_comp"]) + 1
+        return Finding(
+            kind=FindingKind.COLLECTIVE_HANG,
+            severity=Severity.PAGE,
+            ts=now,
+            job=job,
+            node=nodes[0] if len(nodes) == 1 else None,
+            cause="hardware" if hw.height else "software",
+            source=self.name,
+            evidence={
+                "pending_seq": seq,
+                "op": next((o for o in job_rows["current_op"].to_list() if o), None),
+                "stalled_seconds": round(float(first["stalled_seconds"]), 1),
+                "threshold_seconds": round(max(self.config.all_entered_min_seconds, self.config.all_entered_step_factor * (first["step_time"] or 0.0)), 2),
+                "step_time_seconds": round(float(first["step_time"] or 0.0), 3),
+                "waiting_ranks": int(job_rows.height),
+                "world_size": int(first["n_ranks"]),
+                "all_entered": True,
+                "xids": xids,
+            },
+            summary=(
+                f"{job} is hung in collective #{seq}: all {job_rows.height} ranks entered it and none has completed it for "
+                f"{first['stalled_seconds']:.0f} s; a rank is stuck inside a kernel or the network (the hook names it only where "
+                "the Flight Recorder records kernel starts: TORCH_NCCL_ENABLE_TIMING=1)."
+            ),
+        )
