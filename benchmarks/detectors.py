@@ -109,6 +109,7 @@ class Case:
     # where listed (a shadow pipeline costs about as much CPU as the main one).
     levels: tuple[str, ...] = ("L0", "L1", "L2")
     hook_wait: bool = True  # False: the L2 hook rows carry no collective wait (as the real hook's)
+    hook_starts: bool = True  # False: no kernel starts in the hook rows (gloo, NCCL without timing)
 
 
 @dataclass
@@ -149,6 +150,7 @@ def make_case(
     after_fault: float | None = None,
     levels: tuple[str, ...] = ("L0", "L1", "L2"),
     hook_wait: bool = True,
+    hook_starts: bool = True,
 ) -> Case:
     """Case `index` of the suite: the type cycles through all types (or through `types`, where a
     repeated type weighs more), parameters are random.
@@ -266,7 +268,7 @@ def make_case(
                 "gang": {**job, "name": "gang", "gpus": 8, "submit_at": onset},
             },
         )
-    return Case(index, case_type, scenario, tick, step, gpus, onset, tuple(levels), hook_wait)
+    return Case(index, case_type, scenario, tick, step, gpus, onset, tuple(levels), hook_wait, hook_starts)
 
 
 class BaselineSink:
@@ -320,7 +322,7 @@ def run_case(case: Case) -> RunResult:
         assert rt.cluster is not None
         from benchmarks.levels import LevelShadows
 
-        shadows = LevelShadows(rt, cfg, levels=[lvl for lvl in case.levels if lvl != "L2"], hook_wait=case.hook_wait)
+        shadows = LevelShadows(rt, cfg, levels=[lvl for lvl in case.levels if lvl != "L2"], hook_wait=case.hook_wait, hook_starts=case.hook_starts)
         try:
             while rt.now + rt.tick_seconds <= sc.duration_seconds + 1e-9:
                 rt.step()
@@ -836,8 +838,14 @@ def markdown(summary: dict[str, Any], meta: dict[str, Any], cost: dict[str, Any]
         "Recorder streams are not fed to it), L1 (device telemetry + NCCL Inspector + Flight Recorder dumps through the "
         "debug-info pipes) and L0 (device telemetry, per-process memory, logs and the scheduler's job map only). Sample rates: the simulator emits device "
         "samples, hook records and Inspector rows once per pipeline tick, every 1 s for steps ≤ 1 s, 2 s for steps up to 8 s and up to 5 s beyond (real "
-        "dcgm-exporter refreshes every 30 s, NVML at 1 s); the simulated hook reports each rank's last started collective (NCCL with "
-        "TORCH_NCCL_ENABLE_TIMING=1; gloo and NCCL without timing do not, and an L2 job then relies on the L0/L1 detectors for a rank stuck in a kernel)"
+        "dcgm-exporter refreshes every 30 s, NVML at 1 s); "
+        + (
+            "`--hook-without-starts`: the hook rows record no kernel starts (-1), as with gloo or NCCL without TORCH_NCCL_ENABLE_TIMING, so the hook cannot "
+            "name a rank stuck in a kernel"
+            if meta.get("hook_without_starts")
+            else "the simulated hook reports each rank's last started collective (NCCL with TORCH_NCCL_ENABLE_TIMING=1; gloo and NCCL without timing do "
+            "not, and an L2 job then relies on the L0/L1 detectors for a rank stuck in a kernel: `--hook-without-starts` measures that case)"
+        )
         + (
             "; `--hook-without-wait`: the L2 hook rows carry no collective wait, as the real hook sends them, so an L2 job's stragglers are left to the L0/L1 detectors."
             if meta.get("hook_without_wait")
@@ -978,7 +986,7 @@ def cmd(args) -> int:
     if not set(levels) <= set(LEVELS):
         raise UserError(f"--levels: unknown level in {args.levels!r} (known: {', '.join(LEVELS)})")
     case_options = {"max_step": getattr(args, "max_step", None), "warmup": getattr(args, "warmup", None), "after_fault": getattr(args, "after", None), "levels": levels,
-                    "hook_wait": not getattr(args, "hook_without_wait", False)}
+                    "hook_wait": not getattr(args, "hook_without_wait", False), "hook_starts": not getattr(args, "hook_without_starts", False)}
     workers = args.workers or max(1, os.cpu_count() or 1)
     types = parse_cases(getattr(args, "cases", None))
     if getattr(args, "from_dumps", None):
@@ -1042,6 +1050,7 @@ def _report(args, results: list[RunResult], wall: float = 0.0, workers: int = 1,
         "quick": bool(args.quick),
         "levels": tuple(sorted({"L2", *levels})),
         "hook_without_wait": bool(getattr(args, "hook_without_wait", False)),
+        "hook_without_starts": bool(getattr(args, "hook_without_starts", False)),
         "max_gpus": getattr(args, "max_gpus", None),
         "max_step": getattr(args, "max_step", None),
         "command": ("gpuvigil bench detectors " + " ".join(sys.argv[sys.argv.index("detectors") + 1 :])) if "detectors" in sys.argv else None,
@@ -1082,5 +1091,6 @@ def add_parser(sub) -> None:
     p.add_argument("--after", type=float, default=None, help="seconds a run goes on after the fault (default per case type)")
     p.add_argument("--levels", default=None, help="levels to observe, comma-separated (default L0,L1,L2; L2, the main runtime, always runs): fewer shadows cost less CPU")
     p.add_argument("--hook-without-wait", action="store_true", help="the L2 hook rows carry no collective wait, as the real hook sends them (the simulator fills it)")
+    p.add_argument("--hook-without-starts", action="store_true", help="the L2 hook rows record no kernel starts (-1), as with gloo or NCCL without TORCH_NCCL_ENABLE_TIMING")
     p.add_argument("--section", default=None, help="docs/benchmarks.md section to write (default: detectors), e.g. detectors-levels for a reduced per-level run beside the full one")
     p.set_defaults(func=cmd)

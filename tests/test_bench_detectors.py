@@ -261,3 +261,27 @@ def test_l2_hang_targets_count_short_steps_and_ranks_stuck_inside_a_kernel():
     assert (rows["exact culprit ranks, culprit stuck inside a kernel"]["k"], rows["exact culprit ranks, culprit stuck inside a kernel"]["n"]) == (1, 2)
     md = "\n".join(targets_markdown(by_level))
     assert "| hang found ≤ 10 s, steps ≤ 2 s (p90 ≤ 10 s) | L2 | 9 / 10 | 90.0% |" in md and md.count("| not met |") == 2
+
+
+def test_recorder_can_send_the_hook_rows_as_the_real_hook_does():
+    """--hook-without-wait / --hook-without-starts: the main runtime's rank_progress rows lose
+    the collective wait (null) and the kernel starts (-1), as the real hook on gloo sends them;
+    the other streams pass as they are."""
+    import polars as pl
+
+    from benchmarks.levels import Recorder
+    from gpuvigil import schemas
+
+    rows = schemas.frame([{"ts": 1.0, "job": "j", "rank": 0, "collective_wait_seconds": 0.2, "last_started_seq": 7}], schemas.RANK_PROGRESS)
+    gpu = schemas.frame([{"ts": 1.0, "node": "n", "gpu": 0}], schemas.GPU_SAMPLES)
+
+    class Source:
+        def collect(self, now):
+            return {"rank_progress": rows, "gpu_samples": gpu}
+
+    as_sim = Recorder([Source()]).collect(1.0)["rank_progress"]
+    assert as_sim.select("collective_wait_seconds", "last_started_seq").row(0) == (0.2, 7)
+    out = Recorder([Source()], hook_wait=False, hook_starts=False).collect(1.0)
+    assert out["rank_progress"].select("collective_wait_seconds", "last_started_seq").row(0) == (None, -1)
+    assert out["rank_progress"].schema == rows.schema and out["gpu_samples"].equals(gpu)
+    assert isinstance(out["rank_progress"], pl.DataFrame)
