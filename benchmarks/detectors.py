@@ -107,6 +107,11 @@ class Case:
     onset: float
     # Device sample intervals (s) the L0 view is also measured at (`--resolutions`).
     resolutions: tuple[float, ...] = ()
+    # The observation levels measured: L2 is the main runtime (always run); L0/L1 shadows only
+    # where listed (a shadow pipeline costs about as much CPU as the main one).
+    levels: tuple[str, ...] = ("L0", "L1", "L2")
+    hook_wait: bool = True  # False: the L2 hook rows carry no collective wait (as the real hook's)
+    hook_starts: bool = True  # False: no kernel starts in the hook rows (gloo, NCCL without timing)
 
 
 @dataclass
@@ -138,16 +143,31 @@ def _log_uniform(rng: np.random.Generator, lo: float, hi: float) -> float:
     return float(math.exp(rng.uniform(math.log(lo), math.log(hi))))
 
 
-def make_case(index: int, seed: int, max_gpus: int = 1024, quick: bool = False, types: list[str] | None = None) -> Case:
+def make_case(
+    index: int,
+    seed: int,
+    max_gpus: int = 1024,
+    quick: bool = False,
+    types: list[str] | None = None,
+    max_step: float | None = None,
+    warmup: float | None = None,
+    after_fault: float | None = None,
+    levels: tuple[str, ...] = ("L0", "L1", "L2"),
+    hook_wait: bool = True,
+    hook_starts: bool = True,
+) -> Case:
     """Case `index` of the suite: the type cycles through all types (or through `types`, where a
     repeated type weighs more), parameters are random.
 
-    `quick` (CI): steps of at most 4 s and faults that play out within a few minutes."""
+    `quick` (CI): steps of at most 4 s and faults that play out within a few minutes.
+    `max_step` caps the step time range; `warmup` draws the fault onset in [warmup, warmup + 20 s]
+    instead of 100-160 s; `after_fault` sets how long a run goes on after the fault. All three
+    leave every random draw in place, so the other parameters of case `index` stay as they are."""
     rng = np.random.default_rng([seed, index])
     cycle = types or CASE_TYPES
     case_type = cycle[index % len(cycle)]
     gpus = 8 * max(1, int(round(_log_uniform(rng, 1, max_gpus / 8))))
-    step = _log_uniform(rng, 0.1, 4.0 if quick else 60.0)
+    step = _log_uniform(rng, 0.1, max_step if max_step is not None else 4.0 if quick else 60.0)
     # Coarser ticks for slow jobs keep the suite affordable; targets are in step times there.
     tick = 1.0 if step <= 1 else 2.0 if step <= 8 else min(5.0, step / 4)
     peak = float(rng.uniform(40, 120))
@@ -169,7 +189,8 @@ def make_case(index: int, seed: int, max_gpus: int = 1024, quick: bool = False, 
         "startup_seconds": 10.0,
     }
     nodes = gpus // 8 + 2
-    onset = round(10.0 + 30.0 + max(60.0, 4 * step) + float(rng.uniform(0, 60)), 1)
+    u_onset = float(rng.uniform(0, 60))
+    onset = round(10.0 + 30.0 + max(60.0, 4 * step) + u_onset, 1) if warmup is None else round(warmup + u_onset / 3, 1)
     headroom_gib = CAPACITY_GIB - CONTEXT_GIB - peak * 1.01
     after = 120.0
     fault: dict[str, Any] | None = None
@@ -224,6 +245,8 @@ def make_case(index: int, seed: int, max_gpus: int = 1024, quick: bool = False, 
         after = 60.0 + max(60.0, 6 * step)
     elif case_type == "high_memory" or case_type == "healthy":
         after = 90.0 if quick else max(150.0, 6 * step)
+    if after_fault is not None:
+        after = after_fault
     scenario: dict[str, Any] = {
         "name": f"bench-{index:04d}-{case_type}",
         "duration_seconds": round(onset + after, 1),
@@ -249,7 +272,7 @@ def make_case(index: int, seed: int, max_gpus: int = 1024, quick: bool = False, 
                 "gang": {**job, "name": "gang", "gpus": 8, "submit_at": onset},
             },
         )
-    return Case(index, case_type, scenario, tick, step, gpus, onset)
+    return Case(index, case_type, scenario, tick, step, gpus, onset, tuple(levels), hook_wait, hook_starts)
 
 
 class BaselineSink:
@@ -361,7 +384,7 @@ def run_case(case: Case) -> RunResult:
         assert rt.cluster is not None
         from benchmarks.levels import LevelShadows
 
-        shadows = LevelShadows(rt, cfg)
+        shadows = LevelShadows(rt, cfg, levels=[lvl for lvl in case.levels if lvl != "L2"], hook_wait=case.hook_wait, hook_starts=case.hook_starts)
         sampled = ResolutionShadows(shadows, cfg, case.resolutions, case.tick_seconds, seed=case.index)
         try:
             while rt.now + rt.tick_seconds <= sc.duration_seconds + 1e-9:
@@ -425,6 +448,11 @@ class KindScore:
     ooms: int = 0
     culprit_outside_right: int = 0
     culprit_outside_runs: int = 0  # hang runs whose culprit is outside the collective (found or not)
+    # Runs with steps <= 2 s (the L2 hang targets): expected, found within 10 s, culprit right.
+    expected_short: int = 0
+    culprit_right_short: int = 0
+    culprit_inside_right: int = 0
+    culprit_inside_runs: int = 0  # hang runs whose culprit is stuck inside a kernel (found or not)
 
     def to_dict(self) -> dict[str, Any]:
         tp = self.detected
@@ -449,6 +477,13 @@ class KindScore:
         # The counts a confidence bound needs (`target_rows`): a p90 latency target holds when
         # at least 90% of the expected runs are found within it (a missed run counts as late).
         out["found_within_seconds"] = {str(t): sum(x <= t + 1e-9 for x in self.latencies) for t in (30, 60)}
+        out.update(
+            expected_step_le_2s=self.expected_short,
+            found_within_10s_step_le_2s=sum(x <= 10 + 1e-9 for x in self.latencies_short_steps),
+            culprit_right_step_le_2s=self.culprit_right_short,
+            culprit_inside_right=self.culprit_inside_right,
+            culprit_inside_runs=self.culprit_inside_runs,
+        )
         if self.ooms:
             out.update(
                 leads_at_least_60s=sum(x >= 60 - 1e-9 for x in self.leads),
@@ -535,6 +570,10 @@ def score(results: list[RunResult], level: str = "L2") -> dict[str, Any]:
         for k in must:
             s = kinds[k]
             s.expected += 1
+            short = res.step_time_seconds <= 2
+            s.expected_short += short
+            inside = k == "collective_hang" and res.case_type == "nccl_hang" and res.mode == "inside"
+            s.culprit_inside_runs += inside
             if k == "collective_hang" and (res.case_type == "gpu_lost" or res.mode in (None, "outside")):
                 s.culprit_outside_runs += 1
             f = matched_first.get(k)
@@ -549,6 +588,8 @@ def score(results: list[RunResult], level: str = "L2") -> dict[str, Any]:
                 s.latency_in_steps.append(latency / res.step_time_seconds)
             s.culprit_checked += 1
             s.culprit_right += _culprit_right(f, target)
+            s.culprit_right_short += short and _culprit_right(f, target)
+            s.culprit_inside_right += inside and _culprit_right(f, target)
             if k == "collective_hang" and (res.case_type == "gpu_lost" or res.mode in (None, "outside")):
                 outside["checked"] += 1
                 outside["right"] += _culprit_right(f, target)
@@ -681,9 +722,9 @@ def measure_cost(n_gpus: int = 100_000, history_seconds: float = 60.0, repeats: 
             times.append(time.perf_counter() - t0)
         per[d.name] = min(times)
     # Every job here runs the hook (L2): the pipeline skips the L0/L1 OOM and straggler detectors
-    # for it (gpuvigil.detectors.levels), but runs the L0/L1 hang ones, the fallback of an L2
-    # job's hang (`levels.fallback_seconds`, key `L2.hang`); the L0 figures are what a cluster
-    # observed at L0 pays instead.
+    # for it (gpuvigil.detectors.levels), but runs the L0/L1 hang ones beside the hook's
+    # (`levels.side_by_side`, key `L2.hang`); the L0 figures are what a cluster observed at L0
+    # pays instead.
     from gpuvigil.detectors.levels import LevelSelector, LevelsConfig
 
     sel = LevelSelector(dets, **config.section("levels", LevelsConfig, cfg).model_dump())
@@ -789,6 +830,10 @@ def target_rows(by_level: dict[str, dict[str, Any]]) -> list[dict[str, Any]]:
             if lvl == "L1":
                 add("exact culprit ranks", lvl, h["culprit_right"], h["expected"], 0.98)
                 add("hang found ≤ 30 s (p90 ≤ 30 s)", lvl, h["found_within_seconds"]["30"], h["expected"], 0.90)
+            if lvl == "L2" and h.get("expected_step_le_2s"):
+                add("hang found ≤ 10 s, steps ≤ 2 s (p90 ≤ 10 s)", lvl, h["found_within_10s_step_le_2s"], h["expected_step_le_2s"], 0.90)
+                add("exact culprit ranks, steps ≤ 2 s", lvl, h["culprit_right_step_le_2s"], h["expected_step_le_2s"], 0.98)
+                add("exact culprit ranks, culprit stuck inside a kernel", lvl, h.get("culprit_inside_right"), h.get("culprit_inside_runs"), 0.98)
         o = sm.get("oom_predicted")
         if lvl == "L0" and o and o.get("oom_runs"):
             add("OOM warned before the OOM (recall)", lvl, o["warned_before_oom"], o["oom_runs"], 0.90)
@@ -806,8 +851,8 @@ def targets_markdown(by_level: dict[str, dict[str, Any]]) -> list[str]:
         return []
     pc = lambda v: f"{100 * v:.1f}%"  # noqa: E731
     lines = [
-        f"| target (issue 9) | level | runs k / n | share | one-sided {int(100 * CONFIDENCE)}% bound (Clopper–Pearson) | goal | what the sample shows |",
-        "|---|---|---|---|---|---|---|",
+        f"| target (issue 9) | level | runs k / n | share | one-sided {int(100 * CONFIDENCE)}% bound (Clopper–Pearson) | goal | what the sample shows | met (share ≥ goal) |",
+        "|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
         if r["shown"]:
@@ -816,7 +861,8 @@ def targets_markdown(by_level: dict[str, dict[str, Any]]) -> list[str]:
             verdict = f"missed (true rate ≤ {pc(r['upper'])})"
         else:
             verdict = f"not shown: {runs_needed(r['goal'])} runs without a miss would show it" if r["k"] == r["n"] else "not shown"
-        lines.append(f"| {r['target']} | {r['level']} | {r['k']} / {r['n']} | {pc(r['share'])} | ≥ {pc(r['lower'])} | ≥ {pc(r['goal'])} | {verdict} |")
+        met = "met" if r["share"] >= r["goal"] else "not met"
+        lines.append(f"| {r['target']} | {r['level']} | {r['k']} / {r['n']} | {pc(r['share'])} | ≥ {pc(r['lower'])} | ≥ {pc(r['goal'])} | {verdict} | {met} |")
     return lines
 
 
@@ -844,14 +890,36 @@ def markdown(summary: dict[str, Any], meta: dict[str, Any], cost: dict[str, Any]
         f"step times {meta['step_min']:.2f}–{meta['step_max']:.1f} s, random onset, noise, checkpoints and background jobs; hints off so faults run their course. "
         f"{meta['sim_seconds']:.0f} simulated s in {meta['wall_seconds']:.0f} s wall on {meta['workers']} worker(s)"
         + (f", {meta['cpu_seconds']:.0f} s of CPU in the runs" if meta.get("cpu_seconds") is not None else "")
-        + (" (reduced `--quick` suite: jobs of at most 32 GPUs, steps of at most 4 s, faults that play out within minutes)" if meta.get("quick") else "")
+        + (
+            f" (reduced `--quick` suite: jobs of at most {meta.get('max_gpus') or 32} GPUs, steps of at most {meta.get('max_step') or 4:g} s, faults that play out within minutes)"
+            if meta.get("quick")
+            else ""
+        )
         + "; wall time on a shared, loaded machine is not a performance figure.",
         "",
-        "**Every figure below comes from the simulator** (gpuvigil.sim, model in docs/detectors.md), not from real clusters. Each run is observed three ways on "
-        "the same simulated world: L2 (the in-process hook: the main runtime), L1 (device telemetry + NCCL Inspector + Flight Recorder dumps through the "
-        "debug-info pipes) and L0 (device telemetry, per-process memory, logs and the scheduler's job map only).",
+        "**Every figure below comes from the simulator** (gpuvigil.sim, model in docs/detectors.md), not from real clusters. Each run is observed "
+        + ("three ways" if meta.get("levels", LEVELS) == LEVELS else f"at {', '.join(meta['levels'])} only (`--levels`)")
+        + " on the same simulated world: L2 (the in-process hook: the main runtime, with the L0 detectors beside the hook's for hangs; the Flight "
+        "Recorder streams are not fed to it), L1 (device telemetry + NCCL Inspector + Flight Recorder dumps through the "
+        "debug-info pipes) and L0 (device telemetry, per-process memory, logs and the scheduler's job map only). Sample rates: the simulator emits device "
+        "samples, hook records and Inspector rows once per pipeline tick, every 1 s for steps ≤ 1 s, 2 s for steps up to 8 s and up to 5 s beyond (real "
+        "dcgm-exporter refreshes every 30 s, NVML at 1 s); "
+        + (
+            "`--hook-without-starts`: the hook rows record no kernel starts (-1), as with gloo or NCCL without TORCH_NCCL_ENABLE_TIMING, so the hook cannot "
+            "name a rank stuck in a kernel"
+            if meta.get("hook_without_starts")
+            else "the simulated hook reports each rank's last started collective (NCCL with TORCH_NCCL_ENABLE_TIMING=1; gloo and NCCL without timing do "
+            "not, and an L2 job then relies on the L0/L1 detectors for a rank stuck in a kernel: `--hook-without-starts` measures that case)"
+        )
+        + (
+            "; `--hook-without-wait`: the L2 hook rows carry no collective wait, as the real hook sends them, so an L2 job's stragglers are left to the L0/L1 detectors."
+            if meta.get("hook_without_wait")
+            else "; the simulated hook rows carry each rank's collective wait (the real hook does not send it: `--hook-without-wait` measures that case)."
+        ),
         "",
     ]
+    if meta.get("command"):
+        lines[2:2] = [f"Command: `{meta['command']}`.", ""]
     tl = targets_markdown(by_level)
     if tl:
         lines += [
@@ -1057,10 +1125,11 @@ def parse_cases(spec: str | None) -> list[str] | None:
 def run_suite(
     runs: int, seed: int, workers: int, max_gpus: int = 1024, progress: bool = False, quick: bool = False, types: list[str] | None = None, on_result=None,
     resolutions: tuple[float, ...] = (),
+    case_options: dict[str, Any] | None = None,
 ) -> tuple[list[RunResult], float]:
     from dataclasses import replace
 
-    cases = [replace(make_case(i, seed, max_gpus, quick, types), resolutions=tuple(resolutions)) for i in range(runs)]
+    cases = [replace(make_case(i, seed, max_gpus, quick, types, **(case_options or {})), resolutions=tuple(resolutions)) for i in range(runs)]
     # Biggest first so that the pool's tail is short; on one worker, in index order instead, so
     # that a long suite cut short has a prefix of the case cycle (its mix as asked).
     order = sorted(cases, key=lambda c: -(c.gpus * c.scenario["duration_seconds"] / c.tick_seconds)) if workers > 1 else cases
@@ -1095,7 +1164,12 @@ def cmd(args) -> int:
         raise UserError(f"--cost-gpus must be >= 0, got {args.cost_gpus}")
     # --quick alone: one run per case type; with an explicit --runs, that many quick runs.
     runs = (args.runs if "--runs" in sys.argv else len(CASE_TYPES)) if args.quick else args.runs
-    max_gpus = 32 if args.quick else 1024
+    max_gpus = getattr(args, "max_gpus", None) or (32 if args.quick else 1024)
+    levels = tuple(sorted({*(x.strip() for x in (getattr(args, "levels", None) or "L0,L1,L2").split(",") if x.strip()), "L2"}))
+    if not set(levels) <= set(LEVELS):
+        raise UserError(f"--levels: unknown level in {args.levels!r} (known: {', '.join(LEVELS)})")
+    case_options = {"max_step": getattr(args, "max_step", None), "warmup": getattr(args, "warmup", None), "after_fault": getattr(args, "after", None), "levels": levels,
+                    "hook_wait": not getattr(args, "hook_without_wait", False), "hook_starts": not getattr(args, "hook_without_starts", False)}
     workers = args.workers or max(1, os.cpu_count() or 1)
     types = parse_cases(getattr(args, "cases", None))
     resolutions = parse_resolutions(getattr(args, "resolutions", None))
@@ -1116,7 +1190,7 @@ def cmd(args) -> int:
     try:
         results, wall = run_suite(
             runs, args.seed, workers, max_gpus, progress=not args.json and sys.stderr.isatty(), quick=args.quick, types=types, on_result=on_result,
-            resolutions=resolutions,
+            resolutions=resolutions, case_options=case_options,
         )
     finally:
         if dump is not None:
@@ -1142,7 +1216,8 @@ def load_dumps(paths: list[str]) -> list[RunResult]:
 
 def _report(args, results: list[RunResult], wall: float = 0.0, workers: int = 1, types: list[str] | None = None, sum_wall: bool = False) -> int:
     summary = score(results)
-    levels = {lvl: score(results, lvl) for lvl in ("L0", "L1")}
+    # Only the levels whose shadows ran (`--levels`): an absent shadow is no evidence of a miss.
+    levels = {lvl: score(results, lvl) for lvl in ("L0", "L1") if any(lvl in r.level_findings for r in results if not r.error)}
     errors = [r for r in results if r.error]
     cpu = [r.cpu_seconds for r in results if r.cpu_seconds is not None]
     meta = {
@@ -1158,6 +1233,12 @@ def _report(args, results: list[RunResult], wall: float = 0.0, workers: int = 1,
         "step_min": min(r.step_time_seconds for r in results),
         "step_max": max(r.step_time_seconds for r in results),
         "quick": bool(args.quick),
+        "levels": tuple(sorted({"L2", *levels})),
+        "hook_without_wait": bool(getattr(args, "hook_without_wait", False)),
+        "hook_without_starts": bool(getattr(args, "hook_without_starts", False)),
+        "max_gpus": getattr(args, "max_gpus", None),
+        "max_step": getattr(args, "max_step", None),
+        "command": ("gpuvigil bench detectors " + " ".join(sys.argv[sys.argv.index("detectors") + 1 :])) if "detectors" in sys.argv else None,
         "cases": getattr(args, "cases", None) or ("as in the dumps" if getattr(args, "from_dumps", None) else None),
         "case_counts": {t: sum(r.case_type == t for r in results) for t in dict.fromkeys(types or (sorted({r.case_type for r in results}) if getattr(args, "from_dumps", None) else CASE_TYPES))},
     }
@@ -1198,5 +1279,12 @@ def add_parser(sub) -> None:
         metavar="S[,S...]",
         help="device sample intervals in seconds the L0 view is also measured at (default 1,10,30: NVML, a 10 s scrape, dcgm-exporter's default; none: skip)",
     )
+    p.add_argument("--max-gpus", type=int, default=None, help="largest job in GPUs (default 1,024; 32 with --quick): smaller clusters make each run cheaper")
+    p.add_argument("--max-step", type=float, default=None, help="longest step time in seconds (default 60; 4 with --quick)")
+    p.add_argument("--warmup", type=float, default=None, help="healthy seconds before the fault: onset drawn in [WARMUP, WARMUP + 20] (default 100-160 s)")
+    p.add_argument("--after", type=float, default=None, help="seconds a run goes on after the fault (default per case type)")
+    p.add_argument("--levels", default=None, help="levels to observe, comma-separated (default L0,L1,L2; L2, the main runtime, always runs): fewer shadows cost less CPU")
+    p.add_argument("--hook-without-wait", action="store_true", help="the L2 hook rows carry no collective wait, as the real hook sends them (the simulator fills it)")
+    p.add_argument("--hook-without-starts", action="store_true", help="the L2 hook rows record no kernel starts (-1), as with gloo or NCCL without TORCH_NCCL_ENABLE_TIMING")
     p.add_argument("--section", default=None, help="docs/benchmarks.md section to write (default: detectors), e.g. detectors-levels for a reduced per-level run beside the full one")
     p.set_defaults(func=cmd)

@@ -29,8 +29,13 @@ class Recorder:
 
     name = "recorder"
 
-    def __init__(self, collectors: list[Any]):
+    def __init__(self, collectors: list[Any], hook_wait: bool = True, hook_starts: bool = True):
         self.collectors = collectors
+        # False: no kernel starts recorded (gloo, NCCL without TORCH_NCCL_ENABLE_TIMING): -1.
+        self.hook_starts = hook_starts
+        # False: the main runtime's hook rows carry no collective wait, as the real hook sends
+        # them (the simulator fills the column); the shadows never read rank_progress.
+        self.hook_wait = hook_wait
         self.frames: dict[str, list[pl.DataFrame]] = {}
         self.errors = 0
 
@@ -39,6 +44,10 @@ class Recorder:
         for c in self.collectors:
             for stream, df in c.collect(now).items():
                 out.setdefault(stream, []).append(df)
+        if not self.hook_wait and "rank_progress" in out:
+            out["rank_progress"] = [df.with_columns(pl.lit(None, dtype=pl.Float64).alias("collective_wait_seconds")) for df in out["rank_progress"]]
+        if not self.hook_starts and "rank_progress" in out:
+            out["rank_progress"] = [df.with_columns(pl.lit(-1, dtype=pl.Int64).alias("last_started_seq")) for df in out["rank_progress"]]
         self.frames = out
         # The main runtime (L2) does not read the L1 streams: keep its cost and figures as they were.
         return {s: (dfs[0] if len(dfs) == 1 else pl.concat(dfs, how="vertical_relaxed")) for s, dfs in out.items() if s not in L1_ONLY}
@@ -59,7 +68,7 @@ class Replay:
 class LevelShadows:
     """L0 and L1 pipelines fed from the main runtime's world."""
 
-    def __init__(self, rt: Any, cfg: dict[str, Any]):
+    def __init__(self, rt: Any, cfg: dict[str, Any], levels: Any = ("L0", "L1"), hook_wait: bool = True, hook_starts: bool = True):
         from gpuvigil.collectors.fr_dumps import FrDumpTrigger, FrDumpWatcher, FrRequests
         from gpuvigil.detectors.registry import default_detectors
         from gpuvigil.pipeline.core import Pipeline
@@ -68,7 +77,7 @@ class LevelShadows:
         self.tmp = tempfile.mkdtemp(prefix="gpuvigil-fr-")
         rt.cluster.fr_folder = self.tmp
         rt.cluster.inspector = True
-        self.recorder = Recorder(rt.pipeline.collectors)
+        self.recorder = Recorder(rt.pipeline.collectors, hook_wait=hook_wait, hook_starts=hook_starts)
         rt.pipeline.collectors = [self.recorder]
         requests = FrRequests()
         self.trigger = FrDumpTrigger(rt.cluster.request_fr_dump, requests)
@@ -79,10 +88,11 @@ class LevelShadows:
             return [d for d in default_detectors(cfg) if d.capability and RANK[d.level] <= RANK[level]]
 
         self.levels = {d.name: (d.level, d.capability) for d in default_detectors(cfg)}
-        self.pipelines = {
-            "L0": Pipeline([Replay(self.recorder, L0_STREAMS)], dets("L0"), cfg=cfg),
-            "L1": Pipeline([Replay(self.recorder, L1_STREAMS), FrDumpWatcher(self.tmp, requests=requests)], dets("L1"), sinks=[self.trigger], cfg=cfg),
+        make = {
+            "L0": lambda: Pipeline([Replay(self.recorder, L0_STREAMS)], dets("L0"), cfg=cfg),
+            "L1": lambda: Pipeline([Replay(self.recorder, L1_STREAMS), FrDumpWatcher(self.tmp, requests=requests)], dets("L1"), sinks=[self.trigger], cfg=cfg),
         }
+        self.pipelines = {lvl: make[lvl]() for lvl in ("L0", "L1") if lvl in levels}
 
     def tick(self, now: float) -> None:
         for p in self.pipelines.values():

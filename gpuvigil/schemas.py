@@ -114,6 +114,11 @@ RANK_PROGRESS = pl.Schema(
         # Time this rank spent blocked in collectives during the last step (Flight Recorder
         # start→complete): the slowest rank waits least, so this names stragglers.
         "collective_wait_seconds": F64,
+        # The last collective whose kernel started on this rank (the Flight Recorder's
+        # `last_started_collective`; NCCL records it with TORCH_NCCL_ENABLE_TIMING=1, gloo never:
+        # -1 or null there). A rank stuck in a kernel before the pending collective has enqueued
+        # it like its peers but not started it.
+        "last_started_seq": I64,
     }
 )
 

@@ -319,3 +319,53 @@ def test_resolutions_do_not_need_the_l0_shadow():
         assert sampled.samplers[1.0].passthrough and not sampled.samplers[30.0].passthrough
     finally:
         shadows.close()
+
+
+def test_cheaper_cases_keep_every_other_draw():
+    """--max-step, --warmup, --after and --levels change only what they name: the job, its
+    size, the fault's ranks and mode of case `index` stay those of the default suite (a step
+    below the cap is drawn from the same uniform, so it shrinks by the ratio of the log spans)."""
+    for i in range(12):
+        full = make_case(i, seed=7, max_gpus=8, quick=True, types=["nccl_hang"])
+        lean = make_case(i, seed=7, max_gpus=8, quick=True, types=["nccl_hang"], max_step=2.0, warmup=40.0, after_fault=60.0, levels=("L2",))
+        assert (lean.gpus, lean.scenario["faults"][0]["ranks"], lean.scenario["faults"][0]["mode"]) == (full.gpus, full.scenario["faults"][0]["ranks"], full.scenario["faults"][0]["mode"])
+        assert 0.1 <= lean.step_time_seconds <= 2.0 and 40.0 <= lean.onset <= 60.0 and lean.levels == ("L2",)
+        assert lean.scenario["duration_seconds"] == pytest.approx(lean.onset + 60.0)
+        assert full.levels == ("L0", "L1", "L2") and full.onset >= 100.0
+
+
+def test_l2_hang_targets_count_short_steps_and_ranks_stuck_inside_a_kernel():
+    runs = [_hang_run(i, 105.0, [2]) for i in range(8)] + [_hang_run(8, 112.0, [2]), _hang_run(9, 104.0, [])]
+    runs[9].mode = "inside"
+    runs[1].mode = "inside"
+    by_level = {"L2": score(runs, "L2")}
+    rows = {r["target"]: r for r in target_rows(by_level) if r["level"] == "L2"}
+    assert (rows["hang found ≤ 10 s, steps ≤ 2 s (p90 ≤ 10 s)"]["k"], rows["hang found ≤ 10 s, steps ≤ 2 s (p90 ≤ 10 s)"]["n"]) == (9, 10)
+    assert rows["exact culprit ranks, steps ≤ 2 s"]["k"] == 9
+    assert (rows["exact culprit ranks, culprit stuck inside a kernel"]["k"], rows["exact culprit ranks, culprit stuck inside a kernel"]["n"]) == (1, 2)
+    md = "\n".join(targets_markdown(by_level))
+    assert "| hang found ≤ 10 s, steps ≤ 2 s (p90 ≤ 10 s) | L2 | 9 / 10 | 90.0% |" in md and md.count("| not met |") == 2
+
+
+def test_recorder_can_send_the_hook_rows_as_the_real_hook_does():
+    """--hook-without-wait / --hook-without-starts: the main runtime's rank_progress rows lose
+    the collective wait (null) and the kernel starts (-1), as the real hook on gloo sends them;
+    the other streams pass as they are."""
+    import polars as pl
+
+    from benchmarks.levels import Recorder
+    from gpuvigil import schemas
+
+    rows = schemas.frame([{"ts": 1.0, "job": "j", "rank": 0, "collective_wait_seconds": 0.2, "last_started_seq": 7}], schemas.RANK_PROGRESS)
+    gpu = schemas.frame([{"ts": 1.0, "node": "n", "gpu": 0}], schemas.GPU_SAMPLES)
+
+    class Source:
+        def collect(self, now):
+            return {"rank_progress": rows, "gpu_samples": gpu}
+
+    as_sim = Recorder([Source()]).collect(1.0)["rank_progress"]
+    assert as_sim.select("collective_wait_seconds", "last_started_seq").row(0) == (0.2, 7)
+    out = Recorder([Source()], hook_wait=False, hook_starts=False).collect(1.0)
+    assert out["rank_progress"].select("collective_wait_seconds", "last_started_seq").row(0) == (None, -1)
+    assert out["rank_progress"].schema == rows.schema and out["gpu_samples"].equals(gpu)
+    assert isinstance(out["rank_progress"], pl.DataFrame)

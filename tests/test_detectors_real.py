@@ -403,3 +403,37 @@ def test_healthy_real_steps_have_no_straggler(gloo):
     rows = _waits_from_flight_recorder(gloo["hang"])
     assert rows.height >= 4 * 25
     assert [fs for _, fs in _replay(StragglerDetector(), "rank_progress", rows, tick=0.25) if fs] == []
+
+
+@pytest.mark.torch
+def test_real_hook_rows_of_a_slow_rank_leave_its_stragglers_to_the_device_detectors(gloo):
+    """The real hook on real gloo ranks (rank 1 computing twice as long): its rows carry no
+    collective wait, and gloo records no kernel starts (last_started stays -1). The L2 straggler
+    detector, which needs the wait, is not the one the level selection runs for this L2 job:
+    its stragglers are left to the L1/L0 detectors (on GPUs, straggler_device reads the slow
+    rank's clock; these CPU ranks have no device telemetry)."""
+    from gpuvigil.detectors.levels import LevelSelector
+    from gpuvigil.detectors.registry import default_detectors
+
+    rows = _hook_rows(gloo["slow"])
+    assert rows["rank"].n_unique() == 4 and rows.height >= 4 * 10
+    assert rows["collective_wait_seconds"].null_count() == rows.height
+    # (A record published before the process group's first collective has no pg_status.)
+    assert set(rows["last_started_seq"].drop_nulls().to_list()) == {-1}
+    assert StragglerDetector().detect(_window_with(rows)) == []  # what the L2 detector alone gives
+    dets = default_detectors(config.defaults())
+    by = {d.name: d for d in dets}
+    sel = LevelSelector(dets)
+    w = _window_with(rows)
+    sel.observe(w)
+    job = rows["job"][0]
+    assert sel.job_levels() == {job: "L2"}
+    assert (sel.best("straggler", job), sel.best("hang", job)) == ("L0", "L2")
+    assert sel.needed(by["straggler_device"]) and not sel.needed(by["straggler"])
+
+
+def _window_with(rows: pl.DataFrame) -> Window:
+    w = Window(1e9)
+    w.add("rank_progress", rows)
+    w.seal(float(rows["ts"].max()))
+    return w

@@ -9,6 +9,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import polars as pl
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -146,6 +147,22 @@ def test_memory_record_becomes_allocator_stats():
     assert (row["allocated_bytes"], row["reserved_bytes"], row["peak_allocated_bytes"], row["alloc_retries"], row["oom_count"]) == (100, 300, 150, 2, 1)
     assert row["device_capacity_bytes"] == 2000 and row["foreign_used_bytes"] == 700  # 2000 − 1000 free − 300 reserved
     assert schemas.frame(allocator, schemas.ALLOCATOR_STATS).height == 1
+
+
+def test_last_started_collective_reaches_rank_progress():
+    """The hook publishes the Flight Recorder's last started collective per process group (-1
+    where no kernel start is recorded: gloo, NCCL without timing, as the real H200 dumps in
+    tests/test_instrument_stdlib.py show); the hang detector reads it to name a rank stuck in a
+    kernel before the pending collective. Anything but an integer is dropped to null."""
+    record = {
+        "ts": 5.0, "job": "j", "rank": 3, "step": 7,
+        "pg_status": {"0": {"last_enqueued": 12, "last_started": 11, "last_completed": 11}, "1": {"last_enqueued": 2, "last_started": -1, "last_completed": 2},
+                      "2": {"last_enqueued": 2, "last_started": "x", "last_completed": 2}},
+    }
+    progress, _ = rows_from_record(record)
+    assert [r["last_started_seq"] for r in progress] == [11, -1, None]
+    frame = schemas.frame(progress, schemas.RANK_PROGRESS)
+    assert frame["last_started_seq"].to_list() == [11, -1, None] and frame.schema["last_started_seq"] == pl.Int64
 
 
 def test_tailing_handles_partial_lines_garbage_and_truncation(tmp_path):

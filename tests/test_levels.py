@@ -41,7 +41,6 @@ def _finding(job: str, source: str) -> Finding:
         ((), "L0", "hang_device"),
         (("collective_progress",), "L1", "hang_fr"),
         (("fr_pipes",), "L1", "hang_fr"),
-        (("rank_progress",), "L2", "hang"),
         # The hook's allocator stats make the job L2, but the L2 hang detector reads rank progress:
         # for hangs the best this job allows is L1.
         (("fr_pipes", "allocator_stats"), "L2", "hang_fr"),
@@ -88,13 +87,65 @@ def _l2_ticks(sel, times, stream="rank_progress"):
         sel.observe(w)
 
 
-def test_l2_job_hang_falls_back_to_l0_when_the_hook_names_nobody():
-    """A rank stuck inside a kernel has enqueued the collective like its peers: the hook's
-    counters show nobody missing and the L2 detector stays silent, while the GPUs show the job
-    stopped. `L2.hang` (default 30 s): the L0 finding goes out after it, marked as a fallback."""
+def test_l2_job_hang_detectors_run_side_by_side_and_page_once():
+    """L2 (the hook's rank progress): the hook's, the Flight Recorder's and the device's hang
+    detectors all run; whichever is first pages, and the later ones go out as the same finding
+    (one id: no second page) with their evidence joined."""
     dets = default_detectors(config.defaults())
     by = {d.name: d for d in dets}
     sel = LevelSelector(dets, **config.defaults()["levels"])
+    _l2_ticks(sel, [10.0])
+    assert sel.job_levels() == {"j": "L2"}
+    assert sel.needed(by["hang_device"]) and sel.needed(by["hang_fr"]) and sel.needed(by["hang"])
+    first = Finding(kind=FindingKind.COLLECTIVE_HANG, severity=Severity.PAGE, ts=10.0, job="j", summary="device", source="hang_device")
+    kept, dropped = sel.select(by["hang_device"], [first])
+    assert kept == [first] and not dropped and first.evidence["level"] == "L0"  # no fallback wait
+    _l2_ticks(sel, [14.0])
+    named = Finding(kind=FindingKind.COLLECTIVE_HANG, severity=Severity.PAGE, ts=14.0, job="j", ranks=[5], culprit_ranks=[5], summary="hook", source="hang")
+    [out], _ = sel.select(by["hang"], [named])
+    assert out.id == first.id and out.summary == "device" and out.source == "hang_device"
+    assert out.culprit_ranks == [5] and out.evidence["culprit_from"] == "hang"
+    assert out.evidence["joined"]["hang"] == {"level": "L2", "first_ts": 14.0, "culprit_ranks": [5], "summary": "hook"}
+    # The paging detector goes on: its finding keeps the joined evidence.
+    _l2_ticks(sel, [15.0])
+    [again], _ = sel.select(by["hang_device"], [first.model_copy(update={"ts": 15.0})])
+    assert again.id == first.id and again.culprit_ranks == [5] and "hang" in again.evidence["joined"]
+
+
+def test_l2_hang_incident_ends_after_join_seconds():
+    dets = default_detectors(config.defaults())
+    by = {d.name: d for d in dets}
+    sel = LevelSelector(dets, join_seconds=20.0)
+    _l2_ticks(sel, [10.0])
+    sel.select(by["hang_device"], [_finding("j", "hang_device")])
+    _l2_ticks(sel, [31.0])  # 21 s without a report: a new incident, opened by the hook's finding
+    [out], _ = sel.select(by["hang"], [_finding("j", "hang")])
+    assert out.source == "hang" and "joined" not in out.evidence
+
+
+def test_l2_job_lower_hang_finding_held_back_while_the_hook_sees_it_healthy():
+    """The hook's rows show every collective completing: a device-side suspicion (a phase
+    whose GPUs read like a hang) does not page."""
+    dets = default_detectors(config.defaults())
+    by = {d.name: d for d in dets}
+    sel = LevelSelector(dets, **config.defaults()["levels"])
+    _l2_ticks(sel, [10.0])
+    by["hang"].healthy_jobs = {"j"}
+    kept, dropped = sel.select(by["hang_device"], [_finding("j", "hang_device")])
+    assert not kept and dropped
+    by["hang"].healthy_jobs = set()
+    kept, _ = sel.select(by["hang_device"], [_finding("j", "hang_device")])
+    assert kept
+
+
+def test_l2_job_hang_falls_back_to_l0_when_the_hook_names_nobody():
+    """With side-by-side selection off (`side_by_side: []`) an L2 job's hang falls back instead:
+    a rank stuck inside a kernel has enqueued the collective like its peers, the hook's
+    counters show nobody missing and the L2 detector stays silent, while the GPUs show the job
+    stopped. `L2.hang` (30 s): the L0 finding goes out after it, marked as a fallback."""
+    dets = default_detectors(config.defaults())
+    by = {d.name: d for d in dets}
+    sel = LevelSelector(dets, **{**config.defaults()["levels"], "side_by_side": []})
     _l2_ticks(sel, [10.0])
     assert sel.job_levels() == {"j": "L2"}
     assert sel.needed(by["hang_device"]), "the L0 hang detector must run for an L2 job to fall back to it"
@@ -110,7 +161,7 @@ def test_l2_job_hang_falls_back_to_l0_when_the_hook_names_nobody():
 def test_l2_job_hang_does_not_fall_back_when_the_hook_spoke():
     dets = default_detectors(config.defaults())
     by = {d.name: d for d in dets}
-    sel = LevelSelector(dets, **config.defaults()["levels"])
+    sel = LevelSelector(dets, **{**config.defaults()["levels"], "side_by_side": []})
     for now in (10.0, 30.0, 50.0, 70.0):
         _l2_ticks(sel, [now])
         assert sel.select(by["hang"], [_finding("j", "hang")])[0]  # the selected detector reports
@@ -391,10 +442,10 @@ def test_l0_hang_renews_the_dump_asks_an_inspector_stall_used_up():
 
 def test_a_transient_suspicion_long_ago_does_not_send_a_new_finding_out_at_once():
     """The fallback clock restarts when the suppressed findings stopped for longer than the
-    fallback: the hook's detector gets its 30 s again for a new suspicion."""
+    fallback: the hook's detector gets its 30 s again for a new suspicion (side-by-side off)."""
     dets = default_detectors(config.defaults())
     by = {d.name: d for d in dets}
-    sel = LevelSelector(dets, **config.defaults()["levels"])
+    sel = LevelSelector(dets, **{**config.defaults()["levels"], "side_by_side": []})
     _l2_ticks(sel, [10.0])
     assert not sel.select(by["hang_device"], [_finding("j", "hang_device")])[0]  # transient, then gone
     _l2_ticks(sel, [200.0])

@@ -58,7 +58,7 @@ def test_hang_finding_says_who_where_why_and_how_long():
     assert (f.ranks, f.culprit_ranks, f.node, f.gpu) == ([2], [2], "n0", 2)
     assert f.evidence == {
         "pending_seq": 11, "op": "ALLREDUCE", "stalled_seconds": 6.0, "threshold_seconds": 5.0, "step_time_seconds": 0.5,
-        "waiting_ranks": 7, "world_size": 8, "culprit_nodes": ["n0"], "silent_ranks": [], "xids": [],
+        "waiting_ranks": 7, "world_size": 8, "culprit_nodes": ["n0"], "silent_ranks": [], "not_started_ranks": [], "xids": [],
     }
     assert f.summary == "j is hung in collective #11: rank 2 (n0 GPU 2) did not join (it never entered the collective); 7 ranks have waited 6 s."
 
@@ -159,19 +159,22 @@ def test_requeued_job_reports_of_the_old_run_are_dropped():
 
 def test_rank_state_older_than_forget_after_is_dropped():
     """Rank 2 reported once at t=0 and then nothing; its peers wait. With forget_after 10 s its
-    report is dropped after 10 s and the job has no silent culprit left to name."""
+    report is dropped after 10 s and the job has no silent culprit left to name: the 7 ranks
+    left all entered #11 long ago, so the hang is paged with no culprit."""
     def frames(t):
         return rank_rows(t, [11] * 8, [10] * 8, skip=(2,) if t > 0 else ())
     times = [float(t) for t in range(0, 16)]
     found = run(frames, times, forget_after_seconds=10.0)
     # kept while it is exactly forget_after old (t = 10), dropped after
-    assert all(found[t] for t in range(6, 11)) and not any(found[11:])
+    assert all(f.culprit_ranks == [2] for t in range(6, 11) for f in found[t]) and all(found[t] for t in range(6, 11))
+    assert all(len(fs) == 1 and fs[0].culprit_ranks == [] and fs[0].evidence["all_entered"] for fs in found[11:])
     assert [bool(f) for f in run(frames, times)[6:]] == [True] * 10  # default 900 s keeps it
 
 
 def test_latest_of_several_reports_in_one_tick_counts():
     """One tick carries two reports of every rank (a fast sampler): at 0.5 s rank 2 had not
-    entered #11, at 0.9 s it had. The later report counts: nobody is a culprit."""
+    entered #11, at 0.9 s it had. The later report counts: nobody is a culprit (every rank in
+    #11; once that lasts past 8 s the job is paged with no culprit named)."""
     det = HangDetector()
     w = Window(1e9)
     for t in range(0, 10):
@@ -179,7 +182,11 @@ def test_latest_of_several_reports_in_one_tick_counts():
         late = rank_rows(t + 0.9, [11] * 8, [10] * 8)
         w.add("rank_progress", pl.concat([late, early]))  # arrival order is not time order
         w.seal(float(t + 1))
-        assert det.detect(w) == [], t
+        found = det.detect(w)
+        if t < 8:
+            assert found == [], t
+        else:
+            assert [(f.culprit_ranks, f.evidence["all_entered"]) for f in found] == [([], True)], t
 
 
 def test_two_jobs_are_judged_apart():
@@ -248,3 +255,65 @@ def test_culprits_one_of_which_names_no_node_are_paged_with_the_node_known():
     no_node = lambda t: stuck((1, 5))(t).with_columns(pl.when(pl.col("rank") == 5).then(None).otherwise(pl.col("node")).alias("node"))  # noqa: E731
     [f] = run(no_node, T)[6]
     assert (f.culprit_ranks, f.node, f.gpu, f.evidence["culprit_nodes"], f.severity.value) == ([1, 5], "n0", None, ["n0"], "page")
+
+
+# -- a rank stuck inside a kernel: enqueued like its peers, never started (start records) --------
+
+
+def in_kernel(culprits=(2,), n=8, started_known=True):
+    def at(t):
+        df = rank_rows(t, [11] * n, [10] * n)
+        started = [(10 if r in culprits else 11) if started_known else -1 for r in range(n)]
+        return df.with_columns(pl.Series("last_started_seq", started, dtype=pl.Int64))
+
+    return at
+
+
+def test_rank_that_enqueued_but_never_started_the_collective_is_the_culprit():
+    """Every rank enqueued #11; rank 2's kernel never started (a compute kernel before it hangs),
+    the 7 others started it and spin. Found at the same 5 s floor as a missing rank."""
+    found = run(in_kernel(), T)
+    assert [bool(f) for f in found] == [False] * 6 + [True] * 2
+    [f] = found[6]
+    assert (f.culprit_ranks, f.node, f.gpu, f.cause) == ([2], "n0", 2, "software")
+    assert f.evidence["not_started_ranks"] == [2] and f.evidence["waiting_ranks"] == 7 and f.evidence["pending_seq"] == 11
+    assert "stuck in a kernel before the collective" in f.summary
+
+
+def test_without_start_records_every_rank_in_the_collective_is_paged_later_with_no_culprit():
+    """gloo, or NCCL without TORCH_NCCL_ENABLE_TIMING: last_started is -1 everywhere, nobody is
+    missing. Past the 5 s floor the hook names nobody; past max(8 s, 3 steps) with every rank in
+    the collective and none completing it, the job is paged hung with no culprit."""
+    found = run(in_kernel(started_known=False), [float(t) for t in range(0, 11)])
+    assert [bool(f) for f in found] == [False] * 9 + [True] * 2
+    [f] = found[9]
+    assert (f.culprit_ranks, f.ranks, f.node, f.gpu, f.cause, f.severity.value) == ([], [], None, None, "software", "page")
+    assert f.evidence["all_entered"] is True and f.evidence["pending_seq"] == 11 and f.evidence["waiting_ranks"] == 8
+    assert f.evidence["threshold_seconds"] == 8.0 and f.evidence["stalled_seconds"] == 9.0
+    assert "all 8 ranks entered it" in f.summary
+    # Long steps stretch the wait: 4 s steps, 3 x 4 = 12 s.
+    slow = lambda t: in_kernel(started_known=False)(t).with_columns(pl.lit(4.0).alias("step_time_seconds"))  # noqa: E731
+    found = run(slow, [float(t) for t in range(0, 14)])
+    assert [bool(f) for f in found] == [False] * 13 + [True]
+    # Every rank started #11 too (start records, nobody lags): the same, no culprit.
+    found = run(in_kernel(culprits=(), started_known=True), [float(t) for t in range(0, 10)])
+    assert [bool(f) for f in found] == [False] * 9 + [True] and found[9][0].culprit_ranks == []
+
+
+def test_healthy_jobs_are_those_whose_fresh_reports_show_no_stall():
+    det = HangDetector()
+    w = Window(1e9)
+    seen = {}
+    for t in T:
+        # j: completing every second; k: all outside collectives; s: stuck since 0 s.
+        w.add("rank_progress", pl.concat([rank_rows(t, [int(t) + 1] * 4, [int(t)] * 4, job="j"), rank_rows(t, [5] * 4, [5] * 4, job="k"),
+                                          stuck(n=4, job="s")(t)]))
+        w.seal(t)
+        det.detect(w)
+        seen[t] = set(det.healthy_jobs)
+    assert seen[0.0] == {"j", "k", "s"}  # nobody has waited past the floor yet
+    assert seen[5.0] == {"j", "k", "s"} and seen[6.0] == {"j", "k"}
+    # A job whose reports stopped is vouched for by nobody.
+    w.seal(20.0)
+    det.detect(w)
+    assert det.healthy_jobs == set()

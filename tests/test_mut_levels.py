@@ -28,10 +28,11 @@ def _tick(sel, now, stream, jobs=("j",), allocated=("j",)):
 
 def _fallback_tick(stream, seconds):
     """The first tick (of one a second from t=10) on which the L0 hang finding goes out for a job
-    of `stream`'s level, with the selector's built-in fallback times (no argument given)."""
+    of `stream`'s level, with the selector's built-in fallback times (no fallback argument;
+    side-by-side selection off, or the L2 hang would go out at once)."""
     dets = default_detectors(config.defaults())
     by = {d.name: d for d in dets}
-    sel = LevelSelector(dets)
+    sel = LevelSelector(dets, side_by_side=())
     for now in range(10, 10 + seconds + 5):
         _tick(sel, float(now), stream)
         kept, _ = sel.select(by["hang_device"], [_finding("j", "hang_device")])
@@ -43,6 +44,19 @@ def _fallback_tick(stream, seconds):
 def test_built_in_fallback_is_60_s_for_l1_and_30_s_for_an_l2_hang():
     assert _fallback_tick("fr_pipes", 60) == (60, "L1")
     assert _fallback_tick("rank_progress", 30) == (30, "L2")
+
+
+def test_built_in_side_by_side_sends_an_l2_jobs_device_hang_at_once():
+    dets = default_detectors(config.defaults())
+    by = {d.name: d for d in dets}
+    sel = LevelSelector(dets)
+    _tick(sel, 10.0, "rank_progress")
+    [out], dropped = sel.select(by["hang_device"], [_finding("j", "hang_device")])
+    assert dropped == [] and "fallback_from" not in out.evidence and out.evidence["level"] == "L0"
+    # An L1 job's device finding still waits for the Flight Recorder (60 s).
+    sel = LevelSelector(dets)
+    _tick(sel, 10.0, "fr_pipes")
+    assert sel.select(by["hang_device"], [_finding("j", "hang_device")])[0] == []
 
 
 def test_which_lower_detectors_must_keep_running_for_an_l2_job():
@@ -107,9 +121,9 @@ _DETS = ["hang_device", "hang_fr", "hang", "oom_device", "oom", "straggler_devic
         (("fr_pipes",), {"hang_device", "hang_fr", "oom_device", "straggler_device"}),
         # NCCL Inspector rows serve both L1 detectors.
         (("collective_progress",), {"hang_device", "hang_fr", "oom_device", "straggler_device", "straggler_inspector"}),
-        # The hook's progress: hang and straggler at L2. L2's hang falls back (L2.hang), so L0 and
-        # L1 hang detectors run too; straggler has no L2 fallback, so its L0 one does not.
-        (("rank_progress",), {"hang_device", "hang_fr", "hang", "oom_device", "straggler"}),
+        # The hook's progress: hang at L2, its L0 and L1 detectors beside it (side by side).
+        # Rows without a collective wait (as the real hook sends them) leave stragglers to L0.
+        (("rank_progress",), {"hang_device", "hang_fr", "hang", "oom_device", "straggler_device"}),
         # The hook's allocator stats: OOM at L2 without fallback; hang and straggler stay at L0.
         (("allocator_stats",), {"hang_device", "oom", "straggler_device"}),
     ],
@@ -127,6 +141,24 @@ def test_the_detectors_needed_for_a_job_are_its_best_level_and_what_falls_back_t
     sel.observe(w)
     assert {n for n in _DETS if sel.needed(by[n])} == needed
     assert sel.needed(by["xid"])  # no capability: always runs
+
+
+def test_l2_straggler_detector_serves_only_jobs_whose_hook_sends_a_collective_wait():
+    dets = default_detectors(config.defaults())
+    by = {d.name: d for d in dets}
+    sel = LevelSelector(dets, **config.defaults()["levels"])
+    w = _Window(1e9)
+    w.add("allocations", schemas.frame([{"job": j, "rank": 0, "node": "n0", "gpu": g} for g, j in enumerate(("a", "b"))], schemas.ALLOCATIONS))
+    w.add("rank_progress", schemas.frame([{"ts": 10.0, "job": "a", "rank": 0, "collective_wait_seconds": 0.2}, {"ts": 10.0, "job": "b", "rank": 0}], "rank_progress"))
+    w.seal(10.0)
+    sel.observe(w)
+    assert sel.job_levels() == {"a": "L2", "b": "L2"}
+    assert (sel.best("straggler", "a"), sel.best("straggler", "b")) == ("L2", "L0")
+    assert sel.needed(by["straggler"]) and sel.needed(by["straggler_device"])
+    l0 = Finding(kind=FindingKind.STRAGGLER, severity=Severity.TICKET, ts=10.0, job="b", summary="x", source="straggler_device")
+    l0_a = Finding(kind=FindingKind.STRAGGLER, severity=Severity.TICKET, ts=10.0, job="a", summary="x", source="straggler_device")
+    kept, dropped = sel.select(by["straggler_device"], [l0, l0_a])
+    assert kept == [l0] and dropped == [l0_a]
 
 
 def test_with_no_job_no_capability_detector_is_needed():
@@ -171,8 +203,9 @@ def _tick_j0_j2(sel, now):
 
 
 def _selector():
+    """The configured selector with side-by-side selection off: the fallback clock's edges."""
     dets = default_detectors(config.defaults())
-    return LevelSelector(dets, **config.defaults()["levels"]), {d.name: d for d in dets}
+    return LevelSelector(dets, **{**config.defaults()["levels"], "side_by_side": []}), {d.name: d for d in dets}
 
 
 def test_select_sorts_each_finding_of_one_call_into_kept_or_suppressed():
@@ -256,7 +289,7 @@ def test_fallback_seconds_given_to_the_selector_replace_the_built_in_ones():
     """L2.hang after 5 s instead of the built-in 30 s."""
     dets = default_detectors(config.defaults())
     by = {d.name: d for d in dets}
-    sel = LevelSelector(dets, fallback_seconds={"L2.hang": 5.0})
+    sel = LevelSelector(dets, fallback_seconds={"L2.hang": 5.0}, side_by_side=())
     _tick_j0_j2(sel, 10.0)
     assert sel.select(by["hang_device"], [_hang("j2", "hang_device")])[0] == []
     _tick_j0_j2(sel, 15.0)

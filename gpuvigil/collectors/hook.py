@@ -59,6 +59,7 @@ def rows_from_record(record: Any) -> tuple[list[dict[str, Any]], list[dict[str, 
                     **progress_base,
                     "pg": str(pg),
                     "last_enqueued_seq": _int(st.get("last_enqueued")),
+                    "last_started_seq": _int(st.get("last_started")),
                     "last_completed_seq": _int(st.get("last_completed")),
                     "current_op": _str(st.get("current_op")),
                 }

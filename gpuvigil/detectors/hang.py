@@ -4,8 +4,14 @@ Signals, all from `rank_progress` (the in-process hook's Flight Recorder `pg_sta
 - a job is *stalled* when its highest enqueued sequence number is ahead of its lowest completed
   one (someone is waiting) and no collective has completed for longer than the job's own cadence
   allows: max(min_stall_seconds, step_time_factor × median step time);
-- the *culprits* are the ranks that never enqueued the pending collective, and ranks whose
-  reports stopped while their peers kept reporting (a dead process or a GPU off the bus).
+- the *culprits* are the ranks that never enqueued the pending collective, ranks whose
+  reports stopped while their peers kept reporting (a dead process or a GPU off the bus), and,
+  where the Flight Recorder records kernel starts (NCCL with TORCH_NCCL_ENABLE_TIMING=1), ranks
+  that enqueued it but never started it while their peers did: stuck in a kernel before it.
+  Without start records such a rank looks like its peers: when every rank has entered the
+  pending collective and none completes it for longer (`all_entered_*`), the job is paged hung
+  with no culprit named; the L0/L1 detectors, which run beside this one for hooked jobs
+  (detectors/levels.py), join it with theirs.
 A checkpoint save or a data-loader stall pauses all ranks *outside* collectives (enqueued ==
 completed everywhere), so it is never a hang. XID/ECC events on a culprit's node say hardware.
 """
@@ -28,6 +34,11 @@ class HangConfig(BaseModel):
     stale_report_seconds: float = 5.0
     hardware_lookback_seconds: float = 120.0
     forget_after_seconds: float = 900.0
+    # Every rank entered the pending collective and none completes it (nobody missing, nobody
+    # silent): a rank stuck inside a kernel or the network, which start records would name. Paged
+    # without a culprit after max(all_entered_min_seconds, all_entered_step_factor x step time).
+    all_entered_min_seconds: float = 8.0
+    all_entered_step_factor: float = 3.0
 
 
 class HangDetector:
@@ -40,6 +51,10 @@ class HangDetector:
         # the later of this and the last completion, so a checkpoint or data-loader pause (all
         # ranks outside collectives) does not count towards the next collective's wait.
         self._idle: pl.DataFrame = pl.DataFrame(schema={"job": pl.Utf8, "idle_ts": pl.Float64})
+        # Jobs whose fresh reports show them healthy for hangs on the last detect (collectives
+        # completing, or nobody inside one): the level selection keeps the L0/L1 hang detectors'
+        # findings for these jobs back (their device view is the weaker evidence).
+        self.healthy_jobs: set[str] = set()
 
     def _update_state(self, window: Window) -> pl.DataFrame:
         """Per (job, rank): the latest report and when its completed counter last moved.
@@ -73,8 +88,11 @@ class HangDetector:
         c = self.config
         now = window.now
         latest = self._update_state(window)
+        self.healthy_jobs = set()
         if latest.height == 0:
             return []
+        if "last_started_seq" not in latest.columns:
+            latest = latest.with_columns(pl.lit(None, dtype=pl.Int64).alias("last_started_seq"))
         per_job = (
             latest.group_by("job")
             .agg(
@@ -84,17 +102,24 @@ class HangDetector:
                 pl.col("since").max().alias("progress_ts"),
                 pl.len().alias("n_ranks"),
                 pl.col("step_time_seconds").median().alias("step_time"),
+                pl.col("last_started_seq").max().alias("max_started"),
             )
         )
         idle_now = per_job.filter(pl.col("max_enq") <= pl.col("min_comp")).select("job", pl.lit(now).alias("idle_ts"))
         self._idle = pl.concat([self._idle.join(per_job.select("job"), on="job", how="semi").join(idle_now, on="job", how="anti"), idle_now])
+        per_job = per_job.join(self._idle, on="job", how="left").with_columns(
+            pl.max_horizontal(pl.lit(c.min_stall_seconds), pl.col("step_time") * c.step_time_factor).alias("threshold"),
+            (pl.lit(now) - pl.max_horizontal("progress_ts", "idle_ts")).alias("stalled_seconds"),
+        )
+        healthy = per_job.filter(
+            (pl.lit(now) - pl.col("fresh_ts") <= c.stale_report_seconds)
+            & pl.col("max_enq").is_not_null()
+            & pl.col("min_comp").is_not_null()
+            & ((pl.col("max_enq") <= pl.col("min_comp")) | (pl.col("stalled_seconds") <= pl.col("threshold")))
+        )
+        self.healthy_jobs = set(healthy["job"].drop_nulls().to_list())
         per_job = (
-            per_job.join(self._idle, on="job", how="left")
-            .with_columns(
-                pl.max_horizontal(pl.lit(c.min_stall_seconds), pl.col("step_time") * c.step_time_factor).alias("threshold"),
-                (pl.lit(now) - pl.max_horizontal("progress_ts", "idle_ts")).alias("stalled_seconds"),
-            )
-            .filter(
+            per_job.filter(
                 (pl.col("max_enq") > pl.col("min_comp"))
                 & (pl.col("stalled_seconds") > pl.col("threshold"))
                 & (pl.lit(now) - pl.col("fresh_ts") <= c.stale_report_seconds)  # the job still reports
@@ -102,11 +127,15 @@ class HangDetector:
         )
         if per_job.height == 0:
             return []
-        ranks = latest.join(per_job.select("job", "min_comp", "fresh_ts", "stalled_seconds", "threshold", "step_time", "n_ranks"), on="job").with_columns(
+        ranks = latest.join(per_job.select("job", "min_comp", "fresh_ts", "stalled_seconds", "threshold", "step_time", "n_ranks", "max_started"), on="job").with_columns(
+            # Enqueued but never started while a peer started it (start records exist).
+            ((pl.col("max_started") > pl.col("min_comp")) & (pl.col("last_started_seq") <= pl.col("min_comp"))).fill_null(False).alias("not_started"),
+        ).with_columns(
             (
                 (pl.col("last_enqueued_seq") <= pl.col("min_comp"))
                 | (pl.col("fresh_ts") - pl.col("ts") > c.stale_report_seconds)
-            ).alias("culprit"),
+                | pl.col("not_started")
+            ).fill_null(False).alias("culprit"),
             (pl.col("fresh_ts") - pl.col("ts") > c.stale_report_seconds).alias("silent"),
         )
         events = window.get("events").filter(
@@ -115,20 +144,26 @@ class HangDetector:
         findings = []
         for job_rows in ranks.partition_by("job"):
             culprits = job_rows.filter(pl.col("culprit")).sort("rank")
-            if culprits.height == 0 or culprits.height == job_rows.height:
+            if culprits.height == job_rows.height:
                 continue  # nobody waiting on anybody: not a collective hang
             first = job_rows.row(0, named=True)
+            if culprits.height == 0:
+                # Everybody entered it: hung only if it stays incomplete well past the cadence.
+                if first["stalled_seconds"] > max(c.all_entered_min_seconds, c.all_entered_step_factor * (first["step_time"] or 0.0)):
+                    findings.append(self._all_entered(job_rows, first, events, now))
+                continue
             job = first["job"]
             culprit_nodes = node_names(culprits["node"])
             hw = events.filter(pl.col("node").is_in(culprit_nodes))
             xids = sorted({int(x) for x in hw["xid"].drop_nulls().to_list()})
             silent = culprits.filter(pl.col("silent"))["rank"].to_list()
+            in_kernel = culprits.filter(pl.col("not_started") & ~pl.col("silent") & (pl.col("last_enqueued_seq") > pl.col("min_comp")))["rank"].to_list()
             cause = "hardware" if hw.height else "software"
             c0 = culprits.row(0, named=True)
             seq = int(first["min_comp"]) + 1
             where = ", ".join(rank_at(r["rank"], r["node"], r["gpu"]) for r in culprits.head(4).iter_rows(named=True))
             more = f" and {culprits.height - 4} more" if culprits.height > 4 else ""
-            why = f"XID {', '.join(map(str, xids))} on {', '.join(sorted(set(hw['node'].to_list())))}" if xids else ("its process stopped reporting" if silent else "it never entered the collective")
+            why = f"XID {', '.join(map(str, xids))} on {', '.join(sorted(set(hw['node'].to_list())))}" if xids else ("its process stopped reporting" if silent else "stuck in a kernel before the collective: enqueued, never started" if in_kernel else "it never entered the collective")
             findings.append(
                 Finding(
                     kind=FindingKind.COLLECTIVE_HANG,
@@ -151,6 +186,7 @@ class HangDetector:
                         "world_size": int(first["n_ranks"]),
                         "culprit_nodes": culprit_nodes,
                         "silent_ranks": silent,
+                        "not_started_ranks": in_kernel,
                         "xids": xids,
                     },
                     summary=(
@@ -160,3 +196,35 @@ class HangDetector:
                 )
             )
         return findings
+
+    def _all_entered(self, job_rows: pl.DataFrame, first: dict[str, Any], events: pl.DataFrame, now: float) -> Finding:
+        job = first["job"]
+        nodes = node_names(job_rows["node"])
+        hw = events.filter(pl.col("node").is_in(nodes))
+        xids = sorted({int(x) for x in hw["xid"].drop_nulls().to_list()})
+        seq = int(first["min_comp"]) + 1
+        return Finding(
+            kind=FindingKind.COLLECTIVE_HANG,
+            severity=Severity.PAGE,
+            ts=now,
+            job=job,
+            node=nodes[0] if len(nodes) == 1 else None,
+            cause="hardware" if hw.height else "software",
+            source=self.name,
+            evidence={
+                "pending_seq": seq,
+                "op": next((o for o in job_rows["current_op"].to_list() if o), None),
+                "stalled_seconds": round(float(first["stalled_seconds"]), 1),
+                "threshold_seconds": round(max(self.config.all_entered_min_seconds, self.config.all_entered_step_factor * (first["step_time"] or 0.0)), 2),
+                "step_time_seconds": round(float(first["step_time"] or 0.0), 3),
+                "waiting_ranks": int(job_rows.height),
+                "world_size": int(first["n_ranks"]),
+                "all_entered": True,
+                "xids": xids,
+            },
+            summary=(
+                f"{job} is hung in collective #{seq}: all {job_rows.height} ranks entered it and none has completed it for "
+                f"{first['stalled_seconds']:.0f} s; a rank is stuck inside a kernel or the network (the hook names it only where "
+                "the Flight Recorder records kernel starts: TORCH_NCCL_ENABLE_TIMING=1)."
+            ),
+        )

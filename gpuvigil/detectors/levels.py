@@ -16,6 +16,20 @@ capability of a level: the hook's progress counters cannot see a hang whose culp
 collective and is stuck inside a kernel (every rank has enqueued it, nobody is missing), while
 the device telemetry sees the whole job stop; so an L2 job's hang falls back to the L0/L1
 finding. L2's OOM and straggler findings never fall back (their figures stay their own).
+
+For a key in `side_by_side` (default `L2.hang`) no finding waits for a fallback: a job at that
+level has the lower detectors its data allows run beside the selected one, and the first
+finding of the capability pages. Later findings from the other detectors *join* it: they go out
+as the same finding (one id per job and kind, so no second page), with their level, time and
+culprits under `evidence.joined`; a page that named no culprit takes the first one a joining
+detector names. A lower detector's finding is held back while a detector of the job's level
+vouches for the job (`healthy_jobs`: the hook sees its collectives completing, or nobody in
+one): the device view is the weaker evidence.
+
+A detector reads a per-job stream only where the rows carry what it needs: `DERIVED` streams
+are seen for a job when its rows of the source stream have the column filled. The L2 straggler
+detector reads `rank_wait` (hook rows with a collective wait); a hooked job whose hook sends
+none is served by the L1/L0 straggler detectors, as an unhooked one.
 """
 
 from __future__ import annotations
@@ -31,7 +45,9 @@ from gpuvigil.model import Finding
 LEVELS = ("L0", "L1", "L2")
 RANK = {lvl: i for i, lvl in enumerate(LEVELS)}
 # Per-job streams and the level they mark (device streams carry no job: every placed job is L0).
-STREAM_LEVEL = {"collective_progress": "L1", "fr_pipes": "L1", "fr_analysis": "L1", "rank_progress": "L2", "allocator_stats": "L2"}
+STREAM_LEVEL = {"collective_progress": "L1", "fr_pipes": "L1", "fr_analysis": "L1", "rank_progress": "L2", "allocator_stats": "L2", "rank_wait": "L2"}
+# Streams seen for a job when its rows of (stream) have (column) filled, not just any row.
+DERIVED = {"rank_wait": ("rank_progress", "collective_wait_seconds")}
 
 
 def level_of(detector: Any) -> str:
@@ -47,15 +63,31 @@ class LevelsConfig(BaseModel):
     memory_seconds: float = Field(900.0, gt=0)
     # Per level ("L1") or per level and capability ("L2.hang"); the latter wins.
     fallback_seconds: dict[str, float] = Field(default_factory=lambda: {"L1": 60.0, "L2.hang": 30.0})
+    # "LEVEL.capability" keys whose lower detectors run beside the selected one: first finding
+    # pages, the others join it (a key here makes its fallback_seconds unused).
+    side_by_side: list[str] = Field(default_factory=lambda: ["L2.hang"])
+    # A joined finding belongs to the same incident while some detector kept reporting it
+    # within this many seconds.
+    join_seconds: float = Field(60.0, gt=0)
 
 
 class LevelSelector:
     """Tracks which per-job streams each job has shown, and filters findings by level."""
 
-    def __init__(self, detectors: Sequence[Any], memory_seconds: float = 900.0, fallback_seconds: dict[str, float] | None = None):
+    def __init__(
+        self,
+        detectors: Sequence[Any],
+        memory_seconds: float = 900.0,
+        fallback_seconds: dict[str, float] | None = None,
+        side_by_side: Iterable[str] | None = None,
+        join_seconds: float = 60.0,
+    ):
         self.detectors = list(detectors)
         self.memory_seconds = memory_seconds
         self.fallback_seconds = {"L1": 60.0, "L2.hang": 30.0} if fallback_seconds is None else dict(fallback_seconds)
+        self.side_by_side = {"L2.hang"} if side_by_side is None else set(side_by_side)
+        self.join_seconds = join_seconds
+        self._incidents: dict[tuple[str, str], dict[str, Any]] = {}  # (capability, job) → the paged finding and who joined
         self._seen: dict[tuple[str, str], float] = {}  # (job, stream) → last ts seen
         self._jobs: dict[str, float] = {}
         self._quiet_since: dict[tuple[str, str], float] = {}  # (capability, job) → first suppressed finding
@@ -71,8 +103,13 @@ class LevelSelector:
     def observe(self, window: Any) -> None:
         self.now = now = window.now
         for stream in STREAM_LEVEL:
-            df = window.fresh(stream)
+            source, column = DERIVED.get(stream, (stream, None))
+            df = window.fresh(source)
             if df.height and "job" in df.columns:
+                if column is not None:
+                    if column not in df.columns:
+                        continue
+                    df = df.filter(pl.col(column).is_not_null())
                 for job in df.get_column("job").drop_nulls().unique().to_list():
                     self._seen[(job, stream)] = now
         alloc = window.get("allocations")
@@ -162,8 +199,51 @@ class LevelSelector:
         return out
 
     def fallback(self, level: str, capability: str) -> float | None:
-        """Seconds after which `level` falls back for `capability` (None: never)."""
+        """Seconds after which `level` falls back for `capability` (None: never); 0 where the
+        lower detectors run side by side (their findings may go out at once)."""
+        if f"{level}.{capability}" in self.side_by_side:
+            return 0.0
         return self.fallback_seconds.get(f"{level}.{capability}", self.fallback_seconds.get(level))
+
+    def _vouched(self, capability: str, level: str, job: str) -> bool:
+        """Whether a detector of `level` for `capability` last saw `job` healthy."""
+        return any(level_of(d) == level and job in getattr(d, "healthy_jobs", ()) for d in self.by_capability.get(capability, []))
+
+    def _join(self, detector: Any, key: tuple[str, str], f: Finding) -> Finding:
+        """The finding that goes out for `f` under side-by-side selection: `f` itself when it
+        opens an incident, else the incident's finding with `f` joined as evidence."""
+        now = self.now
+        inc = self._incidents.get(key)
+        if inc is None or now - inc["last"] > self.join_seconds:
+            if len(self._incidents) > 1024:
+                self._incidents = {k: v for k, v in self._incidents.items() if now - v["last"] <= self.join_seconds}
+            self._incidents[key] = {"source": detector.name, "finding": f, "last": now, "joined": {}}
+            return f
+        inc["last"] = now
+        if detector.name == inc["source"]:
+            inc["finding"] = f
+        else:
+            prev = inc["joined"].get(detector.name, {})
+            inc["joined"][detector.name] = {
+                "level": level_of(detector),
+                "first_ts": prev.get("first_ts", f.ts),
+                "culprit_ranks": list(f.culprit_ranks),
+                "summary": f.summary,
+            }
+        out = inc["finding"].model_copy(deep=True)
+        if inc["joined"]:
+            out.evidence["joined"] = {k: dict(v) for k, v in inc["joined"].items()}
+        if not out.culprit_ranks:
+            # The page named no culprit (L0: a rank stuck inside a kernel reads like its peers):
+            # take the best-placed one a joining detector names.
+            by = {d.name: d for d in self.by_capability.get(key[0], [])}
+            namers = sorted((n for n, j in inc["joined"].items() if j["culprit_ranks"]), key=lambda n: -RANK[level_of(by[n])] if n in by else 0)
+            if namers:
+                j = inc["joined"][namers[0]]
+                out.culprit_ranks = list(j["culprit_ranks"])
+                out.ranks = sorted(set(out.ranks) | set(j["culprit_ranks"]))
+                out.evidence["culprit_from"] = namers[0]
+        return out
 
     def select(self, detector: Any, findings: Iterable[Finding]) -> tuple[list[Finding], list[Finding]]:
         """(kept, suppressed); every finding gets its detector's level in `evidence`."""
@@ -178,6 +258,12 @@ class LevelSelector:
                 continue
             best = self.best(cap, f.job)
             key = (cap, f.job)
+            if f"{best}.{cap}" in self.side_by_side and RANK[lvl] <= RANK[best]:
+                if RANK[lvl] < RANK[best] and self._vouched(cap, best, f.job):
+                    dropped.append(f)
+                else:
+                    kept.append(self._join(detector, key, f))
+                continue
             if best == lvl:
                 self._selected_reported[key] = self.now
                 kept.append(f)

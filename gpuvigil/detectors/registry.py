@@ -33,7 +33,9 @@ from gpuvigil.detectors.xid import XidDetector
 DECLARED: dict[str, tuple[str, str | None, tuple[str, ...]]] = {
     "hang": ("L2", "hang", ("rank_progress",)),
     "oom": ("L2", "oom", ("allocator_stats",)),
-    "straggler": ("L2", "straggler", ("rank_progress",)),
+    # Hook rows with a collective wait (levels.DERIVED): a hook that sends none leaves the
+    # job's stragglers to the L1/L0 detectors.
+    "straggler": ("L2", "straggler", ("rank_wait",)),
     "fragmentation_allocator": ("L2", None, ("allocator_stats",)),
     "oom_events": ("L0", None, ("events",)),
     "xid": ("L0", None, ("events", "gpu_samples")),

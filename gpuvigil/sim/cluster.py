@@ -633,6 +633,11 @@ class SimulatedCluster:
                 job._hang_shape = shape  # type: ignore[attr-defined]
                 job._hang_shape_key = key  # type: ignore[attr-defined]
             enq, comp, hung_ops = faults.hang_progress(job._hang_shape, n, done, stuck)  # type: ignore[attr-defined]
+            # Started: the pending collective's kernel runs (spinning) on every rank that entered
+            # it, not on one stuck in a kernel before it; nothing later starts behind it.
+            started = np.where(enq > done, done + 1, done)
+            if job._hang_shape["shape"] == "in_kernel":  # type: ignore[attr-defined]
+                started[stuck] = done
             step_now = done // C
             wait = np.zeros(n)
         else:
@@ -648,6 +653,7 @@ class SimulatedCluster:
             else:
                 enq = np.full(n, step * C)
                 comp = enq.copy()
+            started = enq
             step_now = step
             wait = np.clip(job.last_step_seconds - per_rank, 0, None) if job.last_step_seconds else np.zeros(n)
             wait = wait * (1.0 + self.scenario.noise * self.rng.standard_normal(n)).clip(0.5, 1.5)
@@ -671,6 +677,7 @@ class SimulatedCluster:
         rp["step"].extend([int(step_now)] * len(ranks))
         rp["step_time_seconds"].extend([job.last_step_seconds or cfg.step_time_seconds] * len(ranks))
         rp["collective_wait_seconds"].extend(wait[alive].tolist())
+        rp["last_started_seq"].extend(started[alive].tolist())
 
         frag = reserved - peak_alloc
         retries = job.retries
