@@ -272,7 +272,7 @@ def make_case(
                 "gang": {**job, "name": "gang", "gpus": 8, "submit_at": onset},
             },
         )
-    return Case(index, case_type, scenario, tick, step, gpus, onset, tuple(levels), hook_wait, hook_starts)
+    return Case(index, case_type, scenario, tick, step, gpus, onset, levels=tuple(levels), hook_wait=hook_wait, hook_starts=hook_starts)
 
 
 class BaselineSink:

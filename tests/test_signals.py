@@ -20,6 +20,7 @@ import pytest
 
 from gpuvigil import schemas, signals
 from gpuvigil.collectors import dcgm
+from gpuvigil.detectors.levels import DERIVED
 from gpuvigil.detectors.registry import default_detectors
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -140,6 +141,8 @@ def detector_reads(detector) -> dict[str, set[str]]:
     declared = dict(detector.window_columns()) if callable(getattr(detector, "window_columns", None)) else {}
     literals = set().union(*(_literals(m) for m in _modules_of(detector)))
     streams = {*getattr(detector, "streams", ()), *lookback, *declared} | (literals & set(signals.STREAM_SOURCES)) | ({"gpu_samples"} & literals)
+    # A derived stream (rank_wait: the hook rows that carry a collective wait) reads its base stream.
+    streams = {DERIVED[s][0] if s in DERIVED else s for s in streams}
     return {s: ({c for c in schemas.STREAMS[s] if c in literals} | set(declared.get(s, ()))) for s in sorted(streams)}
 
 
