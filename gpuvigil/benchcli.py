@@ -12,6 +12,7 @@ BENCHMARKS: dict[str, tuple[str, str]] = {
     "hook": ("benchmarks.hook", "in-process hook overhead per training step"),
     "api": ("benchmarks.api", "feedback API read latency and throughput at 20k findings"),
     "replay": ("benchmarks.replay", "replay of a month of 1,000 GPUs at 30 s (scaled slice, extrapolated)"),
+    "replay-real": ("benchmarks.replay_real", "OOM ahead on real GPU memory series with seeded leaks, via a real Prometheus, vs the usual alert rules"),
     "scale": ("benchmarks.scale", "fleet on NATS: agent CPU per node, detect core throughput, latency, failover (docs/scale.md)"),
     "soak": ("benchmarks.soak", "serve at 10k simulated GPUs for minutes with faults, restarts and a full disk"),
 }
