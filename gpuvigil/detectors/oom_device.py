@@ -977,14 +977,13 @@ class _Buckets:
     def units(self, unit: int, count: int) -> np.ndarray:
         """(count, rows) maxima of the newest `count` runs of `unit` buckets (row 0: the run ending
         with the newest bucket); NaN: no sample in the run."""
-        out = np.full((count, self.rows), np.nan, np.float32)
+        out = np.empty((count, self.rows), np.float32)
         for j in range(count):
             hi = self.top - j * unit
             rows = np.arange(hi - unit + 1, hi + 1) % self.length
-            lo_r = int(rows[0])
-            block = self.vmax[lo_r : lo_r + unit] if lo_r + unit <= self.length else self.vmax[rows]
-            with np.errstate(invalid="ignore"):
-                out[j] = np.fmax.reduce(block, axis=0) if unit > 1 else block[0]
+            out[j] = self.vmax[rows[0]]
+            for r in rows[1:]:  # pairwise: numpy's reduce over the leading axis is many times slower here
+                np.fmax(out[j], self.vmax[r], out=out[j])
         return out
 
 
@@ -1002,7 +1001,9 @@ def _trend_fits(bk: _Buckets, slots: np.ndarray, lo: np.ndarray, now: float, c: 
     bk.advance(now)
     if slots.size == 0 or bk.top < 0:
         return np.zeros(0, np.int64), {}
-    um = bk.units(unit, count)[:, slots]  # (count, GPUs), newest first
+    um = bk.units(unit, count)  # (count, slots), newest first
+    if not (slots.size == bk.rows and (slots == np.arange(bk.rows)).all()):
+        um = um[:, slots]
     with np.errstate(invalid="ignore"):
         settled = ~(now - bk.idle_ts[slots] < c.startup_seconds)
     best = np.full(slots.size, np.inf)  # the soonest projected OOM
@@ -1011,13 +1012,24 @@ def _trend_fits(bk: _Buckets, slots: np.ndarray, lo: np.ndarray, now: float, c: 
     for bb in sorted(set(per_block)):
         n = bb * q  # buckets in the window
         k = bb // unit
-        blocks = np.fmax.reduce(um[: q * k].reshape(q, k, -1), axis=1)[::-1] if k > 1 else um[:q][::-1]
+        blocks = np.empty((q, um.shape[1]), np.float32)  # oldest first
+        for b in range(q):
+            blocks[q - 1 - b] = um[b * k]
+            for u in range(b * k + 1, (b + 1) * k):
+                np.fmax(blocks[q - 1 - b], um[u], out=blocks[q - 1 - b])
         start = (bk.top - n + 1) * w
         with np.errstate(invalid="ignore"):
-            rises = ((blocks[1:] - blocks[:-1]) > c.trend_rise_bytes).sum(axis=0)
+            rises = np.zeros(um.shape[1], np.int64)
+            for b in range(1, q):
+                rises += (blocks[b] - blocks[b - 1]) > c.trend_rise_bytes
+            # every block has a sample (NaN propagates through the sum)
+            total = blocks[0].copy()
+            for b in range(1, q):
+                total += blocks[b]
+            whole = ~np.isnan(total)
             cand = (
                 settled
-                & ~np.isnan(blocks).any(axis=0)
+                & whole
                 & (start >= lo)
                 & (start > bk.idle_ts[slots])
                 & (rises >= c.trend_min_block_rises)
