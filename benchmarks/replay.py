@@ -61,7 +61,7 @@ def long_samples(gpus: int, seconds: float, step: float, t0: float = 1_764_000_0
         if field == "DCGM_FI_DEV_CLOCKS_EVENT_REASONS":
             values["DCGM_FI_DEV_GPU_TEMP"][sel] = 89.0
     parts = [
-        pl.DataFrame({"ts": t_grid, "metric": name, "value": v, "node": node_col, "gpu": gpu_col, "gpu_uuid": None, "job": None, "rank": None}, schema=LONG)
+        pl.DataFrame({**dict.fromkeys(LONG), "ts": t_grid, "metric": name, "value": v, "node": node_col, "gpu": gpu_col}, schema=LONG)
         for name, v in values.items()
     ]
     return pl.concat(parts)

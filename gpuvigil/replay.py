@@ -36,56 +36,20 @@ from typing import Any
 import numpy as np
 import polars as pl
 
-from gpuvigil import config, schemas
+from gpuvigil import config, schemas, signals
+from gpuvigil.collectors import dcgm
 from gpuvigil.errors import UserError
 from gpuvigil.model import Finding, Hint, Severity
 
 MIB = 1 << 20
 MAX_POINTS_PER_QUERY = 10_000  # Prometheus refuses query_range answers above 11,000 points a series
 
-# dcgm-exporter field -> how it lands in `gpu_samples` (unit factor to our column's unit)
-DCGM_FIELDS: dict[str, tuple[str, float]] = {
-    "DCGM_FI_DEV_FB_USED": ("memory_used_bytes", MIB),
-    "DCGM_FI_DEV_FB_TOTAL": ("memory_total_bytes", MIB),
-    "DCGM_FI_DEV_FB_FREE": ("_fb_free", MIB),
-    "DCGM_FI_DEV_FB_RESERVED": ("_fb_reserved", MIB),
-    "DCGM_FI_DEV_GPU_UTIL": ("util_ratio", 0.01),
-    "DCGM_FI_DEV_MEM_COPY_UTIL": ("mem_util_ratio", 0.01),
-    "DCGM_FI_DEV_POWER_USAGE": ("power_w", 1.0),
-    "DCGM_FI_DEV_GPU_TEMP": ("temperature_c", 1.0),
-    "DCGM_FI_DEV_SM_CLOCK": ("sm_clock_mhz", 1.0),
-    "DCGM_FI_DEV_MEM_CLOCK": ("mem_clock_mhz", 1.0),
-    "DCGM_FI_DEV_CLOCKS_EVENT_REASONS": ("throttle_reasons", 1.0),
-    "DCGM_FI_DEV_CLOCK_THROTTLE_REASONS": ("_throttle_old", 1.0),
-    "DCGM_FI_DEV_ECC_SBE_VOL_TOTAL": ("ecc_sbe_volatile_total", 1.0),
-    "DCGM_FI_DEV_ECC_DBE_VOL_TOTAL": ("ecc_dbe_volatile_total", 1.0),
-    "DCGM_FI_DEV_ECC_SBE_AGG_TOTAL": ("ecc_sbe_aggregate_total", 1.0),
-    "DCGM_FI_DEV_ECC_DBE_AGG_TOTAL": ("ecc_dbe_aggregate_total", 1.0),
-    "DCGM_FI_DEV_RETIRED_SBE": ("_retired_sbe", 1.0),
-    "DCGM_FI_DEV_RETIRED_DBE": ("_retired_dbe", 1.0),
-    "DCGM_FI_DEV_UNCORRECTABLE_REMAPPED_ROWS": ("_remap_unc", 1.0),
-    "DCGM_FI_DEV_CORRECTABLE_REMAPPED_ROWS": ("_remap_cor", 1.0),
-    "DCGM_FI_DEV_ROW_REMAP_FAILURE": ("_remap_failure", 1.0),
-    "DCGM_FI_DEV_PCIE_REPLAY_COUNTER": ("pcie_replay_total", 1.0),
-    "DCGM_FI_DEV_XID_ERRORS": ("last_xid", 1.0),
-}
-# gpuvigil's own exporter series (gpuvigil/exporter/metrics.py) -> stream column
-GPUVIGIL_GPU_FIELDS: dict[str, tuple[str, float]] = {
-    "gpuvigil_gpu_memory_used_bytes": ("memory_used_bytes", 1.0),
-    "gpuvigil_gpu_memory_total_bytes": ("memory_total_bytes", 1.0),
-    "gpuvigil_gpu_utilization_ratio": ("util_ratio", 1.0),
-    "gpuvigil_gpu_memory_utilization_ratio": ("mem_util_ratio", 1.0),
-    "gpuvigil_gpu_power_watts": ("power_w", 1.0),
-    "gpuvigil_gpu_temperature_celsius": ("temperature_c", 1.0),
-    "gpuvigil_gpu_sm_clock_hertz": ("sm_clock_mhz", 1e-6),
-    "gpuvigil_gpu_memory_clock_hertz": ("mem_clock_mhz", 1e-6),
-    "gpuvigil_gpu_throttle_reasons": ("throttle_reasons", 1.0),
-    "gpuvigil_gpu_ecc_sbe_errors_total": ("ecc_sbe_volatile_total", 1.0),
-    "gpuvigil_gpu_ecc_dbe_errors_total": ("ecc_dbe_volatile_total", 1.0),
-    "gpuvigil_gpu_retired_pages_total": ("retired_pages_total", 1.0),
-    "gpuvigil_gpu_pcie_replays_total": ("pcie_replay_total", 1.0),
-    "gpuvigil_gpu_last_xid": ("last_xid", 1.0),
-}
+# dcgm-exporter's fields, mapped onto `gpu_samples` as the live collector maps them
+# (collectors/dcgm.py: frames_from_long, after gpuvigil/signals.py)
+DCGM_FIELDS: tuple[str, ...] = signals.DCGM_FIELDS
+# gpuvigil's own exporter series -> (column, factor to the column's unit), from gpuvigil/signals.py;
+# `xid_total` is counted here from the last XID, as for dcgm-exporter's series
+GPUVIGIL_GPU_FIELDS: dict[str, tuple[str, float]] = {k: v for k, v in signals.prometheus_fields().items() if v[0] != "xid_total"}
 GPUVIGIL_RANK_FIELDS: dict[str, tuple[str, float]] = {
     "gpuvigil_rank_step_time_seconds": ("step_time_seconds", 1.0),
     "gpuvigil_rank_step": ("step", 1.0),
@@ -97,11 +61,15 @@ GPUVIGIL_ALLOC_FIELDS: dict[str, tuple[str, float]] = {
     "gpuvigil_rank_memory_reserved_bytes": ("reserved_bytes", 1.0),
     "gpuvigil_rank_memory_largest_free_block_bytes": ("largest_free_block_bytes", 1.0),
 }
-ALL_FIELDS = {**DCGM_FIELDS, **GPUVIGIL_GPU_FIELDS, **GPUVIGIL_RANK_FIELDS, **GPUVIGIL_ALLOC_FIELDS}
+ALL_FIELDS: tuple[str, ...] = (*DCGM_FIELDS, *GPUVIGIL_GPU_FIELDS, *GPUVIGIL_RANK_FIELDS, *GPUVIGIL_ALLOC_FIELDS)
 # counters may come back with or without the `_total` suffix (OpenMetrics drops it from the family)
 _ALIASES = {k.removesuffix("_total"): k for k in ALL_FIELDS if k.endswith("_total")}
 
-LONG = pl.Schema({"ts": pl.Float64, "metric": pl.Utf8, "value": pl.Float64, "node": pl.Utf8, "gpu": pl.Utf8, "gpu_uuid": pl.Utf8, "job": pl.Utf8, "rank": pl.Utf8})
+# One sample a row. The label columns: those of dcgm-exporter's series (collectors/dcgm.py:
+# LABELS; the workload ones are read on DCGM series only), and job/rank of gpuvigil's rank series.
+_DCGM_ATTRIBUTION = tuple(c for c in dcgm.LABELS if c not in ("node", "gpu", "gpu_uuid"))
+_LABEL_COLUMNS = ("node", "gpu", "gpu_uuid", "job", "rank", *_DCGM_ATTRIBUTION)
+LONG = pl.Schema({"ts": pl.Float64, "metric": pl.Utf8, "value": pl.Float64, **dict.fromkeys(_LABEL_COLUMNS, pl.Utf8)})
 
 
 # -- time arguments ------------------------------------------------------------------------------
@@ -134,65 +102,70 @@ def parse_duration(value: str) -> float:
 
 # -- samples in long form -> stream frames ---------------------------------------------------------
 def _labels_row(metric: str, labels: Mapping[str, str], ts: float, value: float) -> dict[str, Any]:
+    known = dcgm.label_values(labels)
+    is_dcgm = metric.startswith("DCGM_FI_")
     return {
         "ts": ts,
         "metric": _ALIASES.get(metric, metric),
         "value": value,
-        "node": labels.get("Hostname") or labels.get("hostname") or labels.get("node") or labels.get("instance"),
+        "node": known["node"],
         "gpu": labels.get("gpu"),
-        "gpu_uuid": labels.get("UUID") or labels.get("gpu_uuid"),
+        "gpu_uuid": known["gpu_uuid"],
         # Prometheus renames an exporter's own `job` label to `exported_job` (its `job` is the scrape job)
         "job": (labels.get("exported_job") or labels.get("job")) if metric.startswith("gpuvigil_rank") else None,
         "rank": labels.get("rank"),
+        **{c: known[c] if is_dcgm else None for c in _DCGM_ATTRIBUTION},
     }
 
 
-def streams_from_long(long: pl.DataFrame, last_xid: dict[tuple, int | None] | None = None) -> dict[str, pl.DataFrame]:
-    """`gpu_samples`, `events` (XID changes), `rank_progress`, `allocator_stats` from long samples.
+def streams_from_long(
+    long: pl.DataFrame, last_xid: dict[tuple, int | None] | None = None, named: dict[tuple, bool] | None = None
+) -> dict[str, pl.DataFrame]:
+    """`gpu_samples`, `events` (XID changes), `gpu_workloads` (the job map from dcgm-exporter's
+    labels), `rank_progress`, `allocator_stats` from long samples.
 
     `last_xid` ((node, gpu) -> last XID seen before these samples) carries DCGM's "last XID"
-    across chunks of a long replay, so that an old XID is not counted again; it is updated."""
+    across chunks of a long replay, so that an old XID is not counted again; `named` carries
+    whether each GPU's latest row named a workload (collectors/dcgm.py: workload_changes). Both
+    are updated."""
     out: dict[str, pl.DataFrame] = {}
     if long.is_empty():
         return out
     long = long.with_columns(pl.col("ts").round(3))
-    gpu_metrics = {**DCGM_FIELDS, **GPUVIGIL_GPU_FIELDS}
-    g = long.filter(pl.col("metric").is_in(list(gpu_metrics)))
+    parts: list[pl.DataFrame] = []
+    d = long.filter(pl.col("metric").is_in(list(DCGM_FIELDS)))
+    if d.height:
+        # dcgm-exporter's series map exactly as the live collector maps a scrape, the job map
+        # (`gpu_workloads`, from its pod/namespace/container and hpc_job labels) included
+        dcgm_samples, workloads, _ = dcgm.frames_from_long(d)
+        parts.append(dcgm_samples)
+        workloads = dcgm.workload_changes(workloads, {} if named is None else named)
+        if workloads.height:
+            out["gpu_workloads"] = workloads
+    g = long.filter(pl.col("metric").is_in(list(GPUVIGIL_GPU_FIELDS)))
     if g.height:
         g = g.with_columns(
-            pl.col("metric").replace_strict({k: v[0] for k, v in gpu_metrics.items()}).alias("col"),
-            (pl.col("value") * pl.col("metric").replace_strict({k: float(v[1]) for k, v in gpu_metrics.items()}, return_dtype=pl.Float64)).alias("v"),
+            pl.col("metric").replace_strict({k: v[0] for k, v in GPUVIGIL_GPU_FIELDS.items()}).alias("col"),
+            (pl.col("value") * pl.col("metric").replace_strict({k: float(v[1]) for k, v in GPUVIGIL_GPU_FIELDS.items()}, return_dtype=pl.Float64)).alias("v"),
             pl.col("gpu").cast(pl.Int32, strict=False),
         )
         # one GPU is (node, gpu): a UUID label present on some series only must not split it
         uuids = g.group_by(["node", "gpu"]).agg(pl.col("gpu_uuid").drop_nulls().first())
         wide = g.pivot(on="col", index=["ts", "node", "gpu"], values="v", aggregate_function="first").join(uuids, on=["node", "gpu"], how="left", nulls_equal=True)
-        def col(name: str) -> pl.Expr:
-            return pl.col(name) if name in wide.columns else pl.lit(None, pl.Float64)
-        total = pl.coalesce(col("memory_total_bytes"), pl.when(col("_fb_free").is_not_null()).then(col("memory_used_bytes") + col("_fb_free") + col("_fb_reserved").fill_null(0)))
-        retired = pl.when(pl.any_horizontal([col(c).is_not_null() for c in ("_retired_sbe", "_retired_dbe", "_remap_unc", "_remap_cor")])).then(
-            pl.sum_horizontal([col(c) for c in ("_retired_sbe", "_retired_dbe", "_remap_unc", "_remap_cor")])
-        )
-        samples = wide.select(
-            "ts", "node", "gpu", "gpu_uuid",
-            col("memory_used_bytes").round(0).cast(pl.Int64).alias("memory_used_bytes"),
-            total.round(0).cast(pl.Int64).alias("memory_total_bytes"),
-            col("util_ratio").alias("util_ratio"),
-            col("mem_util_ratio").alias("mem_util_ratio"),
-            col("power_w").alias("power_w"),
-            col("temperature_c").alias("temperature_c"),
-            col("sm_clock_mhz").alias("sm_clock_mhz"),
-            col("mem_clock_mhz").alias("mem_clock_mhz"),
-            pl.coalesce(col("throttle_reasons"), col("_throttle_old")).cast(pl.Int64).alias("throttle_reasons"),
-            col("ecc_sbe_volatile_total").cast(pl.Int64).alias("ecc_sbe_volatile_total"),
-            col("ecc_dbe_volatile_total").cast(pl.Int64).alias("ecc_dbe_volatile_total"),
-            pl.coalesce(col("retired_pages_total"), retired).cast(pl.Int64).alias("retired_pages_total"),
-            (col("_remap_failure") > 0).alias("remap_failure"),
-            col("pcie_replay_total").cast(pl.Int64).alias("pcie_replay_total"),
-            col("ecc_sbe_aggregate_total").cast(pl.Int64).alias("ecc_sbe_aggregate_total"),
-            col("ecc_dbe_aggregate_total").cast(pl.Int64).alias("ecc_dbe_aggregate_total"),
-            pl.when(col("last_xid") > 0).then(col("last_xid")).cast(pl.Int32).alias("last_xid"),
-        ).sort(["node", "gpu", "ts"])
+        ints = [c for c in wide.columns if c in schemas.GPU_SAMPLES and schemas.GPU_SAMPLES[c].is_integer()]
+        wide = wide.with_columns([pl.col(c).round(0) for c in ints])
+        if "last_xid" in wide.columns:
+            wide = wide.with_columns(pl.when(pl.col("last_xid") > 0).then(pl.col("last_xid")).alias("last_xid"))
+        parts.append(schemas.conform(wide, "gpu_samples"))
+    if parts:
+        if len(parts) == 1:
+            samples = parts[0]
+        else:
+            # a GPU both in dcgm-exporter's and in gpuvigil's own series: one row, DCGM's values first
+            samples = schemas.conform(
+                pl.concat(parts, how="vertical").group_by(["ts", "node", "gpu"], maintain_order=True).agg(pl.all().drop_nulls().first()), "gpu_samples"
+            )
+        samples = samples.drop("xid_total").sort(["node", "gpu", "ts"])
         # DCGM_FI_DEV_XID_ERRORS is the last XID, not a count: each change is a new XID
         before = pl.col("last_xid").shift(1).over(["node", "gpu"])
         if last_xid:
@@ -268,7 +241,7 @@ def query_prometheus(url: str, start: float, end: float, step: float, *, client:
 
 
 # the labels `_labels_row` reads, and a query_range answer's shape with only those
-_QUERY_LABELS = ("__name__", "Hostname", "hostname", "node", "instance", "gpu", "UUID", "gpu_uuid", "exported_job", "job", "rank")
+_QUERY_LABELS = tuple(dict.fromkeys(("__name__", *(n for names in dcgm.LABELS.values() for n in names), "exported_job", "job", "rank")))
 _QUERY_SCHEMA = pl.Schema(
     {
         "status": pl.Utf8,
@@ -302,7 +275,7 @@ def long_from_query_body(body: bytes) -> pl.DataFrame | None:
         for labels in res["metric"].to_list():
             labels = {k: v for k, v in (labels or {}).items() if v is not None}
             bases.append(_labels_row(labels.get("__name__", ""), labels, 0.0, 0.0))
-        per_series = pl.DataFrame(bases, schema={c: pl.Utf8 for c in ("metric", "node", "gpu", "gpu_uuid", "job", "rank")}, strict=False)
+        per_series = pl.DataFrame(bases, schema={c: pl.Utf8 for c in ("metric", *_LABEL_COLUMNS)}, strict=False)
         points = per_series.with_columns(res["values"]).explode("values").filter(pl.col("values").list.len() == 2)
         out = points.with_columns(
             pl.col("values").list.get(0).cast(pl.Float64, strict=False).alias("ts"),
@@ -334,7 +307,7 @@ def long_from_query_result(result: Sequence[Mapping[str, Any]]) -> pl.DataFrame:
         vs.extend(v)
     if not bases:
         return pl.DataFrame(schema=LONG)
-    per_series = pl.DataFrame(bases, schema={c: pl.Utf8 for c in ("metric", "node", "gpu", "gpu_uuid", "job", "rank")}, strict=False)
+    per_series = pl.DataFrame(bases, schema={c: pl.Utf8 for c in ("metric", *_LABEL_COLUMNS)}, strict=False)
     idx = np.repeat(np.arange(len(bases)), counts)
     out = per_series[idx].with_columns(
         pl.Series("ts", ts, dtype=pl.Float64, strict=False),
@@ -363,16 +336,22 @@ def _series_columns(series: pl.DataFrame) -> pl.DataFrame:
     """Distinct (metric, labels) text -> the LONG label columns, with the mapping of `_labels_row`."""
     metric = pl.col("metric").replace(_ALIASES)
     is_rank = metric.str.starts_with("gpuvigil_rank")
+    is_dcgm = metric.str.starts_with("DCGM_FI_")
+
+    def first_of(names: Sequence[str]) -> pl.Expr:  # the first present, non-empty (dcgm.label_values)
+        return pl.coalesce([pl.when(_label(n) != "").then(_label(n)) for n in names])
+
     out = series.with_columns(
         metric.alias("_metric"),
-        pl.coalesce(_label("Hostname"), _label("hostname"), _label("node"), _label("instance")).alias("node"),
+        first_of(dcgm.LABELS["node"]).alias("node"),
         _label("gpu").alias("gpu"),
-        pl.coalesce(_label("UUID"), _label("gpu_uuid")).alias("gpu_uuid"),
+        first_of(dcgm.LABELS["gpu_uuid"]).alias("gpu_uuid"),
         pl.when(is_rank).then(pl.coalesce(_label("exported_job"), _label("job"))).alias("job"),
         _label("rank").alias("rank"),
+        *[pl.when(is_dcgm).then(first_of(dcgm.LABELS[c])).alias(c) for c in _DCGM_ATTRIBUTION],
     )
     # escaped values are rare: undone in Python, once per distinct series that has one
-    for c in ("node", "gpu", "gpu_uuid", "job", "rank"):
+    for c in _LABEL_COLUMNS:
         if out.get_column(c).str.contains("\\", literal=True).any():
             out = out.with_columns(pl.Series(c, [None if v is None else _unescape(v) for v in out.get_column(c).to_list()], dtype=pl.Utf8))
     return out
@@ -390,7 +369,7 @@ def _long_from_labelled(df: pl.DataFrame, key: list[str] | None = None, series: 
         pl.col("value").cast(pl.Float64, strict=False).alias("value"),
     ).filter(pl.col("ts").is_not_null() & pl.col("value").is_not_null() & ~pl.col("value").is_nan()).join(
         series, on=key, how="inner", nulls_equal=True, maintain_order="left"
-    ).select("ts", pl.col("_metric").alias("metric"), "value", "node", "gpu", "gpu_uuid", "job", "rank")
+    ).select("ts", pl.col("_metric").alias("metric"), "value", *_LABEL_COLUMNS)
 
 
 CHUNK_SECONDS = 6 * 3600.0  # a Prometheus replay fetches and holds this much history at a time
@@ -399,10 +378,11 @@ CHUNK_SECONDS = 6 * 3600.0  # a Prometheus replay fetches and holds this much hi
 def prometheus_chunks(url: str, start: float, end: float, step: float, chunk_seconds: float = CHUNK_SECONDS) -> Iterable[tuple[float, dict[str, pl.DataFrame]]]:
     """(until, streams) for consecutive windows of a Prometheus server's history."""
     last_xid: dict[tuple, int | None] = {}
+    named: dict[tuple, bool] = {}
     t = start
     while t <= end:
         until = min(end, t + chunk_seconds - step)
-        yield until, streams_from_long(query_prometheus(url, t, until, step), last_xid)
+        yield until, streams_from_long(query_prometheus(url, t, until, step), last_xid, named)
         t = until + step
 
 

@@ -11,50 +11,33 @@ from collections.abc import Mapping
 
 import polars as pl
 
+from gpuvigil import signals
+
 F64 = pl.Float64
 I64 = pl.Int64
 I32 = pl.Int32
 STR = pl.Utf8
 BOOL = pl.Boolean
 
-GPU_SAMPLES = pl.Schema(
+# One row per GPU per sample: the key columns and the telemetry of gpuvigil/signals.py, whose
+# table gives each column's type, unit and the field of every real source that fills it.
+GPU_SAMPLES = signals.gpu_samples_schema()
+
+# Which pod / Slurm job uses a GPU, as dcgm-exporter's labels say (`pod`, `namespace`,
+# `container`, `hpc_job`; null where it names none): the live collector and replay read them with
+# the same function (collectors/dcgm.py), and the pipeline turns them into `gpu_jobs` rows.
+GPU_WORKLOADS = pl.Schema(
     {
         "ts": F64,
         "node": STR,
-        "gpu": I32,  # index on the node
+        "gpu": I32,
         "gpu_uuid": STR,
-        "memory_used_bytes": I64,
-        "memory_total_bytes": I64,
-        "util_ratio": F64,  # 0..1 SM busy
-        "mem_util_ratio": F64,  # 0..1 memory controller busy
-        "power_w": F64,
-        "temperature_c": F64,
-        "sm_clock_mhz": F64,
-        "mem_clock_mhz": F64,
-        "throttle_reasons": I64,  # NVML clock-event reasons bitmask
-        "ecc_sbe_volatile_total": I64,
-        "ecc_dbe_volatile_total": I64,
-        "retired_pages_total": I64,  # remapped rows (Hopper) or retired pages (older)
-        "remap_failure": BOOL,
-        "pcie_replay_total": I64,
-        "xid_total": I64,  # XIDs seen on this GPU so far
-        "last_xid": I32,  # most recent XID code (DCGM semantics), null if none
-        # Lifetime ECC counts (NVML aggregate counters, survive driver reloads); null if unknown.
-        "ecc_sbe_aggregate_total": I64,
-        "ecc_dbe_aggregate_total": I64,
-        # L0 activity signals (null where the source lacks them). Interconnect throughput in
-        # bytes/s: NVML PCIe throughput, DCGM_FI_PROF_PCIE_*/NVLINK_* bytes.
-        "pcie_tx_bytes_per_second": F64,
-        "pcie_rx_bytes_per_second": F64,
-        "nvlink_tx_bytes_per_second": F64,
-        "nvlink_rx_bytes_per_second": F64,
-        # DCGM profiling ratios 0..1 (DCGM_FI_PROF_SM_ACTIVE, PIPE_TENSOR_ACTIVE, DRAM_ACTIVE):
-        # unlike util_ratio they fall when a spinning NCCL kernel is all that runs.
-        "sm_active_ratio": F64,
-        "tensor_active_ratio": F64,
-        "dram_active_ratio": F64,
-        # Driver-reserved framebuffer (FB_RESERVED): capacity usable by processes = total − this.
-        "memory_reserved_bytes": I64,
+        "model_name": STR,
+        "pci_bus_id": STR,
+        "pod": STR,
+        "namespace": STR,
+        "container": STR,
+        "hpc_job": STR,
     }
 )
 
@@ -261,6 +244,7 @@ GPU_JOBS = pl.Schema(
 STREAMS: Mapping[str, pl.Schema] = {
     "gpu_jobs": GPU_JOBS,
     "gpu_samples": GPU_SAMPLES,
+    "gpu_workloads": GPU_WORKLOADS,
     "rank_progress": RANK_PROGRESS,
     "allocator_stats": ALLOCATOR_STATS,
     "events": EVENTS,

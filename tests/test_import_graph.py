@@ -50,7 +50,8 @@ CLI_ENTRY_POINTS = {"gpuvigil.__main__", "gpuvigil.cli"}
 
 # (importer prefix, what it may import besides the standard library, why).
 ALLOWED_ONLY: list[tuple[str, tuple[str, ...], str]] = [
-    ("gpuvigil.schemas", ("polars", "pydantic", "gpuvigil.schemas", "gpuvigil.model"), "the data contract sits below everything"),
+    ("gpuvigil.schemas", ("polars", "pydantic", "gpuvigil.schemas", "gpuvigil.signals", "gpuvigil.model"), "the data contract sits below everything"),
+    ("gpuvigil.signals", ("polars",), "the table of telemetry columns the schema is built from sits below it"),
     ("gpuvigil.model", ("polars", "pydantic", "gpuvigil.schemas", "gpuvigil.model"), "the data contract sits below everything"),
     (
         "gpuvigil.parsers",

@@ -238,6 +238,11 @@ def test_fast_reader_agrees_with_the_regex_reader_and_survives_garbage(tmp_path)
     check()
 
 
+def _none_first(row: tuple) -> tuple:
+    """Sort key for rows that may hold None (a series without a UUID beside one with it)."""
+    return tuple((v is not None, "" if v is None else v) for v in row)
+
+
 def test_fast_reader_agrees_with_prometheus_client_on_valid_openmetrics(tmp_path):
     """Property against the reference parser (prometheus_client's OpenMetrics parser): every
     timestamped sample of a mapped series is read with its value, time and labels."""
@@ -265,8 +270,9 @@ def test_fast_reader_agrees_with_prometheus_client_on_valid_openmetrics(tmp_path
                 lines += [f"{name}{{{labels}}} {v} {t}{frac}" for v, t, frac in sorted(points, key=lambda p: (p[1], p[2]))]
         text = "\n".join(lines) + "\n# EOF\n"
         expected = sorted(
-            (s.name, s.labels["Hostname"], s.labels["gpu"], s.labels.get("UUID"), float(s.value), float(s.timestamp))
-            for fam in text_string_to_metric_families(text) for s in fam.samples if s.name.startswith("DCGM_FI_")
+            ((s.name, s.labels["Hostname"], s.labels["gpu"], s.labels.get("UUID"), float(s.value), float(s.timestamp))
+             for fam in text_string_to_metric_families(text) for s in fam.samples if s.name.startswith("DCGM_FI_")),
+            key=_none_first,
         )
         path = tmp_path / "x.om"
         path.write_text(text)
@@ -274,7 +280,7 @@ def test_fast_reader_agrees_with_prometheus_client_on_valid_openmetrics(tmp_path
             with pytest.raises(UserError):
                 read_exposition_file(path)
             return
-        got = sorted(read_exposition_file(path).select("metric", "node", "gpu", "gpu_uuid", "value", "ts").rows())
+        got = sorted(read_exposition_file(path).select("metric", "node", "gpu", "gpu_uuid", "value", "ts").rows(), key=_none_first)
         assert got == expected
 
     check()
@@ -295,7 +301,7 @@ def _per_series_reference(result):
         frame = pl.DataFrame(values, schema={"ts": pl.Float64, "v": pl.Utf8}, orient="row")
         frames.append(frame.select(
             "ts", pl.lit(base["metric"], pl.Utf8).alias("metric"), pl.col("v").cast(pl.Float64, strict=False).alias("value"),
-            *[pl.lit(base[c], pl.Utf8).alias(c) for c in ("node", "gpu", "gpu_uuid", "job", "rank")],
+            *[pl.lit(base[c], pl.Utf8).alias(c) for c in LONG if c not in ("ts", "metric", "value")],
         ))
     if not frames:
         return pl.DataFrame(schema=LONG)
@@ -414,8 +420,9 @@ def test_reader_agrees_with_prometheus_client_on_escaped_label_values(tmp_path):
             lines += [f"{name}{{{labels}}} {v} {t}" for v, t in points]
         text = "\n".join(lines) + "\n"
         expected = sorted(
-            (s.name, s.labels["Hostname"], s.labels["gpu"], s.labels.get("UUID"), float(s.value), float(s.timestamp))
-            for fam in text_string_to_metric_families(text) for s in fam.samples if s.name.startswith("DCGM_FI_")
+            ((s.name, s.labels["Hostname"], s.labels["gpu"], s.labels.get("UUID"), float(s.value), float(s.timestamp))
+             for fam in text_string_to_metric_families(text) for s in fam.samples if s.name.startswith("DCGM_FI_")),
+            key=_none_first,
         )
         path = tmp_path / "x.prom"
         path.write_text(text, encoding="utf-8")
@@ -423,7 +430,7 @@ def test_reader_agrees_with_prometheus_client_on_escaped_label_values(tmp_path):
             with pytest.raises(UserError):
                 read_exposition_file(path)
             return
-        got = sorted(read_exposition_file(path).select("metric", "node", "gpu", "gpu_uuid", "value", "ts").rows())
+        got = sorted(read_exposition_file(path).select("metric", "node", "gpu", "gpu_uuid", "value", "ts").rows(), key=_none_first)
         assert got == expected
 
     check()
@@ -451,7 +458,9 @@ def test_reader_never_crashes_on_garbage_bytes(tmp_path):
             except UserError as exc:
                 assert "\n" not in str(exc)
             else:
-                assert df.height > 0 and df.columns == ["ts", "metric", "value", "node", "gpu", "gpu_uuid", "job", "rank"]
+                assert df.height > 0 and df.columns == [
+                    "ts", "metric", "value", "node", "gpu", "gpu_uuid", "job", "rank", "model_name", "pci_bus_id", "pod", "namespace", "container", "hpc_job",
+                ]
 
     check()
 

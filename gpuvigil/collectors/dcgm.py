@@ -4,13 +4,17 @@ dcgm-exporter publishes one Prometheus series per DCGM field and GPU, labelled w
 (index), `UUID`, `pci_bus_id`, `modelName`, `Hostname` (newer releases: `hostname`) and, when
 it maps GPUs to workloads, `pod`/`namespace`/`container` (Kubernetes) or `hpc_job` (Slurm).
 The text is parsed with prometheus_client's parser; the samples are pivoted to one row per GPU
-with polars and mapped onto the `gpu_samples` schema (MiB → bytes, % → ratio).
+with polars and mapped onto the `gpu_samples` schema (MiB → bytes, % → ratio) as the table of
+gpuvigil/signals.py says. `frames_from_long` does the mapping and reads the labels: `gpuvigil
+replay` calls it on the same series read back from Prometheus or files, so a replayed history
+gives the frames (and the job map) the live collector gave.
 
 `DCGM_FI_DEV_XID_ERRORS` is the *last* XID the GPU raised, not a count: a change of its value
 is a new XID, which the collector turns into an `events` row and counts in `xid_total`.
 
 Streams: `gpu_samples`, `events` (new XIDs), and `gpu_workloads` (which pod/job uses which
-GPU; declared here) plus `dcgm_extra` (fields with no `gpu_samples` column, e.g. energy).
+GPU, from the labels). `parse_text` also returns `dcgm_extra` (fields with no `gpu_samples`
+column, e.g. energy), which no detector reads: the collector does not send it.
 """
 
 from __future__ import annotations
@@ -25,26 +29,13 @@ import httpx
 import polars as pl
 from prometheus_client.parser import text_string_to_metric_families
 
-from gpuvigil import schemas, xid
+from gpuvigil import schemas, signals, xid
 from gpuvigil.errors import UserError
 from gpuvigil.model import Finding, FindingKind, Severity
 
 MIB = 1 << 20
 
-GPU_WORKLOADS = pl.Schema(
-    {
-        "ts": pl.Float64,
-        "node": pl.Utf8,
-        "gpu": pl.Int32,
-        "gpu_uuid": pl.Utf8,
-        "model_name": pl.Utf8,
-        "pci_bus_id": pl.Utf8,
-        "pod": pl.Utf8,
-        "namespace": pl.Utf8,
-        "container": pl.Utf8,
-        "hpc_job": pl.Utf8,
-    }
-)
+GPU_WORKLOADS = schemas.GPU_WORKLOADS
 
 DCGM_EXTRA = pl.Schema(
     {
@@ -61,78 +52,135 @@ DCGM_EXTRA = pl.Schema(
     }
 )
 
+# What the collector sends the pipeline. `dcgm_extra` (energy, memory temperature, ...) is read by
+# no detector or sink, so a scrape's is returned by `parse_text` (for tools) but not kept.
 STREAMS: Mapping[str, pl.Schema] = {
     "gpu_samples": schemas.GPU_SAMPLES,
     "events": schemas.EVENTS,
     "gpu_workloads": GPU_WORKLOADS,
-    "dcgm_extra": DCGM_EXTRA,
 }
 
-_LABELS = {
-    "gpu": "gpu",
-    "UUID": "gpu_uuid",
-    "Hostname": "node",
-    "hostname": "node",
-    "modelName": "model_name",
-    "pci_bus_id": "pci_bus_id",
-    "pod": "pod",
-    "namespace": "namespace",
-    "container": "container",
-    "hpc_job": "hpc_job",
+# Column <- the labels that carry it, the first present and non-empty wins. dcgm-exporter names
+# the host `Hostname` (newer releases `hostname`); gpuvigil's own series say `node`; a series
+# with neither falls back on Prometheus' `instance`. Where the scrape configuration attaches its
+# own `pod`/`namespace`/`container` target labels (kube-prometheus without honorLabels),
+# Prometheus keeps dcgm-exporter's as `exported_pod`, ...: those name the workload.
+LABELS: Mapping[str, tuple[str, ...]] = {
+    "node": ("Hostname", "hostname", "node", "instance"),
+    "gpu": ("gpu",),
+    "gpu_uuid": ("UUID", "gpu_uuid"),
+    "model_name": ("modelName",),
+    "pci_bus_id": ("pci_bus_id",),
+    "pod": ("exported_pod", "pod"),
+    "namespace": ("exported_namespace", "namespace"),
+    "container": ("exported_container", "container"),
+    "hpc_job": ("hpc_job",),
 }
-_KEY = ["node", "gpu", "gpu_uuid"]
+_KEY = ["ts", "node", "gpu", "gpu_uuid"]
 _ATTRIBUTION = ["model_name", "pci_bus_id", "pod", "namespace", "container", "hpc_job"]
 
-# DCGM field → how it lands in our frames. Several DCGM fields may feed one column (summed).
-FIELDS_USED = (
-    "DCGM_FI_DEV_FB_USED",
-    "DCGM_FI_DEV_FB_FREE",
-    "DCGM_FI_DEV_FB_RESERVED",
-    "DCGM_FI_DEV_FB_TOTAL",
-    "DCGM_FI_DEV_GPU_UTIL",
-    "DCGM_FI_DEV_MEM_COPY_UTIL",
-    "DCGM_FI_DEV_POWER_USAGE",
+# Fields with no `gpu_samples` column, kept in `dcgm_extra`.
+_EXTRA_FIELDS = (
     "DCGM_FI_DEV_TOTAL_ENERGY_CONSUMPTION",
-    "DCGM_FI_DEV_GPU_TEMP",
     "DCGM_FI_DEV_MEMORY_TEMP",
-    "DCGM_FI_DEV_SM_CLOCK",
-    "DCGM_FI_DEV_MEM_CLOCK",
-    "DCGM_FI_DEV_CLOCK_THROTTLE_REASONS",
-    "DCGM_FI_DEV_CLOCKS_EVENT_REASONS",
-    "DCGM_FI_DEV_ECC_SBE_VOL_TOTAL",
-    "DCGM_FI_DEV_ECC_DBE_VOL_TOTAL",
-    "DCGM_FI_DEV_ECC_SBE_AGG_TOTAL",
-    "DCGM_FI_DEV_ECC_DBE_AGG_TOTAL",
-    "DCGM_FI_DEV_RETIRED_SBE",
-    "DCGM_FI_DEV_RETIRED_DBE",
-    "DCGM_FI_DEV_UNCORRECTABLE_REMAPPED_ROWS",
-    "DCGM_FI_DEV_CORRECTABLE_REMAPPED_ROWS",
-    "DCGM_FI_DEV_ROW_REMAP_FAILURE",
-    "DCGM_FI_DEV_PCIE_REPLAY_COUNTER",
-    "DCGM_FI_DEV_XID_ERRORS",
     "DCGM_FI_DEV_PCIE_TX_THROUGHPUT",
     "DCGM_FI_DEV_PCIE_RX_THROUGHPUT",
     "DCGM_FI_DEV_NVLINK_BANDWIDTH_TOTAL",
-    # Profiling (DCP) fields, where dcgm-exporter publishes them: what a hang or a straggler
-    # looks like once util is pinned by a spinning NCCL kernel (docs/detectors.md).
-    "DCGM_FI_PROF_SM_ACTIVE",
-    "DCGM_FI_PROF_PIPE_TENSOR_ACTIVE",
-    "DCGM_FI_PROF_DRAM_ACTIVE",
-    "DCGM_FI_PROF_PCIE_TX_BYTES",
-    "DCGM_FI_PROF_PCIE_RX_BYTES",
-    "DCGM_FI_PROF_NVLINK_TX_BYTES",
-    "DCGM_FI_PROF_NVLINK_RX_BYTES",
 )
+# Every DCGM field mapped: the `gpu_samples` columns' (gpuvigil/signals.py), then the extra ones.
+FIELDS_USED = tuple(dict.fromkeys((*signals.DCGM_FIELDS, *_EXTRA_FIELDS)))
 _FIELD_SET = frozenset(FIELDS_USED)
+
+
+def label_values(labels: Mapping[str, str]) -> dict[str, str | None]:
+    """A series' labels -> the columns of `LABELS` (null where no label names it)."""
+    return {col: next((v for n in names if (v := labels.get(n))), None) for col, names in LABELS.items()}
 
 
 def _f(name: str) -> pl.Expr:
     return pl.col(name)
 
 
-def _sum_present(*names: str) -> pl.Expr:
-    """Sum of the fields that are present (null only if all are null)."""
-    return pl.when(pl.any_horizontal([_f(n).is_not_null() for n in names])).then(pl.sum_horizontal([_f(n) for n in names]))
+def _wide(long: pl.DataFrame) -> pl.DataFrame:
+    """Long DCGM samples (ts, metric, value and the `LABELS` columns) -> one row per GPU and
+    time with a Float64 column per DCGM field (all of `FIELDS_USED`, null where absent) and the
+    attribution labels. One GPU is (node, gpu): a UUID label present on some of its series only
+    does not split it."""
+    strings = [c for c in ("node", "gpu_uuid", *_ATTRIBUTION) if c in long.columns]
+    long = long.with_columns(
+        *[pl.when(pl.col(c) != "").then(pl.col(c)).alias(c) for c in strings],
+        *[pl.lit(None, pl.Utf8).alias(c) for c in ("node", "gpu", "gpu_uuid", *_ATTRIBUTION) if c not in long.columns],
+    ).with_columns(pl.col("gpu").cast(pl.Int32, strict=False))
+    long = long.with_columns(pl.coalesce("gpu_uuid", pl.col("gpu_uuid").drop_nulls().first().over(["node", "gpu"])).alias("gpu_uuid"))
+    wide = long.pivot(on="metric", index=_KEY, values="value", aggregate_function="first")
+    missing = [pl.lit(None, pl.Float64).alias(n) for n in FIELDS_USED if n not in wide.columns]
+    wide = wide.with_columns(missing)
+    labelled = [c for c in _ATTRIBUTION if long.get_column(c).null_count() < long.height]
+    if labelled:
+        # dcgm-exporter puts a GPU's workload labels on each of its series; the first that has one
+        attribution = long.group_by(_KEY, maintain_order=True).agg([pl.col(c).drop_nulls().first().alias(c) for c in labelled])
+        wide = wide.join(attribution, on=_KEY, how="left", nulls_equal=True)
+    wide = wide.with_columns([pl.lit(None, pl.Utf8).alias(c) for c in _ATTRIBUTION if c not in labelled])
+    return wide.sort(["ts", "node", "gpu"], nulls_last=True, maintain_order=True)
+
+
+def frames_from_long(long: pl.DataFrame) -> tuple[pl.DataFrame, pl.DataFrame, pl.DataFrame]:
+    """(gpu_samples, gpu_workloads, dcgm_extra) from dcgm-exporter's samples in long form, one
+    row per GPU and time: the mapping of a live scrape and of a replayed history alike.
+
+    `long`: ts, metric (the DCGM field name; counters without `_total`), value (DCGM's unit) and
+    the label columns of `LABELS` (strings, as `label_values` gives them). Fields follow
+    gpuvigil/signals.py. `xid_total` is left null: only whoever watches successive samples of a
+    GPU can count its XIDs."""
+    if long.is_empty():
+        return schemas.empty("gpu_samples"), schemas.empty("gpu_workloads"), pl.DataFrame(schema=DCGM_EXTRA)
+    wide = _wide(long.filter(pl.col("metric").is_in(FIELDS_USED)))
+    samples = wide.select(pl.col("ts"), pl.col("node"), pl.col("gpu"), pl.col("gpu_uuid"), *signals.dcgm_expressions(FIELDS_USED))
+    workloads = wide.select(GPU_WORKLOADS.names())
+    extra = wide.select(
+        pl.col("ts"),
+        pl.col("node"),
+        pl.col("gpu"),
+        pl.col("gpu_uuid"),
+        _f("DCGM_FI_DEV_TOTAL_ENERGY_CONSUMPTION").alias("total_energy_mj"),
+        _f("DCGM_FI_DEV_MEMORY_TEMP").alias("memory_temperature_c"),
+        _f("DCGM_FI_DEV_PCIE_TX_THROUGHPUT").alias("pcie_tx_kb_total"),
+        _f("DCGM_FI_DEV_PCIE_RX_THROUGHPUT").alias("pcie_rx_kb_total"),
+        _f("DCGM_FI_DEV_NVLINK_BANDWIDTH_TOTAL").alias("nvlink_bandwidth_total"),
+        (_f("DCGM_FI_DEV_FB_RESERVED") * MIB).round(0).cast(pl.Int64).alias("fb_reserved_bytes"),
+    )
+    return (
+        schemas.conform(samples, schemas.GPU_SAMPLES, stream="gpu_samples"),
+        schemas.conform(workloads, GPU_WORKLOADS, stream="gpu_workloads"),
+        schemas.conform(extra, DCGM_EXTRA, stream="dcgm_extra"),
+    )
+
+
+# The labels that name a workload (model and PCI address only describe the GPU).
+_JOB_LABELS = ("pod", "namespace", "container", "hpc_job")
+
+
+def workload_changes(workloads: pl.DataFrame, named_before: dict[tuple[Any, Any], bool]) -> pl.DataFrame:
+    """The rows of `gpu_workloads` the job map needs: each row that names a workload, and a GPU's
+    first row naming none after one that did (its workload ended, so the map drops it). A GPU
+    that never ran a labelled workload sends nothing, so a fleet without job labels costs the
+    pipeline no map at all. `named_before` ((node, gpu) -> whether the GPU's latest row seen
+    earlier named a workload) carries this across scrapes or chunks; it is updated."""
+    if workloads.is_empty() or (not any(named_before.values()) and all(workloads.get_column(c).null_count() == workloads.height for c in _JOB_LABELS)):
+        return workloads.clear()  # no workload now nor before: nothing for the map
+    named = pl.any_horizontal([pl.col(c).is_not_null() for c in _JOB_LABELS])
+    df = workloads.with_columns(named.alias("_named")).sort(["node", "gpu", "ts"], nulls_last=True, maintain_order=True)
+    earlier = pl.col("_named").shift(1).over(["node", "gpu"])
+    if named_before:
+        carried = pl.DataFrame(
+            [{"node": k[0], "gpu": k[1], "_carried": v} for k, v in named_before.items()], schema={"node": pl.Utf8, "gpu": pl.Int32, "_carried": pl.Boolean}
+        )
+        df = df.join(carried, on=["node", "gpu"], how="left", nulls_equal=True)
+        earlier = pl.coalesce(earlier, pl.col("_carried"))
+    df = df.filter(pl.col("_named") | earlier.fill_null(False))
+    for node, gpu, last in workloads.with_columns(named.alias("_named")).group_by(["node", "gpu"]).agg(pl.col("_named").sort_by("ts").last()).iter_rows():
+        named_before[(node, gpu)] = bool(last)
+    return df.select(GPU_WORKLOADS.names()).sort(["ts", "node", "gpu"], nulls_last=True, maintain_order=True)
 
 
 def _relevant_lines(text: str) -> str:
@@ -157,6 +205,9 @@ def _relevant_lines(text: str) -> str:
     return "\n".join(kept) + "\n"
 
 
+_LONG = pl.Schema({"ts": pl.Float64, "metric": pl.Utf8, "value": pl.Float64, **dict.fromkeys(LABELS, pl.Utf8)})
+
+
 def parse_text(text: str, *, ts: float, default_node: str | None = None) -> tuple[pl.DataFrame, pl.DataFrame, pl.DataFrame]:
     """(gpu_samples, gpu_workloads, dcgm_extra) from one Prometheus text exposition.
 
@@ -172,85 +223,11 @@ def parse_text(text: str, *, ts: float, default_node: str | None = None) -> tupl
                 name = name[: -len("_total")]
             if name not in _FIELD_SET:
                 continue
-            row = {dst: sample.labels.get(src) for src, dst in _LABELS.items() if src in sample.labels}
-            row["field"] = name
-            row["value"] = float(sample.value)
-            rows.append(row)
-    if not rows:
-        return schemas.empty(schemas.GPU_SAMPLES), pl.DataFrame(schema=GPU_WORKLOADS), pl.DataFrame(schema=DCGM_EXTRA)
-    long = pl.DataFrame(rows, schema_overrides={"value": pl.Float64}, infer_schema_length=None)
-    for col in (*_KEY, *_ATTRIBUTION):
-        if col not in long.columns:
-            long = long.with_columns(pl.lit(None, pl.Utf8).alias(col))
-    long = long.with_columns(
-        pl.col("node").fill_null(pl.lit(default_node, pl.Utf8)),
-        pl.col("gpu").cast(pl.Int32, strict=False),
-    )
-    wide = long.pivot(on="field", index=_KEY, values="value", aggregate_function="first")
-    attribution = long.group_by(_KEY, maintain_order=True).agg([pl.col(c).drop_nulls().filter(pl.col(c).drop_nulls() != "").first().alias(c) for c in _ATTRIBUTION])
-    for name in FIELDS_USED:
-        if name not in wide.columns:
-            wide = wide.with_columns(pl.lit(None, pl.Float64).alias(name))
-    used = _f("DCGM_FI_DEV_FB_USED") * MIB
-    total = pl.coalesce(
-        _f("DCGM_FI_DEV_FB_TOTAL") * MIB,
-        _sum_present("DCGM_FI_DEV_FB_USED", "DCGM_FI_DEV_FB_FREE", "DCGM_FI_DEV_FB_RESERVED") * MIB,
-    )
-    last_xid = _f("DCGM_FI_DEV_XID_ERRORS")
-    samples = wide.select(
-        pl.lit(ts, pl.Float64).alias("ts"),
-        pl.col("node"),
-        pl.col("gpu"),
-        pl.col("gpu_uuid"),
-        used.round(0).cast(pl.Int64).alias("memory_used_bytes"),
-        total.round(0).cast(pl.Int64).alias("memory_total_bytes"),
-        (_f("DCGM_FI_DEV_GPU_UTIL") / 100.0).alias("util_ratio"),
-        (_f("DCGM_FI_DEV_MEM_COPY_UTIL") / 100.0).alias("mem_util_ratio"),
-        _f("DCGM_FI_DEV_POWER_USAGE").alias("power_w"),
-        _f("DCGM_FI_DEV_GPU_TEMP").alias("temperature_c"),
-        _f("DCGM_FI_DEV_SM_CLOCK").alias("sm_clock_mhz"),
-        _f("DCGM_FI_DEV_MEM_CLOCK").alias("mem_clock_mhz"),
-        pl.coalesce(_f("DCGM_FI_DEV_CLOCKS_EVENT_REASONS"), _f("DCGM_FI_DEV_CLOCK_THROTTLE_REASONS")).cast(pl.Int64).alias("throttle_reasons"),
-        _f("DCGM_FI_DEV_ECC_SBE_VOL_TOTAL").cast(pl.Int64).alias("ecc_sbe_volatile_total"),
-        _f("DCGM_FI_DEV_ECC_DBE_VOL_TOTAL").cast(pl.Int64).alias("ecc_dbe_volatile_total"),
-        _sum_present(
-            "DCGM_FI_DEV_RETIRED_SBE", "DCGM_FI_DEV_RETIRED_DBE", "DCGM_FI_DEV_UNCORRECTABLE_REMAPPED_ROWS", "DCGM_FI_DEV_CORRECTABLE_REMAPPED_ROWS"
-        )
-        .cast(pl.Int64)
-        .alias("retired_pages_total"),
-        (_f("DCGM_FI_DEV_ROW_REMAP_FAILURE") > 0).alias("remap_failure"),
-        _f("DCGM_FI_DEV_PCIE_REPLAY_COUNTER").cast(pl.Int64).alias("pcie_replay_total"),
-        pl.lit(None, pl.Int64).alias("xid_total"),
-        _f("DCGM_FI_DEV_ECC_SBE_AGG_TOTAL").cast(pl.Int64).alias("ecc_sbe_aggregate_total"),
-        _f("DCGM_FI_DEV_ECC_DBE_AGG_TOTAL").cast(pl.Int64).alias("ecc_dbe_aggregate_total"),
-        pl.when(last_xid > 0).then(last_xid).cast(pl.Int32).alias("last_xid"),
-        _f("DCGM_FI_PROF_PCIE_TX_BYTES").alias("pcie_tx_bytes_per_second"),  # bytes/s
-        _f("DCGM_FI_PROF_PCIE_RX_BYTES").alias("pcie_rx_bytes_per_second"),
-        _f("DCGM_FI_PROF_NVLINK_TX_BYTES").alias("nvlink_tx_bytes_per_second"),
-        _f("DCGM_FI_PROF_NVLINK_RX_BYTES").alias("nvlink_rx_bytes_per_second"),
-        _f("DCGM_FI_PROF_SM_ACTIVE").alias("sm_active_ratio"),  # ratios 0..1
-        _f("DCGM_FI_PROF_PIPE_TENSOR_ACTIVE").alias("tensor_active_ratio"),
-        _f("DCGM_FI_PROF_DRAM_ACTIVE").alias("dram_active_ratio"),
-        (_f("DCGM_FI_DEV_FB_RESERVED") * MIB).round(0).cast(pl.Int64).alias("memory_reserved_bytes"),
-    )
-    workloads = attribution.select(pl.lit(ts, pl.Float64).alias("ts"), *[pl.col(c) for c in GPU_WORKLOADS if c != "ts"])
-    extra = wide.select(
-        pl.lit(ts, pl.Float64).alias("ts"),
-        pl.col("node"),
-        pl.col("gpu"),
-        pl.col("gpu_uuid"),
-        _f("DCGM_FI_DEV_TOTAL_ENERGY_CONSUMPTION").alias("total_energy_mj"),
-        _f("DCGM_FI_DEV_MEMORY_TEMP").alias("memory_temperature_c"),
-        _f("DCGM_FI_DEV_PCIE_TX_THROUGHPUT").alias("pcie_tx_kb_total"),
-        _f("DCGM_FI_DEV_PCIE_RX_THROUGHPUT").alias("pcie_rx_kb_total"),
-        _f("DCGM_FI_DEV_NVLINK_BANDWIDTH_TOTAL").alias("nvlink_bandwidth_total"),
-        (_f("DCGM_FI_DEV_FB_RESERVED") * MIB).round(0).cast(pl.Int64).alias("fb_reserved_bytes"),
-    )
-    return (
-        schemas.conform(samples, schemas.GPU_SAMPLES, stream="gpu_samples"),
-        schemas.conform(workloads, GPU_WORKLOADS, stream="gpu_workloads"),
-        schemas.conform(extra, DCGM_EXTRA, stream="dcgm_extra"),
-    )
+            rows.append({"ts": ts, "metric": name, "value": float(sample.value), **label_values(sample.labels)})
+    long = pl.DataFrame(rows, schema=_LONG, orient="row")
+    if default_node is not None:
+        long = long.with_columns(pl.col("node").fill_null(pl.lit(default_node, pl.Utf8)))
+    return frames_from_long(long)
 
 
 def looks_like_dcgm_scrape(sample: str) -> bool:
@@ -345,6 +322,7 @@ class DcgmCollector:
         self.max_bytes = max_bytes
         self.last_errors: dict[str, str | None] = {u: None for u in self.urls}
         self._last_xid: dict[str, pl.DataFrame] = {}  # per endpoint: node, gpu_uuid, prev_xid, xid_total
+        self._named: dict[str, dict[tuple[Any, Any], bool]] = {}  # per endpoint: workload_changes' state
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
         self._client: httpx.AsyncClient | None = None
@@ -433,14 +411,15 @@ class DcgmCollector:
         for url, (text, error) in zip(self.urls, self._scrape_all(), strict=True):
             if text is not None:
                 try:
-                    samples, workloads, extra = parse_text(text, ts=now, default_node=self.node)
+                    samples, workloads, _extra = parse_text(text, ts=now, default_node=self.node)
                 except (ValueError, TypeError, schemas.SchemaError, pl.exceptions.PolarsError) as exc:
                     error = f"unparseable scrape: {str(exc).splitlines()[0] if str(exc) else type(exc).__name__}"
                 else:
                     samples, new_xids = self._track_xids(url, samples, now)
                     parts["gpu_samples"].append(samples)
-                    parts["gpu_workloads"].append(workloads)
-                    parts["dcgm_extra"].append(extra)
+                    workloads = workload_changes(workloads, self._named.setdefault(url, {}))
+                    if workloads.height:
+                        parts["gpu_workloads"].append(workloads)
                     if new_xids.height:
                         parts["events"].append(new_xids)
             if error is not None:
@@ -496,4 +475,4 @@ def scrape_once(url: str, *, timeout_seconds: float = 2.0) -> str:
     return resp.text
 
 
-__all__ = ["DcgmCollector", "GPU_WORKLOADS", "DCGM_EXTRA", "STREAMS", "parse_text", "read_scrape", "findings_from_scrape", "looks_like_dcgm_scrape"]
+__all__ = ["DcgmCollector", "GPU_WORKLOADS", "DCGM_EXTRA", "LABELS", "STREAMS", "frames_from_long", "label_values", "workload_changes", "parse_text", "read_scrape", "findings_from_scrape", "looks_like_dcgm_scrape"]

@@ -63,6 +63,12 @@ def with_observed(allocations: pl.DataFrame, mapping: pl.DataFrame) -> pl.DataFr
     return pl.concat([allocations, schemas.conform(extra, schemas.ALLOCATIONS, stream="allocations")], how="vertical_relaxed")
 
 
+def latest_per_gpu(workloads: pl.DataFrame) -> pl.DataFrame:
+    """Each GPU's newest rows: a tick may bring several scrapes (a replay whose step is longer
+    than the recording's), and a workload that ended in the last of them is over."""
+    return workloads.filter(pl.col("ts") == pl.col("ts").max().over(["node", "gpu"]))
+
+
 def from_dcgm(workloads: pl.DataFrame) -> pl.DataFrame:
     """dcgm-exporter's own attribution labels (`hpc_job`, or `pod`/`namespace`) as `gpu_jobs` rows:
     on a DCGM-only node they are the job map."""
@@ -83,7 +89,7 @@ class JobJoin:
 
     def apply(self, frames: list[tuple[str, pl.DataFrame]]) -> list[tuple[str, pl.DataFrame]]:
         new_map = [df for stream, df in frames if stream == "gpu_jobs"]
-        new_map += [from_dcgm(df) for stream, df in frames if stream == "gpu_workloads" and df.height]
+        new_map += [from_dcgm(latest_per_gpu(df)) for stream, df in frames if stream == "gpu_workloads" and df.height]
         new_alloc = [df for stream, df in frames if stream == "allocations"]
         if new_map:
             self.mapping = per_gpu(pl.concat(new_map, how="vertical_relaxed") if len(new_map) > 1 else new_map[0])
