@@ -176,3 +176,21 @@ def test_the_trend_thresholds_are_config_data():
     assert replay({"job": (ts, used)}, 60.0) != []
     cfg = cfg_with("oom_device", trend_min_growth_bytes=int(100 * GIB))
     assert replay({"job": (ts, used)}, 60.0, cfg=cfg) == []
+
+
+def test_a_gpu_mapped_to_its_pod_without_a_rank_is_named_by_its_place():
+    """dcgm-exporter's pod labels map a GPU to its job with no rank: the finding names the GPU."""
+    ts, used, _ = ideal_leak(60.0)
+    det = DeviceOomPredictor()
+    w = window()
+    alloc = schemas.frame([{"job": "ns/infer-0", "rank": None, "node": "genai-node-00", "gpu": 3}], schemas.ALLOCATIONS)
+    found = []
+    for t, u in zip(ts, used):
+        w.add("gpu_samples", schemas.frame([{"ts": float(t), "node": "genai-node-00", "gpu": 3, "memory_used_bytes": int(u), "memory_total_bytes": int(CAPACITY)}], schemas.GPU_SAMPLES))
+        w.add("allocations", alloc)
+        w.seal(float(t))
+        found += det.detect(w)
+    assert found
+    f = found[0]
+    assert (f.job, f.ranks, f.node, f.gpu, f.evidence["rank"]) == ("ns/infer-0", [], "genai-node-00", 3, None)
+    assert f.summary.startswith("ns/infer-0 on genai-node-00 GPU 3 will run out of GPU memory in about ")

@@ -486,7 +486,7 @@ class DeviceOomPredictor:
                     severity=Severity.PAGE if tto <= c.page_within_seconds else Severity.TICKET,
                     ts=now,
                     job=w["job"],
-                    ranks=[int(w["rank"])],
+                    ranks=[] if w["rank"] is None else [int(w["rank"])],
                     node=w["node"],
                     gpu=w["gpu"],
                     cause="leak",
@@ -494,7 +494,7 @@ class DeviceOomPredictor:
                     evidence={
                         "level": "L0",
                         "time_to_oom_seconds": round(tto, 1),
-                        "rank": int(w["rank"]),
+                        "rank": None if w["rank"] is None else int(w["rank"]),
                         "growth_bytes_per_second": round(rate),
                         "gpu_used_bytes": int(used),
                         "headroom_bytes": int(headroom),
@@ -506,7 +506,7 @@ class DeviceOomPredictor:
                         **_projection(w["fit_start_ts"], now, rate, float(w["intercept"]), now + tto, cap, c.safety_margin_bytes, w["interval"], w["confidence"]),
                     },
                     summary=(
-                        f"{w['job']} {rank_at(w['rank'], w['node'], w['gpu'])} will run out of GPU memory in about {tto / 60:.1f} min (L0, device memory): "
+                        f"{w['job']} {_where(w)} will run out of GPU memory in about {tto / 60:.1f} min (L0, device memory): "
                         f"the upper envelope of the GPU's used memory has kept growing for {minutes:.0f} min (a leak or a workload outgrowing the GPU), "
                         f"+{rate / GIB * 60:.2f} GiB/min, {max(headroom, 0) / GIB:.1f} GiB left; {NOT_AT_L0}."
                     ),
@@ -525,7 +525,7 @@ class DeviceOomPredictor:
             severity=Severity.PAGE if tto <= c.page_within_seconds else Severity.TICKET,
             ts=now,
             job=w["job"],
-            ranks=[int(w["rank"])],
+            ranks=[] if w["rank"] is None else [int(w["rank"])],
             node=w["node"],
             gpu=w["gpu"],
             cause=cause,
@@ -533,7 +533,7 @@ class DeviceOomPredictor:
             evidence={
                 "level": "L0",
                 "time_to_oom_seconds": round(tto, 1),
-                "rank": int(w["rank"]),
+                "rank": None if w["rank"] is None else int(w["rank"]),
                 "growth_bytes_per_second": round(rate),
                 "footprint_bytes": int(w["own_now"]),
                 "gpu_used_bytes": int(w["gpu_used"]),
@@ -549,10 +549,18 @@ class DeviceOomPredictor:
                 **_projection(float(w["fit_start"]), now, rate, float(w["gpu_used"]), now + tto, float(w["capacity"]), c.safety_margin_bytes, w.get("interval"), min(1.0, int(w.get("rises") or 0) / (2 * c.min_rises))),
             },
             summary=(
-                f"{w['job']} {rank_at(w['rank'], w['node'], w['gpu'])} will run out of GPU memory in about {tto / 60:.1f} min (L0, device memory): "
+                f"{w['job']} {_where(w)} will run out of GPU memory in about {tto / 60:.1f} min (L0, device memory): "
                 f"{what}, +{rate / GIB * 60:.2f} GiB/min, {max(w['headroom'], 0) / GIB:.1f} GiB left; {NOT_AT_L0}."
             ),
         )
+
+
+def _where(w: dict) -> str:
+    """'rank 3 (n0 GPU 2)', or 'on n0 GPU 2' for a GPU mapped to its job by the exporter's labels
+    only (a pod: no rank)."""
+    if w["rank"] is not None:
+        return rank_at(w["rank"], w["node"], w["gpu"])
+    return "on " + " ".join(p for p in (w["node"], None if w["gpu"] is None else f"GPU {w['gpu']}") if p)
 
 
 def _projection(start: float, end: float, slope: float, at_end: float, full: float, capacity: float, margin: int, interval: Any, confidence: float) -> dict[str, Any]:
