@@ -12,6 +12,7 @@ BENCHMARKS: dict[str, tuple[str, str]] = {
     "hook": ("benchmarks.hook", "in-process hook overhead per training step"),
     "api": ("benchmarks.api", "feedback API read latency and throughput at 20k findings"),
     "replay": ("benchmarks.replay", "replay of a month of 1,000 GPUs at 30 s (scaled slice, extrapolated)"),
+    "replay-real": ("benchmarks.replay_real", "OOM ahead on real GPU memory series with seeded leaks, via a real Prometheus, vs the usual alert rules"),
     "scale": ("benchmarks.scale", "fleet on NATS: agent CPU per node, detect core throughput, latency, failover (docs/scale.md)"),
     "incidents": ("benchmarks.incidents", "messages to on-call per injected fault, every built-in scenario (simulated)"),
     "realistic": ("benchmarks.realistic", "the detectors on real sample rates (DCGM 30 s, NVML 1 s) and fault time scales (leaks over hours)"),

@@ -2,7 +2,9 @@
 samples through the whole capture of /work/shared/fixtures/h200, see its README).
 
 - `oom_ramp`: a real capacity OOM, 4 GiB allocations until `torch.OutOfMemoryError` at 136.5 GiB;
-  the series is ~60× faster than a real leak, so the fit windows are scaled down (config data).
+  the series is ~60× faster than a real leak, so the fit windows are scaled down (config data);
+  the ramp starts from an idle GPU seconds after the process did, so the start-up grace (a job's
+  and an idle GPU's warm-up) is off at this time scale.
 - `nccl_timeout`: a real NCCL all_reduce stuck behind a 40 s GPU spin kernel until the watchdog
   fired: util 100% at ~123 W (busy: ~690 W in `matmul`): the L0 waiting signature, on one GPU, with
   nobody to single out.
@@ -33,7 +35,7 @@ def series():
 
 def test_real_capacity_oom_ramp_is_predicted_before_the_oom(series):
     ticks, phase, raw = series
-    cfg = cfg_with("oom_device", fit_window_seconds=10.0, warmup_seconds=0.0, min_span_seconds=1.0, min_rises=3)
+    cfg = cfg_with("oom_device", fit_window_seconds=10.0, warmup_seconds=0.0, startup_seconds=0.0, min_span_seconds=1.0, min_rises=3)
     found = play(DeviceOomPredictor(cfg), ticks)
     ramp = [f for f in found if phase[f.ts] == "oom_ramp"]
     assert ramp, "no warning on the real OOM ramp"
@@ -50,7 +52,7 @@ def test_real_capacity_oom_ramp_is_predicted_before_the_oom(series):
 
 def test_flat_phases_of_the_real_series_raise_no_oom_warning(series):
     ticks, phase, _ = series
-    cfg = cfg_with("oom_device", fit_window_seconds=10.0, warmup_seconds=0.0, min_span_seconds=1.0, min_rises=3)
+    cfg = cfg_with("oom_device", fit_window_seconds=10.0, warmup_seconds=0.0, startup_seconds=0.0, min_span_seconds=1.0, min_rises=3)
     found = play(DeviceOomPredictor(cfg), ticks)
     for quiet in ("start", "matmul", "nccl_ok", "nccl_timeout", "nccl_two_ranks_one_gpu", "idle"):
         assert not [f for f in found if phase[f.ts] == quiet], quiet

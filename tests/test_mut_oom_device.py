@@ -128,6 +128,17 @@ LEAK_EVIDENCE = {
     "ranks_at_risk": 1,
     "fragmentation_visible": False,
     "note": NOT_AT_L0,
+    # The projection drawn by the report: from the first step (t=4) to now, 2^28 B/s from what
+    # the GPU holds now, reaching capacity − safety margin at 24 + 369.327880859375 s; 1 s samples
+    # (t=1..24); 6 steps against 2 × min_rises (3): full confidence.
+    "fit_start_ts": 4.0,
+    "fit_end_ts": 24.0,
+    "slope_bytes_per_s": 268435456.0,
+    "intercept_bytes": 49895440384.0,
+    "predicted_full_ts": 393.327880859375,
+    "safety_margin_bytes": 1 << 30,
+    "sample_interval_s": 1.0,
+    "confidence": 1.0,
 }
 
 
@@ -231,6 +242,9 @@ def test_another_process_growing_next_to_a_flat_job_with_every_field():
         "gpu_used_bytes": BASE + 12 * GIB,
         "headroom_bytes": 92698247168,
         "segment_steps": 6,  # the other process's steps the rate is fitted from
+        "slope_bytes_per_s": float(1 << 29),
+        "intercept_bytes": float(BASE + 12 * GIB),
+        "predicted_full_ts": 24 + 172.6639404296875,
     }
     assert f.evidence["time_to_oom_seconds"] < 300
     assert f.summary == (

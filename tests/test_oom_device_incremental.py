@@ -1,6 +1,7 @@
 """oom_device's rings (gpuvigil/detectors/oom_device.py, issue 11: O(new rows) per tick) against
 the polars refit they replaced, kept here verbatim as the oracle (`Refit`: its `_series`, `detect`,
-`_steps` and `_trend`): both read the same real Window, tick by tick, through scenarios that cover
+`_steps` and `_trend`, plus the two columns the projection's evidence reads: the fitted
+segment's sample interval and the envelope's first step): both read the same real Window, tick by tick, through scenarios that cover
 what the rings must follow (leak steps, drops, foreign growth, DCGM-only and partial process
 lists, warm-up edges, a requeue, allocation changes, ticks the detector is not due, a missed
 tick, time jumps, GPUs appearing and disappearing, equal and out-of-order timestamps, rows
@@ -96,6 +97,8 @@ class Refit(DeviceOomPredictor):
             pl.col("gpu_used").last().alias("gpu_used"),
             pl.col("capacity").last().alias("capacity"),
             pl.col("own").last().alias("own_now"),
+            # the projection's evidence (added with it): the fitted segment's mean sample interval
+            ((pl.col("ts").max() - pl.col("ts").min()) / (pl.len() - 1)).alias("interval"),
         ).with_columns(
             (pl.col("env_last") - pl.col("env_start")).alias("growth"),
             (pl.col("fenv_last") - pl.col("fenv_start")).alias("f_growth"),
@@ -136,7 +139,7 @@ def _steps(e: str) -> list[pl.Expr]:
 def _trend(per: pl.DataFrame, e: str, c: OomDeviceConfig) -> pl.DataFrame:
     span = pl.col(f"{e}_t_last") - pl.col(f"{e}_t_first")
     return (
-        per.with_columns(((pl.col(f"{e}_last") - pl.col(f"{e}_first")) / span).alias("rate"), pl.col(f"{e}_rises").alias("rises"))
+        per.with_columns(((pl.col(f"{e}_last") - pl.col(f"{e}_first")) / span).alias("rate"), pl.col(f"{e}_rises").alias("rises"), pl.col(f"{e}_t_first").alias("fit_start"))
         .with_columns((pl.col("headroom").clip(lower_bound=0) / pl.col("rate")).alias("tto"))
         .filter(
             (pl.col("rises") >= c.min_rises)

@@ -11,6 +11,39 @@ drop, and warns when it has risen in at least `min_rises` separate steps spread 
 to OOM = headroom / rate, where headroom = capacity (total − driver-reserved) − safety margin −
 what the GPU holds now.
 
+Slow growth: the steps above are the fast fit, built for 1 s NVML samples and leaks that fill
+a GPU in minutes. Real sources sample every 30 s (dcgm-exporter) to 60 s (Prometheus history),
+and real leaks take tens of minutes to hours, while an inference server's memory swings by tens
+of GiB from one sample to the next. So each GPU also keeps the upper envelope of its used memory
+(the maximum of each `trend_bucket_seconds` bucket, `_Buckets`, over the longest trend window),
+and each of `trend_windows_seconds` is fitted from it: the window's `trend_blocks` block maxima
+must rise from block to block (`trend_min_block_rises`, each by at least
+`trend_min_rise_share` of the fitted rise per block: growth spread over the window, not one
+burst), the Theil-Sen slope through them must add `trend_min_growth_bytes` over the window and
+`trend_min_signal_to_noise` times the block maxima's own scatter around the line, the newest
+block must still rise (`trend_min_recent_share`: a warm-up levelling off is not projected),
+Kendall's tau of the window's bucket maxima (the finding's `confidence`) must reach
+`trend_min_confidence`, and the fit must hold on every evaluation for `trend_persist_seconds`
+(a burst that falls back within a bucket or two is the workload). Time to OOM = (capacity −
+safety margin − the line at now) / slope; of the windows that warn, the one projecting the
+soonest OOM is reported. Every threshold is relative to the series itself except the growth
+floor, so the same rules hold at any sample interval from 1 s to a bucket's width.
+
+Start-up: a GPU whose used memory was below `idle_bytes` less than `startup_seconds` ago (a
+process starting, a restart) is loading its job: neither fit warns on it until then, and a trend
+window holding that moment is not fitted. A job the scheduler lists is also fitted only from its
+start + `warmup_seconds` on.
+
+Every finding's evidence carries the projection the report draws: `fit_start_ts`,
+`fit_end_ts` (now), `slope_bytes_per_s`, `intercept_bytes` (the line at `fit_end_ts`),
+`predicted_full_ts` (where it meets `capacity_bytes` − `safety_margin_bytes`),
+`sample_interval_s` and `confidence` (0..1; the fast fit: its steps against 2 × min_rises).
+
+The envelope costs O(new rows) a tick to fold in (one maximum per sample) and, per evaluation,
+one pass over the longest window's buckets of every GPU (float32, bucket-major: a bucket of every
+GPU is one contiguous row); the fits themselves run only for the GPUs whose block maxima rose.
+A rebuild of the rings (below) starts the envelope over too.
+
 Cause: another process on the GPU whose memory grows (per-process memory only) = foreign
 process; else leak/capacity. The other processes' memory on a job's GPU is followed the same way
 (its own envelope, steps, span and rate), so it warns next to a flat job too, while a single
@@ -70,7 +103,7 @@ from typing import Any
 
 import numpy as np
 import polars as pl
-from pydantic import BaseModel, Field
+from pydantic import BaseModel, Field, model_validator
 
 from gpuvigil.detectors.common import allocated_gpu_retention, rank_at, settings
 from gpuvigil.detectors.incremental import TickCursor
@@ -102,6 +135,42 @@ class OomDeviceConfig(BaseModel):
     # from per-GPU rings, the window's history is read only to rebuild them. null: the whole fit
     # window (a rebuild then finds exactly what a refit would).
     rebuild_history_seconds: float | None = Field(20.0, gt=0)
+    # Slow growth at real resolutions (dcgm-exporter every 30 s, Prometheus at 15-60 s, leaks
+    # over tens of minutes to hours): the upper envelope of the GPU's used memory, kept as the
+    # maximum of each bucket, is fitted over each of these windows (module doc, "Slow growth").
+    trend_bucket_seconds: float = Field(60.0, gt=0)
+    trend_windows_seconds: list[float] = Field(default_factory=lambda: [600.0, 1200.0, 2400.0, 4800.0])
+    trend_blocks: int = Field(5, ge=2)  # each window's envelope: the maximum of each of its blocks
+    trend_min_block_rises: int = Field(4, ge=1)  # block maxima that must rise on the one before
+    trend_rise_bytes: int = Field(0, ge=0)  # a block maximum at most this much above the one before is no rise
+    # ... nor one that rose less than this share of the fitted rise per block: the growth is
+    # spread over the window, not one burst (the series' own scale, not a constant).
+    trend_min_rise_share: float = Field(0.25, ge=0)
+    # The fit must hold on every evaluation for this long before it is a finding: a burst that
+    # falls back within a bucket or two is the workload, not a trend.
+    trend_persist_seconds: float = Field(120.0, ge=0)
+    trend_min_growth_bytes: int = Field(4 << 30, ge=0)  # fitted growth over the window
+    # The fitted growth over the window against the envelope's own scatter around the fit (its
+    # median absolute residual): growth below this many times the scatter is noise.
+    trend_min_signal_to_noise: float = Field(4.0, ge=0)
+    # The newest block's rise against the fitted rise per block: a growth that is levelling off
+    # (a warm-up reaching its plateau) is not projected to the capacity.
+    trend_min_recent_share: float = Field(0.25, ge=0)
+    trend_min_confidence: float = Field(0.5, ge=0, le=1)  # Kendall's tau of the window's bucket maxima
+    # A GPU whose used memory was below idle_bytes (nothing but a CUDA context, or a restart)
+    # less than startup_seconds ago is warming up: its growth is not a leak yet.
+    idle_bytes: int = Field(2 << 30, ge=0)
+    startup_seconds: float = Field(600.0, ge=0)
+
+    @model_validator(mode="after")
+    def _windows_fit_buckets(self) -> OomDeviceConfig:
+        for w in self.trend_windows_seconds:
+            per_block = w / self.trend_blocks / self.trend_bucket_seconds
+            if w <= 0 or abs(per_block - round(per_block)) > 1e-9 or round(per_block) < 1:
+                raise ValueError(f"trend window {w:g} s is not {self.trend_blocks} blocks of whole {self.trend_bucket_seconds:g} s buckets")
+        if self.trend_min_block_rises > self.trend_blocks - 1:
+            raise ValueError("trend_min_block_rises is more than trend_blocks - 1")
+        return self
 
 
 class DeviceOomPredictor:
@@ -130,6 +199,8 @@ class DeviceOomPredictor:
     # -- running state -------------------------------------------------------------------------
     def _reset(self) -> None:
         self._rings = _Rings()
+        c = self.config
+        self._buckets = _Buckets(c.trend_bucket_seconds, math.ceil(max(c.trend_windows_seconds) / c.trend_bucket_seconds) + 1)
         self._keys = pl.DataFrame(schema={"node": pl.Utf8, "gpu": pl.Int32, "job": pl.Utf8, "rank": pl.Int32, "_k": pl.Int64})
         self._free = np.zeros(0, np.int64)  # slots of GPUs no longer allocated
         self._next = 0  # slots ever used
@@ -194,6 +265,7 @@ class DeviceOomPredictor:
         freed = np.setdiff1d(old["_k"].to_numpy(), kept)
         if freed.size:
             self._rings.clear(freed)
+            self._buckets.clear(freed)
             self._free = np.concatenate([self._free, freed])
         todo = int((~same).sum())
         if todo:
@@ -202,10 +274,12 @@ class DeviceOomPredictor:
                 self._next += extra.size
                 self._free = np.concatenate([self._free, extra])
                 self._rings.grow_rows(self._next)
+                self._buckets.grow_rows(self._next)
             self._free = np.sort(self._free)
             given, self._free = self._free[:todo], self._free[todo:]
             slots[~same] = given
             self._rings.clear(given)
+            self._buckets.clear(given)
             # Their rows that arrived before this tick are not in the rings: refilled from the
             # window if they can count (detect).
             self._rings.floor[given] = self._seen
@@ -275,6 +349,7 @@ class DeviceOomPredictor:
             dev = dev.with_columns(pl.col("gpu_used").alias("own"), pl.lit(None, pl.Float64).alias("foreign"))
         k = dev["_k"].to_numpy()
         ts = dev["ts"].to_numpy()
+        self._buckets.insert(k, ts, dev["gpu_used"].to_numpy(), dev["capacity"].to_numpy(), float(c.idle_bytes))
         keep = None
         if rule is not None and rule[1].size:
             # Rows the window's retention dropped at this seal (module doc).
@@ -312,20 +387,37 @@ class DeviceOomPredictor:
         slots = keys["_k"].to_numpy()
         since = now - c.fit_window_seconds
         lo = np.full(slots.size, since)
+        begun = np.full(slots.size, -np.inf)  # the job's start + warm-up, where the scheduler lists it
         jobs = window.get("jobs")
         if jobs.height:
             starts = jobs.select("job", pl.col("start_ts").cast(pl.Float64).alias("_start")).unique("job", keep="first", maintain_order=True)
             start = keys.select("job").join(starts, on="job", how="left", maintain_order="left")["_start"].to_numpy()
             after = start + c.warmup_seconds
             lo = np.where(np.isnan(after), since, np.maximum(since, after))
+            begun = np.where(np.isnan(after), -np.inf, after)
         rings = self._rings
         stale = rings.floor[slots] >= lo
         if stale.any():
             self._refill(window, keys.filter(pl.Series(stale)))
         rings.sort_unsorted()
         pos, agg = rings.evaluate(slots, lo, c)
-        if pos.size == 0:
-            return []
+        bk = self._buckets
+        with np.errstate(invalid="ignore"):
+            warming = now - bk.idle_ts[slots] < c.startup_seconds
+        if pos.size and warming.any():
+            # Growth out of an idle GPU is its job starting (module doc, "Slow growth").
+            calm = ~warming[pos]
+            pos, agg = pos[calm], {name: v[calm] for name, v in agg.items()}
+        tpos, tfit = _trend_fits(bk, slots, begun, now, c)
+        held = np.zeros(slots.size, bool)
+        held[tpos] = True
+        bk.since[slots] = np.where(held, np.minimum(bk.since[slots], now), np.inf)
+        lasting = now - bk.since[slots[tpos]] >= c.trend_persist_seconds
+        tpos, tfit = tpos[lasting], {name: v[lasting] for name, v in tfit.items()}
+        found = self._findings(self._step_rows(keys, pos, agg, c), now) if pos.size else []
+        return found + self._trend_findings(keys, tpos, tfit, now, {f.job for f in found})
+
+    def _step_rows(self, keys: pl.DataFrame, pos: np.ndarray, agg: dict[str, np.ndarray], c: OomDeviceConfig) -> pl.DataFrame:
         nullable = lambda a: pl.Series(a, dtype=pl.Float64).fill_nan(None)  # noqa: E731
         per = keys.select("job", "rank", "node", "gpu")[pos].with_columns(
             *(pl.Series(f"{e}_rises", agg[f"{e}_rises"], dtype=pl.UInt32) for e in ("env", "fenv")),
@@ -335,12 +427,13 @@ class DeviceOomPredictor:
             pl.Series("gpu_used", agg["gpu_used"], dtype=pl.Float64),
             nullable(agg["capacity"]).alias("capacity"),
             pl.Series("own_now", agg["own_now"], dtype=pl.Float64),
+            nullable(agg["interval"]).alias("interval"),
         ).with_columns(
             (pl.col("env_last") - pl.col("env_start")).alias("growth"),
             (pl.col("fenv_last") - pl.col("fenv_start")).alias("f_growth"),
             (pl.col("capacity") - c.safety_margin_bytes - pl.col("gpu_used")).alias("headroom"),
         )
-        return self._findings(per, now)
+        return per
 
     def _refill(self, window: Window, keys: pl.DataFrame) -> None:
         """Refill the rings of `keys` from the window (rows that may count were not folded in)."""
@@ -373,6 +466,54 @@ class DeviceOomPredictor:
             findings.append(self._finding(now, w, rows.height, "foreign_process", float(w["rate"]), float(w["tto"])))
         return findings
 
+    def _trend_findings(self, keys: pl.DataFrame, pos: np.ndarray, fit: dict[str, np.ndarray], now: float, done: set) -> list[Finding]:
+        """One finding per job whose GPUs' envelope keeps growing over a trend window (jobs with
+        a finding from the steps already are left to it): the GPU projected to fill soonest."""
+        if pos.size == 0:
+            return []
+        c = self.config
+        rows = keys.select("job", "rank", "node", "gpu")[pos].with_columns(*(pl.Series(name, v, dtype=pl.Float64) for name, v in fit.items()))
+        rows = rows.filter(~pl.col("job").is_in(list(done))).sort(["tto", "job", "rank"])
+        out = []
+        for part in rows.partition_by("job", maintain_order=True):
+            w = part.row(0, named=True)
+            tto, rate, used, cap = float(w["tto"]), float(w["slope"]), float(w["used"]), float(w["capacity"])
+            headroom = cap - c.safety_margin_bytes - used
+            minutes = w["window"] / 60
+            out.append(
+                Finding(
+                    kind=FindingKind.OOM_PREDICTED,
+                    severity=Severity.PAGE if tto <= c.page_within_seconds else Severity.TICKET,
+                    ts=now,
+                    job=w["job"],
+                    ranks=[] if w["rank"] is None else [int(w["rank"])],
+                    node=w["node"],
+                    gpu=w["gpu"],
+                    cause="leak",
+                    source=self.name,
+                    evidence={
+                        "level": "L0",
+                        "time_to_oom_seconds": round(tto, 1),
+                        "rank": None if w["rank"] is None else int(w["rank"]),
+                        "growth_bytes_per_second": round(rate),
+                        "gpu_used_bytes": int(used),
+                        "headroom_bytes": int(headroom),
+                        "fit_window_seconds": w["window"],
+                        "per_process_memory": False,
+                        "ranks_at_risk": part.height,
+                        "fragmentation_visible": False,
+                        "note": NOT_AT_L0,
+                        **_projection(w["fit_start_ts"], now, rate, float(w["intercept"]), now + tto, cap, c.safety_margin_bytes, w["interval"], w["confidence"]),
+                    },
+                    summary=(
+                        f"{w['job']} {_where(w)} will run out of GPU memory in about {tto / 60:.1f} min (L0, device memory): "
+                        f"the upper envelope of the GPU's used memory has kept growing for {minutes:.0f} min (a leak or a workload outgrowing the GPU), "
+                        f"+{rate / GIB * 60:.2f} GiB/min, {max(headroom, 0) / GIB:.1f} GiB left; {NOT_AT_L0}."
+                    ),
+                )
+            )
+        return out
+
     def _finding(self, now: float, w: dict, n_at_risk: int, cause: str, rate: float, tto: float) -> Finding:
         c = self.config
         what = "another process on the GPU is taking more and more memory" if cause == "foreign_process" else "the job's footprint keeps adding segments (a leak, or a workload outgrowing the GPU)"
@@ -384,7 +525,7 @@ class DeviceOomPredictor:
             severity=Severity.PAGE if tto <= c.page_within_seconds else Severity.TICKET,
             ts=now,
             job=w["job"],
-            ranks=[int(w["rank"])],
+            ranks=[] if w["rank"] is None else [int(w["rank"])],
             node=w["node"],
             gpu=w["gpu"],
             cause=cause,
@@ -392,7 +533,7 @@ class DeviceOomPredictor:
             evidence={
                 "level": "L0",
                 "time_to_oom_seconds": round(tto, 1),
-                "rank": int(w["rank"]),
+                "rank": None if w["rank"] is None else int(w["rank"]),
                 "growth_bytes_per_second": round(rate),
                 "footprint_bytes": int(w["own_now"]),
                 "gpu_used_bytes": int(w["gpu_used"]),
@@ -403,12 +544,37 @@ class DeviceOomPredictor:
                 "ranks_at_risk": n_at_risk,
                 "fragmentation_visible": False,
                 "note": NOT_AT_L0,
+                # The projection the report draws: from the GPU's memory now, at the fitted rate,
+                # to capacity − safety margin (steps: the envelope's first step to now).
+                **_projection(float(w["fit_start"]), now, rate, float(w["gpu_used"]), now + tto, float(w["capacity"]), c.safety_margin_bytes, w.get("interval"), min(1.0, int(w.get("rises") or 0) / (2 * c.min_rises))),
             },
             summary=(
-                f"{w['job']} {rank_at(w['rank'], w['node'], w['gpu'])} will run out of GPU memory in about {tto / 60:.1f} min (L0, device memory): "
+                f"{w['job']} {_where(w)} will run out of GPU memory in about {tto / 60:.1f} min (L0, device memory): "
                 f"{what}, +{rate / GIB * 60:.2f} GiB/min, {max(w['headroom'], 0) / GIB:.1f} GiB left; {NOT_AT_L0}."
             ),
         )
+
+
+def _where(w: dict) -> str:
+    """'rank 3 (n0 GPU 2)', or 'on n0 GPU 2' for a GPU mapped to its job by the exporter's labels
+    only (a pod: no rank)."""
+    if w["rank"] is not None:
+        return rank_at(w["rank"], w["node"], w["gpu"])
+    return "on " + " ".join(p for p in (w["node"], None if w["gpu"] is None else f"GPU {w['gpu']}") if p)
+
+
+def _projection(start: float, end: float, slope: float, at_end: float, full: float, capacity: float, margin: int, interval: Any, confidence: float) -> dict[str, Any]:
+    return {
+        "fit_start_ts": start,
+        "fit_end_ts": end,
+        "slope_bytes_per_s": slope,
+        "intercept_bytes": at_end,
+        "predicted_full_ts": full,
+        "capacity_bytes": int(capacity),
+        "safety_margin_bytes": int(margin),
+        "sample_interval_s": None if interval is None or not math.isfinite(interval) else round(float(interval), 3),
+        "confidence": round(float(confidence), 3),
+    }
 
 
 def _trend(per: pl.DataFrame, e: str, c: OomDeviceConfig) -> pl.DataFrame:
@@ -418,7 +584,7 @@ def _trend(per: pl.DataFrame, e: str, c: OomDeviceConfig) -> pl.DataFrame:
     last step's time apart; nearest to OOM first."""
     span = pl.col(f"{e}_t_last") - pl.col(f"{e}_t_first")
     return (
-        per.with_columns(((pl.col(f"{e}_last") - pl.col(f"{e}_first")) / span).alias("rate"), pl.col(f"{e}_rises").alias("rises"))
+        per.with_columns(((pl.col(f"{e}_last") - pl.col(f"{e}_first")) / span).alias("rate"), pl.col(f"{e}_rises").alias("rises"), pl.col(f"{e}_t_first").alias("fit_start"))
         .with_columns((pl.col("headroom").clip(lower_bound=0) / pl.col("rate")).alias("tto"))
         .filter(
             (pl.col("rises") >= c.min_rises)
@@ -680,7 +846,9 @@ def _aggregate(ts: np.ndarray, own: np.ndarray, frn: np.ndarray, n: np.ndarray, 
     r = np.arange(rows)
     last = n - 1
     has_procs = (seg & ~np.isnan(frn)).any(axis=1)
-    out: dict[str, np.ndarray] = {"has_procs": has_procs, "own_now": own[r, last]}
+    with np.errstate(invalid="ignore", divide="ignore"):
+        interval = np.where(last > s, (ts[r, last] - ts[r, s]) / np.maximum(last - s, 1), np.nan)
+    out: dict[str, np.ndarray] = {"has_procs": has_procs, "own_now": own[r, last], "interval": interval}
     for e, v, which in (("env", own, r), ("fenv", frn, np.flatnonzero(has_procs))):
         # The other processes' envelope (NaN: 0) of a GPU without a process list is flat at 0.
         rises = np.zeros(rows, np.int64)
@@ -712,3 +880,227 @@ def _aggregate(ts: np.ndarray, own: np.ndarray, frn: np.ndarray, n: np.ndarray, 
 
 def _blocks(rows: np.ndarray) -> list[np.ndarray]:
     return [rows[i : i + BLOCK] for i in range(0, rows.size, BLOCK)]
+
+
+class _Buckets:
+    """Per slot (an allocated GPU), the upper envelope of its used memory over the longest trend
+    window: the maximum of each `width`-second bucket of a grid shared by every slot (bucket b:
+    [b * width, (b + 1) * width)), in a ring of `length` buckets laid out bucket-major (a bucket
+    of every slot is one contiguous row, so a new bucket clears one row and a block of buckets is
+    a few rows). float32: a few kB of resolution at 150 GB, half the memory. Plus, per slot, how
+    many samples each bucket got (the sample interval), the newest sample's used memory and
+    capacity, and when the GPU was last idle (module doc, "Slow growth")."""
+
+    def __init__(self, width: float, length: int) -> None:
+        self.width = float(width)
+        self.length = int(length)
+        self.top = -1  # the newest bucket id the ring holds
+        self.ids = np.full(self.length, -1, np.int64)  # the bucket id each ring row holds
+        self._empty(0)
+
+    def _empty(self, rows: int) -> None:
+        self.vmax = np.full((self.length, rows), np.nan, np.float32)
+        self.cnt = np.zeros((self.length, rows), np.uint16)
+        self.last_ts = np.full(rows, -np.inf)
+        self.idle_ts = np.full(rows, -np.inf)
+        self.used = np.full(rows, np.nan)
+        self.capacity = np.full(rows, np.nan)
+        self.since = np.full(rows, np.inf)  # since when the trend fit has held on every evaluation
+
+    @property
+    def rows(self) -> int:
+        return int(self.last_ts.size)
+
+    def grow_rows(self, rows: int) -> None:
+        have = self.rows
+        if rows <= have:
+            return
+        rows = max(rows, have + have // 8, 64)
+        pad = rows - have
+        self.vmax = np.concatenate([self.vmax, np.full((self.length, pad), np.nan, np.float32)], axis=1)
+        self.cnt = np.concatenate([self.cnt, np.zeros((self.length, pad), np.uint16)], axis=1)
+        self.last_ts, self.idle_ts = (np.concatenate([a, np.full(pad, -np.inf)]) for a in (self.last_ts, self.idle_ts))
+        self.used, self.capacity = (np.concatenate([a, np.full(pad, np.nan)]) for a in (self.used, self.capacity))
+        self.since = np.concatenate([self.since, np.full(pad, np.inf)])
+
+    def clear(self, slots: np.ndarray) -> None:
+        if slots.size == 0:
+            return
+        self.vmax[:, slots] = np.nan
+        self.cnt[:, slots] = 0
+        self.last_ts[slots] = self.idle_ts[slots] = -np.inf
+        self.used[slots] = self.capacity[slots] = np.nan
+        self.since[slots] = np.inf
+
+    def advance(self, now: float) -> None:
+        """Make the bucket holding `now` the newest (the ones it passes start empty)."""
+        b = math.floor(now / self.width)
+        if b <= self.top:
+            return
+        new = np.arange(max(self.top + 1, b - self.length + 1), b + 1)
+        rows = new % self.length
+        self.vmax[rows] = np.nan
+        self.cnt[rows] = 0
+        self.ids[rows] = new
+        self.top = b
+
+    def insert(self, k: np.ndarray, ts: np.ndarray, used: np.ndarray, capacity: np.ndarray, idle_bytes: float) -> None:
+        """Fold samples in. A sample folded twice (a rebuild or refill reading the window again)
+        changes no maximum and is counted once (only samples newer than the slot's newest count)."""
+        ok = ~np.isnan(used)
+        if not ok.all():
+            k, ts, used, capacity = k[ok], ts[ok], used[ok], capacity[ok]
+        if k.size == 0:
+            return
+        self.advance(float(ts.max()))
+        b = np.floor(ts / self.width).astype(np.int64)
+        keep = b > self.top - self.length
+        if not keep.all():
+            k, ts, used, capacity, b = k[keep], ts[keep], used[keep], capacity[keep], b[keep]
+        if k.size == 0:
+            return
+        r = b % self.length
+        v = used.astype(np.float32)
+        newer = ts > self.last_ts[k]
+        if np.bincount(k, minlength=1).max() <= 1:  # one sample a GPU (the usual tick): no duplicates
+            self.vmax[r, k] = np.fmax(self.vmax[r, k], v)
+            self.cnt[r[newer], k[newer]] += 1
+            self.last_ts[k] = np.maximum(self.last_ts[k], ts)
+            last = np.ones(k.size, bool)
+        else:
+            np.fmax.at(self.vmax, (r, k), v)
+            np.add.at(self.cnt, (r[newer], k[newer]), 1)
+            np.maximum.at(self.last_ts, k, ts)
+            order = np.lexsort((ts, k))
+            last = np.zeros(k.size, bool)
+            last[order[np.r_[k[order][1:] != k[order][:-1], True]]] = True
+        # The newest sample of each slot gives its used memory and capacity now.
+        at = last & (ts >= self.last_ts[k])
+        self.used[k[at]] = used[at]
+        self.capacity[k[at]] = capacity[at]
+        idle = used < idle_bytes
+        if idle.any():
+            np.maximum.at(self.idle_ts, k[idle], ts[idle])
+
+    def units(self, unit: int, count: int) -> np.ndarray:
+        """(count, rows) maxima of the newest `count` runs of `unit` buckets (row 0: the run ending
+        with the newest bucket); NaN: no sample in the run."""
+        out = np.empty((count, self.rows), np.float32)
+        for j in range(count):
+            hi = self.top - j * unit
+            rows = np.arange(hi - unit + 1, hi + 1) % self.length
+            out[j] = self.vmax[rows[0]]
+            for r in rows[1:]:  # pairwise: numpy's reduce over the leading axis is many times slower here
+                np.fmax(out[j], self.vmax[r], out=out[j])
+        return out
+
+
+TREND_FIELDS = ("fit_start_ts", "slope", "intercept", "tto", "confidence", "interval", "window", "used", "capacity")
+
+
+def _trend_fits(bk: _Buckets, slots: np.ndarray, lo: np.ndarray, now: float, c: OomDeviceConfig) -> tuple[np.ndarray, dict[str, np.ndarray]]:
+    """The GPUs (positions in `slots`) whose used memory's upper envelope has kept growing over a
+    trend window, projected to reach capacity − safety margin within predict_horizon_seconds, with
+    the fit of the window that projects it soonest (module doc, "Slow growth")."""
+    w, q = c.trend_bucket_seconds, c.trend_blocks
+    per_block = [round(x / q / w) for x in c.trend_windows_seconds]
+    unit = math.gcd(*per_block)
+    count = max(per_block) * q // unit
+    bk.advance(now)
+    if slots.size == 0 or bk.top < 0:
+        return np.zeros(0, np.int64), {}
+    um = bk.units(unit, count)  # (count, slots), newest first
+    if not (slots.size == bk.rows and (slots == np.arange(bk.rows)).all()):
+        um = um[:, slots]
+    with np.errstate(invalid="ignore"):
+        settled = ~(now - bk.idle_ts[slots] < c.startup_seconds)
+    best = np.full(slots.size, np.inf)  # the soonest projected OOM
+    out = {name: np.full(slots.size, np.nan) for name in TREND_FIELDS}
+    target_all = bk.capacity[slots] - c.safety_margin_bytes
+    for bb in sorted(set(per_block)):
+        n = bb * q  # buckets in the window
+        k = bb // unit
+        blocks = np.empty((q, um.shape[1]), np.float32)  # oldest first
+        for b in range(q):
+            blocks[q - 1 - b] = um[b * k]
+            for u in range(b * k + 1, (b + 1) * k):
+                np.fmax(blocks[q - 1 - b], um[u], out=blocks[q - 1 - b])
+        start = (bk.top - n + 1) * w
+        with np.errstate(invalid="ignore"):
+            rises = np.zeros(um.shape[1], np.int64)
+            for b in range(1, q):
+                rises += (blocks[b] - blocks[b - 1]) > c.trend_rise_bytes
+            # every block has a sample (NaN propagates through the sum)
+            total = blocks[0].copy()
+            for b in range(1, q):
+                total += blocks[b]
+            whole = ~np.isnan(total)
+            cand = (
+                settled
+                & whole
+                & (start >= lo)
+                & (start > bk.idle_ts[slots])
+                & (rises >= c.trend_min_block_rises)
+                & (blocks[-1] - blocks[0] >= c.trend_min_growth_bytes)
+                & ~np.isnan(target_all)
+            )
+        idx = np.flatnonzero(cand)
+        if idx.size == 0:
+            continue
+        ids = np.arange(bk.top - n + 1, bk.top + 1)
+        ring = ids % bk.length
+        v = bk.vmax[ring][:, slots[idx]].astype(np.float64)  # (n, m) bucket maxima, oldest first
+        counts = bk.cnt[ring][:, slots[idx]].sum(axis=0)
+        centre = np.minimum((ids + 0.5) * w, now)
+        # Each block's maximum and when it came (the centre of its bucket).
+        vb = np.where(np.isnan(v), -np.inf, v).reshape(q, bb, -1)
+        arg = vb.argmax(axis=1)  # (q, m)
+        m_q = np.take_along_axis(vb, arg[:, None, :], axis=1)[:, 0, :]
+        t_q = centre[(np.arange(q) * bb)[:, None] + arg]
+        # Theil-Sen over the block maxima: the median of the pairwise slopes.
+        i, j = np.triu_indices(q, 1)
+        slope = np.median((m_q[j] - m_q[i]) / (t_q[j] - t_q[i]), axis=0)
+        intercept = np.median(m_q + slope * (now - t_q), axis=0)  # the line at now
+        scatter = np.median(np.abs(m_q - (intercept - slope * (now - t_q))), axis=0)
+        growth = slope * n * w
+        recent = m_q[-1] - m_q[-2]
+        step_rise = np.maximum(slope * bb * w * c.trend_min_rise_share, float(c.trend_rise_bytes))
+        rose = ((m_q[1:] - m_q[:-1]) > step_rise).sum(axis=0)
+        # Kendall's tau of the bucket maxima against time: how steadily the envelope grows.
+        ok = ~np.isnan(v)
+        a, b = np.triu_indices(n, 1)
+        sign = np.sign(v[b] - v[a])
+        both = ok[a] & ok[b]
+        pairs = both.sum(axis=0)
+        with np.errstate(invalid="ignore", divide="ignore"):
+            tau = np.where(pairs > 0, np.nansum(np.where(both, sign, 0.0), axis=0) / pairs, 0.0)
+            target = target_all[idx]
+            tto = np.maximum(target - intercept, 0.0) / slope
+            good = (
+                (slope > 0)
+                & (rose >= c.trend_min_block_rises)
+                & (growth >= c.trend_min_growth_bytes)
+                & (growth >= c.trend_min_signal_to_noise * scatter)
+                & (recent >= c.trend_min_recent_share * slope * bb * w)
+                & (tau >= c.trend_min_confidence)
+                & (tto <= c.predict_horizon_seconds)
+            )
+        sooner = good & (tto < best[idx])
+        if not sooner.any():
+            continue
+        at = idx[sooner]
+        best[at] = tto[sooner]
+        for name, val in (
+            ("fit_start_ts", np.full(at.size, start)),
+            ("slope", slope[sooner]),
+            ("intercept", intercept[sooner]),
+            ("tto", tto[sooner]),
+            ("confidence", np.clip(tau[sooner], 0.0, 1.0)),
+            ("interval", np.where(counts[sooner] > 0, n * w / np.maximum(counts[sooner], 1), np.nan)),
+            ("window", np.full(at.size, n * w)),
+            ("used", bk.used[slots[at]]),
+            ("capacity", bk.capacity[slots[at]]),
+        ):
+            out[name][at] = val
+    pos = np.flatnonzero(np.isfinite(best))
+    return pos, {name: v[pos] for name, v in out.items()}
