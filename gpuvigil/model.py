@@ -58,6 +58,11 @@ JOB_LEVEL_KINDS = frozenset(
     }
 )
 
+# Findings about a device's own health: their identity is the device (node, GPU, and the XID),
+# never the job that happens to hold it, so the same hot or failing GPU handed to another job
+# stays one finding, one alert and one set of hints. Alerts route them to the hardware team.
+DEVICE_KINDS = frozenset({FindingKind.XID, FindingKind.ECC, FindingKind.THERMAL_THROTTLE})
+
 
 class HintAction(StrEnum):
     CORDON_NODE = "cordon_node"
@@ -105,7 +110,7 @@ class Finding(BaseModel):
         """Stable identity of the underlying cause (ignores time and evidence).
 
         Job-level causes (a leak, a hang, a blocked gang) follow the job wherever it is
-        rescheduled; hardware causes belong to the GPU.
+        rescheduled; a device's own faults (DEVICE_KINDS) belong to the GPU, whichever job holds it.
         """
         if self.kind in JOB_LEVEL_KINDS and self.job:
             return _digest(self.kind.value, self.job)
@@ -114,7 +119,14 @@ class Finding(BaseModel):
             return _digest(self.kind.value, None, self.node, "|".join(map(str, self.evidence["files"])))  # type: ignore[arg-type]
         if self.kind == FindingKind.COLLECTOR_DOWN:  # one per collector target (URL, device, file)
             return _digest(self.kind.value, self.evidence.get("collector"), self.evidence.get("target"))
-        return _digest(self.kind.value, self.job, self.node, self.gpu, self.xid if self.kind == FindingKind.XID else None)
+        xid = self.xid if self.kind == FindingKind.XID else None
+        if self.kind in DEVICE_KINDS:
+            return _digest(self.kind.value, None, self.node, self.gpu, xid)
+        if self.kind == FindingKind.ANOMALY and self.cause:
+            # An anomaly's cause (pcie_replay, or the learned model's unknown) is part of what it
+            # is: a PCIe replay finding must not overwrite the model's anomaly on the same GPU.
+            return _digest(self.kind.value, self.job, self.node, self.gpu, xid, self.cause)
+        return _digest(self.kind.value, self.job, self.node, self.gpu, xid)
 
     @property
     def id(self) -> str:

@@ -9,9 +9,10 @@ from urllib.parse import urlsplit
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from gpuvigil import config
+from gpuvigil.model import DEVICE_KINDS
 
 _DURATION = re.compile(r"^(\d+(ms|s|m|h|d|w|y))+$")
-HARDWARE_KINDS = frozenset({"xid", "ecc", "thermal_throttle"})
+HARDWARE_KINDS = frozenset(k.value for k in DEVICE_KINDS)
 
 
 def _check_duration(value: str) -> str:
