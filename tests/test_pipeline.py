@@ -91,9 +91,27 @@ def test_same_hint_is_not_reissued_within_cooldown():
     cfg = config.load(overrides={"pipeline": {"clear_after_seconds": {"default": 5.0}, "hint_cooldown_seconds": 3600}})
     p = Pipeline([], [ScriptedDetector(script)], cfg=cfg)
     assert len(p.tick(1.0).new_hints) == 2
+    assert len(p.tick(10.0).cleared_findings) == 1, "a tick without it, past its clear time: cleared"
     r = p.tick(50.0)
     assert len(r.new_findings) == 1, "the cause came back: a new finding (and a new page)"
     assert r.new_hints == [], "but the remedy that did not work is not repeated"
+
+
+@pytest.mark.parametrize("tick_seconds", [1.0, 30.0, 60.0, 600.0])
+def test_a_cause_reported_on_every_tick_is_one_finding_however_long_the_ticks(tick_seconds):
+    """A replay of 15-60 s Prometheus history ticks at the data's step, longer than the 30 s clear
+    time: a prediction repeated on every tick is one finding and one set of hints, not a new page
+    each tick. A tick without it, past its clear time, still clears it."""
+    ticks = [1000.0 + i * tick_seconds for i in range(6)]
+    script = {t: [hang(t)] for t in ticks}
+    cfg = config.load(overrides={"pipeline": {"clear_after_seconds": {"default": 30.0}, "detector_every_seconds": {"default": 0}}})
+    p = Pipeline([], [ScriptedDetector(script)], cfg=cfg)
+    results = [p.tick(t) for t in ticks]
+    assert [len(r.new_findings) for r in results] == [1, 0, 0, 0, 0, 0]
+    assert sum(len(r.new_hints) for r in results) == 2
+    assert all(r.cleared_findings == [] for r in results)
+    quiet = p.tick(ticks[-1] + max(tick_seconds, 31.0))
+    assert [f.kind for f in quiet.cleared_findings] == [FindingKind.COLLECTIVE_HANG]
 
 
 def test_detector_period_keeps_its_findings_alive_between_runs():

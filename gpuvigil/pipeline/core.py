@@ -191,6 +191,7 @@ class Pipeline:
         self.samples_ingested_total = 0
         self._detector_last_run: dict[str, float] = {}
         self._hint_issued_at: dict[str, float] = {}
+        self._previous_tick: float | None = None
         self.health = HealthTracker(self.config.collector_down_after_failures)
         self.jobjoin = JobJoin()
         self.levels = LevelSelector(self.detectors, **config.section("levels", LevelsConfig, cfg).model_dump())
@@ -270,8 +271,13 @@ class Pipeline:
         cleared: list[Finding] = []
         expired: list[Hint] = []
         recovered = set(self.health.recovered)  # a collector back up clears at once
+        # A finding reported on this tick and on the previous one never went quiet, however far
+        # apart the ticks are (a replay of 60 s history ticks every 60 s): quiet means a tick passed
+        # without it, for longer than its clear time.
+        reported_now = {f.id for f in reported}
         for key, finding in list(self.active.items()):
-            if key in recovered or now - self.last_seen[key] > self._clear_after(finding):
+            continuous = key in reported_now and self.last_seen[key] == self._previous_tick
+            if key in recovered or (not continuous and now - self.last_seen[key] > self._clear_after(finding)):
                 cleared.append(self.active.pop(key))
                 expired.extend(self.active_hints.pop(key, []))
         self.incidents.forget(f.id for f in cleared)
@@ -294,6 +300,7 @@ class Pipeline:
             self.active[key] = finding
             self.last_seen[key] = now
 
+        self._previous_tick = now
         self.ticks += 1
         self.samples_ingested_total += ingested
         result = TickResult(
