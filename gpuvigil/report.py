@@ -76,8 +76,10 @@ class ReportConfig(BaseModel):
     lead_min_seconds: float = Field(120.0, ge=0)
     gpus_per_incident: int = Field(4, ge=1)
     timeline_rows: int = Field(12, ge=1)
+    timeline_min_findings: int = Field(6, ge=2)
     overview_markers_max: int = Field(60, ge=1)
     overview_bins: int = Field(48, ge=4)
+    incidents_max: int = Field(30, ge=1)
 
 
 def _plotly() -> Any:
@@ -415,20 +417,35 @@ def _progress_chart(inc: Incident, data: ReportData, rc: ReportConfig, numbers: 
         # one rank's progress is its own line: a heat map says nothing the table does not
         return [], []
     step = max((hi - lo) / 120.0, _sample_interval(rp["ts"].unique().sort().to_list()), 1e-3)
-    binned = rp.with_columns((pl.col("ts") // step * step).alias("t")).group_by(["rank", "t"]).agg(pl.col("last_completed_seq").max()).sort(["rank", "t"])
+    # a hang shows in what each rank enqueued (nobody completes the stuck collective): the
+    # enqueued sequence number where it was recorded, the completed one otherwise
+    col = "last_enqueued_seq" if "last_enqueued_seq" in rp.columns and rp["last_enqueued_seq"].null_count() < rp.height else "last_completed_seq"
+    binned = rp.with_columns((pl.col("ts") // step * step).alias("t")).group_by(["rank", "t"]).agg(pl.col(col).max()).sort(["rank", "t"])
     times = sorted(binned["t"].unique().to_list())
     z = {(r, t): v for r, t, v in binned.iter_rows()}
-    matrix, last = [], {}
+    seqs, last = [], {}
     for r in ranks:
         row = []
         for t in times:
             v = z.get((r, t), last.get(r))
             last[r] = v
             row.append(v)
-        matrix.append(row)
+        seqs.append(row)
+    # how far each rank is behind the furthest one at that time: a rank that stops shows as a
+    # band, where the raw sequence numbers (all climbing together) would hide it
+    lead = [max((row[j] for row in seqs if row[j] is not None), default=None) for j in range(len(times))]
+    matrix = [[None if v is None or lead[j] is None else lead[j] - v for j, v in enumerate(row)] for row in seqs]
+    worst = max((v for row in matrix for v in row if v is not None), default=0)
+    if worst <= 0:
+        return [], ["Collective progress: every rank kept up with the others in this window (no rank behind), so no chart."]
+    what = "enqueued" if col == "last_enqueued_seq" else "completed"
     marks = Marks()
     fig = go.Figure(
-        go.Heatmap(z=matrix, x=[_dt(t) for t in times], y=ranks, colorscale="Viridis", colorbar={"title": {"text": "last completed<br>collective (seq #)"}}, hovertemplate="rank %{y}<br>%{x}<br>seq %{z}<extra></extra>")
+        go.Heatmap(
+            z=matrix, x=[_dt(t) for t in times], y=ranks, customdata=seqs, colorscale="Blues", zmin=0, zmax=worst,
+            colorbar={"title": {"text": f"collectives {what}<br>behind the<br>furthest rank"}},
+            hovertemplate="rank %{y}<br>%{x}<br>%{z} behind (last " + what + " #%{customdata})<extra></extra>",
+        )
     )
     items = []
     for at, f in hangs:
@@ -437,18 +454,19 @@ def _progress_chart(inc: Incident, data: ReportData, rc: ReportConfig, numbers: 
             items.append((at, numbers[id(f)], f))
         for r in f.culprit_ranks:
             if r in ranks:
-                fig.add_annotation(
-                    x=1.0, xref="paper", xanchor="left", y=r, text=f"culprit rank {r}", showarrow=True, arrowhead=2, ax=40, ay=0,
-                    font={"color": SEVERITY_COLOUR[f.severity]}, arrowcolor=SEVERITY_COLOUR[f.severity], name=marks.key("culprit", at, f),
+                # the culprit's row outlined (its name is in the title: no label to collide)
+                fig.add_shape(
+                    type="rect", xref="paper", x0=0, x1=1, y0=r - 0.5, y1=r + 0.5, line={"color": SEVERITY_COLOUR[f.severity], "width": 2},
+                    name=marks.key("culprit", at, f),
                 )
     rows = _numbered_labels(fig, marks, items, lo, hi)
     marks.apply(fig)
     culprits = sorted({r for _, f in hangs for r in f.culprit_ranks})
     fig.update_layout(
-        title={"text": "Collective progress per rank" + (f" (culprit rank {', '.join(map(str, culprits))})" if culprits else ""), "y": 0.98, "yanchor": "top"},
+        title={"text": f"Collectives {what} per rank, behind the furthest rank" + (f" (culprit rank {', '.join(map(str, culprits))}, outlined)" if culprits else ""), "y": 0.98, "yanchor": "top"},
         xaxis={"title": "time (UTC)"},
         yaxis={"title": "rank", "autorange": "reversed", "dtick": 1 if len(ranks) <= 32 else None},
-        height=min(700, 220 + 18 * len(ranks)) + 18 * rows, margin={"t": 70 + 18 * rows, "r": 180},
+        height=min(700, 220 + 18 * len(ranks)) + 18 * rows, margin={"t": 70 + 18 * rows},
     )
     return [(f"incident-{inc.number}-progress", fig)], []
 
@@ -459,6 +477,8 @@ def _fr_tables(inc: Incident) -> list[str]:
         if f.kind not in (FindingKind.COLLECTIVE_HANG, FindingKind.COLLECTIVE_MISMATCH):
             continue
         ev = f.evidence
+        if "collective_seq_id" not in ev:
+            continue  # not read from Flight Recorder dumps: the finding's table row says it all
         ranks = f.ranks or sorted(set(ev.get("not_completed_ranks") or []) | set(f.culprit_ranks))
         if not ranks:
             continue
@@ -488,8 +508,8 @@ def _timeline(inc: Incident, data: ReportData, rc: ReportConfig, numbers: dict[i
         return f"{f.node or ''} GPU {f.gpu}".strip() if f.gpu is not None else (f.node or f.job or f.kind.value)
 
     rows = Counter(row_of(f) for _, f in inc.findings)
-    if len(rows) < 2 or len(inc.findings) < 3:
-        return [], []
+    if sum(1 for r in rows if " GPU " in f" {r}") < 2 or len(inc.findings) < rc.timeline_min_findings:
+        return [], []  # a few findings, or one GPU: the table's times say as much
     kept = [r for r, _ in rows.most_common(rc.timeline_rows)]
     notes = []
     if len(rows) > len(kept):
@@ -541,7 +561,10 @@ def _overview_chart(data: ReportData, rc: ReportConfig, lo: float, hi: float) ->
                         name=SEVERITY_WORD[sev],
                     )
                 )
-        fig.update_layout(yaxis={"title": "finding kind", "categoryorder": "array", "categoryarray": list(reversed(kinds))}, height=170 + 34 * len(kinds), showlegend=False)
+        fig.update_layout(
+            yaxis={"title": "finding kind", "categoryorder": "array", "categoryarray": list(reversed(kinds)), "range": [-0.7, len(kinds) - 0.3]},
+            height=190 + 34 * len(kinds), showlegend=False,
+        )
         title = "Pages (diamonds) and warnings (ticks) per kind, one marker each"
     else:
         from plotly.subplots import make_subplots
@@ -674,7 +697,9 @@ def render(data: ReportData, cfg: dict[str, Any] | None = None) -> str:
         parts_body.append(
             "<p class='muted'>"
             + html.escape(
-                f"{s['gpus']} GPU(s) and {s['gpu_days']:.3g} GPU-days = {s['pages_per_gpu_day']:.4g} pages per GPU-day. Pages by kind: "
+                f"{s['gpus']} GPU(s) and {s['gpu_days']:.3g} GPU-days"
+                + (f" = {s['pages_per_gpu_day']:.4g} pages per GPU-day" if s["gpu_days"] >= 1 else " (too short for a rate of pages per GPU-day)")
+                + ". Pages by kind: "
                 + (", ".join(f"{k} {v}" for k, v in s["pages_by_kind"].items()) or "none")
             )
             + "</p>"
@@ -693,7 +718,26 @@ def render(data: ReportData, cfg: dict[str, Any] | None = None) -> str:
             "<p class='muted'>Incidents: findings about the same job, node or GPU within "
             f"{_duration(rc.incident_gap_seconds)} of one another (or sharing an incident id). Each section's charts cover that incident only.</p>"
         )
+    # a page weighs three warnings: a 200-GPU warning outranks one GPU's few pages
+    weight = {Severity.PAGE: 3.0, Severity.TICKET: 1.0, Severity.INFO: 0.1}
+    ranked = sorted(incs, key=lambda i: (-sum(weight[f.severity] for _, f in i.findings), i.start))
+    detailed = {i.number for i in ranked[: rc.incidents_max]}
+    if len(incs) > len(detailed):
+        parts_body.append(
+            f"<h2 id='other-incidents'>{len(incs) - len(detailed)} more incident(s), listed only</h2><p class='muted'>The {len(detailed)} heaviest incidents (a page counts three warnings) "
+            "have a section below; these are listed in order of time.</p>"
+            "<table class='f'><tr><th>incident</th><th>from</th><th>to</th><th>worst</th><th>kind</th><th>where</th><th>findings</th></tr>"
+            + "".join(
+                f"<tr data-incident='{i.number}'><td>{i.number}</td><td>{_when(i.start)}</td><td>{_when(i.end)}</td><td class='{i.worst.severity.value}'>{SEVERITY_WORD[i.worst.severity]}</td>"
+                f"<td>{html.escape(i.worst.kind.value)}</td><td>{html.escape(_where(i.worst))}</td><td>{len(i.findings)}</td></tr>"
+                for i in incs
+                if i.number not in detailed
+            )
+            + "</table>"
+        )
     for inc in incs:
+        if inc.number not in detailed:
+            continue
         numbers = {id(f): i for i, (_, f) in enumerate(inc.findings, 1)}
         w = inc.worst
         parts_body.append(

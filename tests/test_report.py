@@ -442,7 +442,7 @@ def test_two_thousand_pages_are_counted_per_round_bin_and_hundreds_of_gpus_summa
         ooms.append((at, Finding(kind=FindingKind.OOM_PREDICTED, severity=Severity.TICKET, ts=at, job="big", node=f"m{g // 8:03d}", gpu=g % 8, summary="will run out")))
     gs = pl.concat([_series(f"m{g // 8:03d}", g % 8, [t0 + 3000 + 30 * i for i in range(40)], [40 + i for i in range(40)]) for g in range(200)])
     data = report.ReportData(title="t", findings=findings + ooms, gpu_samples=gs, span=(t0, t0 + 7 * 86400))
-    assert report.bin_seconds(7 * 86400, 48) == 14400.0 and report.bin_seconds(60, 48) == 2.0
+    assert report.bin_seconds(7 * 86400, 48) == 21600.0 and report.bin_seconds(60, 48) == 2.0
     out = tmp_path / "many.html"
     plots = report.write(data, out)
     assert sum(p.startswith("incident-") and "-memory-" in p for p in plots) <= report.ReportConfig().gpus_per_incident
