@@ -378,8 +378,10 @@ def _memory_charts(inc: Incident, data: ReportData, rc: ReportConfig, numbers: d
             start_v = end_v - slope * (t1 - t0)
             colour = SEVERITY_COLOUR[f.severity]
             fig.add_shape(type="line", x0=_dt(t0), x1=_dt(t1), y0=start_v / GIB, y1=end_v / GIB, line={"color": colour, "width": 3}, name=marks.key("fit", at, f))
+            full = float(ev["predicted_full_ts"])
+            # the finding's own line carried on to the moment it predicted (capacity less any margin)
             fig.add_shape(
-                type="line", x0=_dt(t1), x1=_dt(float(ev["predicted_full_ts"])), y0=end_v / GIB, y1=float(ev["capacity_bytes"]) / GIB,
+                type="line", x0=_dt(t1), x1=_dt(full), y0=end_v / GIB, y1=(end_v + slope * (full - t1)) / GIB,
                 line={"color": colour, "width": 2, "dash": "dash"}, name=marks.key("fit", at, f),
             )
         items = []
@@ -788,7 +790,7 @@ def write(data: ReportData, path: Path, cfg: dict[str, Any] | None = None) -> li
     return json.loads(html.unescape(meta))["plots"]
 
 
-def _series_from_inputs(paths: Sequence[Path], node: str | None = None) -> tuple[pl.DataFrame | None, pl.DataFrame | None]:
+def _series_from_inputs(paths: Sequence[Path]) -> tuple[pl.DataFrame | None, pl.DataFrame | None]:
     """Memory and progress series among `analyze`'s inputs (NVML CSV, hook JSONL, OpenMetrics)."""
     from gpuvigil.collectors import nvml
     from gpuvigil.replay import Recorded, _is_hook_jsonl, _is_nvml_csv, read_exposition_file, read_hook_jsonl, streams_from_long
@@ -800,7 +802,7 @@ def _series_from_inputs(paths: Sequence[Path], node: str | None = None) -> tuple
             with open(f, "rb") as fh:
                 head = fh.read(65536).decode("utf-8", errors="replace")
             if _is_nvml_csv(head):
-                rec.add({"gpu_samples": nvml.replay_csv(f, node=node or "node")})
+                rec.add({"gpu_samples": nvml.replay_csv(f, node="node")})
             elif _is_hook_jsonl(head):
                 rec.add(read_hook_jsonl(f))
             elif "# EOF" in head:
@@ -813,7 +815,9 @@ def _series_from_inputs(paths: Sequence[Path], node: str | None = None) -> tuple
 
 
 def write_analyze_report(report: Any, paths: Sequence[Path], path: Path, cfg: dict[str, Any] | None = None, node: str | None = None) -> list[str]:
-    gs, rp = _series_from_inputs(paths, node)
+    gs, rp = _series_from_inputs(paths)
+    if gs is not None and node and gs["node"].unique().to_list() == ["node"]:
+        gs = gs.with_columns(pl.lit(node).alias("node"))  # a file that names no host is --node's, as its findings are
     data = ReportData(
         title="gpuvigil analyze: incident report",
         subtitle=f"{len(report.read)} file(s) analysed; {len(report.findings)} finding(s). Generated {datetime.now(UTC).strftime('%Y-%m-%d %H:%M UTC')}.",
