@@ -32,6 +32,7 @@ pytest.importorskip("plotly", reason="the report needs the optional plotly depen
 from benchmarks.replay_series import Fault, Fleet, write_openmetrics  # noqa: E402
 from gpuvigil import cli, report  # noqa: E402
 from gpuvigil.model import Finding, FindingKind, Severity  # noqa: E402
+from gpuvigil.replay import parse_time  # noqa: E402
 
 DATA = Path(__file__).parent / "data"
 H200 = DATA / "h200"
@@ -251,6 +252,9 @@ def test_analyze_report_of_real_captures(tmp_path, capsys):
     assert cli.main(["analyze", *map(str, inputs), "--report", str(out), "--node", "gpu-node-1", "--at", OOM_AT, "--format", "json"]) == 0
     recs = _json_lines(capsys.readouterr().out)
     assert any(r["kind"] == "oom_capacity" for r in recs) and any(r["kind"] == "xid" for r in recs)
+    # the OOM message has no time: --at placed it; the dated watchdog log kept its own time
+    assert {r["ts"] for r in recs if r["kind"] == "oom_capacity"} == {parse_time(OOM_AT)}
+    assert all(r["ts"] != parse_time(OOM_AT) for r in recs if r["kind"] == "nccl_timeout")
     dom = _rendered(out, tmp_path)
     _assert_marks_are_findings(dom, recs)
     plots = dom.meta["plots"]  # type: ignore[attr-defined]
@@ -307,6 +311,10 @@ def test_dcgm_leak_to_oom_at_30s_marks_only_what_fired(tmp_path, capsys):
     kinds = {r["kind"] for r in recs if r["record"] == "finding"}
     if not any(k.startswith("oom") for k in kinds):
         assert "OOM" not in " ".join(dom.text)
+    # a prediction that carries its fit has it drawn (segment and extrapolation), with its id
+    for r in recs:
+        if r["record"] == "finding" and all(k in r["evidence"] for k in report.FIT_KEYS):
+            assert len([m for m in dom.marks if m["data-mark"] == "fit" and m["data-finding-id"] == r["id"]]) == 2
 
 
 def test_replay_report_of_a_fleet_renders_in_chromium(tmp_path, capsys):
