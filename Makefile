@@ -76,7 +76,8 @@ mutate: install-dev
 # docs/report-screenshot.png: the HTML report of a replay of the real H200 captures (NVML series
 # at ~0.1 s; the capacity OOM's log, which has no timestamps, placed with --at at the end of the
 # series' OOM ramp; the NCCL watchdog timeout and its Flight Recorder dump), drawn by Chromium.
-# GPUVIGIL: how to run the CLI (default: this venv's; e.g. "python -m gpuvigil" in a checkout).
+# GPUVIGIL: how to run the CLI (default: this venv's, after `make install` with the report extra;
+# e.g. "env PYTHONPATH=$PWD python -m gpuvigil" in a checkout). Needs chromium.
 GPUVIGIL ?= $(BIN)/gpuvigil
 H200 := tests/data/h200
 REPORT_HTML ?= $(CURDIR)/.report-screenshot.html
