@@ -7,7 +7,7 @@ PY ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
 
-.PHONY: demo test test-deep test-lowest mutate install install-dev system-deps clean
+.PHONY: demo test test-deep test-lowest mutate install install-dev system-deps clean report-screenshot
 
 $(BIN)/python:
 	$(PY) -m venv $(VENV)
@@ -80,6 +80,21 @@ mutate: install-dev
 	rm -rf mutants
 	ulimit -v $(MUTATE_VMEM_KB) && $(BIN)/mutmut run --max-children $(MUTATE_JOBS)
 	$(BIN)/mutmut results
+
+# docs/report-screenshot.png: the HTML report of a replay of the real H200 captures (NVML series
+# at ~0.1 s; the capacity OOM's log, which has no timestamps, placed with --at at the end of the
+# series' OOM ramp; the NCCL watchdog timeout and its Flight Recorder dump), drawn by Chromium.
+# GPUVIGIL: how to run the CLI (default: this venv's, after `make install` with the report extra;
+# e.g. "env PYTHONPATH=$PWD python -m gpuvigil" in a checkout). Needs chromium.
+GPUVIGIL ?= $(BIN)/gpuvigil
+H200 := tests/data/h200
+REPORT_HTML ?= $(CURDIR)/.report-screenshot.html
+report-screenshot:
+	$(GPUVIGIL) replay $(H200)/nvml_timeseries.csv $(H200)/s2_oom_ramp.log $(H200)/s6_nccl_watchdog_timeout.log $(H200)/s6_fr_rank_0 \
+	  --at 2026-11-29T23:06:52.7Z --step 1s --node h200-node-1 --job capture --report $(REPORT_HTML) > /dev/null
+	chromium --headless --no-sandbox --disable-gpu --hide-scrollbars --host-resolver-rules="MAP * ~NOTFOUND" --virtual-time-budget=15000 \
+	  --window-size=1400,1450 --user-data-dir=$$(mktemp -d) --screenshot=$(CURDIR)/docs/report-screenshot.png file://$(REPORT_HTML) 2>/dev/null
+	rm -f $(REPORT_HTML)
 
 clean:
 	rm -rf $(VENV) $(LOW_VENV) .pytest_cache .hypothesis mutants

@@ -54,6 +54,9 @@ class Report:
     read: list[str] = field(default_factory=list)  # files analysed (whether or not they had findings)
     errors: list[str] = field(default_factory=list)  # one line each, naming the file
     formats: dict[str, str] = field(default_factory=dict)  # file → detected format
+    # file → (where its undated findings were put, "file time" or "--at"): a log with no
+    # timestamps is placed at its file's modification time unless the user gives --at
+    placed: dict[str, tuple[float, str]] = field(default_factory=dict)
 
 
 def _optional(module: str) -> Any | None:
@@ -263,8 +266,11 @@ def findings_from_gpuvigil_scrape(text: str, display: str, ts: float) -> list[Fi
 
 
 class Analyzer:
-    def __init__(self, *, cfg: dict[str, Any] | None = None, job: str | None = None, node: str | None = None, pci_to_gpu: dict[str, int] | None = None):
+    def __init__(
+        self, *, cfg: dict[str, Any] | None = None, job: str | None = None, node: str | None = None, pci_to_gpu: dict[str, int] | None = None, at: float | None = None
+    ):
         self.cfg = cfg
+        self.at = at  # where undated inputs are placed (--at); None: at each file's modification time
         self.job = job
         self.node = node
         self.pci_to_gpu = pci_to_gpu or {}
@@ -282,6 +288,7 @@ class Analyzer:
                 report.errors.append(path)
                 continue
             name = display(path)
+            n_before = len(report.findings)
             try:
                 kind = self._analyze_file(path, name, report, fr_groups)
             except UserError as exc:
@@ -302,6 +309,7 @@ class Analyzer:
             if kind != "flight_recorder":
                 report.read.append(name)
                 report.formats[name] = kind
+            self._place(path, name, report.findings[n_before:], report)
         for folder, dumps in fr_groups.items():
             names = [display(d) for d in dumps]
             bad: list[str] = []
@@ -358,7 +366,7 @@ class Analyzer:
         if b"\x00" in head:
             return None
         text_head = head.decode("utf-8", errors="replace")
-        ref = _mtime(path)
+        ref = self.at if self.at is not None else _mtime(path)
         kinds: list[str] = []
         # Line by line: the XID pattern ends in `$`, which (without MULTILINE) only matched when
         # the XID line was the last line of the sample; dmesg has other lines after it.
@@ -414,6 +422,20 @@ class Analyzer:
             report.findings.extend(nvidia_smi.findings(nvidia_smi.parse(text), source_file=name, ts=ref, node=self.node))
             return "nvidia_smi_q"
         return None
+
+    def _place(self, path: Path, name: str, found: list[Finding], report: Report) -> None:
+        """Findings of `path` that carry no time of their own got the file's modification time
+        (or --at, where the reader was handed it): moved to --at when given, and recorded, so
+        that a report can say which inputs were placed where."""
+        try:
+            mtime = _mtime(path)
+        except OSError:
+            return
+        ref = self.at if self.at is not None else mtime
+        for f in found:
+            if f.ts == mtime or f.ts == ref:
+                f.ts = ref
+                report.placed[name] = (ref, "--at" if self.at is not None else "file time")
 
     def _tag(self, found: list[Finding], name: str) -> list[Finding]:
         for f in found:
@@ -593,7 +615,12 @@ def handler(args: argparse.Namespace) -> int:
         cfg = config.load(args.config) if args.config else None
     except config.ConfigError as exc:
         raise UserError(str(exc)) from exc
-    analyzer = Analyzer(cfg=cfg, job=args.job, node=args.node, pci_to_gpu=_parse_pci_map(args.pci_map))
+    at = None
+    if getattr(args, "at", None):
+        from gpuvigil.replay import parse_time
+
+        at = parse_time(args.at)
+    analyzer = Analyzer(cfg=cfg, job=args.job, node=args.node, pci_to_gpu=_parse_pci_map(args.pci_map), at=at)
     report = analyzer.run([Path(p) for p in args.paths])
     from gpuvigil.pipeline.hints import HintPolicy
 
@@ -620,7 +647,7 @@ def handler(args: argparse.Namespace) -> int:
     if getattr(args, "report", None):
         from gpuvigil import report as html_report
 
-        html_report.write_analyze_report(report, [Path(p) for p in args.paths], Path(args.report), cfg)
+        html_report.write_analyze_report(report, [Path(p) for p in args.paths], Path(args.report), cfg, node=args.node)
         print(f"gpuvigil analyze: report written to {args.report}", file=sys.stderr)
     return 0
 
@@ -638,6 +665,7 @@ def add_parser(sub: Any) -> None:
     p.add_argument("--pci-map", action="append", metavar="BUS=GPU", help="map PCI bus ids in XID lines to GPU indices, e.g. 0000:3b:00=3 (repeatable, comma separated)")
     p.add_argument("--config", help="YAML/JSON config overriding thresholds (e.g. oom_classify)")
     p.add_argument("--report", metavar="FILE.html", help="also write a self-contained HTML incident report with plots (needs gpuvigil[report])")
+    p.add_argument("--at", metavar="TIME", help="place inputs with no timestamps of their own at TIME (ISO 8601 or unix seconds); default: each file's modification time")
     p.set_defaults(func=handler)
 
 

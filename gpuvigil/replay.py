@@ -624,6 +624,7 @@ class Recorded:
     offline: list[Finding] = field(default_factory=list)
     read: list[str] = field(default_factory=list)
     errors: list[str] = field(default_factory=list)
+    placed: dict[str, tuple[float, str]] = field(default_factory=dict)  # undated input -> (where, how)
 
     def add(self, streams: Mapping[str, pl.DataFrame]) -> None:
         for k, df in streams.items():
@@ -647,8 +648,11 @@ class Recorded:
         return None if lo == math.inf else (float(lo), float(hi))
 
 
-def load_files(paths: Sequence[Path], recorded: Recorded, *, node: str | None = None, job: str | None = None, cfg: dict[str, Any] | None = None) -> None:
-    """Series files into streams; everything else through `analyze`'s offline readers."""
+def load_files(
+    paths: Sequence[Path], recorded: Recorded, *, node: str | None = None, job: str | None = None, cfg: dict[str, Any] | None = None, at: float | None = None
+) -> None:
+    """Series files into streams; everything else through `analyze`'s offline readers (`at`:
+    where inputs with no timestamps of their own are placed; default their file's time)."""
     from gpuvigil.analyze import Analyzer, _iter_files
 
     rest: list[Path] = []
@@ -673,8 +677,9 @@ def load_files(paths: Sequence[Path], recorded: Recorded, *, node: str | None = 
             continue
         recorded.read.append(str(item))
     if rest:
-        report = Analyzer(cfg=cfg, job=job, node=node).run(rest)
+        report = Analyzer(cfg=cfg, job=job, node=node, at=at).run(rest)
         recorded.offline.extend(report.findings)
+        recorded.placed.update(report.placed)
         recorded.read.extend(report.read)
         recorded.errors.extend(report.errors)
 
@@ -743,6 +748,7 @@ class ReplayResult:
     samples: dict[str, int]
     errors: list[str] = field(default_factory=list)
     read: list[str] = field(default_factory=list)
+    placed: dict[str, tuple[float, str]] = field(default_factory=dict)  # undated input -> (where, how)
     gpu_samples: pl.DataFrame | None = None  # kept for the report's memory plot
     rank_progress: pl.DataFrame | None = None  # ... and its progress heat map
 
@@ -902,6 +908,7 @@ def run_replay(
         samples=seen,
         errors=list(recorded.errors),
         read=list(recorded.read),
+        placed=dict(recorded.placed),
         gpu_samples=gs,
         rank_progress=streams.get("rank_progress"),
     )
@@ -963,7 +970,7 @@ def handler(args: argparse.Namespace) -> int:
         chunks = prometheus_chunks(args.prometheus, start, end, step)
         recorded.read.append(args.prometheus)
     if args.paths:
-        load_files([Path(p) for p in args.paths], recorded, node=args.node, job=args.job, cfg=cfg)
+        load_files([Path(p) for p in args.paths], recorded, node=args.node, job=args.job, cfg=cfg, at=parse_time(args.at) if args.at else None)
     for err in recorded.errors:
         print(f"gpuvigil replay: {err}", file=sys.stderr)
     if not recorded.read:
@@ -995,6 +1002,7 @@ def add_parser(sub: Any) -> None:
     p.add_argument("--step", default="30s", help="tick and query resolution (seconds or 30s/1m; default 30s)")
     p.add_argument("--format", choices=["text", "json"], default="text", help="text (default) or JSON lines: findings, hints and a summary")
     p.add_argument("--report", metavar="FILE.html", help="also write a self-contained HTML report with plots")
+    p.add_argument("--at", metavar="TIME", help="place logs and dumps with no timestamps of their own at TIME (RFC 3339 or unix seconds); default: each file's modification time")
     p.add_argument("--job", help="job name for logs that do not name one")
     p.add_argument("--node", help="node name for files that do not name their host")
     p.add_argument("--config", help="YAML/JSON config overriding thresholds and hint rules")

@@ -67,6 +67,7 @@ SECTIONS: dict[str, str | dict[str, str]] = {
     "levels": "gpuvigil.detectors.levels:LevelsConfig",
     "oom_classify": "gpuvigil.parsers.oom:OomClassifyConfig",
     "pipeline": "gpuvigil.pipeline.core:PipelineConfig",
+    "report": "gpuvigil.report:ReportConfig",
     "scheduler": "gpuvigil.scheduler.config:SchedulerConfig",
     "sources": "gpuvigil.deployconfig:Sources",
 }
@@ -165,7 +166,7 @@ def _first_error(exc: ValidationError) -> str:
 def _unknown_key(key: Any, valid: typing.Iterable[str], path: str, where: str) -> ConfigError:
     valid = sorted(str(v) for v in valid)
     close = difflib.get_close_matches(str(key), valid, n=1, cutoff=0.6)
-    hint = f"; did you mean '{close[0]}'?" if close else f" (valid: {', '.join(valid)})" if len(valid) <= 12 else ""
+    hint = f"; did you mean '{close[0]}'?" if close else f" (valid: {', '.join(valid)})" if len(valid) <= 16 else ""
     what = f"key '{path}.{key}'" if path else f"section '{key}'"
     return ConfigError(f"{where}: unknown config {what}{hint}")
 
