@@ -156,6 +156,8 @@ def write_openmetrics(mem: pl.DataFrame, duty: pl.DataFrame, capacity: float, pa
     ]
     with path.open("w") as fh:
         for name, text, df in families:
+            if df.height == 0:  # no samples (a trace without its duty-cycle file): no family, since an empty one is no valid OpenMetrics
+                continue
             fh.write(f"# HELP {name} {text}\n# TYPE {name} gauge\n")
             lines = df.join(labels, left_on="pod", right_on="pod_id").sort("pod", "ts").select(
                 pl.format("{}{} {} {}", pl.lit(name), pl.col("labels"), pl.col("v").cast(pl.Int64), pl.col("ts").cast(pl.Int64))

@@ -881,7 +881,7 @@ def run_replay(
             at, f = pending.popleft()
             pipeline.incidents.observe([f], at)
         res = pipeline.tick(now)
-        fired.extend(Fired(now, f) for f in res.new_findings)
+        fired.extend(Fired(now, f) for f in (*res.new_findings, *res.escalated_findings))
         hints.extend(FiredHint(now, h) for h in res.new_hints)
     if it is not None:
         it.close()  # type: ignore[attr-defined]  # stops the prefetch thread

@@ -114,9 +114,10 @@ def test_cause_returning_within_the_hint_cooldown_keeps_the_hint_expired(db):
 
 def test_cause_clearing_and_returning_in_one_tick_stays_active(db):
     with HintStore(db) as store:
-        pipe = pipeline_into(store, [[hang_finding()], [hang_finding()]], clear_after=5.0, hint_cooldown=0.0)
+        pipe = pipeline_into(store, [[hang_finding()], [], [hang_finding()]], clear_after=5.0, hint_cooldown=0.0)
         pipe.tick(100.0)
-        pipe.tick(110.0)  # cleared (quiet > 5 s) and reported again in the same tick
+        pipe.tick(103.0)  # missed, but quiet for less than 5 s: still active
+        pipe.tick(110.0)  # cleared (quiet > 5 s since a tick without it) and reported again in the same tick
         [f] = store.findings()
         assert (f.active, f.occurrences, f.last_seen) == (True, 2, 110.0)
         assert {h.state for h in store.hints()} == {HintState.PENDING}

@@ -114,6 +114,18 @@ def test_a_cause_reported_on_every_tick_is_one_finding_however_long_the_ticks(ti
     assert [f.kind for f in quiet.cleared_findings] == [FindingKind.COLLECTIVE_HANG]
 
 
+def test_a_ticket_that_becomes_a_page_is_reported_as_escalated_once():
+    def predicted(ts: float, severity: Severity) -> Finding:
+        return Finding(kind=FindingKind.OOM_PREDICTED, severity=severity, ts=ts, job="j", summary="j will run out of memory", source="scripted", cause="leak")
+
+    script = {1.0: [predicted(1.0, Severity.TICKET)], 2.0: [predicted(2.0, Severity.TICKET)], 3.0: [predicted(3.0, Severity.PAGE)], 4.0: [predicted(4.0, Severity.PAGE)]}
+    p = Pipeline([], [ScriptedDetector(script)], cfg=config.load(overrides={"pipeline": {"detector_every_seconds": {"default": 0}}}))
+    results = [p.tick(t) for t in (1.0, 2.0, 3.0, 4.0)]
+    assert [len(r.new_findings) for r in results] == [1, 0, 0, 0], "one cause, one finding"
+    assert [[f.severity for f in r.escalated_findings] for r in results] == [[], [], [Severity.PAGE], []]
+    assert results[2].escalated_findings[0].id == results[0].new_findings[0].id
+
+
 def test_detector_period_keeps_its_findings_alive_between_runs():
     calls = []
 

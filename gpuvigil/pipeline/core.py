@@ -14,7 +14,7 @@ from gpuvigil import config
 from gpuvigil.collectors.base import Collector
 from gpuvigil.detectors.base import Detector
 from gpuvigil.detectors.levels import LevelSelector, LevelsConfig
-from gpuvigil.model import Finding, Hint
+from gpuvigil.model import Finding, Hint, Severity
 from gpuvigil.pipeline.health import HealthTracker
 from gpuvigil.pipeline.hints import HintPolicy
 from gpuvigil.pipeline.incidents import IncidentsConfig, IncidentTracker
@@ -59,6 +59,12 @@ class TickResult:
     # L0 hang suspicion on a job observed at L1): not raised, but sinks may act on them.
     suppressed_findings: list[Finding] = field(default_factory=list)
     job_levels: dict[str, str] = field(default_factory=dict)
+    # Active findings whose severity rose this tick (a ticket that became a page as the OOM it
+    # predicts drew near): the same cause, but news for whoever reads what gpuvigil said when.
+    escalated_findings: list[Finding] = field(default_factory=list)
+
+
+_SEVERITY_ORDER = {Severity.INFO: 0, Severity.TICKET: 1, Severity.PAGE: 2}
 
 
 class Sink(Protocol):
@@ -286,9 +292,13 @@ class Pipeline:
         self.incidents.observe(reported, now)
 
         new: list[Finding] = []
+        escalated: list[Finding] = []
         new_hints: list[Hint] = []
         for finding in reported:
             key = finding.id
+            before = self.active.get(key)
+            if before is not None and _SEVERITY_ORDER[finding.severity] > _SEVERITY_ORDER[before.severity]:
+                escalated.append(finding)
             if key not in self.active:
                 new.append(finding)
                 self.first_seen[key] = now
@@ -306,6 +316,7 @@ class Pipeline:
         result = TickResult(
             now=now,
             new_findings=new,
+            escalated_findings=escalated,
             active_findings=list(self.active.values()),
             cleared_findings=cleared,
             new_hints=new_hints,
