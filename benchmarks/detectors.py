@@ -808,7 +808,7 @@ def runs_needed(target: float, confidence: float = CONFIDENCE) -> int:
 
 
 def target_rows(by_level: dict[str, dict[str, Any]]) -> list[dict[str, Any]]:
-    """The issue 9 targets as proportions (k of n), with what the sample proves about each.
+    """The detection targets by level as proportions (k of n), with what the sample proves about each.
 
     A p90 latency target is the share of expected runs found within it (>= 90%); a median lead
     target is the share of OOMs warned at least that long before (>= 50%)."""
@@ -851,7 +851,7 @@ def targets_markdown(by_level: dict[str, dict[str, Any]]) -> list[str]:
         return []
     pc = lambda v: f"{100 * v:.1f}%"  # noqa: E731
     lines = [
-        f"| target (issue 9) | level | runs k / n | share | one-sided {int(100 * CONFIDENCE)}% bound (Clopper–Pearson) | goal | what the sample shows | met (share ≥ goal) |",
+        f"| target | level | runs k / n | share | one-sided {int(100 * CONFIDENCE)}% bound (Clopper–Pearson) | goal | what the sample shows | met (share ≥ goal) |",
         "|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:

@@ -2,7 +2,7 @@
 
 Why: `serve` runs for weeks. The pipeline's record of every finding and hint raised, and the
 scheduler's record of every action taken, used to be plain lists kept for the life of the process:
-slow, steady growth that a soak shows (issue 13, docs/reliability.md). Their readers follow them
+slow, steady growth that a soak shows (docs/reliability.md). Their readers follow them
 with a cursor (the exporter folds in what is new each scrape; a cycle returns the actions it
 appended), so the cursor is the running count, `total`, not a position in what is kept.
 """

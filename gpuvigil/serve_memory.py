@@ -1,6 +1,6 @@
 """Give the C heap's freed memory back to the system after each `serve` tick (glibc only).
 
-Why (issue 13, measured in the soak, docs/reliability.md): at 10,000 GPUs each `/metrics`
+Why (measured in the soak, docs/reliability.md): at 10,000 GPUs each `/metrics`
 render builds ~240,000 lines and a ~25 MB string in the scrape's thread, and the tick builds and
 drops tens of MB of Python objects. glibc keeps what is freed inside its arenas (one per thread
 that allocated; the scrape threads come and go) unless it lies at the very top of a heap, so

@@ -1,4 +1,4 @@
-"""One-shot check on a machine with a real NVIDIA GPU (run once on an H200; see the issue 3 notes):
+"""One-shot check on a machine with a real NVIDIA GPU (run once on an H200):
 
 1. the NVML collector samples every GPU for the whole run (every 0.5 s, from a thread) while a
    real CUDA training loop runs, and we record which GPU_SAMPLES fields came back non-null, the

@@ -209,7 +209,7 @@ class JoinEcc:
         )
         # Several samples of one GPU in a tick are one reading: its highest counters (they only
         # grow) and any remap failure. Row by row, each sample was compared with the other's
-        # previous value and one DBE paged on every tick (fixed in ecc.py in round 6; this
+        # previous value and one DBE paged on every tick (fixed in ecc.py since; this
         # reference follows, so the test still compares the fast code with the plain one).
         gs = gs.group_by("node", "gpu", maintain_order=True).agg(
             pl.col("ecc_dbe_volatile_total").max(), pl.col("retired_pages_total").max(), pl.col("remap_failure").any()

@@ -1,6 +1,6 @@
 """The polars running-state helpers the replaced `oom` and `fragmentation_allocator` used
 (BlockStore, merge_edges, refresh_first), moved out of gpuvigil/detectors/incremental.py when both
-detectors moved to numpy state (round 11): kept verbatim for their polars oracles
+detectors moved to numpy state: kept verbatim for their polars oracles
 (tests/oom_polars_oracle.py, tests/fragmentation_allocator_polars_oracle.py) and
 tests/test_block_state.py. Not to be called from the product."""
 

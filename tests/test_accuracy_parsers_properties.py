@@ -1,4 +1,5 @@
-"""Property tests: the issue-10 parsers survive garbage (untrusted logs) and keep their invariants."""
+"""Property tests: the log and message parsers survive garbage (untrusted logs) and keep their
+invariants."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Late pipeline ticks must not page a finding twice (issue 13's soak: 1 finding paged twice).
+"""Late pipeline ticks must not page a finding twice (seen in the soak: 1 finding paged twice).
 
 A firing alert carries endsAt = now + end_after_seconds. When resends came only from pipeline
 ticks, a tick that ran later than end_after_seconds (a starved CPU, a slow scrape holding the

@@ -109,8 +109,8 @@ def test_job_node_and_pci_map_options(tmp_path, monkeypatch, capsys):
     rows = [json.loads(l) for l in capsys.readouterr().out.splitlines()]
     assert {r["job"] for r in rows} == {"llama-7"}
     assert {r["node"] for r in rows} == {"gpu-node-3"}
-    # "45 caused by previous Xid 149/145" on a second GPU: one node-level finding per cascade
-    # (issue 10), the mapped GPU indices in its per-GPU evidence
+    # "45 caused by previous Xid 149/145" on a second GPU: one node-level finding per
+    # cascade, the mapped GPU indices in its per-GPU evidence
     xids = {r["xid"]: r for r in rows if r["kind"] == "xid"}
     assert set(xids) == {149, 145} and {r["gpu"] for r in xids.values()} == {None}
     assert {g["pci_bus_id"]: g["gpu"] for g in xids[149]["evidence"]["gpus"]} == {"0019:01:00": 5, "0000:dc:00": None}

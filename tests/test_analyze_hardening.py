@@ -1,4 +1,4 @@
-"""`gpuvigil analyze` on hostile and odd input (issue 13): every file isolated (one bad file, one
+"""`gpuvigil analyze` on hostile and odd input: every file isolated (one bad file, one
 line; the others still analysed), Flight Recorder dumps of shapes torch never writes, every
 input bounded by size and work before it is loaded, nothing printed raw to a terminal, real
 kernel logs whose XIDs are followed by other lines, and documents that quote error messages.

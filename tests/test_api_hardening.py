@@ -1,4 +1,4 @@
-"""The feedback API under hostile and malformed input (issue 13): the token is checked before a
+"""The feedback API under hostile and malformed input: the token is checked before a
 byte of the body is read, bodies are bounded (413) without being buffered, request bodies are
 never echoed, crafted input gets 4xx (never 500), SSE framing survives every Unicode line
 separator, the listener sets TCP_NODELAY, and simulated and wall-clock times never share a field.

@@ -1,4 +1,4 @@
-"""The feedback API's read path (issue 13: p99 < 50 ms at 20k findings): cached answers per store
+"""The feedback API's read path (target: p99 < 50 ms at 20k findings): cached answers per store
 version, readers that never wait for a tick being written, and TLS on gpuvigil's own socket."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Job verdicts kept by the writer (issue 13: a 400-finding verdict built on every read after a
+"""Job verdicts kept by the writer (before, a 400-finding verdict built on every read after a
 write cost 6-8 ms and put the verdict p99 at 79 ms). The store rebuilds a job's verdict in every
 write transaction that touches its findings or hints; these tests check that the stored verdict
 always equals one computed afresh from the store's findings and hints, whoever wrote last

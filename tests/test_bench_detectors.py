@@ -90,7 +90,7 @@ def test_quick_suite_completes_with_a_well_formed_table(tmp_path):
     assert result["hard_negatives"]["runs"] == len(NEGATIVE)
     text = doc.read_text()
     assert "<!-- bench:detectors:start -->" in text and "<!-- bench:detectors:end -->" in text
-    # Every markdown table of the section (the issue-9 targets, the per-kind rows, the OOM
+    # Every markdown table of the section (the detection targets, the per-kind rows, the OOM
     # warnings, the detector costs) has as many cells in each row as in its header.
     tables: list[list[str]] = []
     for line in text.splitlines():
@@ -107,7 +107,7 @@ def test_quick_suite_completes_with_a_well_formed_table(tmp_path):
     [kinds] = [t for t in tables if t[0].startswith("| kind | level |")]
     assert any(line.startswith("| collective_hang |") for line in kinds)
     assert any(line.startswith("| baseline_watchdog_600s |") for line in kinds)
-    assert any(t[0].startswith("| target (issue 9) |") for t in tables)
+    assert any(t[0].startswith("| target | level |") for t in tables)
     # The L0 view at each device sample interval (NVML 1 s, 10 s, dcgm-exporter's 30 s), with a
     # computed met / not met per target and the fault time scales stated.
     assert sorted(result["resolutions"], key=float) == ["1", "10", "30"]

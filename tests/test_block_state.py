@@ -1,4 +1,4 @@
-"""Block mode of the trend detectors' look-back (issue 11: peak memory at 100,000 GPUs).
+"""Block mode of the trend detectors' look-back (peak memory at 100,000 GPUs).
 
 `oom` and `fragmentation_allocator` keep, per (job, rank), aggregates of fixed time blocks of
 their look-back (gpuvigil/detectors/incremental.py: BlockStore) instead of having the pipeline's

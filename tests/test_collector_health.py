@@ -1,4 +1,4 @@
-"""Collector failures are loud (issue 13): per-target health, a warning, up=0 on /metrics, a
+"""Collector failures are loud: per-target health, a warning, up=0 on /metrics, a
 `collector_down` finding routed like any alert, and recovery. And DCGM endpoints are scraped
 concurrently: a dead one does not stall the others.
 

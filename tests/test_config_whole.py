@@ -1,4 +1,4 @@
-"""The configuration is validated as a whole at load (issue 13.2).
+"""The configuration is validated as a whole at load.
 
 Every command that takes `--config` validates every section, whichever it uses: a misspelt key
 anywhere is an error naming it and the nearest valid key; a binary, badly encoded or malformed

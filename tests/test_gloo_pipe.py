@@ -1,4 +1,4 @@
-"""Item 7 of issue 9, checked by behaviour rather than by strings: does torch honour the L1
+"""Checked by behaviour rather than by strings: does torch honour the L1
 switches the TaskProlog sets (`deploy/slurm-taskprolog-l1.sh`) on a gloo process group?
 
 Two real gloo ranks (torch's CPU build) run with the Flight Recorder on and every switch set:

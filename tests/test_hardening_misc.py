@@ -1,4 +1,4 @@
-"""Smaller items of issue 13: `gpuvigil demo` talks when it is not on a terminal, and the
+"""Smaller hardening items: `gpuvigil demo` talks when it is not on a terminal, and the
 scheduler benchmark's default traces live inside the repository."""
 
 from __future__ import annotations

@@ -63,7 +63,7 @@ def test_timestamp_and_host_formats(line, ts, ts_kind, node):
         ("NVRM: Xid (PCI:0000:2b:00): 79, GPU has fallen off the bus.", 79, "0000:2b:00", None, None, "GPU has fallen off the bus."),
         ("NVRM: Xid (0000:01:00): 3, C 00000005 SC 00000007 M 00001ffc Data ffffffff", 3, "0000:01:00", None, None, "C 00000005 SC 00000007 M 00001ffc Data ffffffff"),
         ("NVRM: Xid (PCI:0019:01:00): 149, NETIR Fatal XC0 i0 Link -1 (0x000fe406 0x00000000)", 149, "0019:01:00", None, None, "NETIR Fatal XC0 i0 Link -1 (0x000fe406 0x00000000)"),
-        # attributed to the XID it names as its cause (issue 10); the line's own code is reported_xid
+        # attributed to the XID it names as its cause; the line's own code is reported_xid
         ("NVRM: Xid (PCI:0000:dc:00): 45, pid=1818990, name=python3, Ch 00000001 caused by previous Xid 149", 149, "0000:dc:00", 1818990, "python3", "Ch 00000001 caused by previous Xid 149"),
     ],
 )
@@ -74,7 +74,7 @@ def test_xid_line_fields(line, code, pci, pid, process, message):
 
 
 def test_lost_gpu_message_without_xid_line_is_xid_79():
-    # NVIDIA/NVSentinel#155: drivers report a lost GPU this way without an Xid line (issue 10)
+    # NVIDIA/NVSentinel#155: drivers report a lost GPU this way without an Xid line
     lines = [
         "[ 1843.308145] NVRM: The NVIDIA GPU 0000:b3:00.0",
         "               NVRM: (PCI ID: 10de:26b5) installed in this system has",

@@ -68,7 +68,7 @@ def test_a_gpu_hotter_than_its_peers_is_flagged_on_the_third_evaluation_and_kept
     assert f.summary.startswith("n0 GPU 3 (job j rank 3) behaves unlike its peers: temperature_c is +")
 
 
-# -- PeerEnvelope, the model itself (mutation round 5: its arithmetic and its checks) ----------
+# -- PeerEnvelope, the model itself (mutation testing: its arithmetic and its checks) ----------
 # Source: constructed arrays. The envelope is plain numpy; its numbers are checked by hand.
 import numpy as np  # noqa: E402
 import pytest  # noqa: E402

@@ -1,4 +1,4 @@
-"""Mutation-testing round 4: shared detector helpers (`gpuvigil/detectors/common.py`):
+"""Mutation testing: shared detector helpers (`gpuvigil/detectors/common.py`):
 `current_run` (a requeued job's previous run is not read) and `Persistence`.
 
 Data: constructed `rank_progress` and `jobs` frames (the helper's contract; the detectors that use

@@ -111,7 +111,7 @@ def test_an_event_is_reported_once_even_when_the_next_tick_brings_other_news():
     assert [(f.gpu, f.xid, f.evidence["dbe_new"]) for f in det.detect(w)] == [(0, None, 1)]
 
 
-# -- mutation round 5 ------------------------------------------------------------------------
+# -- mutation testing, second pass -----------------------------------------------------------------
 
 
 def _ticks(det, per_tick):

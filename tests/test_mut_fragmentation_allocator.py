@@ -175,7 +175,7 @@ def test_equal_ranks_name_the_lower_rank_and_growth_is_last_minus_first():
     assert f.evidence["reserved_unused_growth_bytes"] == gap(last) - gap(first)
 
 
-# --- round 6: every mutant of fragmentation_allocator.py run; what its survivors showed untested ---
+# --- mutation testing: every mutant of fragmentation_allocator.py run; what its survivors showed untested ---
 
 
 def _flat(gap_last, *, split_share=0.9, capacity=CAP, retries0=0, largest_free=512 * MIB, allocated=60 * GIB):

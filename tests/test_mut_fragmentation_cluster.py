@@ -83,7 +83,7 @@ def test_no_compaction_possible_is_still_reported_without_a_plan():
     assert f.summary == "gang (8 GPUs, 8 per node) has waited 60 s although 8 GPUs are free: they are scattered (largest free block 4 GPUs on one node)."
 
 
-# -- mutation round 5: the plan's order, the blocking rule's edges, the share's figures --------
+# -- mutation testing: the plan's order, the blocking rule's edges, the share's figures --------
 
 
 def _up(*free, n_gpus=8):

@@ -232,7 +232,7 @@ def test_several_xids_on_several_culprit_nodes_are_all_named():
 def test_a_single_culprit_whose_rows_carry_no_gpu_is_paged_without_one():
     """constructed: rank 2's hook records carry no `gpu` (collectors/hook.py leaves it null): the
     hang is still paged, naming rank 2 and its node, with `gpu` None instead of raising on
-    `int(None)` (mutation round 6 found this in straggler.py)."""
+    `int(None)` (mutation testing found this in straggler.py)."""
     no_gpu = lambda t: stuck()(t).with_columns(pl.when(pl.col("rank") == 2).then(None).otherwise(pl.col("gpu")).alias("gpu"))  # noqa: E731
     found = run(no_gpu, T)
     [f] = found[6]

@@ -41,7 +41,7 @@ def test_a_gpu_that_answers_nothing_is_a_silent_culprit():
 
 
 
-# --- round 6: what the surviving mutants of hang_device.py showed untested ----------------------
+# --- mutation testing: what the surviving mutants of hang_device.py showed untested ---------------
 # Same sources: busy H100/H200 GPUs draw ~600 W at 100% util, a hung collective spins at 100% util
 # on ~116 W (accelerate#3104); NVLink/PCIe bytes collapse with the work (docs/detectors.md). The
 # values below are placed exactly on each threshold (binary-exact where a product is compared).
@@ -202,7 +202,7 @@ def test_figures_of_a_waiting_phase_read_from_its_gpus():
     assert isinstance(f.evidence["stalled_seconds"], float) and isinstance(f.evidence["hold_seconds"], float)
 
 
-# --- round 7: the rest of round 6's survivors (summary wording, finding fields, DBE evidence) ----
+# --- mutation testing, second pass: the rest of the survivors (summary wording, finding fields, DBE evidence) ---
 
 
 def test_a_double_bit_ecc_error_on_the_culprits_node_is_hardware_evidence():

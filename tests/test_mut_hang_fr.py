@@ -1,4 +1,4 @@
-"""Mutation-testing round 4: the L1 Flight Recorder hang detector (`gpuvigil/detectors/hang_fr.py`).
+"""Mutation testing: the L1 Flight Recorder hang detector (`gpuvigil/detectors/hang_fr.py`).
 
 Data: the real Flight Recorder dump the NCCL watchdog wrote on an H200 when all_reduce #6 timed out
 (`tests/data/h200/s6_fr_rank_0`), read by the real dump-folder watcher
@@ -192,7 +192,7 @@ def test_a_dump_count_that_is_missing_reads_zero(real_row):
 
 
 def test_an_unconfirmed_dump_does_not_hide_a_confirmed_one_after_it(real_row):
-    """Mutation round 5: `a-snap` (an on-demand snapshot, first by time, not yet confirmed) is
+    """`a-snap` (an on-demand snapshot, first by time, not yet confirmed) is
     skipped and `b-hung` (the real timeout dump) behind it still pages."""
     both = pl.concat([_an(real_row, NOW - 1, job="a-snap", trigger="on_demand"), _an(real_row, NOW, job="b-hung")])
     assert [f.job for f in _run([(NOW, {"fr_analysis": both})])[0]] == ["b-hung"]

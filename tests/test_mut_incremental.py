@@ -1,5 +1,5 @@
 """The sliding per-key state of gpuvigil/detectors/incremental.py, checked against a plain-Python
-oracle on the paths the fast tests did not reach (mutation testing, round 5, docs/testing.md):
+oracle on the paths the fast tests did not reach (mutation testing, docs/testing.md):
 rows that arrive out of time order, ties in time, keys whose next-oldest row lies beyond the first
 look-up band, jobs that appear in, vanish from or restart in the scheduler's snapshot between
 ticks, null keys, and ring buffers fed many keys in one tick.
@@ -36,7 +36,7 @@ H200 = Path(__file__).parent / "data" / "h200"
 RAMP = json.loads((H200 / "s2_memory_stats.json").read_text())["stats_before"]
 W, WARMUP, HORIZON = 10.0, 2.0, 40.0
 # lookback_blocks 0: the exact sliding look-back (rows leave one at a time), whose paths this file
-# was written for; block mode (the default, issue 11) is driven by the test below with BLOCKS.
+# was written for; block mode (the default) is driven by the test below with BLOCKS.
 CFG = {"detectors": {"fragmentation_allocator": {"window_seconds": W, "warmup_seconds": WARMUP, "lookback_blocks": 0}}}
 BLOCKS = 4  # block mode: blocks of W / 4 = 2.5 s
 STATE_COLS = ["n", "ts_first", "gap_first", "retries_first", "ts_last", "gap_last", "split_last", "retries_last", "largest_free_last", "capacity_last", "node_last", "gpu_last"]

@@ -102,7 +102,7 @@ def test_a_stream_is_remembered_for_exactly_900_s_by_default():
         assert sel.job_levels() == {"j": level}, now
 
 
-# -- mutation round 5: which capability detectors run for a job of each level ------------------
+# -- mutation testing: which capability detectors run for a job of each level ------------------
 # Source: constructed scheduler allocations and one row of the stream that sets the job's level.
 import polars as pl  # noqa: E402
 import pytest  # noqa: E402
@@ -185,7 +185,7 @@ def test_the_levels_frame_lists_each_job_with_its_level():
     assert empty.schema == pl.Schema({"job": pl.Utf8, "level": pl.Utf8}) and empty.height == 0
 
 
-# -- mutation round 5: `select` over several findings of one call, and its time edges ----------
+# -- mutation testing: `select` over several findings of one call, and its time edges ----------
 from gpuvigil.model import Finding, FindingKind, Severity  # noqa: E402
 
 

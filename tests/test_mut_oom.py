@@ -356,13 +356,13 @@ def test_fit_r2_is_the_squared_correlation_to_three_decimals():
 def test_a_rank_whose_rows_carry_no_gpu_is_predicted_without_one():
     """constructed: the leak above, from a hook record without `gpu` (collectors/hook.py leaves it
     null and jobjoin cannot fill it): the finding names the rank and node with `gpu` None instead of
-    the detector raising on `int(None)` (mutation round 6 found this in straggler.py)."""
+    the detector raising on `int(None)` (mutation testing found this in straggler.py)."""
     [f] = detect(rows(SECS, grow(20.0, 125 * GIB)).with_columns(pl.lit(None, pl.Int32).alias("gpu")))
     assert (f.cause, f.ranks, f.node, f.gpu) == ("leak", [0], "n0", None)
     assert f.summary.startswith("j rank 0 (n0) will run out of GPU memory")
 
 
-# Mutation round 8 (docs/testing.md): every threshold exactly on its edge, the rebuild of a job
+# Mutation testing (docs/testing.md): every threshold exactly on its edge, the rebuild of a job
 # whose start moved or appeared while rows kept arriving, and state kept over ticks where another
 # process holds memory or rows arrive late. The straight lines below are binary-exact (rates of
 # 2^k bytes a second, whole seconds, footprints in whole MiB), so that the least-squares figures

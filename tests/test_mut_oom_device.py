@@ -1,7 +1,7 @@
 """L0 OOM predictor (gpuvigil/detectors/oom_device.py): behaviour that mutation testing (`make
 mutate`, docs/testing.md) showed no other test pinned down: the foreign-process summary, a job
 known to the scheduler (its start time bounds the fit), the columns it declares reading; and
-(round 7) every field of a finding, the leak, foreign-process and FB_USED-only summaries, each
+every field of a finding, the leak, foreign-process and FB_USED-only summaries, each
 threshold placed exactly on its edge (steps, span, growth, rise, drop, horizon, page, warm-up,
 fit window, foreign share), the rank named, a GPU already inside its safety margin, and how
 processes are attributed (job, Slurm job id, another job, no memory, no list at a tick).
@@ -46,7 +46,7 @@ def test_the_declared_columns_exist_in_the_stream():
     assert set(cols) == {"gpu_samples"} and set(cols["gpu_samples"]) <= set(schemas.GPU_SAMPLES.names())
 
 
-# --- round 7: what the surviving mutants of oom_device.py showed untested -----------------------
+# --- mutation testing: what the surviving mutants of oom_device.py showed untested ----------------
 # Source: the real H200 of tests/data/h200 (memory.total 150754820096 B in nvml_inventory.json,
 # fb_reserved 644939776 B by the driver in nvml_timeseries.csv) and PyTorch's caching allocator,
 # whose footprint grows in whole segments (a leak here adds one 1 GiB segment every 4 s; the

@@ -1,4 +1,4 @@
-"""Mutation-testing round 4: the per-GPU slot helpers (`gpuvigil/detectors/per_gpu.py`) that the
+"""Mutation testing: the per-GPU slot helpers (`gpuvigil/detectors/per_gpu.py`) that the
 fast thermal, PCIe, XID and ECC detectors fold each tick into.
 
 Data: constructed arrays (these are pure array helpers; the detectors that use them are tested

@@ -1,5 +1,5 @@
 """The pipeline loop's bookkeeping (gpuvigil/pipeline/core.py) on what the fast tests did not
-check (mutation testing, round 5, docs/testing.md): the window a Pipeline builds keeps each
+check (mutation testing, docs/testing.md): the window a Pipeline builds keeps each
 stream's declared history (not the 600 s default), `declared_horizons`' cap and undeclared readers,
 the tick and sample counters, each collector's error count in the tick's result, the `levels`
 section reaching the level selector, and each finding's level.

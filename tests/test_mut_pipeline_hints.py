@@ -1,5 +1,5 @@
 """Findings → hints through the shipped rule table (gpuvigil/pipeline/hints.py), on the cases the
-fast tests did not reach (mutation testing, round 5, docs/testing.md): an action that needs a job
+fast tests did not reach (mutation testing, docs/testing.md): an action that needs a job
 or a GPU on a finding that lacks one, and the fields a hint copies from its finding.
 
 Data: constructed findings (kind, job, node, gpu as a detector would set them); the rules are the

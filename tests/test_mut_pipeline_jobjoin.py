@@ -1,5 +1,5 @@
 """dcgm-exporter's attribution labels become the node's GPU → job map (gpuvigil/pipeline/jobjoin.py:
-from_dcgm), on what the fast tests did not check (mutation testing, round 5, docs/testing.md): an
+from_dcgm), on what the fast tests did not check (mutation testing, docs/testing.md): an
 `hpc_job` label names the job (source `dcgm_hpc_job`), a pod label names `namespace/pod`
 (source `dcgm_pod`), and a GPU with neither is not mapped.
 

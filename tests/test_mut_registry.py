@@ -1,4 +1,4 @@
-"""Mutation-testing round 4: the default detector set (`gpuvigil/detectors/registry.py`).
+"""Mutation testing: the default detector set (`gpuvigil/detectors/registry.py`).
 
 Data: the shipped default configuration (`gpuvigil/config/*.yaml`, read by `config.load`) with one
 setting of every detector changed; no stream data (this is about how the set is built).

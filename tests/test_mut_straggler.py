@@ -8,7 +8,7 @@
   a rank moving to a new node, rows without node, job or GPU, a row exactly at the look-back's
   edge, a requeue, a history shorter than the look-back, history older than the look-back, half
   the steps short.
-- O(new rows) per tick (issue 11): a steady tick folds its rows in without rebuilding, and a job
+- O(new rows) per tick: a steady tick folds its rows in without rebuilding, and a job
   whose median step is provably short is judged from the rings, not by the refit.
 - Rings of jobs gone long ago are dropped (start over, smaller) exactly past the bound.
 

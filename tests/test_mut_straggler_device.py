@@ -28,7 +28,7 @@ def test_the_lagging_gpu_is_named_with_its_node():
 
 
 def test_the_declared_look_back_is_on_the_gpu_samples_stream():
-    """What a rebuild of its rings reads: rebuild_history_seconds (20 s by default, issue 11), or
+    """What a rebuild of its rings reads: rebuild_history_seconds (20 s by default), or
     with null the whole look-back (the longer of the window and the recent past)."""
     det = DeviceStragglerDetector()
     assert det.lookback_seconds() == {"gpu_samples": det.config.rebuild_history_seconds} == {"gpu_samples": 20.0}
@@ -63,7 +63,7 @@ def test_a_gpu_at_exactly_10_percent_util_is_slow_not_absent():
     assert _first({"util_ratio": 0.1, **same}, {"util_ratio": 1.0, **same}) == 20.0
 
 
-# --- round 6: every mutant of straggler_device.py run; what its survivors showed untested -------
+# --- mutation testing: every mutant of straggler_device.py run; what its survivors showed untested ---
 # Same sources: values within the published healthy spread (±60 MHz, 97-100% util) for peers and a
 # culprit well outside it; the hang signature (util pinned near 100%, power collapsed) is the one
 # of docs/detectors.md and ../shared/research/device-signatures.md (NCCL spin: util 100%, power low).

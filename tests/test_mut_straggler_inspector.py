@@ -1,4 +1,4 @@
-"""Mutation-testing round 4: the L1 NCCL Inspector straggler (`gpuvigil/detectors/straggler_inspector.py`).
+"""Mutation testing: the L1 NCCL Inspector straggler (`gpuvigil/detectors/straggler_inspector.py`).
 
 Data: constructed `collective_progress` rows. No capture of NCCL Inspector output with a straggler
 exists here (no GPU cluster); the rows carry the plugin's fields as its README record shows them

@@ -175,7 +175,7 @@ def test_thermal_findings_come_least_recently_updated_first():
     assert [f.gpu for f in out[-1]] == [1, 0]
 
 
-# -- mutation round 5: thermal ---------------------------------------------------------------------
+# -- mutation testing: thermal ---------------------------------------------------------------------
 
 
 def _gpus(t, rows):
@@ -249,7 +249,7 @@ def test_thermal_a_row_without_its_node_is_dropped():
     assert out[-1] == [] and det._state.height == 0
 
 
-# -- mutation round 5: PCIe ------------------------------------------------------------------------
+# -- mutation testing: PCIe ------------------------------------------------------------------------
 
 
 def _pcie_rows(t, counts):

@@ -1,4 +1,4 @@
-"""Mutation-testing round 4: the L0 NCCL watchdog detector (`gpuvigil/detectors/watchdog.py`).
+"""Mutation testing: the L0 NCCL watchdog detector (`gpuvigil/detectors/watchdog.py`).
 
 Data: the real watchdog log captured on an H200 (`tests/data/h200/s6_nccl_watchdog_timeout.log`:
 rank 0's all_reduce #6 timed out after 8000 ms) and the public watchdog logs of the corpus
@@ -205,7 +205,7 @@ def test_xids_on_two_reporting_nodes_are_both_named():
 
 
 def test_ecc_errors_on_two_reporting_nodes_are_both_named_and_so_are_the_nodes():
-    """Mutation round 5: the plain 'hardware errors on' list and the reporting nodes in the
+    """The plain 'hardware errors on' list and the reporting nodes in the
     summary, with two nodes each (same real logs, ECC events constructed)."""
     a = _timeouts("public/nccl_watchdog.log", node="n1")
     b = _timeouts("h200/s6_nccl_watchdog_timeout.log", node="n2")

@@ -1,4 +1,4 @@
-"""Mutation-testing round 4 (a first sample of `gpuvigil/pipeline/`): `Window`'s per-stream horizons.
+"""Mutation testing of `gpuvigil/pipeline/`: `Window`'s per-stream horizons.
 
 Data: constructed `gpu_samples` rows (the window's own contract).
 """

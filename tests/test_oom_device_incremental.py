@@ -1,4 +1,4 @@
-"""oom_device's rings (gpuvigil/detectors/oom_device.py, issue 11: O(new rows) per tick) against
+"""oom_device's rings (gpuvigil/detectors/oom_device.py: O(new rows) per tick) against
 the polars refit they replaced, kept here verbatim as the oracle (`Refit`: its `_series`, `detect`,
 `_steps` and `_trend`, plus the two columns the projection's evidence reads: the fitted
 segment's sample interval and the envelope's first step): both read the same real Window, tick by tick, through scenarios that cover

@@ -1,4 +1,4 @@
-"""The bounded records a long-running serve keeps in memory (issue 13: nothing grows for the
+"""The bounded records a long-running serve keeps in memory (nothing grows for the
 process's life): `RecentLog`, the pipeline's findings and hints, the scheduler's actions, and the
 readers that follow them with a cursor, and `gpuvigil serve --config` taking the bounds, as a
 process. Inputs: constructed entries, the real scheduler, and the

@@ -501,7 +501,7 @@ def test_exemplar_lines_are_read_as_prometheus_client_reads_them(tmp_path):
 
 def test_replay_json_findings_carry_exactly_analyzes_fields(capsys):
     """`replay --format json` finding records are `analyze --format json`'s objects, same keys and
-    values, plus `record`, `fired_at` and the incident each belongs to (issue 10: same fields as analyze)."""
+    values, plus `record`, `fired_at` and the incident each belongs to (the same fields as analyze)."""
     files = [str(DATA / "public" / "kernel_dbe_syslog.log"), str(DATA / "h200" / "s3_fragmentation.log")]
     assert cli.main(["analyze", "--format", "json", "--node", "worker4", "--job", "train", *files]) in (0, 1)
     analyzed = [r for r in _records(capsys) if "kind" in r]

@@ -96,7 +96,7 @@ def test_dcgm_source_exports_the_exporter_s_gpus():
 
 
 def test_nvml_source_without_a_driver_is_an_error_never_the_simulator(capsys, tmp_path, monkeypatch):
-    """Issue 17: an explicit source that cannot start exits non-zero naming it (no fallback)."""
+    """An explicit source that cannot start exits non-zero naming it (no fallback)."""
     try:
         import pynvml
 

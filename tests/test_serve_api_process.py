@@ -1,4 +1,4 @@
-"""`gpuvigil serve --api-port` runs the feedback API in a child process (issue 13: in serve's own
+"""`gpuvigil serve --api-port` runs the feedback API in a child process (in serve's own
 process the API waited for the GIL behind the pipeline, p99 204 ms in the soak). The child gets
 the token in its environment, not on its command line; it answers `why` from serve's scheduler;
 it dies with serve, even on SIGKILL, so that the next serve can take the port at once; a child

@@ -1,4 +1,4 @@
-"""`serve` gives the C heap's freed memory back after every tick (issue 13: the soak's RSS slope;
+"""`serve` gives the C heap's freed memory back after every tick (the soak's RSS slope;
 gpuvigil/serve_memory.py). glibc keeps freed chunks inside its arenas unless they sit at the top
 of a heap; `malloc_trim(0)` returns the free pages in the middle too. These tests check that the
 binding reaches glibc's malloc_trim (it releases memory that `free` kept), that serve calls it once

@@ -1,4 +1,4 @@
-"""The soak's scenario (benchmarks/soak.py, issue 13 item 4): a steady state, so that serve's RSS
+"""The soak's scenario (benchmarks/soak.py): a steady state, so that serve's RSS
 slope can be read. Jobs arrive and complete at the same rate, the number running stays level, a
 restarted serve continues the jobs that were running with the steps they had left, and faults
 hit jobs that run at the time. Also the simulator's `total_steps`: a job completes and frees its

@@ -1,4 +1,4 @@
-"""A window whose history keeps only the columns its detectors read (issue 11: memory at 100k
+"""A window whose history keeps only the columns its detectors read (memory at 100k
 GPUs) must return, for those columns, the rows a whole window returns, `latest` every column of
 each key's newest row exactly as the whole window gives it, and `fresh` every column; and the
 pipeline must keep only what the detectors declare."""

@@ -1,4 +1,4 @@
-"""Thinned history (issue 11, memory at 100,000 GPUs): `Window.retain` keeps a stream's rows older
+"""Thinned history (memory at 100,000 GPUs): `Window.retain` keeps a stream's rows older
 than `recent_seconds` only for some keys, and straggler declares which (pipeline/core.py:
 declared_retention): rank rows older than window_seconds + history_slack_seconds only for jobs
 with a long step in the look-back, the only jobs it judges over more than window_seconds.
@@ -389,7 +389,7 @@ def test_a_thinned_window_is_the_whole_window_less_the_old_rows_of_other_keys(ti
         assert got.sort(order, nulls_last=True).equals(want.sort(order, nulls_last=True)), f"tick {i}"
 
 
-# Mutation re-run of issue 11's new code (docs/testing.md, round 9): jobs_selecting's edges.
+# Mutation testing of the retention code (docs/testing.md): jobs_selecting's edges.
 
 
 def _selector_with(detectors, fallback=None):

@@ -2,7 +2,7 @@
 
 In one process the API shares the GIL with the pipeline: while a tick runs Python (detectors,
 the store write), a request waits for it, and the soak measured an API p99 of 204 ms inside
-`serve` against 8-25 ms for `gpuvigil api` alone (issue 13). So `serve --api-port` starts
+`serve` against 8-25 ms for `gpuvigil api` alone. So `serve --api-port` starts
 `gpuvigil api` as a child on the same hint store file (SQLite, WAL: the child reads what the
 pipeline commits and writes acks/nacks the pipeline reads).
 

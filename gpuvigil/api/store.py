@@ -225,7 +225,7 @@ _SEVERITY_ORDER = "CASE severity WHEN 'page' THEN 0 WHEN 'ticket' THEN 1 ELSE 2 
 
 # Version 3: every record's JSON text, and what verdicts aggregate, are kept as STORED generated
 # columns: SQLite computes them when a row is written (a tick, an ack), once, instead of on every
-# read after every write. A 400-finding verdict is then a concatenation of stored texts (issue 13:
+# read after every write. A 400-finding verdict is then a concatenation of stored texts (before,
 # a cache miss built each record from its body and parsed each body three times, 6-8 ms).
 _FINDINGS_V3 = f"""CREATE TABLE findings_v3 (
     id TEXT PRIMARY KEY, kind TEXT NOT NULL, severity TEXT NOT NULL, job TEXT, node TEXT, gpu INTEGER,

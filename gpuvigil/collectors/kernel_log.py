@@ -95,7 +95,7 @@ def parse_lines(
             ts, ts_kind = boot_ts + when.ts, "boot_offset"
         pci = x.pci_bus_id
         # "45 ... caused by previous Xid 149" is attributed to 149, even when 149's own line is
-        # not in the log (issue 10): the finding names 149's meaning and severity.
+        # not in the log: the finding names 149's meaning and severity.
         code = x.root
         rows.append(
             {

@@ -15,7 +15,7 @@ scheduler's snapshot) is rebuilt alone, from its rows in the window.
 "First" and "last" values (oldest and newest sample of a key) are taken by timestamp, ties by
 arrival; for rows that arrive in time order this is the window's arrival order.
 
-Block mode (`blocks` > 0, issue 11: memory at 100,000 GPUs): the look-back's far edge moves in
+Block mode (`blocks` > 0, for memory at 100,000 GPUs): the look-back's far edge moves in
 steps of B = W / blocks seconds. The rows read are those with ts >= lo = floor((now - W) / B) * B
 (between W and W + B seconds back), and the detector keeps per-(job, rank) aggregates of each
 block [kB, (k+1)B) of its look-back (oom and fragmentation_allocator: numpy arrays per block)

@@ -171,7 +171,7 @@ class LevelSelector:
 
     def jobs_selecting(self, detector: Any, jobs: Iterable[str], within: float) -> set[str]:
         """Of `jobs`, those whose findings from `detector` `select` may keep now or within the next
-        `within` seconds (memory at scale, issue 11: the history its look-back reads is kept
+        `within` seconds (memory at 100,000 GPUs: the history its look-back reads is kept
         for these jobs' GPUs only). With no new rows a job's level only falls, as its streams age
         out of memory_seconds, so the best level it can have in that span is between its best
         level `within` seconds from now and its best now; a finding is kept where that level is

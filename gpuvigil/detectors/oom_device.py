@@ -50,7 +50,7 @@ process; else leak/capacity. The other processes' memory on a job's GPU is follo
 one-off allocation by another process is no trend. Fragmentation cannot be seen at L0: a fragmenting pool also adds
 segments, and only the allocator's own statistics (L2) tell reserved-but-unallocated apart.
 
-Cost at scale (issue 11): O(new rows) per tick, not a refit of the window. Each allocated GPU
+Cost at scale (100,000 GPUs): O(new rows) per tick, not a refit of the window. Each allocated GPU
 (a row of the allocation snapshot) keeps, in numpy rings (`_Rings`), its samples of the last
 `fit_window_seconds`: ts, the job's own memory and the other processes' (NaN: no process list
 at that sample), folded in from each tick's fresh rows (`ingest` on the ticks the detector is not
@@ -128,7 +128,7 @@ class OomDeviceConfig(BaseModel):
     page_within_seconds: float = 900.0
     safety_margin_bytes: int = 1 << 30
     foreign_share: float = 0.5  # cause = foreign process when its growth is this share of the GPU's
-    # Memory at scale (issue 11): gpu_samples rows older than this are kept only for the GPUs of
+    # Memory at scale (100,000 GPUs): gpu_samples rows older than this are kept only for the GPUs of
     # jobs whose findings this detector gives (pipeline/core.py: declared_retention); null: all.
     history_recent_seconds: float | None = Field(10.0, ge=0)
     # The gpu_samples history the window keeps for this detector (its look-back): the fit runs

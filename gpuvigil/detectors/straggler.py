@@ -41,7 +41,7 @@ class StragglerConfig(BaseModel):
     # A job with long steps needs a longer window: at least this many of its steps.
     min_steps: float = 8.0
     max_window_seconds: float = 900.0
-    # Memory at scale (issue 11): the window keeps rank rows older than window_seconds +
+    # Memory at scale (100,000 GPUs): the window keeps rank rows older than window_seconds +
     # history_slack_seconds only for jobs with a long step (step x min_steps > window_seconds) in
     # the look-back, the only jobs judged over more than window_seconds. None: keep every row.
     history_slack_seconds: float | None = Field(5.0, ge=0)

@@ -10,7 +10,7 @@ Healthy spread in real jobs is wide (Megatron/savanna logs: ±13 °C, ±60 MHz, 
 util in a snapshot): the thresholds are relative to the job's median and must hold over a
 window and on consecutive evaluations. A job whose GPUs wait together (a hang) is skipped.
 
-Cost (issue 11): O(new rows) per tick, not O(window). Each allocated GPU (each row of
+Cost at scale (100,000 GPUs): O(new rows) per tick, not O(window). Each allocated GPU (each row of
 `allocations`) has a ring of its samples' ts, util, SM clock and power over the last
 `window_seconds` (detectors/incremental.py: KeyRing), fed from each tick's fresh rows (`ingest` on
 the ticks the detector is not due, and `detect`). An evaluation is a few vectorised numpy passes
@@ -71,7 +71,7 @@ class StragglerDeviceConfig(BaseModel):
     max_idle_share: float = 0.5  # a GPU idle (util < 0.1) most of the window is absent, not slow
     persist_evaluations: int = 3
     recent_seconds: float = 20.0  # skip a job whose GPUs wait together (util pinned, power collapsed): a hang
-    # Memory at scale (issue 11): gpu_samples rows older than this are kept only for the GPUs of
+    # Memory at scale (100,000 GPUs): gpu_samples rows older than this are kept only for the GPUs of
     # jobs whose findings this detector gives (pipeline/core.py: declared_retention); null: all.
     history_recent_seconds: float | None = Field(10.0, ge=0)
     # gpu_samples history declared to the pipeline (lookback_seconds): what a rebuild of the rings

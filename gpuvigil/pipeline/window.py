@@ -39,7 +39,7 @@ class Window:
     column of each key's newest row, kept apart (one row per key). Streams not named keep all.
 
     `retain` thins a stream's history further: rows older than some seconds only for the keys its
-    readers still need (issue 11: at 100,000 GPUs straggler needs rank rows older than 65 s only
+    readers still need (memory at scale: at 100,000 GPUs straggler needs rank rows older than 65 s only
     for jobs with long steps, the device-level detectors need gpu_samples only for L0/L1 jobs).
     """
 
