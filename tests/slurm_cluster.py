@@ -7,11 +7,17 @@ Ports are free loopback ports below the kernel's ephemeral range (services.free_
 their own sessions (setsid); `stop()` cancels jobs, shuts Slurm down and kills whatever of
 ours is left (daemons by pid, slurmstepd by the SLURM_CONF in its environment), even after a
 failed start.
+
+One cluster runs on the machine at a time (a lock file in the temp dir, held from `start()` to
+`stop()`): two throw-away clusters started by parallel test workers have the same node names,
+ports aside, and job ids.
 """
 
 from __future__ import annotations
 
+import fcntl
 import os
+import tempfile
 import shutil
 import signal
 import socket
@@ -45,11 +51,17 @@ class SlurmCluster:
         self.munge_socket = self.root / "munge" / "munge.socket"
         self.env = {**os.environ, "SLURM_CONF": str(self.conf)}
         self.procs: dict[str, subprocess.Popen] = {}
+        self._lock: int | None = None
+        # slurmstepd binds a unix socket in the spool dir (108 bytes at most for its path): a
+        # test's tmp_path under pytest-xdist is too long for it, so the spool lives in a short one.
+        self.spool = Path(tempfile.mkdtemp(prefix="gvslurm-"))
+        for n in nodes:
+            (self.spool / n).mkdir()
 
     # -- set-up -------------------------------------------------------------------------------
     def _write_config(self) -> None:
         r = self.root
-        for d in ("munge", "state", "log", *(f"spool/{n}" for n in self.nodes), "dev"):
+        for d in ("munge", "state", "log", "dev"):
             (r / d).mkdir(parents=True, exist_ok=True)
         (r / "munge").chmod(0o700)
         key = r / "munge" / "munge.key"
@@ -76,7 +88,7 @@ class SlurmCluster:
             "SlurmUser=root",
             "SlurmdUser=root",
             f"StateSaveLocation={r}/state",
-            f"SlurmdSpoolDir={r}/spool/%n",
+            f"SlurmdSpoolDir={self.spool}/%n",
             f"SlurmctldPidFile={r}/slurmctld.pid",
             f"SlurmdPidFile={r}/slurmd-%n.pid",
             f"SlurmctldLogFile={r}/log/slurmctld.log",
@@ -114,10 +126,14 @@ class SlurmCluster:
 
     def _spawn(self, name: str, argv: list[str]) -> None:
         log = open(self.root / "log" / f"{name}.out", "wb")
-        self.procs[name] = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, env=self.env, start_new_session=True)
+        # stdin from /dev/null: under pytest-xdist a worker's stdin is its channel to the
+        # controller, which no daemon of the cluster has any business holding.
+        self.procs[name] = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT, env=self.env, start_new_session=True)
         log.close()
 
     def start(self, timeout: float = 60.0) -> SlurmCluster:
+        self._lock = os.open(os.path.join(tempfile.gettempdir(), "gpuvigil-tests-slurm.lock"), os.O_CREAT | os.O_RDWR, 0o600)
+        fcntl.flock(self._lock, fcntl.LOCK_EX)  # waits while another worker's cluster runs
         try:
             self._write_config()
             m = self.root / "munge"
@@ -277,3 +293,7 @@ class SlurmCluster:
                     except subprocess.TimeoutExpired:
                         continue
         self.procs.clear()
+        shutil.rmtree(self.spool, ignore_errors=True)
+        if self._lock is not None:
+            os.close(self._lock)  # closing the descriptor releases the lock
+            self._lock = None

@@ -29,8 +29,8 @@ safety margin − the line at now) / slope; of the windows that warn, the one pr
 soonest OOM is reported. Every threshold is relative to the series itself except the growth
 floor, so the same rules hold at any sample interval from 1 s to a bucket's width.
 
-Start-up: a GPU whose used memory was below `idle_bytes` less than `startup_seconds` ago (a
-process starting, a restart) is loading its job: neither fit warns on it until then, and a trend
+Start-up: a GPU whose used memory was below `idle_bytes` or `idle_share` of its capacity (the
+larger) less than `startup_seconds` ago (a process starting, a restart) is loading its job: neither fit warns on it until then, and a trend
 window holding that moment is not fitted. A job the scheduler lists is also fitted only from its
 start + `warmup_seconds` on.
 
@@ -157,9 +157,11 @@ class OomDeviceConfig(BaseModel):
     # (a warm-up reaching its plateau) is not projected to the capacity.
     trend_min_recent_share: float = Field(0.25, ge=0)
     trend_min_confidence: float = Field(0.5, ge=0, le=1)  # Kendall's tau of the window's bucket maxima
-    # A GPU whose used memory was below idle_bytes (nothing but a CUDA context, or a restart)
-    # less than startup_seconds ago is warming up: its growth is not a leak yet.
+    # A GPU whose used memory was below the larger of idle_bytes and idle_share of its capacity
+    # (nothing but a CUDA context and libraries, or a restart) less than startup_seconds ago is
+    # warming up: its growth is not a leak yet.
     idle_bytes: int = Field(2 << 30, ge=0)
+    idle_share: float = Field(0.05, ge=0, le=1)
     startup_seconds: float = Field(600.0, ge=0)
 
     @model_validator(mode="after")
@@ -349,7 +351,7 @@ class DeviceOomPredictor:
             dev = dev.with_columns(pl.col("gpu_used").alias("own"), pl.lit(None, pl.Float64).alias("foreign"))
         k = dev["_k"].to_numpy()
         ts = dev["ts"].to_numpy()
-        self._buckets.insert(k, ts, dev["gpu_used"].to_numpy(), dev["capacity"].to_numpy(), float(c.idle_bytes))
+        self._buckets.insert(k, ts, dev["gpu_used"].to_numpy(), dev["capacity"].to_numpy(), float(c.idle_bytes), c.idle_share)
         keep = None
         if rule is not None and rule[1].size:
             # Rows the window's retention dropped at this seal (module doc).
@@ -944,7 +946,7 @@ class _Buckets:
         self.ids[rows] = new
         self.top = b
 
-    def insert(self, k: np.ndarray, ts: np.ndarray, used: np.ndarray, capacity: np.ndarray, idle_bytes: float) -> None:
+    def insert(self, k: np.ndarray, ts: np.ndarray, used: np.ndarray, capacity: np.ndarray, idle_bytes: float, idle_share: float = 0.0) -> None:
         """Fold samples in. A sample folded twice (a rebuild or refill reading the window again)
         changes no maximum and is counted once (only samples newer than the slot's newest count)."""
         ok = ~np.isnan(used)
@@ -978,7 +980,7 @@ class _Buckets:
         at = last & (ts >= self.last_ts[k])
         self.used[k[at]] = used[at]
         self.capacity[k[at]] = capacity[at]
-        idle = used < idle_bytes
+        idle = used < np.fmax(idle_bytes, idle_share * capacity)
         if idle.any():
             np.maximum.at(self.idle_ts, k[idle], ts[idle])
 
