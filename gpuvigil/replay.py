@@ -41,6 +41,7 @@ from gpuvigil import config, schemas, signals
 from gpuvigil.collectors import dcgm
 from gpuvigil.errors import UserError
 from gpuvigil.model import Finding, Hint, Severity
+from gpuvigil.pipeline.incidents import MESSAGE_ROLES
 
 MIB = 1 << 20
 MAX_POINTS_PER_QUERY = 10_000  # Prometheus refuses query_range answers above 11,000 points a series
@@ -754,7 +755,9 @@ class ReplayResult:
 
     @property
     def pages(self) -> list[Fired]:
-        return [f for f in self.findings if f.finding.severity == Severity.PAGE]
+        """The pages on-call would have received: a page that joined an incident as evidence
+        (the incident had already paged about that place) was never sent."""
+        return [f for f in self.findings if f.finding.severity == Severity.PAGE and f.finding.incident_role in (None, *MESSAGE_ROLES)]
 
     def summary(self) -> dict[str, Any]:
         days = max((self.end - self.start) / 86400.0, 1e-9)

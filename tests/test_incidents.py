@@ -160,3 +160,21 @@ def test_a_finding_no_pipeline_placed_is_an_incident_of_its_own(tmp_path):
         pusher.close()
     assert [lab["incident"] for lab in labels] == [a.id, b.id] and a.id != b.id
     assert not [lab for lab in labels if "update" in lab]
+
+
+def test_replay_counts_only_the_pages_on_call_received():
+    """A page that joined an incident as evidence was never sent: replay's summary (and the
+    report's rate of pages per GPU-day) does not count it."""
+    from gpuvigil.replay import Fired, ReplayResult
+
+    def page(kind: FindingKind, role: str | None, **over) -> Finding:
+        f = Finding(kind=kind, severity=Severity.PAGE, ts=100.0, job="j", node="n1", gpu=2, summary="s", **over)
+        f.incident, f.incident_role = ("inc-1", role) if role else (None, None)
+        return f
+
+    fired = [Fired(100.0, page(FindingKind.XID, "opened", xid=79)), Fired(101.0, page(FindingKind.ECC, "evidence")), Fired(102.0, page(FindingKind.COLLECTIVE_HANG, "update")),
+             Fired(103.0, page(FindingKind.NCCL_TIMEOUT, None))]
+    res = ReplayResult(findings=fired, hints=[], start=0.0, end=86400.0, step=30.0, ticks=2880, gpus=1, wall_seconds=1.0, samples={})
+    s = res.summary()
+    assert s["findings"] == 4 and s["pages"] == 3
+    assert s["pages_by_kind"] == {"collective_hang": 1, "nccl_timeout": 1, "xid": 1}
