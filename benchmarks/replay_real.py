@@ -44,7 +44,8 @@ import polars as pl
 
 GIB = float(1 << 30)
 MIB = float(1 << 20)
-DEFAULT_TRACE = Path("/work/shared/traces/alibaba-genai-2026")
+# The public traces beside the repository (shared/traces/, see its README); --trace overrides.
+DEFAULT_TRACE = Path(__file__).resolve().parent.parent.parent / "shared" / "traces" / "alibaba-genai-2026"
 MEMORY_FILE = "pod_gpu_memory_used_bytes_anon.csv.gz"
 DUTY_FILE = "pod_gpu_duty_cycle_anon.csv.gz"
 NAMESPACE = "genai-inference"

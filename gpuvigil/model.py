@@ -24,6 +24,11 @@ class Severity(StrEnum):
     INFO = "info"
 
 
+# How grave each severity is (higher: graver): what an escalation, a sort by gravity or an
+# incident's worst message compares.
+SEVERITY_RANK = {Severity.INFO: 0, Severity.TICKET: 1, Severity.PAGE: 2}
+
+
 class FindingKind(StrEnum):
     OOM_PREDICTED = "oom_predicted"
     OOM_CAPACITY = "oom_capacity"

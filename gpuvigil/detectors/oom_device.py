@@ -483,16 +483,8 @@ class DeviceOomPredictor:
             headroom = cap - c.safety_margin_bytes - used
             minutes = w["window"] / 60
             out.append(
-                Finding(
-                    kind=FindingKind.OOM_PREDICTED,
-                    severity=Severity.PAGE if tto <= c.page_within_seconds else Severity.TICKET,
-                    ts=now,
-                    job=w["job"],
-                    ranks=[] if w["rank"] is None else [int(w["rank"])],
-                    node=w["node"],
-                    gpu=w["gpu"],
-                    cause="leak",
-                    source=self.name,
+                self._predicted(
+                    now, w, "leak", tto,
                     evidence={
                         "level": "L0",
                         "time_to_oom_seconds": round(tto, 1),
@@ -507,11 +499,9 @@ class DeviceOomPredictor:
                         "note": NOT_AT_L0,
                         **_projection(w["fit_start_ts"], now, rate, float(w["intercept"]), now + tto, cap, c.safety_margin_bytes, w["interval"], w["confidence"]),
                     },
-                    summary=(
-                        f"{w['job']} {_where(w)} will run out of GPU memory in about {tto / 60:.1f} min (L0, device memory): "
-                        f"the upper envelope of the GPU's used memory has kept growing for {minutes:.0f} min (a leak or a workload outgrowing the GPU), "
-                        f"+{rate / GIB * 60:.2f} GiB/min, {max(headroom, 0) / GIB:.1f} GiB left; {NOT_AT_L0}."
-                    ),
+                    what=f"the upper envelope of the GPU's used memory has kept growing for {minutes:.0f} min (a leak or a workload outgrowing the GPU)",
+                    rate=rate,
+                    headroom=headroom,
                 )
             )
         return out
@@ -522,16 +512,8 @@ class DeviceOomPredictor:
         if not w["has_procs"]:
             # DCGM's FB_USED alone: the GPU's memory grows, whose it is cannot be told.
             what = "the GPU's used memory keeps growing in segment steps (a leak or a workload outgrowing the GPU; without per-process memory another process's growth cannot be told apart)"
-        return Finding(
-            kind=FindingKind.OOM_PREDICTED,
-            severity=Severity.PAGE if tto <= c.page_within_seconds else Severity.TICKET,
-            ts=now,
-            job=w["job"],
-            ranks=[] if w["rank"] is None else [int(w["rank"])],
-            node=w["node"],
-            gpu=w["gpu"],
-            cause=cause,
-            source=self.name,
+        return self._predicted(
+            now, w, cause, tto,
             evidence={
                 "level": "L0",
                 "time_to_oom_seconds": round(tto, 1),
@@ -550,9 +532,28 @@ class DeviceOomPredictor:
                 # to capacity − safety margin (steps: the envelope's first step to now).
                 **_projection(float(w["fit_start"]), now, rate, float(w["gpu_used"]), now + tto, float(w["capacity"]), c.safety_margin_bytes, w.get("interval"), min(1.0, int(w.get("rises") or 0) / (2 * c.min_rises))),
             },
+            what=what,
+            rate=rate,
+            headroom=w["headroom"],
+        )
+
+    def _predicted(self, now: float, w: dict, cause: str, tto: float, *, evidence: dict, what: str, rate: float, headroom: float) -> Finding:
+        """An oom_predicted finding of either fit (segment steps or the slow-growth trend): a page
+        when the OOM is due within page_within_seconds, a ticket before."""
+        return Finding(
+            kind=FindingKind.OOM_PREDICTED,
+            severity=Severity.PAGE if tto <= self.config.page_within_seconds else Severity.TICKET,
+            ts=now,
+            job=w["job"],
+            ranks=[] if w["rank"] is None else [int(w["rank"])],
+            node=w["node"],
+            gpu=w["gpu"],
+            cause=cause,
+            source=self.name,
+            evidence=evidence,
             summary=(
                 f"{w['job']} {_where(w)} will run out of GPU memory in about {tto / 60:.1f} min (L0, device memory): "
-                f"{what}, +{rate / GIB * 60:.2f} GiB/min, {max(w['headroom'], 0) / GIB:.1f} GiB left; {NOT_AT_L0}."
+                f"{what}, +{rate / GIB * 60:.2f} GiB/min, {max(headroom, 0) / GIB:.1f} GiB left; {NOT_AT_L0}."
             ),
         )
 

@@ -14,7 +14,7 @@ from gpuvigil import config
 from gpuvigil.collectors.base import Collector
 from gpuvigil.detectors.base import Detector
 from gpuvigil.detectors.levels import LevelSelector, LevelsConfig
-from gpuvigil.model import Finding, Hint, Severity
+from gpuvigil.model import SEVERITY_RANK, Finding, Hint
 from gpuvigil.pipeline.health import HealthTracker
 from gpuvigil.pipeline.hints import HintPolicy
 from gpuvigil.pipeline.incidents import IncidentsConfig, IncidentTracker
@@ -63,8 +63,6 @@ class TickResult:
     # predicts drew near): the same cause, but news for whoever reads what gpuvigil said when.
     escalated_findings: list[Finding] = field(default_factory=list)
 
-
-_SEVERITY_ORDER = {Severity.INFO: 0, Severity.TICKET: 1, Severity.PAGE: 2}
 
 
 class Sink(Protocol):
@@ -297,7 +295,7 @@ class Pipeline:
         for finding in reported:
             key = finding.id
             before = self.active.get(key)
-            if before is not None and _SEVERITY_ORDER[finding.severity] > _SEVERITY_ORDER[before.severity]:
+            if before is not None and SEVERITY_RANK[finding.severity] > SEVERITY_RANK[before.severity]:
                 escalated.append(finding)
             if key not in self.active:
                 new.append(finding)

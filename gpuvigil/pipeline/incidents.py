@@ -32,13 +32,12 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from gpuvigil.model import Finding, FindingKind
+from gpuvigil.model import SEVERITY_RANK, Finding, FindingKind, Severity
 
 OPENED = "opened"
 UPDATE = "update"
 EVIDENCE = "evidence"
 MESSAGE_ROLES = frozenset({OPENED, UPDATE})
-_SEVERITY_RANK = {"info": 0, "ticket": 1, "page": 2}
 
 
 class IncidentsConfig(BaseModel):
@@ -120,7 +119,7 @@ class IncidentTracker:
             f.incident, f.incident_role = inc.id, inc.roles[f.id]
             inc.findings[f.id] = f
             inc.last_seen = max(inc.last_seen, now)
-        for f in sorted(fresh, key=lambda f: (-self.rank(f), -_SEVERITY_RANK.get(f.severity.value, 0))):
+        for f in sorted(fresh, key=lambda f: (-self.rank(f), -SEVERITY_RANK[f.severity])):
             self._place(f, now)
 
     def forget(self, finding_ids: Iterable[str]) -> None:
@@ -154,7 +153,7 @@ class IncidentTracker:
             inc = min(joined, key=lambda i: (i.opened_at, i.id))  # a finding bridging two joins the older
             inc.last_seen = max(inc.last_seen, now)
             better = self.rank(f) > self.rank(inc.title)
-            worse = _SEVERITY_RANK.get(f.severity.value, 0) > _SEVERITY_RANK.get(inc.severity, 0)
+            worse = SEVERITY_RANK[f.severity] > SEVERITY_RANK[Severity(inc.severity)]
             explained = not known and bool(where & inc.known)
             new_place = not (where & inc.messaged)
             role = UPDATE if not explained and (better or worse or new_place) else EVIDENCE
