@@ -290,10 +290,10 @@ class RefitFragmentationAllocator:
     def _evaluate(self, window: Window) -> list[Finding]:
         c = self.config
         now = window.now
-        df = look_back(window, "allocator_stats", c.window_seconds, c.lookback_blocks, c.warmup_seconds)
+        df = in_time_order(look_back(window, "allocator_stats", c.window_seconds, c.lookback_blocks, c.warmup_seconds))
         if df.height == 0:
             return []
-        # The window is in arrival (time) order, so first/last below are oldest/newest.
+        # In time order (ties by arrival), so first/last below are oldest/newest.
         per_rank = (
             df.group_by(["job", "rank"])
             .agg(
@@ -388,3 +388,95 @@ def check_against_refit(make_new, make_refit, stream, ticks, horizon, rebuilt_ev
             if i % period == phase:
                 assert dicts(det.detect(w)) == want, f"{label}tick {i} at {now} (rebuilt, every {period})"
     return positives
+
+
+class _Shown:
+    """What a refit reads in place of the pipeline's window: the rows a detector was shown,
+    with the window's own time and snapshot streams."""
+
+    def __init__(self, window: Window, stream: str, rows: pl.DataFrame):
+        self.now, self._window, self._stream, self._rows = window.now, window, stream, rows
+
+    def get(self, stream: str) -> pl.DataFrame:
+        return self._rows if stream == self._stream else self._window.get(stream)
+
+
+class Shown:
+    """The rows of `stream` a detector with running state has been shown by a pipeline window
+    that drops rows after its horizon: the specification the refits are compared under when the
+    window keeps less history than the look-back (block mode) or calls are sparse.
+
+    A detector that saw every tick of one window (seq + 1 each call, time going forward, gaps
+    short enough that the rows it still reads raw, `reach` seconds back, or with no blocks the
+    whole look-back `W`, are still in the window) has seen every row that arrived, even those the
+    window has dropped since. Otherwise it knows only what the window holds now. A job whose
+    start moved or vanished, or that got a start while rows of it are held, is known only from
+    the window's rows of it (its warm-up rows count again)."""
+
+    def __init__(self, stream: str, look_back_seconds: float, blocks: int, reach: float):
+        self.stream, self.W, self.blocks, self.reach = stream, look_back_seconds, blocks, reach
+        self._window: Window | None = None
+        self._seq = -1
+        self._now = -math.inf
+        self._starts: dict[str, float | None] | None = None
+        self.rows: pl.DataFrame | None = None
+
+    @staticmethod
+    def _starts_of(window: Window) -> dict[str, float | None]:
+        jobs = window.get("jobs")
+        out: dict[str, float | None] = {}
+        for job, start in zip(jobs["job"].to_list(), jobs["start_ts"].to_list()) if jobs.height else ():
+            out.setdefault(job, start)
+        return out
+
+    def show(self, window: Window) -> _Shown:
+        seq, now = window.seq, window.now
+        if window is self._window and seq == self._seq and self.rows is not None:
+            return _Shown(window, self.stream, self.rows)
+        keep_raw = self.reach if self.blocks else self.W
+        stepped = (
+            window is self._window
+            and seq == self._seq + 1
+            and now > self._now
+            and now - self._now <= window.horizon(self.stream) - keep_raw
+            and self.rows is not None
+        )
+        starts = self._starts_of(window)
+        if not stepped:
+            self.rows = window.get(self.stream)
+        else:
+            rows = pl.concat([self.rows, window.fresh(self.stream)], how="vertical_relaxed")
+            prev = self._starts or {}
+            held = set(rows["job"].to_list())
+            moved = [j for j in set(prev) | set(starts) if prev.get(j) != starts.get(j) and (prev.get(j) is not None or j in held)]
+            if moved:
+                rows = pl.concat([rows.filter(~pl.col("job").is_in(moved)), window.get(self.stream).filter(pl.col("job").is_in(moved))], how="vertical_relaxed")
+            self.rows = rows
+        self._window, self._seq, self._now, self._starts = window, seq, now, starts
+        return _Shown(window, self.stream, self.rows)
+
+
+class RefitOnShown:
+    """A refit called the way the pipeline calls a detector (`ingest` on ticks not due, `detect`
+    on the others), reading the rows `Shown` says the detector was shown."""
+
+    def __init__(self, refit: Any, shown: Shown):
+        self.refit, self.shown = refit, shown
+
+    def ingest(self, window: Window) -> None:
+        self.shown.show(window)
+
+    def detect(self, window: Window) -> list[Finding]:
+        return self.refit.detect(self.shown.show(window))
+
+
+def refit_oom(cfg: dict[str, Any] | None = None) -> RefitOnShown:
+    refit = RefitOom(cfg)
+    c = refit.config
+    return RefitOnShown(refit, Shown("allocator_stats", c.fit_window_seconds, c.lookback_blocks, reach=c.min_span_seconds / 2))
+
+
+def refit_fragmentation_allocator(cfg: dict[str, Any] | None = None) -> RefitOnShown:
+    refit = RefitFragmentationAllocator(cfg)
+    c = refit.config
+    return RefitOnShown(refit, Shown("allocator_stats", c.window_seconds, c.lookback_blocks, reach=0.0))

@@ -1,13 +1,10 @@
 """Block mode of the trend detectors' look-back (peak memory at 100,000 GPUs).
 
 `oom` and `fragmentation_allocator` keep, per (job, rank), aggregates of fixed time blocks of
-their look-back (gpuvigil/detectors/incremental.py: BlockStore) instead of having the pipeline's
+their look-back (gpuvigil/detectors/incremental.py: block mode) instead of having the pipeline's
 window hold every raw row of it; the look-back's far edge moves a block at a time (it starts at
 the start of the block holding now - W). Checked here:
 
-- BlockStore against a plain-Python computation over the raw rows: per key and block, the sums,
-  the oldest row (by ts, ties: the earlier arrival) and the max, after rows fed over several
-  ticks (out of time order, ties, rows for old blocks) and blocks evicted;
 - the detectors stepping over a window that keeps only what they declare (the pipeline's), against
   the from-scratch refit over a window that keeps everything, reading the same block-aligned
   look-back (tests/incremental_oracles.py: look_back): the findings must be identical on every
@@ -20,7 +17,6 @@ float64 (as in test_detectors_incremental.py) and the comparisons are equalities
 
 from __future__ import annotations
 
-import math
 import sys
 from pathlib import Path
 
@@ -37,86 +33,9 @@ from gpuvigil.pipeline.window import Window
 
 sys.path.insert(0, str(Path(__file__).parent))
 from incremental_oracles import RefitFragmentationAllocator, RefitOom  # noqa: E402
-from polars_incremental import BlockStore  # noqa: E402
 
 MIB = 1 << 20
 GIB = 1 << 30
-
-
-@st.composite
-def block_feed(draw):
-    """Ticks of (rows in arrival order, first block to keep afterwards)."""
-    b = draw(st.sampled_from([0.5, 1.0, 2.5, 5.0]))
-    t0 = draw(st.sampled_from([0.0, 1_700_000_000.0]))
-    keys = [("a", 0), ("a", 1), ("b", 0)][: draw(st.integers(1, 3))]
-    ticks = []
-    now = t0
-    for _ in range(draw(st.integers(1, 25))):
-        now += draw(st.sampled_from([0.25, 1.0, 1.0, 3.0]))
-        rows = []
-        for k in keys:
-            for _ in range(draw(st.integers(0, 3))):
-                ts = now - 0.25 * draw(st.integers(0, 24))  # late rows and ties in time
-                rows.append({"job": k[0], "rank": k[1], "ts": ts, "x": float(draw(st.integers(-50, 50))), "f": draw(st.integers(0, 9)), "m": draw(st.integers(0, 99))})
-        evict = math.floor((now - draw(st.sampled_from([2.0, 6.0, 1e9]))) / b)
-        ticks.append((rows, evict))
-    return b, ticks
-
-
-@settings(max_examples=examples(60), deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(block_feed())
-def test_block_store_equals_the_aggregates_of_its_raw_rows(feed):
-    b, ticks = feed
-    store = BlockStore(b, ["n", "x"], firsts=["f"], maxes=["m"])
-    kept: list[tuple[int, dict]] = []  # (arrival, row) of the rows still in the store
-    arrival = 0
-    evicted_total: dict[tuple, float] = {}
-    for rows, first_kept in ticks:
-        frame = pl.DataFrame([{**r, "n": 1.0} for r in rows], schema={"job": pl.Utf8, "rank": pl.Int32, "ts": pl.Float64, "x": pl.Float64, "f": pl.Int64, "m": pl.Int64, "n": pl.Float64})
-        store.add(frame)
-        for r in rows:
-            kept.append((arrival, r))
-            arrival += 1
-        gone = store.evict(first_kept)
-        out = [(i, r) for i, r in kept if math.floor(r["ts"] / b) < first_kept]
-        kept = [(i, r) for i, r in kept if math.floor(r["ts"] / b) >= first_kept]
-        if gone is None:
-            assert out == []
-        else:
-            # What left, per key and block: the same sums as its rows.
-            want_gone: dict[tuple, float] = {}
-            for _, r in out:
-                k = (r["job"], r["rank"], math.floor(r["ts"] / b))
-                want_gone[k] = want_gone.get(k, 0.0) + r["x"]
-            got_gone: dict[tuple, float] = {}
-            for r in gone.to_dicts():  # a block not yet aggregated leaves as its parts: sums add up
-                k = (r["job"], r["rank"], r["_blk"])
-                got_gone[k] = got_gone.get(k, 0.0) + r["x"]
-            assert got_gone == want_gone
-            for k, v in want_gone.items():
-                evicted_total[k] = evicted_total.get(k, 0.0) + v
-        # Every block still kept: n, sum, oldest (ts, then arrival), max.
-        want: dict[tuple, dict] = {}
-        for i, r in sorted(kept, key=lambda p: (p[1]["ts"], p[0])):
-            k = (r["job"], r["rank"], math.floor(r["ts"] / b))
-            if k not in want:
-                want[k] = {"n": 0.0, "x": 0.0, "ts_first": r["ts"], "f": r["f"], "m": r["m"]}
-            want[k]["n"] += 1.0
-            want[k]["x"] += r["x"]
-            want[k]["m"] = max(want[k]["m"], r["m"])
-        # Every block is held as one row per key.
-        assert all(len(parts) == 1 and blk in store._aggregated for blk, parts in store.blocks.items())
-        got = {(r["job"], r["rank"], blk): {c: r[c] for c in ("n", "x", "ts_first", "f", "m")} for blk in list(store.blocks) for r in store.frame(blk).to_dicts()}
-        assert got == want
-        # The oldest row of each key (first_rows) and the max over its blocks (max_of).
-        keys = pl.DataFrame({"job": ["a", "a", "b"], "rank": [0, 1, 0]}, schema={"job": pl.Utf8, "rank": pl.Int32})
-        oldest: dict[tuple, tuple] = {}
-        top: dict[tuple, int] = {}
-        for (j, r, blk), v in sorted(want.items(), key=lambda kv: kv[0][2]):
-            oldest.setdefault((j, r), (v["ts_first"], v["f"]))
-            top[(j, r)] = max(top.get((j, r), -1), v["m"])
-        assert {(r["job"], r["rank"]): (r["ts_first"], r["f"]) for r in store.first_rows(keys).to_dicts()} == oldest
-        assert {(r["job"], r["rank"]): r["m"] for r in store.max_of(keys).to_dicts()} == top
 
 
 @st.composite
@@ -164,8 +83,8 @@ def steady_series(draw):
 
 
 def _blocks_held(det) -> bool:
-    """Whether the detector holds per-block aggregates (BlockStore, or fragmentation_allocator's
-    ring of per-key block arrays)."""
+    """Whether the detector holds per-block aggregates (oom's per-block sums, or
+    fragmentation_allocator's ring of per-key block arrays)."""
     if isinstance(det, AllocatorFragmentationDetector):
         return det.R > 0 and bool(det.bn.any())
     return det._blocks is not None and bool(det._blocks.blocks)

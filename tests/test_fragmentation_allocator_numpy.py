@@ -1,6 +1,7 @@
-"""fragmentation_allocator's per-key numpy state against the polars implementation it replaced
-(tests/fragmentation_allocator_polars_oracle.py): identical findings (to_json_dict, evidence and summary
-included) on every tick, for each way the pipeline may call it (detect() every tick; ingest()
+"""fragmentation_allocator's per-key numpy state against the from-scratch refit
+(tests/incremental_oracles.py: RefitFragmentationAllocator) over the rows the detector was shown
+(`Shown`: every row of every tick it saw in turn, or what the window holds after a rebuild):
+identical findings (to_json_dict, evidence and summary included) on every tick, for each way the pipeline may call it (detect() every tick; ingest()
 every tick and detect() every 3rd; detect() only every k-th tick, which rebuilds from the
 window). Scenarios are constructed here (allocator_stats rows and jobs snapshots per tick); a
 hypothesis stream mixes them."""
@@ -22,7 +23,7 @@ from gpuvigil.detectors.fragmentation_allocator import AllocatorFragmentationDet
 from gpuvigil.pipeline.window import Window
 
 sys.path.insert(0, str(Path(__file__).parent))
-from fragmentation_allocator_polars_oracle import PolarsAllocatorFragmentationDetector  # noqa: E402
+from incremental_oracles import refit_fragmentation_allocator  # noqa: E402
 
 GIB = 1 << 30
 MIB = 1 << 20
@@ -59,7 +60,7 @@ def frame(rows):
 
 
 def compare(make_cfg, ticks, horizon, label=""):
-    """Feed ticks ((now, rows, jobs) each) to pairs (numpy detector, polars oracle) called the same
+    """Feed ticks ((now, rows, jobs) each) to pairs (numpy detector, refit oracle) called the same
     way: detect() every tick; ingest() every tick and detect() every 3rd; detect() only every 2nd /
     5th tick with nothing between. Each answer equals its oracle's. Returns the ticks on which the
     every-tick oracle found something."""
@@ -68,7 +69,7 @@ def compare(make_cfg, ticks, horizon, label=""):
         return [f.to_json_dict() for f in fs]
 
     def pair():
-        return AllocatorFragmentationDetector(make_cfg()), PolarsAllocatorFragmentationDetector(make_cfg())
+        return AllocatorFragmentationDetector(make_cfg()), refit_fragmentation_allocator(make_cfg())
 
     every, ingested, sparse = pair(), pair(), [(k, pair()) for k in (2, 5)]
     w = Window(horizon)
@@ -180,7 +181,7 @@ NAMES = ["leak", "resent", "request_once_a_block", "requeued", "job_gone_and_new
 @pytest.mark.parametrize("declared", [False, True])
 @pytest.mark.parametrize("blocks", [6, 0])
 @pytest.mark.parametrize("name", NAMES)
-def test_scenario_equals_the_polars_oracle(name, blocks, declared):
+def test_scenario_equals_the_refit(name, blocks, declared):
     """`declared`: the window keeps only the history the detector declares (as the pipeline's)."""
     ticks, horizon = scenario(name)
     make = lambda: cfg(lookback_blocks=blocks, block_slack_seconds=3.0)  # noqa: E731
@@ -229,7 +230,7 @@ def streams(draw):
 
 @settings(max_examples=examples(30), deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
 @given(streams())
-def test_hypothesis_stream_equals_the_polars_oracle(stream):
+def test_hypothesis_stream_equals_the_refit(stream):
     ticks, horizon, blocks = stream
     compare(lambda: cfg(lookback_blocks=blocks, block_slack_seconds=3.0), ticks, horizon)
 

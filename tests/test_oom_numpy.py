@@ -1,5 +1,7 @@
-"""The `oom` detector's numpy per-key state (gpuvigil/detectors/oom.py) against the polars
-implementation it replaced (tests/oom_polars_oracle.py): identical findings
+"""The `oom` detector's numpy per-key state (gpuvigil/detectors/oom.py) against the from-scratch
+refit (tests/incremental_oracles.py: RefitOom) over the rows the detector was shown (`Shown`:
+every row of every tick it saw in turn, even those the pipeline's window has dropped since; after
+a rebuild, what the window holds): identical findings
 (`to_json_dict`, evidence and summary included) on every tick, for each way the pipeline may call
 a detector: detect() every tick; ingest() on ticks not due and detect() every 3rd; detect() only
 every k-th tick with nothing between (which forces the rebuild path).
@@ -7,7 +9,7 @@ every k-th tick with nothing between (which forces the rebuild path).
 Streams are table-driven scenarios (requeues, jobs gone and new, keys that stop, late and
 out-of-order rows, equal timestamps, missed ticks, time jumps, duplicates, nulls, ranks moving)
 and a hypothesis-driven stream. Times lie on a 1/4 s grid and byte counts are whole MiB, so every
-sum is exact in float64 whatever the order it is added in (the polars group_by and the numpy
+sum is exact in float64 whatever the order it is added in (the refit's group_by and the numpy
 bincount add in different orders): the comparisons are equalities, no tolerance.
 """
 
@@ -28,7 +30,7 @@ from gpuvigil.pipeline.window import Window
 
 sys.path.insert(0, str(Path(__file__).parent))
 from hyp import examples  # noqa: E402
-from oom_polars_oracle import PolarsOomPredictor  # noqa: E402
+from incremental_oracles import refit_oom  # noqa: E402
 
 MIB = 1 << 20
 GIB = 1 << 30
@@ -53,11 +55,11 @@ def _window(det: OomPredictor, whole: bool) -> Window:
 
 
 def compare(cfg_name: str, ticks, whole: bool = False, sparse=((4, 0), (5, 2))) -> int:
-    """Feed `ticks` ((now, rows, jobs) each) to pairs (numpy, polars) called the same way; every
+    """Feed `ticks` ((now, rows, jobs) each) to pairs (numpy, refit) called the same way; every
     call must give the same findings. Returns the number of ticks with findings."""
     cfg = _cfg(cfg_name)
-    pairs = [("every", None, OomPredictor(cfg), PolarsOomPredictor(cfg)), ("ingested", None, OomPredictor(cfg), PolarsOomPredictor(cfg))]
-    pairs += [(f"every {p}", (p, q), OomPredictor(cfg), PolarsOomPredictor(cfg)) for p, q in sparse]
+    pairs = [("every", None, OomPredictor(cfg), refit_oom(cfg)), ("ingested", None, OomPredictor(cfg), refit_oom(cfg))]
+    pairs += [(f"every {p}", (p, q), OomPredictor(cfg), refit_oom(cfg)) for p, q in sparse]
     w = _window(pairs[0][2], whole)
     positives = 0
     for i, (now, rows, jobs) in enumerate(ticks):
@@ -144,7 +146,7 @@ def scenario(name: str, t0: float = 1_700_000_000.0, n: int = 90):
                 if i == n - 1 and rank == 1:
                     over = {"device_capacity_bytes": None}
             if "reserved_bytes" in over or "peak_allocated_bytes" in over:
-                # Null on a sample older than the tick's: the polars code (and the numpy one) fails
+                # Null on a sample older than the tick's: the refit (and the numpy code) fails
                 # on a finding whose newest sample lacks reserved - allocated (int(None)).
                 rows.append(_row(now - 0.75, job, rank, i, kind, **over))
                 over = {}
@@ -171,7 +173,7 @@ SCENARIOS = ["plain", "requeue", "job_gone", "new_job", "rows_stop", "late_rows"
 
 @pytest.mark.parametrize("cfg_name", ["blocks", "no_blocks"])
 @pytest.mark.parametrize("name", SCENARIOS)
-def test_scenario_gives_the_polars_findings_on_every_tick(name, cfg_name):
+def test_scenario_gives_the_refit_findings_on_every_tick(name, cfg_name):
     positives = compare(cfg_name, scenario(name))
     assert positives > 10, "leaking and fragmenting ranks must be found"
 
@@ -188,9 +190,9 @@ def test_default_config_long_run_with_findings():
 
 def test_keys_of_finished_jobs_are_dropped_and_the_rest_renumbered():
     """Job churn: each job lives 20 ticks; the key table is compacted when dead keys outnumber
-    live ones (and 1024), and findings stay the polars ones across compactions."""
+    live ones (and 1024), and findings stay the refit's across compactions."""
     cfg = _cfg("blocks")
-    new, old = OomPredictor(cfg), PolarsOomPredictor(cfg)
+    new, old = OomPredictor(cfg), refit_oom(cfg)
     w = _window(new, False)
     now, positives, compactions, seen = 1000.0, 0, 0, 0
     for i in range(160):
@@ -249,6 +251,6 @@ def stream(draw):
 
 @settings(max_examples=examples(40), deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
 @given(stream(), st.sampled_from(["blocks", "no_blocks"]), st.booleans())
-def test_random_stream_gives_the_polars_findings_on_every_tick(ticks, cfg_name, whole):
+def test_random_stream_gives_the_refit_findings_on_every_tick(ticks, cfg_name, whole):
     compare(cfg_name, ticks, whole=whole, sparse=((3, 1),))
 

@@ -32,8 +32,8 @@ Whatever the detector cannot prove it saw tick by tick (another window, a missed
 going back, a jump past the window's horizon) is rebuilt from the window's rows (`_build`, in
 polars) and loaded into the arrays; a job whose start changed (requeued, gone from the
 scheduler's snapshot, or newly given one while holding rows) is rebuilt alone. The rules are
-those of incremental.SlidingRows (which the polars version of this detector used; it is the
-test oracle, tests/fragmentation_allocator_polars_oracle.py).
+those of incremental.SlidingRows; the tests compare it with a from-scratch refit over the rows
+those rules say it was shown (tests/incremental_oracles.py: Shown).
 """
 
 from __future__ import annotations
