@@ -63,8 +63,7 @@ OOM_EVENT_KIND = {"leak": "oom_capacity", "capacity": "oom_capacity", "fragmenta
 
 # Finding kinds each case must raise about the injected target, and those it may raise too
 # (a throttled GPU is also slower than its peers and unlike them). Kind `anomaly` is scored per
-# cause (`anomaly:pcie_replay` from the PCIe rule, `anomaly:unknown` from the peer-envelope
-# detector), so that each row measures one detector.
+# cause (`anomaly:unknown` from the peer-envelope detector), so that each row measures one detector.
 MUST = {
     "nccl_hang": ["collective_hang"],
     "gpu_lost": ["xid", "collective_hang"],
@@ -75,7 +74,7 @@ MUST = {
     "remap_failure": ["ecc"],
     "thermal": ["thermal_throttle"],
     "straggler": ["straggler"],
-    "pcie_replay": ["anomaly:pcie_replay"],
+    "pcie_replay": ["pcie_replay"],
     "cluster_fragmentation": ["fragmentation_cluster"],
     # Only the anomaly detector can see it: no XID, no throttle, no slowdown, just power.
     "power_excursion": ["anomaly:unknown"],

@@ -10,7 +10,7 @@ from typing import Any, Protocol
 import polars as pl
 from pydantic import BaseModel, Field
 
-from gpuvigil import config
+from gpuvigil import config, kinds
 from gpuvigil.collectors.base import Collector
 from gpuvigil.detectors.base import Detector
 from gpuvigil.detectors.levels import LevelSelector, LevelsConfig
@@ -214,8 +214,14 @@ class Pipeline:
         return alloc.filter(pl.col("job").is_in(sorted(jobs))).select("node", "gpu").unique()
 
     def _clear_after(self, finding: Finding) -> float:
+        """The configured clear time of the finding's kind, else its policy's (gpuvigil/kinds.py),
+        else the configured default."""
         c = self.config.clear_after_seconds
-        return c.get(finding.kind.value, c.get("default", 30.0))
+        kind = finding.kind.value
+        if kind in c:
+            return c[kind]
+        own = kinds.policy(finding.kind).clear_after_seconds
+        return float(own) if own is not None else c.get("default", 30.0)
 
     def _hint_due(self, hint: Hint, now: float) -> bool:
         last = self._hint_issued_at.get(hint.id)
