@@ -699,7 +699,8 @@ def measure_cost(n_gpus: int = 100_000, history_seconds: float = 60.0, repeats: 
     from gpuvigil.detectors.anomaly import AnomalyDetector, PeerEnvelope, peer_deviations
 
     dets = default_detectors(cfg)
-    every = dict(config.section("pipeline", PipelineConfig, cfg).detector_every_seconds)
+    configured = dict(config.section("pipeline", PipelineConfig, cfg).detector_every_seconds)
+    every = {d.name: configured.get(d.name, d.spec.every_seconds or configured.get("default", 0.0)) for d in dets}
     per: dict[str, float] = {}
     for d in dets:
         d.detect(window)  # warm state (incremental detectors)

@@ -19,6 +19,7 @@ import numpy as np
 import polars as pl
 from pydantic import BaseModel
 
+from gpuvigil.detectors.base import FRESH, HISTORY, Declared, DetectorSpec
 from gpuvigil.detectors.common import gpu_jobs, settings
 from gpuvigil.detectors.per_gpu import GpuSlots, grow, last_per_slot
 from gpuvigil.model import Finding, FindingKind, Severity
@@ -30,8 +31,16 @@ class PcieConfig(BaseModel):
     min_replays_per_minute: float = 100.0
 
 
-class PcieReplayDetector:
-    name = "pcie"
+class PcieReplayDetector(Declared):
+    spec = DetectorSpec(
+        name="pcie",
+        config=PcieConfig,
+        emits=(FindingKind.PCIE_REPLAY,),
+        reads={"gpu_samples": FRESH, "allocations": HISTORY},
+        order=120,
+        level="L0",
+        streams=("gpu_samples",),
+    )
 
     def __init__(self, cfg: dict[str, Any] | None = None):
         self.config = settings("pcie", PcieConfig, cfg)

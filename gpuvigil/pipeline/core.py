@@ -223,6 +223,14 @@ class Pipeline:
         own = kinds.policy(finding.kind).clear_after_seconds
         return float(own) if own is not None else c.get("default", 30.0)
 
+    def _period(self, detector: Any) -> float:
+        """Seconds between a detector's runs: configured, else its spec's, else the default."""
+        every = self.config.detector_every_seconds
+        if detector.name in every:
+            return every[detector.name]
+        spec = getattr(detector, "spec", None)
+        return spec.every_seconds if spec is not None and spec.every_seconds else every.get("default", 0.0)
+
     def _hint_due(self, hint: Hint, now: float) -> bool:
         last = self._hint_issued_at.get(hint.id)
         if last is not None and now - last < self.config.hint_cooldown_seconds:
@@ -245,9 +253,8 @@ class Pipeline:
         reported: list[Finding] = []
         suppressed: list[Finding] = []
         det_seconds: dict[str, float] = {}
-        every = self.config.detector_every_seconds
         for detector in self.detectors:
-            period = every.get(detector.name, every.get("default", 0.0))
+            period = self._period(detector)
             last = self._detector_last_run.get(detector.name)
             if (last is not None and now - last < period - 1e-9) or not self.levels.needed(detector):
                 # Not due: keep its active findings alive until it runs again.
