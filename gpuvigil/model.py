@@ -46,6 +46,10 @@ class FindingKind(StrEnum):
     FRAGMENTATION_CLUSTER = "fragmentation_cluster"
     ANOMALY = "anomaly"  # unknown anomaly from the learned model: never pages on its own
     COLLECTOR_DOWN = "collector_down"  # a collector failed N times in a row (pipeline/health.py)
+    IB_LINK_DOWN = "ib_link_down"  # an InfiniBand/RoCE port down, or flapping
+    IB_LINK_DEGRADED = "ib_link_degraded"  # trained below its expected rate or width
+    IB_LINK_ERRORS = "ib_link_errors"  # symbol, receive or link-integrity errors over a rate
+    IB_PORT_MISSING = "ib_port_missing"  # fewer ports than expected, or one gone
 
 
 JOB_LEVEL_KINDS = frozenset(
@@ -67,6 +71,9 @@ JOB_LEVEL_KINDS = frozenset(
 # never the job that happens to hold it, so the same hot or failing GPU handed to another job
 # stays one finding, one alert and one set of hints. Alerts route them to the hardware team.
 DEVICE_KINDS = frozenset({FindingKind.XID, FindingKind.ECC, FindingKind.THERMAL_THROTTLE})
+# A network port's own faults: identified by the node and the port (evidence device, port), never
+# by the job or GPU it serves; hardware, like DEVICE_KINDS.
+PORT_KINDS = frozenset({FindingKind.IB_LINK_DOWN, FindingKind.IB_LINK_DEGRADED, FindingKind.IB_LINK_ERRORS, FindingKind.IB_PORT_MISSING})
 
 
 class HintAction(StrEnum):
@@ -125,6 +132,8 @@ class Finding(BaseModel):
         if self.kind == FindingKind.COLLECTOR_DOWN:  # one per collector target (URL, device, file)
             return _digest(self.kind.value, self.evidence.get("collector"), self.evidence.get("target"))
         xid = self.xid if self.kind == FindingKind.XID else None
+        if self.kind in PORT_KINDS:
+            return _digest(self.kind.value, None, self.node, self.evidence.get("device"), self.evidence.get("port"))
         if self.kind in DEVICE_KINDS:
             return _digest(self.kind.value, None, self.node, self.gpu, xid)
         if self.kind == FindingKind.ANOMALY and self.cause:

@@ -9,10 +9,10 @@ from urllib.parse import urlsplit
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from gpuvigil import config
-from gpuvigil.model import DEVICE_KINDS
+from gpuvigil.model import DEVICE_KINDS, PORT_KINDS
 
 _DURATION = re.compile(r"^(\d+(ms|s|m|h|d|w|y))+$")
-HARDWARE_KINDS = frozenset(k.value for k in DEVICE_KINDS)
+HARDWARE_KINDS = frozenset(k.value for k in DEVICE_KINDS | PORT_KINDS)
 
 
 def _check_duration(value: str) -> str:

@@ -53,6 +53,7 @@ SECTIONS: dict[str, str | dict[str, str]] = {
         "ecc": "gpuvigil.detectors.ecc:EccConfig",
         "thermal": "gpuvigil.detectors.thermal:ThermalConfig",
         "pcie": "gpuvigil.detectors.pcie:PcieConfig",
+        "infiniband": "gpuvigil.detectors.infiniband:InfinibandConfig",
         "straggler": "gpuvigil.detectors.straggler:StragglerConfig",
         "anomaly": "gpuvigil.detectors.anomaly:AnomalyConfig",
         "hang_device": "gpuvigil.detectors.hang_device:HangDeviceConfig",
