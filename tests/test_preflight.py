@@ -255,10 +255,10 @@ def _port(root: Path, dev: str, port: int, state="4: ACTIVE", phys="5: LinkUp", 
 
 IB_CASES = {
     "all active": ([{}] * 4, {"expect_ports": 4, "min_rate_gbps": 400}, "pass", None),
-    "a port down": ([{}, {"state": "1: DOWN", "phys": "3: Disabled"}, {}, {}], {}, "fail", "mlx5_1 port 1 is 1: DOWN, not ACTIVE"),
-    "polling": ([{}, {}, {"state": "2: INIT", "phys": "2: Polling"}, {}], {}, "fail", "mlx5_2 port 1 is 2: INIT"),
-    "active but not LinkUp": ([{"phys": "7: Phy Test"}], {}, "fail", "physical state 7: Phy Test, not LinkUp"),
-    "rate fell to HDR": ([{}, {}, {}, {"rate": "200 Gb/sec (4X HDR)"}], {"min_rate_gbps": 400}, "fail", "mlx5_3 port 1 rate 200 Gb/sec (4X HDR)"),
+    "a port down": ([{}, {"state": "1: DOWN", "phys": "3: Disabled"}, {}, {}], {}, "fail", "mlx5_1 port 1 is DOWN, not ACTIVE"),
+    "polling": ([{}, {}, {"state": "2: INIT", "phys": "2: Polling"}, {}], {}, "fail", "mlx5_2 port 1 is INIT, not ACTIVE"),
+    "active but not LinkUp": ([{"phys": "6: LinkErrorRecovery"}], {}, "fail", "physical state LinkErrorRecovery, not LinkUp"),
+    "rate fell to HDR": ([{}, {}, {}, {"rate": "200 Gb/sec (4X HDR)"}], {"min_rate_gbps": 400}, "fail", "mlx5_3 port 1 rate 200 Gb/s (4X HDR), expected at least 400 Gb/s"),
     "a port missing": ([{}] * 3, {"expect_ports": 4}, "fail", "3 InfiniBand port(s), expected 4"),
     "the ignored device is down": ([{}, {"state": "1: DOWN"}], {"ignore_devices": ["mlx5_1"]}, "pass", None),
 }

@@ -231,47 +231,21 @@ def check_dcgm(cfg: DcgmCheckConfig) -> CheckResult:
 # ---------------------------------------------------------------------------------- InfiniBand
 
 
-def _read(path: Path) -> str | None:
-    try:
-        return path.read_text(errors="replace").strip()
-    except OSError:
-        return None
-
-
-def _rate_gbps(text: str | None) -> float | None:
-    """`rate` reads like "400 Gb/sec (4X NDR)"."""
-    if not text:
-        return None
-    try:
-        return float(text.split()[0])
-    except (ValueError, IndexError):
-        return None
-
-
 def read_ib_ports(sysfs_root: str | Path) -> list[dict[str, Any]]:
-    """Every port under <sysfs-root>/class/infiniband: device, port, state, phys_state, rate."""
-    base = Path(sysfs_root) / "class" / "infiniband"
-    ports: list[dict[str, Any]] = []
-    if not base.is_dir():
-        return ports
-    for dev in sorted(base.iterdir()):
-        pdir = dev / "ports"
-        if not pdir.is_dir():
-            continue
-        for port in sorted(pdir.iterdir(), key=lambda p: (len(p.name), p.name)):
-            rate = _read(port / "rate")
-            ports.append(
-                {
-                    "device": dev.name,
-                    "port": port.name,
-                    "state": _read(port / "state") or "",
-                    "phys_state": _read(port / "phys_state") or "",
-                    "rate": rate or "",
-                    "rate_gbps": _rate_gbps(rate),
-                    "link_layer": _read(port / "link_layer") or "",
-                }
-            )
-    return ports
+    """Every port under <sysfs-root>/class/infiniband, read once by the InfiniBand collector (the
+    same parsing as `serve`): device, port, state, phys_state, rate_gbps, width, speed."""
+    from gpuvigil.collectors.infiniband import InfinibandCollector
+
+    df = InfinibandCollector(sysfs_root, node="preflight").read(0.0)
+    cols = ["device", "port", "state", "phys_state", "rate_gbps", "width", "speed", "link_layer"]
+    return [r for r in df.select([c for c in cols if c in df.columns]).to_dicts() if r.get("device") is not None]
+
+
+def _rate_text(p: dict[str, Any]) -> str:
+    if p.get("rate_gbps") is None:
+        return "unreadable"
+    lanes = f" ({p['width']}X {p['speed'] or ''})".replace(" )", ")") if p.get("width") else ""
+    return f"{p['rate_gbps']:g} Gb/s{lanes}"
 
 
 def check_infiniband(sysfs_root: str | Path, cfg: InfinibandCheckConfig) -> CheckResult:
@@ -282,14 +256,13 @@ def check_infiniband(sysfs_root: str | Path, cfg: InfinibandCheckConfig) -> Chec
     if cfg.expect_ports is not None and len(ports) != cfg.expect_ports:
         problems.append(Problem(level="fail", message=f"{len(ports)} InfiniBand port(s), expected {cfg.expect_ports}"))
     for p in ports:
-        name = f"{printable(p['device'], 40)} port {printable(p['port'], 8)}"
-        # sysfs reads "4: ACTIVE" and "5: LinkUp".
-        if "ACTIVE" not in p["state"].upper():
-            problems.append(Problem(level="fail", message=f"{name} is {printable(p['state'] or 'unreadable', 40)}, not ACTIVE"))
-        elif "LINKUP" not in p["phys_state"].upper().replace(" ", ""):
-            problems.append(Problem(level="fail", message=f"{name} physical state {printable(p['phys_state'] or 'unreadable', 40)}, not LinkUp"))
-        if cfg.min_rate_gbps is not None and (p["rate_gbps"] is None or p["rate_gbps"] < cfg.min_rate_gbps):
-            problems.append(Problem(level="fail", message=f"{name} rate {printable(p['rate'] or 'unreadable', 40)}, expected at least {cfg.min_rate_gbps:g} Gb/s"))
+        name = f"{printable(p['device'], 40)} port {p['port']}"
+        if p.get("state") != "ACTIVE":
+            problems.append(Problem(level="fail", message=f"{name} is {p.get('state') or 'unreadable'}, not ACTIVE"))
+        elif p.get("phys_state") != "LinkUp":
+            problems.append(Problem(level="fail", message=f"{name} physical state {p.get('phys_state') or 'unreadable'}, not LinkUp"))
+        if cfg.min_rate_gbps is not None and (p.get("rate_gbps") is None or p["rate_gbps"] < cfg.min_rate_gbps):
+            problems.append(Problem(level="fail", message=f"{name} rate {_rate_text(p)}, expected at least {cfg.min_rate_gbps:g} Gb/s"))
     return CheckResult.of("infiniband", problems, note=f"{len(ports)} port(s)", detail={"ports": ports})
 
 
