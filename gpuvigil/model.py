@@ -50,6 +50,9 @@ class FindingKind(StrEnum):
     IB_LINK_DEGRADED = "ib_link_degraded"  # trained below its expected rate or width
     IB_LINK_ERRORS = "ib_link_errors"  # symbol, receive or link-integrity errors over a rate
     IB_PORT_MISSING = "ib_port_missing"  # fewer ports than expected, or one gone
+    # Findings on several nodes that share a component (a leaf switch, a rack, a cooling loop)
+    # and on few others: the component, not the nodes (pipeline/components.py).
+    COMPONENT_FAULT = "component_fault"
 
 
 JOB_LEVEL_KINDS = frozenset(
@@ -129,6 +132,8 @@ class Finding(BaseModel):
         if self.kind in JOB_LEVEL_KINDS and self.evidence.get("files"):
             # No job known: the logs it was read from tell two jobs' timeouts on a node apart.
             return _digest(self.kind.value, None, self.node, "|".join(map(str, self.evidence["files"])))  # type: ignore[arg-type]
+        if self.kind == FindingKind.COMPONENT_FAULT:  # one per component, whichever nodes show it
+            return _digest(self.kind.value, self.evidence.get("level"), self.evidence.get("component"))
         if self.kind == FindingKind.COLLECTOR_DOWN:  # one per collector target (URL, device, file)
             return _digest(self.kind.value, self.evidence.get("collector"), self.evidence.get("target"))
         xid = self.xid if self.kind == FindingKind.XID else None
