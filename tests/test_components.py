@@ -75,15 +75,16 @@ def test_sources_merge_yaml_first(tmp_path):
 
 # -- the correlator -----------------------------------------------------------------------------
 
-# 128 nodes: 8 leaves of 16, 2 spines of 4 leaves, racks of 4 nodes, cooling loops of 32 nodes
+# 256 nodes: 16 leaves of 16, 4 spines of 4 leaves, racks of 4 nodes, cooling loops of 32 nodes
 # (two leaves each: cooling follows rows, not switches).
 def fat_tree() -> Topology:
     t = Topology()
-    for i in range(128):
+    for i in range(256):
         n = f"gpu-{i:03d}"
         t.place(n, "leaf_switch", f"leaf-{i // 16}")
         t.place(n, "spine", f"spine-{i // 64}")
         t.place(n, "rack", f"rack-{i // 4}")
+        t.place(n, "pdu", f"pdu-{i // 8}")
         t.place(n, "cooling_loop", f"loop-{i // 32}")
     return t
 
@@ -113,10 +114,10 @@ def _run(findings_at: dict[float, list[Finding]], **over) -> ComponentCorrelator
 CASES = {
     # name: (findings per tick, what is named: [(level, component, symptom)])
     "a leaf's nodes lose their links": ({10.0 * k: [link_down(f"gpu-{16 * 3 + k:03d}", 10.0 * k)] for k in range(6)}, [("leaf_switch", "leaf-3", "link")]),
-    "the same count spread over leaves": ({10.0 * k: [link_down(f"gpu-{16 * k:03d}", 10.0 * k)] for k in range(6)}, []),
+    "the same count spread over leaves of different spines": ({10.0 * k: [link_down(f"gpu-{16 * leaf:03d}", 10.0 * k)] for k, leaf in enumerate((0, 4, 8, 12, 1, 5))}, []),
     "two nodes are not a component": ({0.0: [link_down("gpu-001", 0.0), link_down("gpu-002", 0.0)]}, []),
     "a noisy fleet outside the leaf": (
-        {0.0: [link_down(f"gpu-{i:03d}", 0.0) for i in list(range(16, 128, 3))] + [link_down(f"gpu-{i:03d}", 0.0) for i in (0, 1, 2)]},
+        {0.0: [link_down(f"gpu-{i:03d}", 0.0) for i in list(range(16, 256, 3))] + [link_down(f"gpu-{i:03d}", 0.0) for i in (0, 1, 2)]},
         [],
     ),
     "hang culprits across one spine's leaves": (
@@ -124,6 +125,14 @@ CASES = {
         [("spine", "spine-1", "hang")],
     ),
     "throttling on one cooling loop's racks": ({20.0 * k: [throttle(f"gpu-{32 + 4 * k:03d}", 20.0 * k)] for k in range(6)}, [("cooling_loop", "loop-1", "thermal")]),
+    "a leaf plus one unrelated node under its spine is the leaf": (
+        {0.0: [link_down("gpu-010", 0.0)], **{30.0 + k: [link_down(f"gpu-{16 + k:03d}", 30.0 + k)] for k in range(5)}},
+        [("leaf_switch", "leaf-1", "link")],
+    ),
+    "a rack named first, then its PDU as the other rack's nodes throttle": (
+        {0.0: [throttle(f"gpu-{40 + k:03d}", 0.0) for k in range(4)], 60.0: [throttle(f"gpu-{44 + k:03d}", 60.0) for k in range(3)]},
+        [("rack", "rack-10", "thermal"), ("pdu", "pdu-5", "thermal")],
+    ),
     "throttling in one rack": ({0.0: [throttle(f"gpu-{40 + k:03d}", 0.0, gpu=g) for k in range(4) for g in (0, 5)]}, [("rack", "rack-10", "thermal")]),
 }
 
@@ -143,9 +152,16 @@ def test_a_component_finding_carries_the_evidence_per_node():
     assert ev["component"] == "leaf-3" and ev["level"] == "leaf_switch" and ev["nodes"] == [f"gpu-{i:03d}" for i in range(48, 53)]
     assert ev["drain_nodes"] == [f"gpu-{i:03d}" for i in range(48, 64)] and ev["component_nodes"] == 16 and ev["outside_nodes_affected"] == 0
     assert ev["per_node"][0] == "gpu-048 (+0 s): ib_link_down: gpu-048 mlx5_0 port 1 down"
-    assert f.summary == "leaf switch leaf-3: link faults on 5 of its 16 nodes within 40 s, 0 of the other 112: the leaf switch, not the nodes"
+    assert f.summary == "leaf switch leaf-3: link faults on 5 of its 16 nodes within 40 s, 0 of the other 240: the leaf switch, not the nodes"
     # named at the third node (t=20); the fourth and fifth joined it
     assert ev["named_ts"] == 20.0 and ev["first_symptom_ts"] == 0.0
+
+
+def test_a_wider_component_supersedes_the_part_named_first():
+    c = _run({0.0: [throttle(f"gpu-{40 + k:03d}", 0.0) for k in range(4)], 60.0: [throttle(f"gpu-{44 + k:03d}", 60.0) for k in range(3)]})
+    assert [(n.component, n.superseded_by) for n in c.history] == [("rack-10", "pdu:pdu-5"), ("pdu-5", None)]
+    [f] = c.observe([], 90.0)
+    assert f.evidence["component"] == "pdu-5" and f.evidence["nodes"] == [f"gpu-{i:03d}" for i in range(40, 47)] and f.evidence["first_symptom_ts"] == 0.0
 
 
 def test_a_component_expires_when_its_nodes_go_quiet():
@@ -220,3 +236,14 @@ def test_a_lone_node_fault_is_cordoned_after_the_hold(tmp_path):
     when = [(r.now, h.node, h.action) for r in results for h in r.new_hints]
     assert when == [(120.0, "gpu-017", HintAction.CORDON_NODE)]  # held hold_seconds (120), then issued
     assert p.hints_replaced_by_component == 0
+
+
+def test_a_lasting_component_is_one_finding_and_one_action_at_any_tick_spacing(tmp_path):
+    # a leaf down for hours, ticks 10 s apart then 30 min apart (a replay of sparse history)
+    script = {10.0 * k: [link_down(f"gpu-{48 + k:03d}", 10.0 * k)] for k in range(6)}
+    p = _pipeline(tmp_path, script)
+    ticks = [10.0 * k for k in range(20)] + [200.0 + 1800.0 * k for k in range(1, 8)]
+    results = [p.tick(t) for t in ticks]
+    comp = [f for r in results for f in r.new_findings if f.kind == FindingKind.COMPONENT_FAULT]
+    hints = [h for r in results for h in r.new_hints]
+    assert len(comp) == 1 and len(hints) == 16 and not any(f.kind == FindingKind.COMPONENT_FAULT for r in results for f in r.cleared_findings)

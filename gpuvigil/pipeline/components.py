@@ -108,6 +108,8 @@ class Named:
     p_value: float
     outside: int
     finding: Finding | None = None
+    # A wider component named later that holds this one (a PDU over the rack named first).
+    superseded_by: str | None = None
 
 
 class ComponentCorrelator:
@@ -171,12 +173,54 @@ class ComponentCorrelator:
         for key, named in list(self.named.items()):
             comp_nodes = set(self.members.get((named.level, named.component), ()))
             still = {n for (sym, n) in self.seen if sym == named.symptom and n in comp_nodes}
-            if not still:
+            if len(still) < self.config.min_nodes:
+                # Its fault is over (repaired, or gone quiet); one node's own fault that outlives
+                # it must not keep it named, nor draw later unrelated symptoms into it.
                 del self.named[key]
             else:
                 named.nodes |= still
+        # Widen first: new nodes in the rest of a wider component extend what was named, rather
+        # than naming another part of it.
+        self._widen(now)
         self._name_new(now)
         return [self._finding(n, now) for n in self.named.values()]
+
+    def _widen(self, now: float) -> None:
+        """A component named from its first few nodes (a rack) is replaced by the wider one that
+        holds it (the rack's PDU, its cooling loop) once the wider one's other nodes show the
+        symptom too, beyond what the background explains."""
+        cfg = self.config
+        for key, named in list(self.named.items()):
+            if key not in self.named:
+                continue
+            rule = cfg.symptoms[named.symptom]
+            part = set(self.members[(named.level, named.component)])
+            affected = {n for (sym, n) in self.seen if sym == named.symptom}
+            for level in rule.levels:
+                if level == named.level:
+                    continue
+                for comp in sorted({c for n in part for c in self.topology.components(n, level)}):
+                    whole = set(self.members[(level, comp)])
+                    if not part < whole or len(whole) > cfg.max_fleet_share * self.fleet:
+                        continue
+                    inside = affected & whole
+                    outside = len(affected - whole)
+                    q = (outside + 0.5) / (self.fleet - len(whole) + 1)
+                    rest = inside - part
+                    if binomial_tail(len(rest), len(whole - part), q) > cfg.max_p_value or binomial_tail(len(inside), len(whole), q) > cfg.max_p_value:
+                        continue
+                    wider = Named(level=level, component=comp, symptom=named.symptom, named_at=now,
+                                  first_symptom=min(self.seen[(named.symptom, n)].first for n in inside), nodes=inside,
+                                  p_value=binomial_tail(len(inside), len(whole), q), outside=outside)
+                    for k2, other in list(self.named.items()):
+                        if other.symptom == named.symptom and set(self.members[(other.level, other.component)]) < whole:
+                            other.superseded_by = f"{level}:{comp}"
+                            del self.named[k2]
+                    self.named[(level, comp, named.symptom)] = wider
+                    self.history.append(wider)
+                    break
+                if key not in self.named:
+                    break
 
     def _name_new(self, now: float) -> None:
         cfg = self.config
@@ -198,7 +242,9 @@ class ComponentCorrelator:
                         outside = len(affected - inside)
                         q = (outside + 0.5) / (pool - size + 1)
                         p = binomial_tail(len(inside), size, q)
-                        if p <= cfg.max_p_value and (best is None or (p, size) < (best[0], best[1])):
+                        if p > cfg.max_p_value or self._a_part_explains(rule.levels, level, comp, inside, explained, q):
+                            continue
+                        if best is None or (p, size) < (best[0], best[1]):
                             best = (p, size, level, comp, inside, outside)
                 if best is None:
                     break
@@ -210,6 +256,27 @@ class ComponentCorrelator:
                 members = set(self.members[(level, comp)])
                 explained |= members
                 affected -= members
+
+    def _a_part_explains(self, levels: list[str], level: str, comp: str, inside: set[str], explained: set[str], q: float) -> bool:
+        """A wider component (a spine) is not named when one of its parts (a leaf under it) holds
+        at least min_nodes of its affected nodes and the rest of it looks like the background:
+        a leaf's failure plus one unrelated node elsewhere under the spine is the leaf."""
+        whole = set(self.members[(level, comp)])
+        for sub_level in levels:
+            if sub_level == level:
+                continue
+            parts: dict[str, set[str]] = {}
+            for n in inside:
+                for part in self.topology.components(n, sub_level):
+                    parts.setdefault(part, set()).add(n)
+            for part, hit in parts.items():
+                members = set(self.members[(sub_level, part)])
+                if len(hit) < self.config.min_nodes or not members < whole:
+                    continue
+                rest = inside - members
+                if binomial_tail(len(rest), len((whole - members) - explained), q) > self.config.max_p_value:
+                    return True
+        return False
 
     def _finding(self, named: Named, now: float) -> Finding:
         cfg = self.config

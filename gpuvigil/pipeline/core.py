@@ -317,6 +317,10 @@ class Pipeline:
                 retain(stream, *(rule if rule is not None else (0.0, None)))
 
         reported.extend(self.health.findings(now))
+        if self.components is not None:
+            # Named components are reported like any finding, before clearing: one that goes on
+            # being named is one finding, not a new one (and a new drain) each tick.
+            reported.extend(self.components.observe(reported, now))
 
         # Clear what went quiet first: a cause that comes back later is a new finding.
         cleared: list[Finding] = []
@@ -333,8 +337,6 @@ class Pipeline:
                 expired.extend(self.active_hints.pop(key, []))
         self.incidents.forget(f.id for f in cleared)
         self.incidents.expire(now)
-        if self.components is not None:
-            reported.extend(self.components.observe(reported, now))
         # Every reported finding gets its incident and role before any sink sees it.
         self.incidents.observe(reported, now)
         if self.components is not None:
