@@ -305,5 +305,12 @@ def test_allreduce_between_two_processes_over_gloo():
     assert wrong.problems[0].message == "rank 0: nccl all-reduce gave a wrong sum"
 
 
+def test_a_whole_loaded_config_is_accepted(nv):
+    nv.STATE["gpus"] = [nv.gpu(pcie_width=8)]
+    cfg = config.load(overrides={"preflight": {"checks": ["nvml"], "nvml": {"pcie_width_degraded": "fail"}}})
+    v = run_preflight(cfg, nvml=nv, node="n1")
+    assert v.status == "FAIL" and "x8" in v.reason
+
+
 def test_defaults_load_and_match_the_model():
     assert config.section("preflight", PreflightConfig) == PreflightConfig()

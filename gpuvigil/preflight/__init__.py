@@ -26,9 +26,15 @@ from gpuvigil.preflight.result import EXIT_CODES, CheckResult, Problem, Verdict,
 __all__ = ["EXIT_CODES", "CheckResult", "PreflightConfig", "Problem", "Verdict", "run_preflight"]
 
 
-def run_preflight(cfg: PreflightConfig | None = None, *, nvml: Any = None, sysfs_root: str | Path = "/sys", node: str | None = None) -> Verdict:
-    """Run the configured checks on this node. `nvml` stands in for the pynvml module (tests, or
-    a caller that already loaded it); `sysfs_root` is where `class/infiniband` is read."""
+def run_preflight(cfg: PreflightConfig | dict[str, Any] | None = None, *, nvml: Any = None, sysfs_root: str | Path = "/sys", node: str | None = None) -> Verdict:
+    """Run the configured checks on this node. `cfg` is the `preflight` section, or a whole
+    loaded config (`gpuvigil.config.load(path)`), or None for the defaults. `nvml` stands in for
+    the pynvml module (tests, or a caller that already loaded it); `sysfs_root` is where
+    `class/infiniband` is read."""
+    if isinstance(cfg, dict):
+        from gpuvigil import config
+
+        cfg = config.section("preflight", PreflightConfig, cfg)
     cfg = cfg if cfg is not None else PreflightConfig()
     node = node or node_name()
     start = time.monotonic()
