@@ -314,3 +314,30 @@ def test_a_whole_loaded_config_is_accepted(nv):
 
 def test_defaults_load_and_match_the_model():
     assert config.section("preflight", PreflightConfig) == PreflightConfig()
+
+
+# -- the shipped Slurm prolog -------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("state", "env", "code"),
+    [({"gpus": [{}]}, {}, 0), ({"gpus": [{"ecc": {"0": 0, "1": 3}}]}, {}, 1), ({"gpus": [], "init_error": 12}, {}, 0),
+     ({"gpus": [], "init_error": 12}, {"GPUVIGIL_PREFLIGHT_NO_GPU": "drain"}, 1)],
+    ids=["pass starts the job", "fail drains", "no GPU on a CPU node", "no GPU drains where asked"],
+)
+def test_slurm_prolog_maps_the_verdict_to_what_slurm_does(tmp_path, state, env, code):
+    nv = _fake_module()
+    state = {**state, "gpus": [nv.gpu(**g) for g in state["gpus"]]}
+    (tmp_path / "nvml.json").write_text(json.dumps(state))
+    (tmp_path / "deploy.yaml").write_text("preflight:\n  dcgm: {command: no-such-dcgmi}\n")
+    bindir = tmp_path / "bin"
+    bindir.mkdir()
+    wrapper = bindir / "gpuvigil"
+    wrapper.write_text(f'#!/bin/sh\nexec "{sys.executable}" -m gpuvigil "$@"\n')
+    wrapper.chmod(0o755)
+    run_env = {"PATH": f"{bindir}{os.pathsep}{os.environ['PATH']}", "PYTHONPATH": f"{FAKE_DIR}{os.pathsep}{ROOT}", "GPUVIGIL_FAKE_NVML": str(tmp_path / "nvml.json"),
+               "GPUVIGIL_CONFIG": str(tmp_path / "deploy.yaml"), "GPUVIGIL_PREFLIGHT_CHECKS": "nvml,dcgm", "SLURMD_NODENAME": "gpu-node-9", **env}
+    out = subprocess.run(["sh", str(ROOT / "deploy" / "slurm" / "preflight.sh")], env=run_env, capture_output=True, text=True, timeout=120, check=False)
+    assert out.returncode == code, out.stdout + out.stderr
+    if code:
+        assert out.stderr.startswith(("FAIL preflight gpu-node-9: nvml: GPU 0: 3 volatile", "CANNOT_CHECK preflight gpu-node-9: no GPU"))
