@@ -50,6 +50,10 @@ class FindingKind(StrEnum):
     IB_LINK_DEGRADED = "ib_link_degraded"  # trained below its expected rate or width
     IB_LINK_ERRORS = "ib_link_errors"  # symbol, receive or link-integrity errors over a rate
     IB_PORT_MISSING = "ib_port_missing"  # fewer ports than expected, or one gone
+    NVLINK_DOWN = "nvlink_down"  # fewer NVLinks up than the GPU or its peers had
+    FABRIC_MANAGER = "fabric_manager"  # the GPU's NVLink fabric failed or never completes
+    ROW_REMAP_PENDING = "row_remap_pending"  # a row remap waits for a GPU reset
+    RETIRED_PAGES = "retired_pages"  # pages wait for retirement, or past the replacement limit
 
 
 JOB_LEVEL_KINDS = frozenset(
@@ -70,7 +74,17 @@ JOB_LEVEL_KINDS = frozenset(
 # Findings about a device's own health: their identity is the device (node, GPU, and the XID),
 # never the job that happens to hold it, so the same hot or failing GPU handed to another job
 # stays one finding, one alert and one set of hints. Alerts route them to the hardware team.
-DEVICE_KINDS = frozenset({FindingKind.XID, FindingKind.ECC, FindingKind.THERMAL_THROTTLE})
+DEVICE_KINDS = frozenset(
+    {
+        FindingKind.XID,
+        FindingKind.ECC,
+        FindingKind.THERMAL_THROTTLE,
+        FindingKind.NVLINK_DOWN,
+        FindingKind.FABRIC_MANAGER,
+        FindingKind.ROW_REMAP_PENDING,
+        FindingKind.RETIRED_PAGES,
+    }
+)
 # A network port's own faults: identified by the node and the port (evidence device, port), never
 # by the job or GPU it serves; hardware, like DEVICE_KINDS.
 PORT_KINDS = frozenset({FindingKind.IB_LINK_DOWN, FindingKind.IB_LINK_DEGRADED, FindingKind.IB_LINK_ERRORS, FindingKind.IB_PORT_MISSING})

@@ -54,6 +54,8 @@ SECTIONS: dict[str, str | dict[str, str]] = {
         "thermal": "gpuvigil.detectors.thermal:ThermalConfig",
         "pcie": "gpuvigil.detectors.pcie:PcieConfig",
         "infiniband": "gpuvigil.detectors.infiniband:InfinibandConfig",
+        "nvlink_fabric": "gpuvigil.detectors.nvlink_fabric:NvlinkFabricConfig",
+        "memory_repair": "gpuvigil.detectors.memory_repair:MemoryRepairConfig",
         "straggler": "gpuvigil.detectors.straggler:StragglerConfig",
         "anomaly": "gpuvigil.detectors.anomaly:AnomalyConfig",
         "hang_device": "gpuvigil.detectors.hang_device:HangDeviceConfig",

@@ -175,6 +175,12 @@ GPU_SPECS: list[tuple[str, MetricType, str, str, float]] = [
     ("gpuvigil_gpu_pcie_replays", "counter", "pcie_replay_total", "PCIe replay events.", 1),
     ("gpuvigil_gpu_xid_errors", "counter", "xid_total", "XID errors reported for this GPU.", 1),
     ("gpuvigil_gpu_last_xid", "gauge", "last_xid", "Most recent XID code on this GPU (0 when none).", 1),
+    ("gpuvigil_gpu_nvlink_links", "gauge", "nvlink_links_total", "NVLinks the GPU has (0 on a PCIe GPU without NVLink).", 1),
+    ("gpuvigil_gpu_nvlink_links_up", "gauge", "nvlink_links_up", "NVLinks in the enabled (up) state.", 1),
+    ("gpuvigil_gpu_fabric_manager_status", "gauge", "fabric_manager_status",
+     "The GPU's NVLink fabric state as DCGM's dcgmFabricManagerStatus_t (0 not supported, 1 not started, 2 in progress, 3 success, 4 failure).", 1),
+    ("gpuvigil_gpu_row_remap_pending", "gauge", "row_remap_pending", "1 when a row remap waits for a GPU reset.", 1),
+    ("gpuvigil_gpu_retired_pages_pending", "gauge", "retired_pages_pending", "1 when pages wait for a reboot to be retired (GPUs before Ampere).", 1),
 ]
 GPU_THROTTLED = ("gpuvigil_gpu_clock_throttled", "gauge", "1 when the clock-event reason is active on the GPU.")
 GPU_FATAL = ("gpuvigil_gpu_last_xid_fatal", "gauge", "1 when the GPU's most recent XID needs an operator (reset, reboot, drain) per the XID table.")
