@@ -320,3 +320,35 @@ def test_each_port_is_its_own_finding(sysfs):
 def test_unknown_error_counter_is_refused():
     with pytest.raises(Exception, match="symbol_eror"):
         InfinibandDetector(config.load(overrides={"detectors": {"infiniband": {"error_rates_per_minute": {"symbol_eror": 1}}}}))
+
+
+# -- metrics -------------------------------------------------------------------------------------------
+
+
+def test_exported_port_series(sysfs):
+    """The exporter's families for the newest read of each node's ports."""
+    from types import SimpleNamespace
+
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from gpuvigil.exporter.metrics import Snapshot
+    from gpuvigil.exporter.prometheus import _render
+
+    coll = InfinibandCollector(sysfs, node="n0", pci_to_gpu=GPUS)
+    w = Window(1e9)
+    w.add("ib_ports", coll.read(10.0))
+    w.seal(10.0)
+    put(sysfs, "mlx5_1", "state", "1: DOWN")
+    bump(sysfs, "mlx5_0", "symbol_error", 7)
+    (sysfs / "class" / "infiniband" / "mlx5_2").unlink()
+    w.add("ib_ports", coll.read(20.0))
+    w.seal(20.0)
+    fams = Snapshot(SimpleNamespace(pipeline=SimpleNamespace(window=w)))._ib_families()
+    samples = {(s.name, s.labels.get("device")): (s.value, s.labels) for f in text_string_to_metric_families(_render(fams).decode()) for s in f.samples}
+    assert samples[("gpuvigil_ib_port_up", "mlx5_0")][0] == 1 and samples[("gpuvigil_ib_port_up", "mlx5_1")][0] == 0
+    assert ("gpuvigil_ib_port_up", "mlx5_2") not in samples  # gone since the newest read
+    assert samples[("gpuvigil_ib_ports", None)] == (2, {"node": "n0"})
+    assert samples[("gpuvigil_ib_port_symbol_errors_total", "mlx5_0")] == (7, {"node": "n0", "device": "mlx5_0", "port": "1", "link_layer": "InfiniBand"})
+    assert samples[("gpuvigil_ib_port_rate_bytes_per_second", "mlx5_1")][0] == 5e10  # 400 Gb/s
+    assert samples[("gpuvigil_ib_port_info", "mlx5_0")][1] == {"node": "n0", "device": "mlx5_0", "port": "1", "link_layer": "InfiniBand",
+                                                               "pci_bus_id": "0000:19:00.0", "affinity": "pcie", "gpus": "0"}
