@@ -229,8 +229,9 @@ class Fleet(BaseModel):
     # A node summary is sent when it changes and at least this often (act's liveness of the node):
     # at 125k nodes, 20 s is ~6k small messages/s into the act leader besides the changes.
     cluster_refresh_seconds: float = Field(20.0, gt=0, description="agents resend an unchanged node summary (fragmentation_cluster at act) this often; < findings_stale_seconds")
-    agent_detectors: list[str] = Field(default_factory=lambda: ["xid", "ecc", "thermal", "pcie", "anomaly"],
-                                       description="detectors whose scope is one node or GPU: they run in the agent, every other one in detect")
+    # None: the registered detectors whose findings are all about one GPU or node (their specs'
+    # placement, detectors/registry.py); a list overrides it.
+    agent_detectors: list[str] | None = Field(None, description="detectors run in the agent, every other one in detect (default: those whose findings are about one node or GPU)")
 
     @field_validator("servers")
     @classmethod

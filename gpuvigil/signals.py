@@ -32,9 +32,10 @@ MIB = 1 << 20
 
 # Real sources. `dcgm_opt_in`: dcgm-exporter exports the field once it is in its counters file.
 # Beyond the GPU telemetry: NCCL Inspector's dumps, Flight Recorder dumps and pipes, the node's
-# GPU -> job map (collectors/jobmap.py) and the scheduler's state (built-in or Slurm).
-SOURCES = ("nvml", "dcgm", "dcgm_opt_in", "hook", "logs", "nccl_inspector", "flight_recorder", "jobmap", "scheduler")
-DEFAULT_SOURCES = ("nvml", "dcgm", "hook", "logs", "nccl_inspector", "flight_recorder", "jobmap", "scheduler")
+# GPU -> job map (collectors/jobmap.py), the scheduler's state (built-in or Slurm) and the node's
+# InfiniBand/RoCE ports read from sysfs (collectors/infiniband.py).
+SOURCES = ("nvml", "dcgm", "dcgm_opt_in", "hook", "logs", "nccl_inspector", "flight_recorder", "jobmap", "scheduler", "infiniband")
+DEFAULT_SOURCES = ("nvml", "dcgm", "hook", "logs", "nccl_inspector", "flight_recorder", "jobmap", "scheduler", "infiniband")
 
 
 @dataclass(frozen=True)
@@ -267,6 +268,8 @@ STREAM_SOURCES: Mapping[str, StreamSources] = {
     "nodes": StreamSources(("scheduler",)),
     # the scheduler's placements, and the node's own job map where it placed nothing (pipeline/jobjoin.py)
     "allocations": StreamSources(("scheduler", "jobmap", "dcgm")),
+    # every column from sysfs; the GPUs a port serves from sysfs' PCI tree and NVML's bus ids
+    "ib_ports": StreamSources(("infiniband",), {"gpus": ("infiniband", "nvml"), "affinity": ("infiniband", "nvml")}),
 }
 
 

@@ -103,13 +103,14 @@ QUIET_HINTS = {"hints": {"rules": [{"kind": "xid", "actions": ["cordon_node"]}, 
 
 def tiny_runtime(findings: list[Finding] | None = None, sinks=()) -> TinyRuntime:
     from gpuvigil import config
+    from gpuvigil.kinds import clear_after_defaults
 
     sched = Scheduler([NodeSpec(n, rack="rack-0", n_gpus=2) for n in NODES])
     sched.submit(JobSpec("train", n_gpus=3, tenant="research", priority="P0", submit_ts=0.0))
     sched.submit(JobSpec("big", n_gpus=2, tenant="vision", priority="P1", submit_ts=0.0))
     detector = FixedFindings(DEFAULT_FINDINGS if findings is None else findings)
     # Findings clear 5 s after their last report (instead of up to an hour) to keep tests short.
-    clear = {kind: 5.0 for kind in config.defaults()["pipeline"]["clear_after_seconds"]}
+    clear = {kind: 5.0 for kind in [*config.defaults()["pipeline"]["clear_after_seconds"], *clear_after_defaults()]}
     cfg = config.load(overrides={**QUIET_HINTS, "pipeline": {"clear_after_seconds": clear}})
     # node-a's InfiniBand ports: the sysfs tree of tests/data/sysfs (two NDR HCAs and a RoCE NIC)
     ib = InfinibandCollector(Path(__file__).parent / "data" / "sysfs" / "two_gpu_ndr", node=NODES[0])

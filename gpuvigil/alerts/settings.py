@@ -9,10 +9,11 @@ from urllib.parse import urlsplit
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from gpuvigil import config
-from gpuvigil.model import DEVICE_KINDS, PORT_KINDS
+from gpuvigil import kinds
 
 _DURATION = re.compile(r"^(\d+(ms|s|m|h|d|w|y))+$")
-HARDWARE_KINDS = frozenset(k.value for k in DEVICE_KINDS | PORT_KINDS)
+# Kinds routed to the hardware team whichever job holds the device (gpuvigil/kinds.py: owner).
+HARDWARE_KINDS = frozenset(k.value for k in kinds.HARDWARE_KINDS)
 
 
 def _check_duration(value: str) -> str:
@@ -67,7 +68,7 @@ class AlertSettings(BaseModel):
     end_after_seconds: float = Field(300, gt=0)
     retry_min_seconds: float = Field(1, gt=0)
     retry_max_seconds: float = Field(60, gt=0)
-    fatal_hardware_kinds: list[str] = Field(default_factory=lambda: ["xid", "ecc"])
+    fatal_hardware_kinds: list[str] = Field(default_factory=lambda: sorted(k.value for k in kinds.FATAL_KINDS))
     runbook_base_url: str = ""
     # Base URLs of the Alertmanagers gpuvigil pushes to: one, or every peer of a gossip cluster
     # (each alert goes to each peer, as Prometheus does; the cluster deduplicates notifications).

@@ -33,6 +33,7 @@ from typing import Any
 import polars as pl
 from pydantic import BaseModel, Field
 
+from gpuvigil.detectors.base import FRESH, HISTORY, Declared, DetectorSpec
 from gpuvigil.detectors.common import settings
 from gpuvigil.model import Finding, FindingKind, Severity
 from gpuvigil.pipeline.window import Window
@@ -78,11 +79,16 @@ def _port(row: dict[str, Any]) -> str:
     return f"{row['device']} port {row['port']}"
 
 
-class InfinibandDetector:
-    name = "infiniband"
-    streams = ("ib_ports", "allocations")
-    level = "L0"
-    capability = None
+class InfinibandDetector(Declared):
+    spec = DetectorSpec(
+        name="infiniband",
+        config=InfinibandConfig,
+        emits=(FindingKind.IB_LINK_DOWN, FindingKind.IB_LINK_DEGRADED, FindingKind.IB_LINK_ERRORS, FindingKind.IB_PORT_MISSING),
+        reads={"ib_ports": FRESH, "allocations": HISTORY},
+        order=125,
+        level="L0",
+        streams=("ib_ports",),
+    )
 
     def __init__(self, cfg: dict[str, Any] | None = None):
         self.config = settings("infiniband", InfinibandConfig, cfg)
@@ -98,9 +104,6 @@ class InfinibandDetector:
         self._seen = pl.DataFrame(schema=key_schema)
         self._base = pl.DataFrame(schema={**key_schema, "_ts0": pl.Float64, **{f"_{k}": pl.Int64 for k in self._counters}})
         self._hot = pl.DataFrame(schema={**key_schema, "rates": pl.Utf8, "window_seconds": pl.Float64, "per_minute": pl.Float64, "worst": pl.Utf8})
-
-    def lookback_seconds(self) -> dict[str, float]:
-        return {"ib_ports": 0.0}
 
     # -- per-tick state --------------------------------------------------------------------
 
@@ -211,6 +214,8 @@ class InfinibandDetector:
             cause="hardware",
             source=self.name,
             evidence={
+                # the port's identity (kinds.py): node/device/port, or the node for its missing ports
+                "port_id": "/".join(str(p) for p in (row["node"], row.get("device"), row.get("port")) if p is not None),
                 "device": row.get("device"),
                 "port": row.get("port"),
                 "link_layer": row.get("link_layer"),

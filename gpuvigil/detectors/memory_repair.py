@@ -18,6 +18,7 @@ from typing import Any
 import polars as pl
 from pydantic import BaseModel, Field
 
+from gpuvigil.detectors.base import FRESH, HISTORY, Declared, DetectorSpec
 from gpuvigil.detectors.common import gpu_jobs, settings
 from gpuvigil.model import Finding, FindingKind, Severity, place
 from gpuvigil.pipeline.window import Window
@@ -27,20 +28,19 @@ class MemoryRepairConfig(BaseModel):
     retired_pages_limit: int = Field(60, ge=1)
 
 
-class MemoryRepairDetector:
-    name = "memory_repair"
-    streams = ("gpu_samples", "allocations")
-    level = "L0"
-    capability = None
+class MemoryRepairDetector(Declared):
+    spec = DetectorSpec(
+        name="memory_repair",
+        config=MemoryRepairConfig,
+        emits=(FindingKind.ROW_REMAP_PENDING, FindingKind.RETIRED_PAGES),
+        reads={"gpu_samples": FRESH, "allocations": HISTORY},
+        order=127,
+        level="L0",
+        streams=("gpu_samples",),
+    )
 
     def __init__(self, cfg: dict[str, Any] | None = None):
         self.config = settings("memory_repair", MemoryRepairConfig, cfg)
-
-    def lookback_seconds(self) -> dict[str, float]:
-        return {"gpu_samples": 0.0}
-
-    def window_columns(self) -> dict[str, list[str]]:
-        return {"gpu_samples": []}
 
     def detect(self, window: Window) -> list[Finding]:
         fresh = window.fresh("gpu_samples")

@@ -21,6 +21,7 @@ from typing import Any
 import polars as pl
 from pydantic import BaseModel, Field
 
+from gpuvigil.detectors.base import FRESH, HISTORY, Declared, DetectorSpec
 from gpuvigil.detectors.common import gpu_jobs, settings
 from gpuvigil.model import Finding, FindingKind, Severity, place
 from gpuvigil.pipeline.window import Window
@@ -34,22 +35,21 @@ class NvlinkFabricConfig(BaseModel):
     min_peers: int = Field(2, ge=1)
 
 
-class NvlinkFabricDetector:
-    name = "nvlink_fabric"
-    streams = ("gpu_samples", "allocations")
-    level = "L0"
-    capability = None
+class NvlinkFabricDetector(Declared):
+    spec = DetectorSpec(
+        name="nvlink_fabric",
+        config=NvlinkFabricConfig,
+        emits=(FindingKind.NVLINK_DOWN, FindingKind.FABRIC_MANAGER),
+        reads={"gpu_samples": FRESH, "allocations": HISTORY},
+        order=126,
+        level="L0",
+        streams=("gpu_samples",),
+    )
 
     def __init__(self, cfg: dict[str, Any] | None = None):
         self.config = settings("nvlink_fabric", NvlinkFabricConfig, cfg)
         self._max_up: dict[tuple[str, int], int] = {}  # the most links each GPU had up
         self._waiting_since: dict[tuple[str, int], tuple[int, float]] = {}  # GPU -> (status, since)
-
-    def lookback_seconds(self) -> dict[str, float]:
-        return {"gpu_samples": 0.0}
-
-    def window_columns(self) -> dict[str, list[str]]:
-        return {"gpu_samples": []}
 
     def detect(self, window: Window) -> list[Finding]:
         fresh = window.fresh("gpu_samples")

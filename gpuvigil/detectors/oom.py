@@ -37,6 +37,7 @@ import numpy as np
 import polars as pl
 from pydantic import BaseModel, Field, model_validator
 
+from gpuvigil.detectors.base import HISTORY, Declared, DetectorSpec
 from gpuvigil.detectors.common import rank_at, settings
 from gpuvigil.detectors.incremental import KeyIndex, SlidingRows
 from gpuvigil.model import Finding, FindingKind, Severity
@@ -182,8 +183,18 @@ class _BlockSums:
         self.blocks: dict[int, np.ndarray] = {}
 
 
-class OomPredictor:
-    name = "oom"
+class OomPredictor(Declared):
+    spec = DetectorSpec(
+        name="oom",
+        config=OomConfig,
+        emits=(FindingKind.OOM_PREDICTED,),
+        reads={"allocator_stats": HISTORY, "jobs": HISTORY},
+        order=40,
+        level="L2",
+        capability="oom",
+        streams=("allocator_stats",),
+        every_seconds=5.0,
+    )
 
     def __init__(self, cfg: dict[str, Any] | None = None):
         self.config = settings("oom", OomConfig, cfg)

@@ -10,7 +10,7 @@ from typing import Any, Protocol
 import polars as pl
 from pydantic import BaseModel, Field
 
-from gpuvigil import config
+from gpuvigil import config, kinds
 from gpuvigil.collectors.base import Collector
 from gpuvigil.detectors.base import Detector
 from gpuvigil.detectors.levels import LevelSelector, LevelsConfig
@@ -214,8 +214,22 @@ class Pipeline:
         return alloc.filter(pl.col("job").is_in(sorted(jobs))).select("node", "gpu").unique()
 
     def _clear_after(self, finding: Finding) -> float:
+        """The configured clear time of the finding's kind, else its policy's (gpuvigil/kinds.py),
+        else the configured default."""
         c = self.config.clear_after_seconds
-        return c.get(finding.kind.value, c.get("default", 30.0))
+        kind = finding.kind.value
+        if kind in c:
+            return c[kind]
+        own = kinds.policy(finding.kind).clear_after_seconds
+        return float(own) if own is not None else c.get("default", 30.0)
+
+    def _period(self, detector: Any) -> float:
+        """Seconds between a detector's runs: configured, else its spec's, else the default."""
+        every = self.config.detector_every_seconds
+        if detector.name in every:
+            return every[detector.name]
+        spec = getattr(detector, "spec", None)
+        return spec.every_seconds if spec is not None and spec.every_seconds else every.get("default", 0.0)
 
     def _hint_due(self, hint: Hint, now: float) -> bool:
         last = self._hint_issued_at.get(hint.id)
@@ -239,9 +253,8 @@ class Pipeline:
         reported: list[Finding] = []
         suppressed: list[Finding] = []
         det_seconds: dict[str, float] = {}
-        every = self.config.detector_every_seconds
         for detector in self.detectors:
-            period = every.get(detector.name, every.get("default", 0.0))
+            period = self._period(detector)
             last = self._detector_last_run.get(detector.name)
             if (last is not None and now - last < period - 1e-9) or not self.levels.needed(detector):
                 # Not due: keep its active findings alive until it runs again.
