@@ -69,7 +69,7 @@ class AlertSettings(BaseModel):
     retry_min_seconds: float = Field(1, gt=0)
     retry_max_seconds: float = Field(60, gt=0)
     fatal_hardware_kinds: list[str] = Field(default_factory=lambda: sorted(k.value for k in kinds.FATAL_KINDS))
-    runbook_base_url: str = ""
+    runbook_base_url: str = "https://github.com/gpuvigil/gpuvigil/blob/main/docs/runbooks.md"
     # Base URLs of the Alertmanagers gpuvigil pushes to: one, or every peer of a gossip cluster
     # (each alert goes to each peer, as Prometheus does; the cluster deduplicates notifications).
     alertmanagers: list[str] = Field(default_factory=list)

@@ -74,7 +74,8 @@ class HangDetector(Declared):
         """
         fresh = window.fresh("rank_progress")
         if fresh.height:
-            fresh = fresh.sort("ts").group_by(["job", "rank"], maintain_order=True).last()
+            # in the stream's column order, as a state begun from an empty tick has it
+            fresh = fresh.sort("ts").group_by(["job", "rank"], maintain_order=True).last().select(fresh.columns)
         if self._state is None:
             state = fresh.with_columns(pl.col("ts").alias("since"))
         elif fresh.height == 0:

@@ -173,6 +173,8 @@ class OomDeviceConfig(BaseModel):
                 raise ValueError(f"trend window {w:g} s is not {self.trend_blocks} blocks of whole {self.trend_bucket_seconds:g} s buckets")
         if self.trend_min_block_rises > self.trend_blocks - 1:
             raise ValueError("trend_min_block_rises is more than trend_blocks - 1")
+        if self.page_within_seconds > self.predict_horizon_seconds:
+            raise ValueError("page_within_seconds must not exceed predict_horizon_seconds (a prediction beyond the horizon is never made, so it could never page)")
         return self
 
 

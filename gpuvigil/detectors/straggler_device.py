@@ -78,7 +78,7 @@ class StragglerDeviceConfig(BaseModel):
     # gpu_samples history declared to the pipeline (lookback_seconds): what a rebuild of the rings
     # can read. None: the whole look-back (max(window_seconds, recent_seconds)), so a rebuild is
     # exact; shorter, the window may keep less (memory) and a rebuild starts from what it holds.
-    rebuild_history_seconds: float | None = Field(None, gt=0)
+    rebuild_history_seconds: float | None = Field(20.0, gt=0)
 
 ALLOC = ["job", "rank", "node", "gpu"]
 ALLOC_SCHEMA = {"job": pl.Utf8, "rank": pl.Int32, "node": pl.Utf8, "gpu": pl.Int32}

@@ -20,7 +20,7 @@ _LAST = ("temperature_c", "sm_clock_mhz", "power_w")  # the latest sample's valu
 
 
 class ThermalConfig(BaseModel):
-    window_seconds: float = 30.0
+    window_seconds: float = 15.0
     min_samples: int = 10
     min_throttled_share: float = 0.8
     reason_mask: int = 0xE8

@@ -25,7 +25,9 @@ from gpuvigil.recentlog import RecentLog
 
 class PipelineConfig(BaseModel):
     tick_seconds: float = Field(1.0, gt=0)
-    horizon_seconds: dict[str, float] = Field(default_factory=lambda: {"default": 600.0})
+    horizon_seconds: dict[str, float] = Field(
+        default_factory=lambda: {"default": 600.0, "gpu_samples": 120.0, "rank_progress": 180.0, "allocator_stats": 180.0, "gpu_processes": 180.0, "collective_progress": 180.0, "events": 3600.0}
+    )
     # A finding that is not reported again for this long is cleared (its hints expire).
     clear_after_seconds: dict[str, float] = Field(default_factory=lambda: {"default": 30.0})
     # Trend detectors need not run every tick; 0 = every tick.
