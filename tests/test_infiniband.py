@@ -10,6 +10,7 @@ states between reads, as a live link does.
 
 from __future__ import annotations
 
+import json
 import shutil
 from pathlib import Path
 
@@ -196,22 +197,38 @@ def test_a_port_leaving_active_is_down_and_pages_with_its_gpu_and_job(sysfs):
     assert [g.id for g in out[3]] == [f.id]  # still down: the same finding
 
 
-def test_link_downed_rising_while_up_is_flapping(sysfs):
+def test_link_downed_rising_while_up_is_a_drop_then_flapping(sysfs):
     """Each drop lasts less than a read interval: only the counter sees it."""
     flap = lambda root: bump(root, "mlx5_1", "link_downed", 1)  # noqa: E731
     out = run(sysfs, [None, flap, None, flap, None], alloc=ALLOC)
-    assert out[:3] == [[], [], []]  # one drop: not yet flapping
+    assert out[0] == []  # the boot's link_downed 1 is history, not a drop seen
+    [one] = out[1]
+    assert (one.kind.value, one.severity.value, one.gpu, one.job) == ("ib_link_down", "ticket", 1, "eval-2")
+    assert one.evidence["flapping"] is True and one.evidence["events_in_window"] == 1 and "dropped" in one.summary
     [f] = out[3]
-    assert (f.kind.value, f.severity.value, f.gpu, f.job) == ("ib_link_down", "ticket", 1, "eval-2")
-    assert f.evidence["flapping"] is True and f.evidence["events_in_window"] == 2 and f.evidence["link_downed"] == 3
-    assert "flapping" in f.summary
+    assert f.id == one.id and f.evidence["events_in_window"] == 2 and f.evidence["link_downed"] == 3
+    assert "flapping" in f.summary and "down 2 times" in f.summary
     assert len(out[4]) == 1  # both drops still within 600 s
 
 
 def test_flaps_age_out_of_the_window(sysfs):
     flap = lambda root: bump(root, "mlx5_1", "link_downed", 1)  # noqa: E731
-    out = run(sysfs, [None, flap, flap, None, None], cfg={"flap_window_seconds": 45.0})
+    out = run(sysfs, [None, flap, flap, None, None], cfg={"flap_window_seconds": 45.0, "flap_min_events": 2})
     assert [len(x) for x in out] == [0, 0, 1, 0, 0]
+    out = run(sysfs, [None, flap, None, None, None], cfg={"flap_window_seconds": 45.0})
+    assert [len(x) for x in out] == [0, 1, 1, 0, 0]
+
+
+def test_an_error_burst_is_reported_before_the_window_ends(sysfs):
+    """1000 symbol errors within 30 s: over the 60 s window's allowance (10/min x 1 min) already."""
+
+    def burst(root):
+        bump(root, "mlx5_0", "symbol_error", 1000)
+
+    out = run(sysfs, [None, burst])
+    [f] = out[1]
+    assert f.kind.value == "ib_link_errors" and f.evidence["window_seconds"] == 30.0 and f.evidence["symbol_error"] == 1000
+    assert json.loads(f.evidence["errors_per_minute"])["symbol_error"] == 2000.0
 
 
 def test_never_active_port_is_not_down_unless_expected(sysfs):
