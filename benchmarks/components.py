@@ -108,7 +108,7 @@ def _finding(symptom: str, node: str, at: float, tag: str) -> Any:
     from gpuvigil.model import Finding, FindingKind, Severity
 
     if symptom == "link":
-        return Finding(kind=FindingKind.IB_LINK_DOWN, severity=Severity.PAGE, ts=at, node=node, evidence={"device": "mlx5_0", "port": 1}, summary=f"{node} mlx5_0 port 1 down", source="infiniband")
+        return Finding(kind=FindingKind.IB_LINK_DOWN, severity=Severity.PAGE, ts=at, node=node, evidence={"device": "mlx5_0", "port": 1, "port_id": f"{node}/mlx5_0/1"}, summary=f"{node} mlx5_0 port 1 down", source="infiniband")
     if symptom == "thermal":
         return Finding(kind=FindingKind.THERMAL_THROTTLE, severity=Severity.TICKET, ts=at, node=node, gpu=0, summary=f"{node} GPU 0 throttled", source="thermal")
     if symptom == "hang":

@@ -63,8 +63,7 @@ OOM_EVENT_KIND = {"leak": "oom_capacity", "capacity": "oom_capacity", "fragmenta
 
 # Finding kinds each case must raise about the injected target, and those it may raise too
 # (a throttled GPU is also slower than its peers and unlike them). Kind `anomaly` is scored per
-# cause (`anomaly:pcie_replay` from the PCIe rule, `anomaly:unknown` from the peer-envelope
-# detector), so that each row measures one detector.
+# cause (`anomaly:unknown` from the peer-envelope detector), so that each row measures one detector.
 MUST = {
     "nccl_hang": ["collective_hang"],
     "gpu_lost": ["xid", "collective_hang"],
@@ -75,7 +74,7 @@ MUST = {
     "remap_failure": ["ecc"],
     "thermal": ["thermal_throttle"],
     "straggler": ["straggler"],
-    "pcie_replay": ["anomaly:pcie_replay"],
+    "pcie_replay": ["pcie_replay"],
     "cluster_fragmentation": ["fragmentation_cluster"],
     # Only the anomaly detector can see it: no XID, no throttle, no slowdown, just power.
     "power_excursion": ["anomaly:unknown"],
@@ -700,7 +699,8 @@ def measure_cost(n_gpus: int = 100_000, history_seconds: float = 60.0, repeats: 
     from gpuvigil.detectors.anomaly import AnomalyDetector, PeerEnvelope, peer_deviations
 
     dets = default_detectors(cfg)
-    every = dict(config.section("pipeline", PipelineConfig, cfg).detector_every_seconds)
+    configured = dict(config.section("pipeline", PipelineConfig, cfg).detector_every_seconds)
+    every = {d.name: configured.get(d.name, d.spec.every_seconds or configured.get("default", 0.0)) for d in dets}
     per: dict[str, float] = {}
     for d in dets:
         d.detect(window)  # warm state (incremental detectors)

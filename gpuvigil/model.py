@@ -1,8 +1,9 @@
 """Typed findings and hints: what detectors conclude and what a scheduler should do about it.
 
 Both have a JSON form (pydantic) used by the CLI, the feedback API, the alert outbox and the
-tests. A finding's `cause_key` identifies the underlying cause (same kind, job, node, GPU), so
-that a cause seen on every tick is one finding, and one hint, not thousands.
+tests. A finding's `cause_key` identifies the underlying cause (the identity fields of its kind's
+policy, gpuvigil/kinds.py), so that a cause seen on every tick is one finding, and one hint, not
+thousands.
 """
 
 from __future__ import annotations
@@ -15,7 +16,8 @@ from typing import Any, Literal
 import polars as pl
 from pydantic import BaseModel, ConfigDict, Field
 
-from gpuvigil import schemas
+from gpuvigil import kinds, schemas
+from gpuvigil.kinds import FindingKind
 
 
 class Severity(StrEnum):
@@ -29,54 +31,11 @@ class Severity(StrEnum):
 SEVERITY_RANK = {Severity.INFO: 0, Severity.TICKET: 1, Severity.PAGE: 2}
 
 
-class FindingKind(StrEnum):
-    OOM_PREDICTED = "oom_predicted"
-    OOM_CAPACITY = "oom_capacity"
-    OOM_FRAGMENTATION = "oom_fragmentation"
-    OOM_FOREIGN_PROCESS = "oom_foreign_process"
-    OOM_UNEXPLAINED = "oom_unexplained"  # the message's own figures say the room was free
-    NCCL_TIMEOUT = "nccl_timeout"
-    COLLECTIVE_HANG = "collective_hang"
-    COLLECTIVE_MISMATCH = "collective_mismatch"
-    XID = "xid"
-    ECC = "ecc"
-    THERMAL_THROTTLE = "thermal_throttle"
-    STRAGGLER = "straggler"
-    FRAGMENTATION_ALLOCATOR = "fragmentation_allocator"
-    FRAGMENTATION_CLUSTER = "fragmentation_cluster"
-    ANOMALY = "anomaly"  # unknown anomaly from the learned model: never pages on its own
-    COLLECTOR_DOWN = "collector_down"  # a collector failed N times in a row (pipeline/health.py)
-    IB_LINK_DOWN = "ib_link_down"  # an InfiniBand/RoCE port down, or flapping
-    IB_LINK_DEGRADED = "ib_link_degraded"  # trained below its expected rate or width
-    IB_LINK_ERRORS = "ib_link_errors"  # symbol, receive or link-integrity errors over a rate
-    IB_PORT_MISSING = "ib_port_missing"  # fewer ports than expected, or one gone
-    # Findings on several nodes that share a component (a leaf switch, a rack, a cooling loop)
-    # and on few others: the component, not the nodes (pipeline/components.py).
-    COMPONENT_FAULT = "component_fault"
-
-
-JOB_LEVEL_KINDS = frozenset(
-    {
-        FindingKind.OOM_PREDICTED,
-        FindingKind.OOM_CAPACITY,
-        FindingKind.OOM_FRAGMENTATION,
-        FindingKind.OOM_FOREIGN_PROCESS,
-        FindingKind.OOM_UNEXPLAINED,
-        FindingKind.NCCL_TIMEOUT,
-        FindingKind.COLLECTIVE_HANG,
-        FindingKind.COLLECTIVE_MISMATCH,
-        FindingKind.FRAGMENTATION_CLUSTER,
-        FindingKind.FRAGMENTATION_ALLOCATOR,
-    }
-)
-
+# The kinds and their policy (scope, owner, identity, clear time, runbook): gpuvigil/kinds.py.
+JOB_LEVEL_KINDS = kinds.JOB_SCOPE_KINDS
 # Findings about a device's own health: their identity is the device (node, GPU, and the XID),
-# never the job that happens to hold it, so the same hot or failing GPU handed to another job
-# stays one finding, one alert and one set of hints. Alerts route them to the hardware team.
-DEVICE_KINDS = frozenset({FindingKind.XID, FindingKind.ECC, FindingKind.THERMAL_THROTTLE})
-# A network port's own faults: identified by the node and the port (evidence device, port), never
-# by the job or GPU it serves; hardware, like DEVICE_KINDS.
-PORT_KINDS = frozenset({FindingKind.IB_LINK_DOWN, FindingKind.IB_LINK_DEGRADED, FindingKind.IB_LINK_ERRORS, FindingKind.IB_PORT_MISSING})
+# never the job that happens to hold it. Alerts route them to the hardware team.
+DEVICE_KINDS = kinds.HARDWARE_KINDS
 
 
 class HintAction(StrEnum):
@@ -122,30 +81,28 @@ class Finding(BaseModel):
 
     @property
     def cause_key(self) -> str:
-        """Stable identity of the underlying cause (ignores time and evidence).
+        """Stable identity of the underlying cause (ignores time and evidence): the digest of the
+        fields its kind's policy names (gpuvigil/kinds.py).
 
         Job-level causes (a leak, a hang, a blocked gang) follow the job wherever it is
-        rescheduled; a device's own faults (DEVICE_KINDS) belong to the GPU, whichever job holds it.
+        rescheduled; a device's own faults belong to the GPU, whichever job holds it.
         """
-        if self.kind in JOB_LEVEL_KINDS and self.job:
-            return _digest(self.kind.value, self.job)
-        if self.kind in JOB_LEVEL_KINDS and self.evidence.get("files"):
-            # No job known: the logs it was read from tell two jobs' timeouts on a node apart.
-            return _digest(self.kind.value, None, self.node, "|".join(map(str, self.evidence["files"])))  # type: ignore[arg-type]
-        if self.kind == FindingKind.COMPONENT_FAULT:  # one per component, whichever nodes show it
-            return _digest(self.kind.value, self.evidence.get("level"), self.evidence.get("component"))
-        if self.kind == FindingKind.COLLECTOR_DOWN:  # one per collector target (URL, device, file)
-            return _digest(self.kind.value, self.evidence.get("collector"), self.evidence.get("target"))
-        xid = self.xid if self.kind == FindingKind.XID else None
-        if self.kind in PORT_KINDS:
-            return _digest(self.kind.value, None, self.node, self.evidence.get("device"), self.evidence.get("port"))
-        if self.kind in DEVICE_KINDS:
-            return _digest(self.kind.value, None, self.node, self.gpu, xid)
-        if self.kind == FindingKind.ANOMALY and self.cause:
-            # An anomaly's cause (pcie_replay, or the learned model's unknown) is part of what it
-            # is: a PCIe replay finding must not overwrite the model's anomaly on the same GPU.
-            return _digest(self.kind.value, self.job, self.node, self.gpu, xid, self.cause)
-        return _digest(self.kind.value, self.job, self.node, self.gpu, xid)
+        p = kinds.policy(self.kind)
+        ident = p.identity
+        if ident == ("job",):
+            if self.job:
+                return _digest(self.kind.value, self.job)
+            if self.evidence.get("files"):
+                # No job known: the logs it was read from tell two jobs' timeouts on a node apart.
+                return _digest(self.kind.value, None, self.node, "|".join(map(str, self.evidence["files"])))  # type: ignore[arg-type]
+            return _digest(self.kind.value, None, self.node, self.gpu, None)
+        if all(f.startswith("evidence.") for f in ident):  # e.g. one per collector target (URL, device, file)
+            return _digest(self.kind.value, *(self.evidence.get(f.split(".", 1)[1]) for f in ident))
+        parts: list[object] = [self.kind.value, *(getattr(self, f) if f in ident else None for f in kinds.IDENTITY_FIELDS)]
+        if "cause" in ident and self.cause:
+            # An anomaly's cause is part of what it is: two causes on one GPU are two findings.
+            parts.append(self.cause)
+        return _digest(*parts)
 
     @property
     def id(self) -> str:

@@ -154,14 +154,14 @@ class JoinPcie:
         for row in self._flagged.join(gpu_jobs(window), on=["node", "gpu"], how="left").iter_rows(named=True):
             findings.append(
                 Finding(
-                    kind=FindingKind.ANOMALY,
+                    kind=FindingKind.PCIE_REPLAY,
                     severity=Severity.TICKET,
                     ts=window.now,
                     job=row["job"],
                     ranks=[int(row["rank"])] if row["rank"] is not None else [],
                     node=row["node"],
                     gpu=row["gpu"],
-                    cause="pcie_replay",
+                    cause="hardware",
                     source=self.name,
                     evidence={
                         "pcie_replays_per_minute": round(float(row["per_minute"]), 1),

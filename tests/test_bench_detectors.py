@@ -70,7 +70,7 @@ def test_quick_suite_completes_with_a_well_formed_table(tmp_path):
     assert result["oom_predicted"]["expected"] == must_count["oom_predicted"] == 3  # leak, fragmentation, foreign
     assert result["baseline_watchdog_600s"]["expected"] == 2
     # The anomaly detector has its own case (power_excursion) and row; the PCIe rule has its own.
-    assert result["anomaly:unknown"]["expected"] == 1 and result["anomaly:pcie_replay"]["expected"] == 1
+    assert result["anomaly:unknown"]["expected"] == 1 and result["pcie_replay"]["expected"] == 1
     for key in ("collective_hang", "oom_predicted", "baseline_watchdog_600s", "baseline_static_memory_95pct_1m"):
         row = result[key]
         # The figures are not fixed, but they must be the figures of these counts.

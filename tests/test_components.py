@@ -90,7 +90,7 @@ def fat_tree() -> Topology:
 
 
 def link_down(node: str, ts: float) -> Finding:
-    return Finding(kind=FindingKind.IB_LINK_DOWN, severity=Severity.PAGE, ts=ts, node=node, evidence={"device": "mlx5_0", "port": 1}, summary=f"{node} mlx5_0 port 1 down", source="infiniband")
+    return Finding(kind=FindingKind.IB_LINK_DOWN, severity=Severity.PAGE, ts=ts, node=node, evidence={"device": "mlx5_0", "port": 1, "port_id": f"{node}/mlx5_0/1"}, summary=f"{node} mlx5_0 port 1 down", source="infiniband")
 
 
 def throttle(node: str, ts: float, gpu: int = 0) -> Finding:

@@ -96,7 +96,7 @@ def test_every_default_section_has_a_model_and_the_defaults_validate():
     config.validate_all(defaults, "defaults")
     # Every detector block in the defaults has its model (a detector may leave all its
     # thresholds at the model's defaults, with no block).
-    assert set(defaults["detectors"]) <= set(config.SECTIONS["detectors"])
+    assert set(defaults["detectors"]) <= set(config.blocks("detectors") or ())
 
 
 def test_defaults_are_parsed_once_and_handed_out_as_copies():

@@ -468,7 +468,7 @@ def pcie_run(rate_per_s, seconds=130, **over):
 def test_pcie_replay_rate_tickets_and_keeps_one_baseline_row():
     out, det = pcie_run(5.0)  # 300/min
     f = next(fs[0] for fs in out if fs)
-    assert (f.kind.value, f.cause, f.severity.value) == ("anomaly", "pcie_replay", "ticket")
+    assert (f.kind.value, f.cause, f.severity.value) == ("pcie_replay", "hardware", "ticket")
     assert f.evidence["pcie_replays_per_minute"] == pytest.approx(300.0, rel=0.05)
     assert det._base.height == 1
 

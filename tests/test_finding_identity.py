@@ -48,3 +48,54 @@ def test_a_rank_level_finding_still_belongs_to_its_job(kind):
 def test_job_level_causes_follow_the_job_across_nodes():
     a = finding(FindingKind.COLLECTIVE_HANG, node="node-1", gpu=3)
     assert finding(FindingKind.COLLECTIVE_HANG, node="node-7", gpu=0, ts=999.0).id == a.id
+
+
+# -- the kinds table, end to end --------------------------------------------------------------------
+
+
+class _Counters:
+    """One GPU's PCIe replay counter, growing 300 a minute, and its job's placement."""
+
+    name = "counters"
+    errors = 0
+    streams: dict = {}
+
+    def collect(self, now: float) -> dict:
+        from gpuvigil import schemas
+
+        return {
+            "gpu_samples": schemas.frame([{"ts": now, "node": "node-1", "gpu": 3, "pcie_replay_total": int(5 * now)}], schemas.GPU_SAMPLES),
+            "allocations": schemas.frame([{"job": "job-a", "rank": 0, "node": "node-1", "gpu": 3}], schemas.ALLOCATIONS),
+        }
+
+
+class _LearnedAnomaly:
+    """The learned model's anomaly on the same GPU, every tick."""
+
+    name = "anomaly_stub"
+    streams = ("gpu_samples",)
+
+    def detect(self, window) -> list[Finding]:
+        return [finding(FindingKind.ANOMALY, severity=Severity.INFO, ts=window.now, cause="unknown")]
+
+
+def test_a_pcie_replay_finding_and_an_anomaly_on_one_gpu_both_stay_and_the_link_gets_its_hint():
+    from gpuvigil import config
+    from gpuvigil.alerts.pusher import team_of
+    from gpuvigil.alerts.settings import load_settings
+    from gpuvigil.detectors.pcie import PcieReplayDetector
+    from gpuvigil.model import HintAction
+    from gpuvigil.pipeline.core import Pipeline
+
+    cfg = config.defaults()
+    pipe = Pipeline([_Counters()], [PcieReplayDetector(cfg), _LearnedAnomaly()], cfg=cfg)
+    results = [pipe.tick(float(t)) for t in range(0, 70)]
+    kinds = sorted(f.kind.value for f in pipe.active.values())
+    assert kinds == ["anomaly", "pcie_replay"]
+    [pcie] = [f for f in pipe.active.values() if f.kind == FindingKind.PCIE_REPLAY]
+    hints = [h for r in results for h in r.new_hints]
+    assert [(h.action, h.node, h.finding_id) for h in hints] == [(HintAction.CORDON_NODE, "node-1", pcie.id)]
+    # A device's fault: the hardware team's, however the tenant's team is set up.
+    settings = load_settings(cfg)
+    assert team_of(pcie, "some-tenant", settings) == settings.hardware_team
+    assert pcie.id == pcie.model_copy(update={"job": "job-b"}).id

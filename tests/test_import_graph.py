@@ -52,7 +52,8 @@ CLI_ENTRY_POINTS = {"gpuvigil.__main__", "gpuvigil.cli"}
 ALLOWED_ONLY: list[tuple[str, tuple[str, ...], str]] = [
     ("gpuvigil.schemas", ("polars", "pydantic", "gpuvigil.schemas", "gpuvigil.signals", "gpuvigil.model"), "the data contract sits below everything"),
     ("gpuvigil.signals", ("polars",), "the table of telemetry columns the schema is built from sits below it"),
-    ("gpuvigil.model", ("polars", "pydantic", "gpuvigil.schemas", "gpuvigil.model"), "the data contract sits below everything"),
+    ("gpuvigil.model", ("polars", "pydantic", "gpuvigil.schemas", "gpuvigil.model", "gpuvigil.kinds"), "the data contract sits below everything"),
+    ("gpuvigil.kinds", (), "the table of finding kinds the data contract is built from sits below it"),
     (
         "gpuvigil.parsers",
         ("pydantic", "gpuvigil.parsers", "gpuvigil.config", "gpuvigil.model", "gpuvigil.schemas", "gpuvigil.errors"),

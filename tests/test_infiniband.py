@@ -10,6 +10,7 @@ states between reads, as a live link does.
 
 from __future__ import annotations
 
+import json
 import shutil
 from pathlib import Path
 
@@ -140,7 +141,7 @@ def test_without_gpus_ports_are_node_level_and_no_tree_is_a_row_saying_so(tmp_pa
     c = InfinibandCollector(tmp_path, node="n9")
     [row] = c.read(5.0).to_dicts()
     assert (row["node"], row["device"], row["port"], row["ts"]) == ("n9", None, None, 5.0)
-    assert "does not exist" in c.health()[str(tmp_path / "class" / "infiniband")]
+    assert c.health() == {str(tmp_path / "class" / "infiniband"): None}  # no RDMA here: not a failing collector
 
 
 # -- the detector -------------------------------------------------------------------------------------
@@ -196,22 +197,38 @@ def test_a_port_leaving_active_is_down_and_pages_with_its_gpu_and_job(sysfs):
     assert [g.id for g in out[3]] == [f.id]  # still down: the same finding
 
 
-def test_link_downed_rising_while_up_is_flapping(sysfs):
+def test_link_downed_rising_while_up_is_a_drop_then_flapping(sysfs):
     """Each drop lasts less than a read interval: only the counter sees it."""
     flap = lambda root: bump(root, "mlx5_1", "link_downed", 1)  # noqa: E731
     out = run(sysfs, [None, flap, None, flap, None], alloc=ALLOC)
-    assert out[:3] == [[], [], []]  # one drop: not yet flapping
+    assert out[0] == []  # the boot's link_downed 1 is history, not a drop seen
+    [one] = out[1]
+    assert (one.kind.value, one.severity.value, one.gpu, one.job) == ("ib_link_down", "ticket", 1, "eval-2")
+    assert one.evidence["flapping"] is True and one.evidence["events_in_window"] == 1 and "dropped" in one.summary
     [f] = out[3]
-    assert (f.kind.value, f.severity.value, f.gpu, f.job) == ("ib_link_down", "ticket", 1, "eval-2")
-    assert f.evidence["flapping"] is True and f.evidence["events_in_window"] == 2 and f.evidence["link_downed"] == 3
-    assert "flapping" in f.summary
+    assert f.id == one.id and f.evidence["events_in_window"] == 2 and f.evidence["link_downed"] == 3
+    assert "flapping" in f.summary and "down 2 times" in f.summary
     assert len(out[4]) == 1  # both drops still within 600 s
 
 
 def test_flaps_age_out_of_the_window(sysfs):
     flap = lambda root: bump(root, "mlx5_1", "link_downed", 1)  # noqa: E731
-    out = run(sysfs, [None, flap, flap, None, None], cfg={"flap_window_seconds": 45.0})
+    out = run(sysfs, [None, flap, flap, None, None], cfg={"flap_window_seconds": 45.0, "flap_min_events": 2})
     assert [len(x) for x in out] == [0, 0, 1, 0, 0]
+    out = run(sysfs, [None, flap, None, None, None], cfg={"flap_window_seconds": 45.0})
+    assert [len(x) for x in out] == [0, 1, 1, 0, 0]
+
+
+def test_an_error_burst_is_reported_before_the_window_ends(sysfs):
+    """1000 symbol errors within 30 s: over the 60 s window's allowance (10/min x 1 min) already."""
+
+    def burst(root):
+        bump(root, "mlx5_0", "symbol_error", 1000)
+
+    out = run(sysfs, [None, burst])
+    [f] = out[1]
+    assert f.kind.value == "ib_link_errors" and f.evidence["window_seconds"] == 30.0 and f.evidence["symbol_error"] == 1000
+    assert json.loads(f.evidence["errors_per_minute"])["symbol_error"] == 2000.0
 
 
 def test_never_active_port_is_not_down_unless_expected(sysfs):
@@ -320,3 +337,35 @@ def test_each_port_is_its_own_finding(sysfs):
 def test_unknown_error_counter_is_refused():
     with pytest.raises(Exception, match="symbol_eror"):
         InfinibandDetector(config.load(overrides={"detectors": {"infiniband": {"error_rates_per_minute": {"symbol_eror": 1}}}}))
+
+
+# -- metrics -------------------------------------------------------------------------------------------
+
+
+def test_exported_port_series(sysfs):
+    """The exporter's families for the newest read of each node's ports."""
+    from types import SimpleNamespace
+
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from gpuvigil.exporter.metrics import Snapshot
+    from gpuvigil.exporter.prometheus import _render
+
+    coll = InfinibandCollector(sysfs, node="n0", pci_to_gpu=GPUS)
+    w = Window(1e9)
+    w.add("ib_ports", coll.read(10.0))
+    w.seal(10.0)
+    put(sysfs, "mlx5_1", "state", "1: DOWN")
+    bump(sysfs, "mlx5_0", "symbol_error", 7)
+    (sysfs / "class" / "infiniband" / "mlx5_2").unlink()
+    w.add("ib_ports", coll.read(20.0))
+    w.seal(20.0)
+    fams = Snapshot(SimpleNamespace(pipeline=SimpleNamespace(window=w)))._ib_families()
+    samples = {(s.name, s.labels.get("device")): (s.value, s.labels) for f in text_string_to_metric_families(_render(fams).decode()) for s in f.samples}
+    assert samples[("gpuvigil_ib_port_up", "mlx5_0")][0] == 1 and samples[("gpuvigil_ib_port_up", "mlx5_1")][0] == 0
+    assert ("gpuvigil_ib_port_up", "mlx5_2") not in samples  # gone since the newest read
+    assert samples[("gpuvigil_ib_ports", None)] == (2, {"node": "n0"})
+    assert samples[("gpuvigil_ib_port_symbol_errors_total", "mlx5_0")] == (7, {"node": "n0", "device": "mlx5_0", "port": "1", "link_layer": "InfiniBand"})
+    assert samples[("gpuvigil_ib_port_rate_bytes_per_second", "mlx5_1")][0] == 5e10  # 400 Gb/s
+    assert samples[("gpuvigil_ib_port_info", "mlx5_0")][1] == {"node": "n0", "device": "mlx5_0", "port": "1", "link_layer": "InfiniBand",
+                                                               "pci_bus_id": "0000:19:00.0", "affinity": "pcie", "gpus": "0"}

@@ -22,7 +22,7 @@ def test_every_default_detector_reads_its_block_of_the_configuration():
     """Each detector of the set is built from the configuration it was given, not the defaults."""
     base = default_detectors(config.load())
     changes = {d.name: _one_numeric_field(d.config) for d in base}
-    assert len(changes) == len(base) == 17
+    assert len(changes) == len(base) == 20
     cfg = config.load(overrides={"detectors": {name: {field: value} for name, (field, value) in changes.items()}})
     for d in default_detectors(cfg):
         field, value = changes[d.name]
@@ -37,30 +37,22 @@ def test_the_set_declares_levels_and_fresh_only_look_backs():
     assert by["oom"].lookback_seconds() != {"allocator_stats": 0.0}  # its own declaration is kept
 
 
-class _Bare:
-    """A detector that declares nothing but its name."""
+def test_a_declared_detector_without_its_own_look_back_gets_its_specs():
+    from gpuvigil.detectors.base import FRESH, HISTORY, Declared, DetectorSpec
+    from gpuvigil.detectors.xid import XidConfig
+    from gpuvigil.model import FindingKind
 
-    def __init__(self, name: str):
-        self.name = name
+    class Plugin(Declared):
+        spec = DetectorSpec(name="plugin", config=XidConfig, emits=(FindingKind.XID,), reads={"gpu_samples": FRESH, "events": HISTORY}, order=1)
 
+    class OwnLookback(Plugin):
+        spec = DetectorSpec(name="own", config=XidConfig, emits=(FindingKind.XID,), reads={"gpu_samples": FRESH}, order=2)
 
-class _OwnLookback(_Bare):
-    def lookback_seconds(self) -> dict[str, float]:
-        return {"gpu_samples": 30.0}
+        def lookback_seconds(self) -> dict[str, float]:
+            return {"gpu_samples": 30.0}
 
-
-def test_a_detector_that_declares_nothing_is_l0_without_capability_or_streams():
-    from gpuvigil.detectors.registry import _declare
-
-    d = _declare(_Bare("plugin"))
-    assert (d.level, d.capability, d.streams) == ("L0", None, ())
-    assert not hasattr(d, "lookback_seconds")
-    old = _declare(_Bare("oom"))  # a name from DECLARED: its declared level, capability, streams
-    assert (old.level, old.capability, old.streams) == ("L2", "oom", ("allocator_stats",))
-
-
-def test_a_fresh_only_detector_keeps_its_own_look_back():
-    from gpuvigil.detectors.registry import _declare
-
-    assert _declare(_OwnLookback("xid")).lookback_seconds() == {"gpu_samples": 30.0}
-    assert _declare(_Bare("xid")).lookback_seconds() == {"gpu_samples": 0.0}
+    d = Plugin()
+    assert (d.name, d.level, d.capability, d.streams) == ("plugin", "L0", None, ("gpu_samples", "events"))
+    assert d.lookback_seconds() == {"gpu_samples": 0.0}
+    assert not hasattr(d, "window_columns")
+    assert OwnLookback().lookback_seconds() == {"gpu_samples": 30.0}

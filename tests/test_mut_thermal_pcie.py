@@ -90,7 +90,7 @@ def test_pcie_rate_exactly_at_the_floor_one_window_after_the_baseline_tickets():
     out = _pcie(lambda t: 100 * t // 60, range(0, 62))
     assert not any(out[:60])
     [f] = out[60]
-    assert (f.kind.value, f.severity.value, f.cause, f.source, f.ts) == ("anomaly", "ticket", "pcie_replay", "pcie", 60.0)
+    assert (f.kind.value, f.severity.value, f.cause, f.source, f.ts) == ("pcie_replay", "ticket", "hardware", "pcie", 60.0)
     assert (f.job, f.ranks, f.node, f.gpu) == ("j", [3], "n0", 0)
     assert f.evidence == {"pcie_replays_per_minute": 100.0, "pcie_replay_total": 100, "window_seconds": 60.0}
     assert f.summary == ("n0 GPU 0 PCIe link replays 100 packets/min (100 so far): the link is degrading; "

@@ -19,7 +19,6 @@ from gpuvigil import config, schemas
 from gpuvigil.detectors.levels import LevelSelector
 from gpuvigil.detectors.oom import OomPredictor
 from gpuvigil.detectors.oom_device import DeviceOomPredictor
-from gpuvigil.detectors.registry import _declare
 from gpuvigil.detectors.straggler import StragglerDetector
 from gpuvigil.detectors.straggler_device import DeviceStragglerDetector
 from gpuvigil.pipeline.core import Pipeline, declared_retention
@@ -211,7 +210,7 @@ def test_declared_retention_of_gpu_samples_is_the_union_of_both_l0_readers():
 def test_jobs_selecting_names_the_jobs_an_l0_detector_is_or_will_be_selected_for():
     """An L2 job (allocator rows seen) is not the L0 OOM detector's until its rows age out of
     memory_seconds (900 s); within the detector's look-back of that it is again."""
-    oom_l0, oom_l2 = DeviceOomPredictor(config.defaults()), _declare(OomPredictor(config.defaults()))
+    oom_l0, oom_l2 = DeviceOomPredictor(config.defaults()), OomPredictor(config.defaults())
     levels = LevelSelector([oom_l0, oom_l2], memory_seconds=900.0)
     w = Window(600.0)
     w.add("allocator_stats", schemas.conform(pl.DataFrame({"ts": [1000.0], "job": ["hooked"], "rank": [0]}), schemas.ALLOCATOR_STATS, stream="allocator_stats"))
@@ -298,7 +297,7 @@ def _device_pipeline(recent):
             self.i += 1
             return frames
 
-    p = Pipeline([Feed()], [DeviceOomPredictor(cfg), _declare(OomPredictor(cfg))], cfg=cfg)
+    p = Pipeline([Feed()], [DeviceOomPredictor(cfg), OomPredictor(cfg)], cfg=cfg)
     found = []
     for now, _ in ticks:
         r = p.tick(now)
@@ -408,7 +407,7 @@ def test_an_l2_job_is_selected_for_the_l0_detector_from_exactly_its_look_back_be
     """The hook's row at t=1000 marks `hooked` L2 until t=1900 (memory_seconds 900, inclusive);
     the L0 detector's 110 s look-back must hold its rows from after t=1790. At exactly t=1790
     the job is not yet the L0 detector's; a second later it is."""
-    oom_l0, oom_l2 = DeviceOomPredictor(config.defaults()), _declare(OomPredictor(config.defaults()))
+    oom_l0, oom_l2 = DeviceOomPredictor(config.defaults()), OomPredictor(config.defaults())
     levels, w = _selector_with([oom_l0, oom_l2])
     for now, want in ((1790.0, {"plain"}), (1791.0, {"hooked", "plain"})):
         w.seal(now)
@@ -431,7 +430,7 @@ def test_with_only_the_hook_detector_of_a_capability_every_job_is_its_own():
     """Only the L2 OOM detector is registered: a job without hook rows has no detector of its own
     for OOM but the L2 one (the best level defaults to L0, and L2 findings are never hidden), so
     both jobs are selected."""
-    oom_l2 = _declare(OomPredictor(config.defaults()))
+    oom_l2 = OomPredictor(config.defaults())
     levels, _ = _selector_with([oom_l2])
     assert levels.jobs_selecting(oom_l2, ["hooked", "plain"], 110.0) == {"hooked", "plain"}
 
@@ -457,7 +456,7 @@ def test_a_higher_level_detector_that_declares_no_streams_is_never_available():
 def test_an_l2_job_whose_oom_falls_back_keeps_its_device_history():
     """With `L2.oom` given a fallback, an L2 job's L0 OOM findings may go out (after the
     fallback): the L0 detector needs the job's history now, not only once the hook goes quiet."""
-    oom_l0, oom_l2 = DeviceOomPredictor(config.defaults()), _declare(OomPredictor(config.defaults()))
+    oom_l0, oom_l2 = DeviceOomPredictor(config.defaults()), OomPredictor(config.defaults())
     levels, _ = _selector_with([oom_l0, oom_l2], fallback={"L1": 60.0, "L2.oom": 30.0})
     assert levels.jobs_selecting(oom_l0, ["hooked", "plain"], 110.0) == {"hooked", "plain"}
     levels, _ = _selector_with([oom_l0, oom_l2], fallback={"L1": 60.0, "L2.hang": 30.0})

@@ -42,7 +42,7 @@ from typing import Any
 import httpx
 import polars as pl
 
-from gpuvigil import sqlitedb
+from gpuvigil import kinds, sqlitedb
 from gpuvigil.backoff import backoff_seconds
 from gpuvigil.alerts.settings import HARDWARE_KINDS, AlertSettings
 from gpuvigil.errors import UserError
@@ -102,11 +102,13 @@ def is_message(f: Finding) -> bool:
 
 
 def team_of(f: Finding, tenant: str | None, s: AlertSettings) -> str:
-    """The team a finding's alert goes to: hardware and job-less findings to the hardware team,
-    the rest to the team of the job's tenant."""
-    if f.kind == FindingKind.COLLECTOR_DOWN:
+    """The team a finding's alert goes to, by its kind's owner (gpuvigil/kinds.py): hardware and
+    job-less findings to the hardware team, gpuvigil's own plumbing to the default team, the rest
+    to the team of the job's tenant."""
+    owner = kinds.policy(f.kind).owner
+    if owner == "platform":
         return s.default_team
-    hardware = f.kind.value in HARDWARE_KINDS or not f.job
+    hardware = owner == "hardware" or not f.job
     return s.hardware_team if hardware else s.team_of_tenant(tenant)
 
 
@@ -330,7 +332,7 @@ class AlertPusher:
             "annotations": {
                 "summary": f.summary,
                 "evidence": json.dumps(f.evidence, sort_keys=True),
-                "runbook": s.runbook(f"finding-{kind.replace('_', '-')}"),
+                "runbook": s.runbook(kinds.runbook_anchor(kind)),
                 "finding_id": f.id,
             },
             "startsAt": _rfc3339(starts_at),

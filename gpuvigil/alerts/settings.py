@@ -9,10 +9,11 @@ from urllib.parse import urlsplit
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from gpuvigil import config
-from gpuvigil.model import DEVICE_KINDS, PORT_KINDS
+from gpuvigil import kinds
 
 _DURATION = re.compile(r"^(\d+(ms|s|m|h|d|w|y))+$")
-HARDWARE_KINDS = frozenset(k.value for k in DEVICE_KINDS | PORT_KINDS)
+# Kinds routed to the hardware team whichever job holds the device (gpuvigil/kinds.py: owner).
+HARDWARE_KINDS = frozenset(k.value for k in kinds.HARDWARE_KINDS)
 
 
 def _check_duration(value: str) -> str:
@@ -36,8 +37,15 @@ class RuleThresholds(BaseModel):
     pipeline_stall_for: str = "2m"
     collector_down_for: str = "2m"
     sbe_per_hour: float = Field(100, ge=0)
+    # InfiniBand/RoCE ports: link drops within 10 minutes that make a flapping link, symbol
+    # errors per minute, and how long a port below its node's fastest rate or a fabric not ready lasts.
+    ib_link_flaps: float = Field(2, ge=1)
+    ib_symbol_errors_per_minute: float = Field(10, gt=0)
+    ib_degraded_for: str = "10m"
+    fabric_not_ready_for: str = "5m"
 
-    @field_validator("gpu_temperature_for", "memory_headroom_for", "collective_stall_for", "fragmentation_for", "pipeline_stall_for", "collector_down_for")
+    @field_validator("gpu_temperature_for", "memory_headroom_for", "collective_stall_for", "fragmentation_for", "pipeline_stall_for", "collector_down_for", "ib_degraded_for",
+                     "fabric_not_ready_for")
     @classmethod
     def _duration(cls, v: str) -> str:
         return _check_duration(v)
@@ -60,8 +68,8 @@ class AlertSettings(BaseModel):
     end_after_seconds: float = Field(300, gt=0)
     retry_min_seconds: float = Field(1, gt=0)
     retry_max_seconds: float = Field(60, gt=0)
-    fatal_hardware_kinds: list[str] = Field(default_factory=lambda: ["xid", "ecc"])
-    runbook_base_url: str = ""
+    fatal_hardware_kinds: list[str] = Field(default_factory=lambda: sorted(k.value for k in kinds.FATAL_KINDS))
+    runbook_base_url: str = "https://github.com/gpuvigil/gpuvigil/blob/main/docs/runbooks.md"
     # Base URLs of the Alertmanagers gpuvigil pushes to: one, or every peer of a gossip cluster
     # (each alert goes to each peer, as Prometheus does; the cluster deduplicates notifications).
     alertmanagers: list[str] = Field(default_factory=list)

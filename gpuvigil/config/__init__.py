@@ -33,7 +33,8 @@ M = TypeVar("M", bound=BaseModel)
 _Loader = getattr(yaml, "CSafeLoader", yaml.SafeLoader)  # libyaml when the wheel has it: ~10x faster
 
 # Section → the model that validates it, as "module:Class" (imported only when validating).
-# A dict instead of a string: the section is a mapping of named blocks, one model each.
+# A dict instead of a string, or a "module:function()" that returns one: the section is a mapping
+# of named blocks, one model each.
 # Sub-keys validated by their own model are given as "section.key". A new default YAML file
 # needs its entry here (a test checks that every default section has one).
 SECTIONS: dict[str, str | dict[str, str]] = {
@@ -42,26 +43,8 @@ SECTIONS: dict[str, str | dict[str, str]] = {
     "api": "gpuvigil.api.config:ApiConfig",
     "api.slurm": "gpuvigil.scheduler.slurm:SlurmConfig",
     "api.kubernetes": "gpuvigil.scheduler.kubernetes:KubernetesConfig",
-    "detectors": {
-        "hang": "gpuvigil.detectors.hang:HangConfig",
-        "oom": "gpuvigil.detectors.oom:OomConfig",
-        "oom_events": "gpuvigil.detectors.oom_events:OomEventsConfig",
-        "fragmentation_allocator": "gpuvigil.detectors.fragmentation_allocator:FragmentationAllocatorConfig",
-        "fragmentation_cluster": "gpuvigil.detectors.fragmentation_cluster:FragmentationClusterConfig",
-        "xid": "gpuvigil.detectors.xid:XidConfig",
-        "watchdog": "gpuvigil.detectors.watchdog:WatchdogConfig",
-        "ecc": "gpuvigil.detectors.ecc:EccConfig",
-        "thermal": "gpuvigil.detectors.thermal:ThermalConfig",
-        "pcie": "gpuvigil.detectors.pcie:PcieConfig",
-        "infiniband": "gpuvigil.detectors.infiniband:InfinibandConfig",
-        "straggler": "gpuvigil.detectors.straggler:StragglerConfig",
-        "anomaly": "gpuvigil.detectors.anomaly:AnomalyConfig",
-        "hang_device": "gpuvigil.detectors.hang_device:HangDeviceConfig",
-        "oom_device": "gpuvigil.detectors.oom_device:OomDeviceConfig",
-        "straggler_device": "gpuvigil.detectors.straggler_device:StragglerDeviceConfig",
-        "hang_fr": "gpuvigil.detectors.hang_fr:HangFrConfig",
-        "straggler_inspector": "gpuvigil.detectors.straggler_inspector:StragglerInspectorConfig",
-    },
+    # One block per registered detector, each validated by the config model its spec declares.
+    "detectors": "gpuvigil.detectors.registry:config_models()",
     "fleet": "gpuvigil.deployconfig:Fleet",
     "hints": "gpuvigil.pipeline.hints:HintConfig",
     "kernel_log": "gpuvigil.collectors.kernel_log:KernelLogConfig",
@@ -159,6 +142,17 @@ def _model(ref: str) -> type[BaseModel]:
     return getattr(importlib.import_module(module), attr)
 
 
+def blocks(name: str) -> dict[str, type[BaseModel]] | None:
+    """A section of named blocks: block -> its model (None for a section with one model)."""
+    spec = SECTIONS[name]
+    if isinstance(spec, dict):
+        return {block: _model(ref) for block, ref in spec.items()}
+    if spec.endswith("()"):
+        module, _, attr = spec[:-2].partition(":")
+        return dict(getattr(importlib.import_module(module), attr)())
+    return None
+
+
 def _first_error(exc: ValidationError) -> str:
     err = exc.errors(include_input=False, include_url=False)[0]
     where = ".".join(str(p) for p in err["loc"])
@@ -227,17 +221,18 @@ def validate_all(cfg: dict[str, Any], where: str = "config") -> None:
             data = (cfg.get(top) or {}).get(key, {}) if isinstance(cfg.get(top), dict) else {}
         else:
             data = cfg.get(name, {})
-        if isinstance(spec, dict):
+        models = blocks(name)
+        if models is not None:
             if not isinstance(data, dict):
                 raise ConfigError(f"{where}: config section '{name}' must be a mapping, got {type(data).__name__}")
             for block in data:
-                if block not in spec:
-                    raise _unknown_key(block, spec, name, where)
-            for block, ref in spec.items():
-                _validate(f"{name}.{block}", _model(ref), data.get(block) or {}, where, frozenset())
+                if block not in models:
+                    raise _unknown_key(block, models, name, where)
+            for block, model in models.items():
+                _validate(f"{name}.{block}", model, data.get(block) or {}, where, frozenset())
         else:
             nested = frozenset(s for s in SECTIONS if s.startswith(f"{name}."))
-            _validate(name, _model(spec), data, where, nested)
+            _validate(name, _model(str(spec)), data, where, nested)
 
 
 def _validate(name: str, model: type[BaseModel], data: Any, where: str, skip: frozenset[str]) -> None:

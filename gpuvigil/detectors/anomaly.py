@@ -30,6 +30,7 @@ import numpy as np
 import polars as pl
 from pydantic import BaseModel, Field
 
+from gpuvigil.detectors.base import FRESH, HISTORY, Declared, DetectorSpec
 from gpuvigil.detectors.common import settings
 from gpuvigil.model import Finding, FindingKind, Severity
 from gpuvigil.pipeline.window import Window
@@ -106,8 +107,16 @@ def peer_deviations(samples: pl.DataFrame, allocations: pl.DataFrame, scale: dic
     )
 
 
-class AnomalyDetector:
-    name = "anomaly"
+class AnomalyDetector(Declared):
+    spec = DetectorSpec(
+        name="anomaly",
+        config=AnomalyConfig,
+        emits=(FindingKind.ANOMALY,),
+        reads={"gpu_samples": FRESH, "allocations": HISTORY},
+        order=170,
+        level="L0",
+        streams=("gpu_samples",),
+    )
 
     def __init__(self, cfg: dict[str, Any] | None = None):
         self.config = settings("anomaly", AnomalyConfig, cfg)

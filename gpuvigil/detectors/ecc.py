@@ -8,6 +8,7 @@ import polars as pl
 from pydantic import BaseModel
 
 from gpuvigil import xid as xid_table
+from gpuvigil.detectors.base import FRESH, HISTORY, Declared, DetectorSpec
 from gpuvigil.detectors.common import gpu_jobs, settings
 from gpuvigil.model import Finding, FindingKind, Severity, place
 from gpuvigil.pipeline.window import Window
@@ -18,8 +19,16 @@ class EccConfig(BaseModel):
     ecc_codes: list[int] = [48, 63, 64, 92, 94, 95]
 
 
-class EccDetector:
-    name = "ecc"
+class EccDetector(Declared):
+    spec = DetectorSpec(
+        name="ecc",
+        config=EccConfig,
+        emits=(FindingKind.ECC,),
+        reads={"events": HISTORY, "allocations": HISTORY, "gpu_samples": FRESH},
+        order=100,
+        level="L0",
+        streams=("events", "gpu_samples"),
+    )
 
     def __init__(self, cfg: dict[str, Any] | None = None):
         self.config = settings("ecc", EccConfig, cfg)

@@ -45,6 +45,7 @@ import numpy as np
 import polars as pl
 from pydantic import BaseModel, Field
 
+from gpuvigil.detectors.base import HISTORY, Declared, DetectorSpec
 from gpuvigil.detectors.common import rank_at, settings
 from gpuvigil.detectors.incremental import KEYS, SlidingRows, edges_from_rows
 from gpuvigil.model import Finding, FindingKind, Severity
@@ -245,8 +246,16 @@ def _where(mask: np.ndarray, keys: np.ndarray, rows: np.ndarray | None) -> tuple
     return keys[sel], (sel if rows is None else rows[sel])
 
 
-class AllocatorFragmentationDetector:
-    name = "fragmentation_allocator"
+class AllocatorFragmentationDetector(Declared):
+    spec = DetectorSpec(
+        name="fragmentation_allocator",
+        config=FragmentationAllocatorConfig,
+        emits=(FindingKind.FRAGMENTATION_ALLOCATOR,),
+        reads={"allocator_stats": HISTORY, "jobs": HISTORY},
+        order=70,
+        level="L2",
+        streams=("allocator_stats",),
+    )
 
     def __init__(self, cfg: dict[str, Any] | None = None):
         self.config = settings("fragmentation_allocator", FragmentationAllocatorConfig, cfg)

@@ -14,6 +14,7 @@ from typing import Any
 import polars as pl
 from pydantic import BaseModel
 
+from gpuvigil.detectors.base import HISTORY, Declared, DetectorSpec
 from gpuvigil.detectors.common import settings
 from gpuvigil.model import Finding, FindingKind, Severity
 from gpuvigil.pipeline.window import Window
@@ -92,8 +93,17 @@ def _pack(sizes: list[int], free: dict[str, int]) -> list[str] | None:
     return None
 
 
-class ClusterFragmentationDetector:
-    name = "fragmentation_cluster"
+class ClusterFragmentationDetector(Declared):
+    spec = DetectorSpec(
+        name="fragmentation_cluster",
+        config=FragmentationClusterConfig,
+        emits=(FindingKind.FRAGMENTATION_CLUSTER,),
+        reads={"jobs": HISTORY, "nodes": HISTORY, "allocations": HISTORY},
+        order=160,
+        level="L0",
+        streams=("jobs", "nodes", "allocations"),
+        every_seconds=5.0,
+    )
 
     def __init__(self, cfg: dict[str, Any] | None = None):
         self.config = settings("fragmentation_cluster", FragmentationClusterConfig, cfg)

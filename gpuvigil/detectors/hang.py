@@ -23,6 +23,7 @@ from typing import Any
 import polars as pl
 from pydantic import BaseModel
 
+from gpuvigil.detectors.base import FRESH, HISTORY, Declared, DetectorSpec
 from gpuvigil.detectors.common import node_names, rank_at, settings
 from gpuvigil.model import Finding, FindingKind, Severity
 from gpuvigil.pipeline.window import Window
@@ -41,8 +42,17 @@ class HangConfig(BaseModel):
     all_entered_step_factor: float = 3.0
 
 
-class HangDetector:
-    name = "hang"
+class HangDetector(Declared):
+    spec = DetectorSpec(
+        name="hang",
+        config=HangConfig,
+        emits=(FindingKind.COLLECTIVE_HANG,),
+        reads={"rank_progress": FRESH, "events": HISTORY, "jobs": HISTORY},
+        order=10,
+        level="L2",
+        capability="hang",
+        streams=("rank_progress",),
+    )
 
     def __init__(self, cfg: dict[str, Any] | None = None):
         self.config = settings("hang", HangConfig, cfg)
@@ -64,7 +74,8 @@ class HangDetector:
         """
         fresh = window.fresh("rank_progress")
         if fresh.height:
-            fresh = fresh.sort("ts").group_by(["job", "rank"], maintain_order=True).last()
+            # in the stream's column order, as a state begun from an empty tick has it
+            fresh = fresh.sort("ts").group_by(["job", "rank"], maintain_order=True).last().select(fresh.columns)
         if self._state is None:
             state = fresh.with_columns(pl.col("ts").alias("since"))
         elif fresh.height == 0:

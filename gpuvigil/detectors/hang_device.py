@@ -23,6 +23,7 @@ import numpy as np
 import polars as pl
 from pydantic import BaseModel
 
+from gpuvigil.detectors.base import FRESH, HISTORY, Declared, DetectorSpec
 from gpuvigil.detectors.common import node_names, rank_at, settings
 from gpuvigil.detectors.per_gpu import GpuSlots, grow, last_per_slot
 from gpuvigil.model import Finding, FindingKind, Severity
@@ -51,11 +52,17 @@ def _nz(col: str) -> pl.Expr:
     return pl.col(col).fill_null(0.0)
 
 
-class DeviceHangDetector:
-    name = "hang_device"
-    level = "L0"
-    capability = "hang"
-    streams = ("gpu_samples", "allocations")
+class DeviceHangDetector(Declared):
+    spec = DetectorSpec(
+        name="hang_device",
+        config=HangDeviceConfig,
+        emits=(FindingKind.COLLECTIVE_HANG,),
+        reads={"gpu_samples": FRESH, "allocations": HISTORY, "events": HISTORY},
+        order=30,
+        level="L0",
+        capability="hang",
+        streams=("gpu_samples", "allocations"),
+    )
 
     def __init__(self, cfg: dict[str, Any] | None = None):
         self.config = settings("hang_device", HangDeviceConfig, cfg)

@@ -16,6 +16,7 @@ from typing import Any
 import polars as pl
 from pydantic import BaseModel
 
+from gpuvigil.detectors.base import HISTORY, Declared, DetectorSpec
 from gpuvigil.detectors.common import node_names, settings
 from gpuvigil.model import Finding, FindingKind, Severity
 from gpuvigil.progress import CollectiveClock
@@ -30,11 +31,17 @@ class HangFrConfig(BaseModel):
     hardware_lookback_seconds: float = 120.0
 
 
-class FlightRecorderHangDetector:
-    name = "hang_fr"
-    level = "L1"
-    capability = "hang"
-    streams = ("fr_pipes", "fr_analysis", "collective_progress")
+class FlightRecorderHangDetector(Declared):
+    spec = DetectorSpec(
+        name="hang_fr",
+        config=HangFrConfig,
+        emits=(FindingKind.COLLECTIVE_HANG,),
+        reads={"collective_progress": HISTORY, "fr_analysis": HISTORY, "events": HISTORY, "jobs": HISTORY, "allocations": HISTORY},
+        order=20,
+        level="L1",
+        capability="hang",
+        streams=("fr_pipes", "fr_analysis", "collective_progress"),
+    )
 
     def __init__(self, cfg: dict[str, Any] | None = None):
         self.config = settings("hang_fr", HangFrConfig, cfg)

@@ -4,14 +4,15 @@ Reads the `ib_ports` stream (collectors/infiniband.py: one row per port and read
 keeps a few small frames of per-port state, so a tick costs O(the ports it read):
 
 - `ib_link_down`: a port that was ACTIVE (or that the node is expected to have up: `expected_ports`)
-  is not; or a port that is up again but went down `flap_min_events` times within
-  `flap_window_seconds` (its `link_downed` counter rose, or a read saw it leave ACTIVE). A 30 s read
-  misses most short drops; the counter does not.
+  is not (page); or a port that is up again but went down `flap_min_events` times within
+  `flap_window_seconds` (its `link_downed` counter rose, or a read saw it leave ACTIVE; ticket). A
+  read every few seconds misses most short drops; the counter does not.
 - `ib_link_degraded`: an ACTIVE port whose rate or width is below what it should be: the value
   configured for it (`expected`, by device pattern) or, where none is, what most of the node's
   other ports of the same link layer run at (at least `min_peers` of them agree).
 - `ib_link_errors`: a port whose symbol, receive, link-integrity (...) errors per minute, measured
-  over at least `window_seconds`, reach `error_rates_per_minute`. A counter that went down was
+  over at least `window_seconds`, reach `error_rates_per_minute`; sooner when the errors counted
+  since the baseline already exceed what the whole window allows. A counter that went down was
   reset: the reading becomes the new baseline, nothing is reported.
 - `ib_port_missing`: a node that has fewer ports than `expected_ports`, or lost a port it had.
 
@@ -33,6 +34,7 @@ from typing import Any
 import polars as pl
 from pydantic import BaseModel, Field
 
+from gpuvigil.detectors.base import FRESH, HISTORY, Declared, DetectorSpec
 from gpuvigil.detectors.common import settings
 from gpuvigil.model import Finding, FindingKind, Severity
 from gpuvigil.pipeline.window import Window
@@ -62,7 +64,7 @@ class InfinibandConfig(BaseModel):
     expected: dict[str, PortExpectation] = {}
     min_peers: int = Field(2, ge=1)
     flap_window_seconds: float = Field(600.0, gt=0)
-    flap_min_events: int = Field(2, ge=1)
+    flap_min_events: int = Field(1, ge=1)
     window_seconds: float = Field(60.0, gt=0)
     error_rates_per_minute: dict[str, float] = {
         "symbol_error": 10.0,
@@ -78,11 +80,16 @@ def _port(row: dict[str, Any]) -> str:
     return f"{row['device']} port {row['port']}"
 
 
-class InfinibandDetector:
-    name = "infiniband"
-    streams = ("ib_ports", "allocations")
-    level = "L0"
-    capability = None
+class InfinibandDetector(Declared):
+    spec = DetectorSpec(
+        name="infiniband",
+        config=InfinibandConfig,
+        emits=(FindingKind.IB_LINK_DOWN, FindingKind.IB_LINK_DEGRADED, FindingKind.IB_LINK_ERRORS, FindingKind.IB_PORT_MISSING),
+        reads={"ib_ports": FRESH, "allocations": HISTORY},
+        order=125,
+        level="L0",
+        streams=("ib_ports",),
+    )
 
     def __init__(self, cfg: dict[str, Any] | None = None):
         self.config = settings("infiniband", InfinibandConfig, cfg)
@@ -98,9 +105,6 @@ class InfinibandDetector:
         self._seen = pl.DataFrame(schema=key_schema)
         self._base = pl.DataFrame(schema={**key_schema, "_ts0": pl.Float64, **{f"_{k}": pl.Int64 for k in self._counters}})
         self._hot = pl.DataFrame(schema={**key_schema, "rates": pl.Utf8, "window_seconds": pl.Float64, "per_minute": pl.Float64, "worst": pl.Utf8})
-
-    def lookback_seconds(self) -> dict[str, float]:
-        return {"ib_ports": 0.0}
 
     # -- per-tick state --------------------------------------------------------------------
 
@@ -133,7 +137,12 @@ class InfinibandDetector:
             return
         cur = ports.select(*KEY, "ts", *self._counters)
         joined = cur.join(self._base, on=KEY, how="left")
-        due = joined.filter(pl.col("_ts0").is_null() | (pl.col("ts") - pl.col("_ts0") >= self.config.window_seconds))
+        limits = self.config.error_rates_per_minute
+        # Errors since the baseline beyond what the whole window allows: the window's rate is over
+        # its limit whatever the rest of it brings, so the verdict need not wait for its end.
+        window = self.config.window_seconds
+        already = pl.any_horizontal([(pl.col(k) - pl.col(f"_{k}")) >= limits[k] * window / 60.0 for k in self._counters]).fill_null(False)
+        due = joined.filter(pl.col("_ts0").is_null() | (pl.col("ts") - pl.col("_ts0") >= window) | (already & (pl.col("ts") > pl.col("_ts0"))))
         if due.height == 0:
             return
         dt = pl.col("ts") - pl.col("_ts0")
@@ -142,7 +151,6 @@ class InfinibandDetector:
             pl.when(pl.col(k) >= pl.col(f"_{k}")).then((pl.col(k) - pl.col(f"_{k}")) * 60.0 / dt).alias(f"rate_{k}")
             for k in self._counters
         ]
-        limits = self.config.error_rates_per_minute
         over = [pl.when(pl.col(f"rate_{k}") >= limits[k]).then(pl.lit(k)) for k in self._counters]
         based = due.filter(pl.col("_ts0").is_not_null() & (dt > 0)).with_columns(rates)
         verdict = based.with_columns(pl.concat_list(over).list.drop_nulls().alias("_over")).filter(pl.col("_over").list.len() > 0)
@@ -211,6 +219,8 @@ class InfinibandDetector:
             cause="hardware",
             source=self.name,
             evidence={
+                # the port's identity (kinds.py): node/device/port, or the node for its missing ports
+                "port_id": "/".join(str(p) for p in (row["node"], row.get("device"), row.get("port")) if p is not None),
                 "device": row.get("device"),
                 "port": row.get("port"),
                 "link_layer": row.get("link_layer"),
@@ -249,6 +259,9 @@ class InfinibandDetector:
             if is_down:
                 summary = (f"InfiniBand link down on {row['node']} {_port(row)}: state {row['state'] or 'unreadable'}, physical {row['phys_state'] or 'unreadable'}"
                            f" ({'it was ACTIVE' if row['_was_active'] else f'the node should have {c.expected_ports} ports up'}): cordon the node; jobs spanning it stall or fail.")
+            elif int(row["flaps"]) == 1:
+                summary = (f"InfiniBand link dropped on {row['node']} {_port(row)}: it went down and came back within the last {c.flap_window_seconds:g} s"
+                           f" (link_downed {row['link_downed']}): collectives in flight across the node may have failed; check the cable and transceiver.")
             else:
                 summary = (f"InfiniBand link flapping on {row['node']} {_port(row)}: down {int(row['flaps'])} times in the last {c.flap_window_seconds:g} s"
                            f" (link_downed {row['link_downed']}): reseat or replace the cable or transceiver; cordon the node meanwhile.")

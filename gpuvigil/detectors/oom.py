@@ -37,6 +37,7 @@ import numpy as np
 import polars as pl
 from pydantic import BaseModel, Field, model_validator
 
+from gpuvigil.detectors.base import HISTORY, Declared, DetectorSpec
 from gpuvigil.detectors.common import rank_at, settings
 from gpuvigil.detectors.incremental import KeyIndex, SlidingRows
 from gpuvigil.model import Finding, FindingKind, Severity
@@ -48,10 +49,10 @@ GIB = float(1 << 30)
 class OomConfig(BaseModel):
     fit_window_seconds: float = 90.0
     warmup_seconds: float = 30.0
-    min_samples: int = 20
-    min_span_seconds: float = 20.0
+    min_samples: int = 8
+    min_span_seconds: float = 40.0
     min_growth_bytes_per_second: float = 1 << 20
-    min_r2: float = 0.6
+    min_r2: float = 0.8
     predict_horizon_seconds: float = 1800.0
     page_within_seconds: float = 900.0
     safety_margin_bytes: int = 1 << 30
@@ -71,6 +72,8 @@ class OomConfig(BaseModel):
     def _halves_inside_look_back(self) -> OomConfig:
         if self.lookback_blocks and self.min_span_seconds / 2 > self.fit_window_seconds:
             raise ValueError("oom: with lookback_blocks, min_span_seconds / 2 must not exceed fit_window_seconds (a block leaving the look-back must lie in the fit's early half)")
+        if self.page_within_seconds > self.predict_horizon_seconds:
+            raise ValueError("page_within_seconds must not exceed predict_horizon_seconds (a prediction beyond the horizon is never made, so it could never page)")
         return self
 
 
@@ -182,8 +185,18 @@ class _BlockSums:
         self.blocks: dict[int, np.ndarray] = {}
 
 
-class OomPredictor:
-    name = "oom"
+class OomPredictor(Declared):
+    spec = DetectorSpec(
+        name="oom",
+        config=OomConfig,
+        emits=(FindingKind.OOM_PREDICTED,),
+        reads={"allocator_stats": HISTORY, "jobs": HISTORY},
+        order=40,
+        level="L2",
+        capability="oom",
+        streams=("allocator_stats",),
+        every_seconds=5.0,
+    )
 
     def __init__(self, cfg: dict[str, Any] | None = None):
         self.config = settings("oom", OomConfig, cfg)

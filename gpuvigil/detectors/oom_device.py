@@ -105,6 +105,7 @@ import numpy as np
 import polars as pl
 from pydantic import BaseModel, Field, model_validator
 
+from gpuvigil.detectors.base import HISTORY, Declared, DetectorSpec
 from gpuvigil.detectors.common import allocated_gpu_retention, rank_at, settings
 from gpuvigil.detectors.incremental import TickCursor
 from gpuvigil.model import Finding, FindingKind, Severity
@@ -172,14 +173,23 @@ class OomDeviceConfig(BaseModel):
                 raise ValueError(f"trend window {w:g} s is not {self.trend_blocks} blocks of whole {self.trend_bucket_seconds:g} s buckets")
         if self.trend_min_block_rises > self.trend_blocks - 1:
             raise ValueError("trend_min_block_rises is more than trend_blocks - 1")
+        if self.page_within_seconds > self.predict_horizon_seconds:
+            raise ValueError("page_within_seconds must not exceed predict_horizon_seconds (a prediction beyond the horizon is never made, so it could never page)")
         return self
 
 
-class DeviceOomPredictor:
-    name = "oom_device"
-    level = "L0"
-    capability = "oom"
-    streams = ("gpu_samples", "gpu_processes")
+class DeviceOomPredictor(Declared):
+    spec = DetectorSpec(
+        name="oom_device",
+        config=OomDeviceConfig,
+        emits=(FindingKind.OOM_PREDICTED,),
+        reads={"gpu_samples": HISTORY, "gpu_processes": HISTORY, "allocations": HISTORY, "jobs": HISTORY},
+        order=50,
+        level="L0",
+        capability="oom",
+        streams=("gpu_samples", "gpu_processes"),
+        every_seconds=5.0,
+    )
 
     def __init__(self, cfg: dict[str, Any] | None = None):
         self.config = settings("oom_device", OomDeviceConfig, cfg)

@@ -18,6 +18,7 @@ from typing import Any
 import polars as pl
 from pydantic import BaseModel
 
+from gpuvigil.detectors.base import HISTORY, Declared, DetectorSpec
 from gpuvigil.detectors.common import settings
 from gpuvigil.model import Finding, FindingKind, Severity, subject
 from gpuvigil.parsers.oom import load_oom_config, parse_oom
@@ -39,8 +40,16 @@ class OomEventsConfig(BaseModel):
     report_seconds: float = 600.0
 
 
-class OomEventClassifier:
-    name = "oom_events"
+class OomEventClassifier(Declared):
+    spec = DetectorSpec(
+        name="oom_events",
+        config=OomEventsConfig,
+        emits=(FindingKind.OOM_CAPACITY, FindingKind.OOM_FRAGMENTATION, FindingKind.OOM_FOREIGN_PROCESS, FindingKind.OOM_UNEXPLAINED,),
+        reads={"events": HISTORY},
+        order=60,
+        level="L0",
+        streams=("events",),
+    )
 
     def __init__(self, cfg: dict[str, Any] | None = None):
         self.config = settings("oom_events", OomEventsConfig, cfg)

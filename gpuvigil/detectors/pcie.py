@@ -3,8 +3,9 @@
 NVML's PCIe replay counter is cumulative and a few replays over a GPU's life are normal; a
 sustained rate is not (a degrading riser, connector or retimer, often followed by XID 79). The
 rate is measured per GPU over `window_seconds` from this tick's counters against a per-GPU
-baseline (O(GPUs) per tick). It is reported as kind `anomaly` with cause `pcie_replay` at
-severity ticket: worth a look and a maintenance slot, not a page.
+baseline (O(GPUs) per tick). It is reported as kind `pcie_replay` (a device's own fault: the
+hardware team's, whichever job holds the GPU) at severity ticket, with a cordon hint: worth a
+maintenance slot, not a page.
 
 A growing replay counter is tested on simulated data only: the real H200 capture's counter is 0
 and never moves (there it is a hard negative; docs/testing.md).
@@ -18,6 +19,7 @@ import numpy as np
 import polars as pl
 from pydantic import BaseModel
 
+from gpuvigil.detectors.base import FRESH, HISTORY, Declared, DetectorSpec
 from gpuvigil.detectors.common import gpu_jobs, settings
 from gpuvigil.detectors.per_gpu import GpuSlots, grow, last_per_slot
 from gpuvigil.model import Finding, FindingKind, Severity
@@ -29,8 +31,16 @@ class PcieConfig(BaseModel):
     min_replays_per_minute: float = 100.0
 
 
-class PcieReplayDetector:
-    name = "pcie"
+class PcieReplayDetector(Declared):
+    spec = DetectorSpec(
+        name="pcie",
+        config=PcieConfig,
+        emits=(FindingKind.PCIE_REPLAY,),
+        reads={"gpu_samples": FRESH, "allocations": HISTORY},
+        order=120,
+        level="L0",
+        streams=("gpu_samples",),
+    )
 
     def __init__(self, cfg: dict[str, Any] | None = None):
         self.config = settings("pcie", PcieConfig, cfg)
@@ -113,14 +123,14 @@ class PcieReplayDetector:
         for row in flagged.join(gpu_jobs(window), on=["node", "gpu"], how="left").iter_rows(named=True):
             findings.append(
                 Finding(
-                    kind=FindingKind.ANOMALY,
+                    kind=FindingKind.PCIE_REPLAY,
                     severity=Severity.TICKET,
                     ts=window.now,
                     job=row["job"],
                     ranks=[int(row["rank"])] if row["rank"] is not None else [],
                     node=row["node"],
                     gpu=row["gpu"],
-                    cause="pcie_replay",
+                    cause="hardware",
                     source=self.name,
                     evidence={
                         "pcie_replays_per_minute": round(float(row["per_minute"]), 1),

@@ -1,96 +1,78 @@
-"""The default detector set, built from config, with each detector's observation level.
+"""The registered detectors: every class of `gpuvigil/detectors/` that declares a `spec`.
 
-Every detector declares the `level` it needs (L0 device/logs/scheduler, L1 Flight Recorder and
-NCCL Inspector switches, L2 the in-process hook), the `streams` it reads, and for the headline
-capabilities a `capability`: per job the pipeline keeps the best one its streams allow
-(`gpuvigil.detectors.levels`).
+A detector registers by declaring itself (detectors/base.py: `Declared`, `DetectorSpec`); nothing
+here names one. What follows from the declarations:
+
+- `default_detectors(cfg)`: the set `serve`, the fleet, `replay` and the benchmarks run, in the
+  declared `order`, each built from its block of the `detectors` config section;
+- `config_models()`: that section's blocks and their models (config/__init__.py validates them);
+- `placement()`: where each runs in the fleet (the node agent, a detect replica, the act leader);
+- `every_seconds()`: how often each runs by default (`pipeline.detector_every_seconds`).
+
+The observation level, capability and streams of each (detectors/levels.py) and what the window
+keeps for it (pipeline/core.py) are read off the instances, which carry their spec's values.
 """
 
 from __future__ import annotations
 
+import functools
+import importlib
+import pkgutil
+from collections.abc import Mapping
 from typing import Any
 
-from gpuvigil.detectors.anomaly import AnomalyDetector
-from gpuvigil.detectors.base import Detector
-from gpuvigil.detectors.ecc import EccDetector
-from gpuvigil.detectors.fragmentation_allocator import AllocatorFragmentationDetector
-from gpuvigil.detectors.fragmentation_cluster import ClusterFragmentationDetector
-from gpuvigil.detectors.hang import HangDetector
-from gpuvigil.detectors.hang_device import DeviceHangDetector
-from gpuvigil.detectors.hang_fr import FlightRecorderHangDetector
-from gpuvigil.detectors.oom import OomPredictor
-from gpuvigil.detectors.oom_device import DeviceOomPredictor
-from gpuvigil.detectors.oom_events import OomEventClassifier
-from gpuvigil.detectors.pcie import PcieReplayDetector
-from gpuvigil.detectors.straggler import StragglerDetector
-from gpuvigil.detectors.straggler_device import DeviceStragglerDetector
-from gpuvigil.detectors.straggler_inspector import InspectorStragglerDetector
-from gpuvigil.detectors.thermal import ThermalDetector
-from gpuvigil.detectors.watchdog import WatchdogTimeoutDetector
-from gpuvigil.detectors.xid import XidDetector
+from pydantic import BaseModel
 
-# name → (level, capability, streams) for detectors whose modules predate levels.
-DECLARED: dict[str, tuple[str, str | None, tuple[str, ...]]] = {
-    "hang": ("L2", "hang", ("rank_progress",)),
-    "oom": ("L2", "oom", ("allocator_stats",)),
-    # Hook rows with a collective wait (levels.DERIVED): a hook that sends none leaves the
-    # job's stragglers to the L1/L0 detectors.
-    "straggler": ("L2", "straggler", ("rank_wait",)),
-    "fragmentation_allocator": ("L2", None, ("allocator_stats",)),
-    "oom_events": ("L0", None, ("events",)),
-    "xid": ("L0", None, ("events", "gpu_samples")),
-    "ecc": ("L0", None, ("events", "gpu_samples")),
-    "thermal": ("L0", None, ("gpu_samples",)),
-    "pcie": ("L0", None, ("gpu_samples",)),
-    "fragmentation_cluster": ("L0", None, ("jobs", "nodes", "allocations")),
-    "anomaly": ("L0", None, ("gpu_samples",)),
-}
+from gpuvigil.detectors.base import Declared, Detector, DetectorSpec, Placement
 
-# Detectors that read only each tick's fresh rows of these streams (`window.fresh`), never their
-# history: look-back 0, so they neither lengthen the streams' horizons nor keep their columns
-# (pipeline/core.py: declared_horizons, declared_columns).
-FRESH_ONLY: dict[str, tuple[str, ...]] = {
-    "hang": ("rank_progress",),
-    "xid": ("gpu_samples",),
-    "ecc": ("gpu_samples",),
-    "thermal": ("gpu_samples",),
-    "pcie": ("gpu_samples",),
-    "anomaly": ("gpu_samples",),
-    "hang_device": ("gpu_samples",),
-}
+# Modules of the package that hold no detector (helpers, the level selection, this registry).
+_NOT_DETECTORS = frozenset({"base", "common", "incremental", "levels", "per_gpu", "registry"})
 
 
-def _declare(d: Any) -> Any:
-    level, capability, streams = DECLARED.get(d.name, (getattr(d, "level", "L0"), getattr(d, "capability", None), getattr(d, "streams", ())))
-    for attr, value in (("level", level), ("capability", capability), ("streams", streams)):
-        if not hasattr(d, attr):
-            setattr(d, attr, value)
-    fresh = FRESH_ONLY.get(d.name)
-    if fresh and not hasattr(d, "lookback_seconds"):
-        d.lookback_seconds = lambda fresh=fresh: dict.fromkeys(fresh, 0.0)
-    return d
+@functools.cache
+def registered() -> tuple[type[Declared], ...]:
+    """Every declared detector class, in the declared order (then by name)."""
+    import gpuvigil.detectors as package
+
+    for info in pkgutil.iter_modules(package.__path__):
+        if info.name not in _NOT_DETECTORS:
+            importlib.import_module(f"{package.__name__}.{info.name}")
+    seen: dict[str, type[Declared]] = {}
+    stack = list(Declared.__subclasses__())
+    while stack:
+        cls = stack.pop()
+        stack.extend(cls.__subclasses__())
+        spec = cls.__dict__.get("spec")
+        if not isinstance(spec, DetectorSpec) or not cls.__module__.startswith(f"{package.__name__}."):
+            continue
+        if spec.name in seen and seen[spec.name] is not cls:
+            raise RuntimeError(f"detector name {spec.name!r} is declared twice: {seen[spec.name].__qualname__} and {cls.__qualname__}")
+        seen[spec.name] = cls
+    return tuple(sorted(seen.values(), key=lambda c: (c.spec.order, c.spec.name)))
 
 
-def default_detectors(cfg: dict[str, Any] | None = None) -> list[Detector]:
-    return [
-        _declare(d)
-        for d in (
-            HangDetector(cfg),
-            FlightRecorderHangDetector(cfg),
-            DeviceHangDetector(cfg),
-            OomPredictor(cfg),
-            DeviceOomPredictor(cfg),
-            OomEventClassifier(cfg),
-            AllocatorFragmentationDetector(cfg),
-            XidDetector(cfg),
-            WatchdogTimeoutDetector(cfg),
-            EccDetector(cfg),
-            ThermalDetector(cfg),
-            PcieReplayDetector(cfg),
-            StragglerDetector(cfg),
-            InspectorStragglerDetector(cfg),
-            DeviceStragglerDetector(cfg),
-            ClusterFragmentationDetector(cfg),
-            AnomalyDetector(cfg),
-        )
-    ]
+def specs() -> dict[str, DetectorSpec]:
+    return {cls.spec.name: cls.spec for cls in registered()}
+
+
+def config_models() -> dict[str, type[BaseModel]]:
+    """The `detectors` config section's blocks: detector name -> its config model."""
+    return {name: spec.config for name, spec in specs().items()}
+
+
+def placement() -> dict[str, Placement]:
+    return {name: spec.placement for name, spec in specs().items()}
+
+
+def names_placed(where: Placement) -> list[str]:
+    return [name for name, p in placement().items() if p == where]
+
+
+def every_seconds() -> dict[str, float]:
+    """Detector -> its declared run period (those that run every tick left out)."""
+    return {name: spec.every_seconds for name, spec in specs().items() if spec.every_seconds}
+
+
+def default_detectors(cfg: dict[str, Any] | None = None, only: Mapping[str, Any] | None = None) -> list[Detector]:
+    """One instance of every registered detector (or of those named in `only`), built from `cfg`."""
+    return [cls(cfg) for cls in registered() if only is None or cls.spec.name in only]  # type: ignore[call-arg]

@@ -22,6 +22,7 @@ import numpy as np
 import polars as pl
 from pydantic import BaseModel, Field
 
+from gpuvigil.detectors.base import HISTORY, Declared, DetectorSpec
 from gpuvigil.detectors.common import current_run, rank_at, settings
 from gpuvigil.detectors.incremental import KeyRing, SlidingRows, TickCursor, masked_median
 from gpuvigil.model import Finding, FindingKind, Severity
@@ -47,8 +48,18 @@ class StragglerConfig(BaseModel):
     history_slack_seconds: float | None = Field(5.0, ge=0)
 
 
-class StragglerDetector:
-    name = "straggler"
+class StragglerDetector(Declared):
+    spec = DetectorSpec(
+        name="straggler",
+        config=StragglerConfig,
+        emits=(FindingKind.STRAGGLER,),
+        reads={"rank_progress": HISTORY, "jobs": HISTORY},
+        order=130,
+        level="L2",
+        capability="straggler",
+        streams=("rank_wait",),
+        every_seconds=5.0,
+    )
 
     def __init__(self, cfg: dict[str, Any] | None = None):
         self.config = settings("straggler", StragglerConfig, cfg)

@@ -55,6 +55,7 @@ import numpy as np
 import polars as pl
 from pydantic import BaseModel, Field
 
+from gpuvigil.detectors.base import HISTORY, Declared, DetectorSpec
 from gpuvigil.detectors.common import Persistence, allocated_gpu_retention, rank_at, settings
 from gpuvigil.detectors.incremental import KeyRing, TickCursor
 from gpuvigil.model import Finding, FindingKind, Severity
@@ -77,18 +78,25 @@ class StragglerDeviceConfig(BaseModel):
     # gpu_samples history declared to the pipeline (lookback_seconds): what a rebuild of the rings
     # can read. None: the whole look-back (max(window_seconds, recent_seconds)), so a rebuild is
     # exact; shorter, the window may keep less (memory) and a rebuild starts from what it holds.
-    rebuild_history_seconds: float | None = Field(None, gt=0)
+    rebuild_history_seconds: float | None = Field(20.0, gt=0)
 
 ALLOC = ["job", "rank", "node", "gpu"]
 ALLOC_SCHEMA = {"job": pl.Utf8, "rank": pl.Int32, "node": pl.Utf8, "gpu": pl.Int32}
 WARMUP_SECONDS = 30.0
 
 
-class DeviceStragglerDetector:
-    name = "straggler_device"
-    level = "L0"
-    capability = "straggler"
-    streams = ("gpu_samples", "allocations")
+class DeviceStragglerDetector(Declared):
+    spec = DetectorSpec(
+        name="straggler_device",
+        config=StragglerDeviceConfig,
+        emits=(FindingKind.STRAGGLER,),
+        reads={"gpu_samples": HISTORY, "allocations": HISTORY, "jobs": HISTORY},
+        order=150,
+        level="L0",
+        capability="straggler",
+        streams=("gpu_samples", "allocations"),
+        every_seconds=5.0,
+    )
 
     def __init__(self, cfg: dict[str, Any] | None = None):
         self.config = settings("straggler_device", StragglerDeviceConfig, cfg)

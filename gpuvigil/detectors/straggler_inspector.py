@@ -14,6 +14,7 @@ from typing import Any
 import polars as pl
 from pydantic import BaseModel
 
+from gpuvigil.detectors.base import HISTORY, Declared, DetectorSpec
 from gpuvigil.detectors.common import Persistence, rank_at, settings
 from gpuvigil.model import Finding, FindingKind, Severity
 from gpuvigil.pipeline.window import Window
@@ -28,11 +29,18 @@ class StragglerInspectorConfig(BaseModel):
     persist_evaluations: int = 2
 
 
-class InspectorStragglerDetector:
-    name = "straggler_inspector"
-    level = "L1"
-    capability = "straggler"
-    streams = ("collective_progress",)
+class InspectorStragglerDetector(Declared):
+    spec = DetectorSpec(
+        name="straggler_inspector",
+        config=StragglerInspectorConfig,
+        emits=(FindingKind.STRAGGLER,),
+        reads={"collective_progress": HISTORY, "jobs": HISTORY},
+        order=140,
+        level="L1",
+        capability="straggler",
+        streams=("collective_progress",),
+        every_seconds=5.0,
+    )
 
     def __init__(self, cfg: dict[str, Any] | None = None):
         self.config = settings("straggler_inspector", StragglerInspectorConfig, cfg)

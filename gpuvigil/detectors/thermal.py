@@ -9,6 +9,7 @@ import polars as pl
 from pydantic import BaseModel
 
 from gpuvigil import throttle
+from gpuvigil.detectors.base import FRESH, HISTORY, Declared, DetectorSpec
 from gpuvigil.detectors.common import gpu_jobs, settings
 from gpuvigil.detectors.per_gpu import GpuSlots, grow, last_per_slot
 from gpuvigil.model import Finding, FindingKind, Severity
@@ -19,14 +20,23 @@ _LAST = ("temperature_c", "sm_clock_mhz", "power_w")  # the latest sample's valu
 
 
 class ThermalConfig(BaseModel):
-    window_seconds: float = 30.0
+    window_seconds: float = 15.0
     min_samples: int = 10
     min_throttled_share: float = 0.8
     reason_mask: int = 0xE8
 
 
-class ThermalDetector:
-    name = "thermal"
+class ThermalDetector(Declared):
+    spec = DetectorSpec(
+        name="thermal",
+        config=ThermalConfig,
+        emits=(FindingKind.THERMAL_THROTTLE,),
+        reads={"gpu_samples": FRESH, "allocations": HISTORY},
+        order=110,
+        level="L0",
+        streams=("gpu_samples",),
+        every_seconds=2.0,
+    )
 
     def __init__(self, cfg: dict[str, Any] | None = None):
         self.config = settings("thermal", ThermalConfig, cfg)

@@ -23,6 +23,7 @@ from typing import Any
 import polars as pl
 from pydantic import BaseModel, Field
 
+from gpuvigil.detectors.base import HISTORY, Declared, DetectorSpec
 from gpuvigil.detectors.common import settings
 from gpuvigil.model import Finding, FindingKind, Severity, log_file, place
 from gpuvigil.parsers.nccl import NET_WARN_PATTERN
@@ -48,11 +49,16 @@ def _first(pattern: re.Pattern[str], messages: list[str]) -> str | None:
     return None
 
 
-class WatchdogTimeoutDetector:
-    name = "watchdog"
-    level = "L0"
-    capability = None
-    streams = ("events",)
+class WatchdogTimeoutDetector(Declared):
+    spec = DetectorSpec(
+        name="watchdog",
+        config=WatchdogConfig,
+        emits=(FindingKind.NCCL_TIMEOUT,),
+        reads={"events": HISTORY},
+        order=90,
+        level="L0",
+        streams=("events",),
+    )
 
     def __init__(self, cfg: dict[str, Any] | None = None):
         self.config = settings("watchdog", WatchdogConfig, cfg)

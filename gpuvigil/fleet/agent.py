@@ -82,26 +82,25 @@ def split_detectors(cfg: dict[str, Any], fleet: Fleet) -> tuple[list[Any], list[
     """(agent detectors, detect detectors) from the one default set `serve` runs. The cluster-wide
     fragmentation detector needs every node's state: it runs in the act leader over the agents'
     node summaries (`cluster_detectors`)."""
-    from gpuvigil.detectors.registry import default_detectors
+    from gpuvigil.detectors.registry import default_detectors, names_placed
 
     dets = default_detectors(cfg)
     names = {d.name for d in dets}
-    unknown = sorted(set(fleet.agent_detectors) - names)
+    at_agent = names_placed("agent") if fleet.agent_detectors is None else fleet.agent_detectors
+    unknown = sorted(set(at_agent) - names)
     if unknown:
         raise UserError(f"fleet.agent_detectors: unknown detector(s) {', '.join(unknown)}; known: {', '.join(sorted(names))}")
-    agent = [d for d in dets if d.name in fleet.agent_detectors]
-    detect = [d for d in dets if d.name not in fleet.agent_detectors and d.name != "fragmentation_cluster"]
+    at_act = set(names_placed("act"))
+    agent = [d for d in dets if d.name in at_agent]
+    detect = [d for d in dets if d.name not in at_agent and d.name not in at_act]
     return agent, detect
 
 
 def cluster_detectors(cfg: dict[str, Any]) -> list[Any]:
     """The detectors of serve's default set that need the whole cluster: run by the act leader."""
-    from gpuvigil.detectors.registry import default_detectors
+    from gpuvigil.detectors.registry import default_detectors, names_placed
 
-    return [d for d in default_detectors(cfg) if d.name in CLUSTER_DETECTORS]
-
-
-CLUSTER_DETECTORS = ("fragmentation_cluster",)
+    return [d for d in default_detectors(cfg) if d.name in names_placed("act")]
 _QUEUE_COLUMNS = ("job", "tenant", "priority", "n_gpus", "gpus_per_node", "state", "submit_ts")
 
 

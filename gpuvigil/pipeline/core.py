@@ -10,7 +10,7 @@ from typing import Any, Protocol
 import polars as pl
 from pydantic import BaseModel, Field
 
-from gpuvigil import config
+from gpuvigil import config, kinds
 from gpuvigil.collectors.base import Collector
 from gpuvigil.detectors.base import Detector
 from gpuvigil.detectors.levels import LevelSelector, LevelsConfig
@@ -26,7 +26,9 @@ from gpuvigil.recentlog import RecentLog
 
 class PipelineConfig(BaseModel):
     tick_seconds: float = Field(1.0, gt=0)
-    horizon_seconds: dict[str, float] = Field(default_factory=lambda: {"default": 600.0})
+    horizon_seconds: dict[str, float] = Field(
+        default_factory=lambda: {"default": 600.0, "gpu_samples": 120.0, "rank_progress": 180.0, "allocator_stats": 180.0, "gpu_processes": 180.0, "collective_progress": 180.0, "events": 3600.0}
+    )
     # A finding that is not reported again for this long is cleared (its hints expire).
     clear_after_seconds: dict[str, float] = Field(default_factory=lambda: {"default": 30.0})
     # Trend detectors need not run every tick; 0 = every tick.
@@ -228,8 +230,22 @@ class Pipeline:
         return alloc.filter(pl.col("job").is_in(sorted(jobs))).select("node", "gpu").unique()
 
     def _clear_after(self, finding: Finding) -> float:
+        """The configured clear time of the finding's kind, else its policy's (gpuvigil/kinds.py),
+        else the configured default."""
         c = self.config.clear_after_seconds
-        return c.get(finding.kind.value, c.get("default", 30.0))
+        kind = finding.kind.value
+        if kind in c:
+            return c[kind]
+        own = kinds.policy(finding.kind).clear_after_seconds
+        return float(own) if own is not None else c.get("default", 30.0)
+
+    def _period(self, detector: Any) -> float:
+        """Seconds between a detector's runs: configured, else its spec's, else the default."""
+        every = self.config.detector_every_seconds
+        if detector.name in every:
+            return every[detector.name]
+        spec = getattr(detector, "spec", None)
+        return spec.every_seconds if spec is not None and spec.every_seconds else every.get("default", 0.0)
 
     def _hint_due(self, hint: Hint, now: float) -> bool:
         last = self._hint_issued_at.get(hint.id)
@@ -286,9 +302,8 @@ class Pipeline:
         reported: list[Finding] = []
         suppressed: list[Finding] = []
         det_seconds: dict[str, float] = {}
-        every = self.config.detector_every_seconds
         for detector in self.detectors:
-            period = every.get(detector.name, every.get("default", 0.0))
+            period = self._period(detector)
             last = self._detector_last_run.get(detector.name)
             if (last is not None and now - last < period - 1e-9) or not self.levels.needed(detector):
                 # Not due: keep its active findings alive until it runs again.
