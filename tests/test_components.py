@@ -8,6 +8,9 @@ from pathlib import Path
 
 import pytest
 import yaml
+from hyp import examples
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from gpuvigil import config
 from gpuvigil.model import Finding, FindingKind, HintAction, Severity
@@ -247,3 +250,33 @@ def test_a_lasting_component_is_one_finding_and_one_action_at_any_tick_spacing(t
     comp = [f for r in results for f in r.new_findings if f.kind == FindingKind.COMPONENT_FAULT]
     hints = [h for r in results for h in r.new_hints]
     assert len(comp) == 1 and len(hints) == 16 and not any(f.kind == FindingKind.COMPONENT_FAULT for r in results for f in r.cleared_findings)
+
+
+# -- untrusted files: the readers survive anything ----------------------------------------------
+
+
+
+_IB_LINES = st.sampled_from([
+    'Switch\t64 "S-fc6a1c0300e8b200"\t\t# "MF0;leaf-01:MQM9700/U1" enhanced port 0 lid 3 lmc 0',
+    '[1]\t"H-0c42a10300a1b2c0"[1](c42a10300a1b2c0) \t\t# "gpu-001 HCA-1" lid 11 4xNDR',
+    '[33]\t"S-fc6a1c0300e8a100"[1]\t\t# "Quantum Mellanox Technologies" lid 1 4xNDR',
+    'Ca\t1 "H-0c42a10300a1b2c0"\t\t# "gpu-001 HCA-1"', "", "vendid=0x2c9", '[2]\t"H-"[', '# "', "SwitchName=x Nodes=gpu-[1-",
+])
+
+
+@settings(max_examples=examples(200), deadline=None)
+@given(st.lists(st.one_of(_IB_LINES, st.text(max_size=80)), max_size=40))
+def test_ibnetdiscover_and_slurm_readers_never_raise(lines):
+    text = "\n".join(lines)
+    for topo in (Topology.from_ibnetdiscover_text(text), Topology.from_slurm_topology_text(text)):
+        for node, levels in topo.placement.items():
+            assert isinstance(node, str) and all(isinstance(c, str) for comps in levels.values() for c in comps)
+
+
+@settings(max_examples=examples(200), deadline=None)
+@given(st.text(max_size=300))
+def test_yaml_topology_reader_fails_only_with_a_topology_error(text):
+    try:
+        Topology.from_yaml_text(text)
+    except TopologyError:
+        pass

@@ -17,6 +17,9 @@ import sys
 from pathlib import Path
 
 import pytest
+from hyp import examples
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from gpuvigil import config
 from gpuvigil.cli import main
@@ -341,3 +344,15 @@ def test_slurm_prolog_maps_the_verdict_to_what_slurm_does(tmp_path, state, env, 
     assert out.returncode == code, out.stdout + out.stderr
     if code:
         assert out.stderr.startswith(("FAIL preflight gpu-node-9: nvml: GPU 0: 3 volatile", "CANNOT_CHECK preflight gpu-node-9: no GPU"))
+
+
+
+
+
+@settings(max_examples=examples(200), deadline=None)
+@given(st.one_of(st.text(max_size=400), st.sampled_from([PASSING, FAILING, WARNING]).map(lambda d: d[: len(d) // 2])))
+def test_dcgm_output_parser_never_raises_and_never_invents_a_pass(text):
+    results, err = parse_dcgm_diag(text)
+    assert all(status in ("pass", "fail", "warn", "skip", "not_run") for _, status, _ in results)
+    if '"status"' not in text:
+        assert not any(status == "pass" for _, status, _ in results)
