@@ -281,6 +281,10 @@ def evaluate(injected: list[Injected], with_c: dict[str, Any], without: dict[str
         return c, b
 
     base_comp, base_bg = node_actions(without, False)
+    base_by_action: dict[str, int] = defaultdict(int)
+    for _t, h in without["hints"]:
+        if h.action.value in NODE_REMOVING and without["origin"].get(h.finding_id, "").startswith("comp:"):
+            base_by_action[h.action.value] += 1
     with_comp, with_bg = node_actions(with_c, True)
     comp_hints = [(t, h) for t, h in with_c["hints"] if h.finding_kind.value == "component_fault"]
     # one action per component and time it was taken (the same switch failing again months later is another)
@@ -302,6 +306,7 @@ def evaluate(injected: list[Injected], with_c: dict[str, Any], without: dict[str
         "time_to_name_s": sorted(to_name),
         "time_from_onset_s": sorted(from_onset),
         "node_actions_baseline": base_comp,
+        "node_actions_baseline_by_action": dict(sorted(base_by_action.items())),
         "node_actions_with": with_comp,
         "component_actions": len(actions),
         "component_nodes_drained": len({(h.node, t) for t, h in comp_hints}),
@@ -396,6 +401,8 @@ def markdown(r: dict[str, Any], cmd: str) -> str:
         f"| a part named first, then the wider component holding it (a rack, then its PDU) | — | {r['parts_named_first']} |",
         f"| node-removing actions on the component faults' nodes (each counted by a breaker) | {r['node_actions_baseline']} | "
         f"{r['node_actions_with']} + {r['component_actions']} component action(s) ({r['component_nodes_drained']} nodes) |",
+        f"| of which, by action | {', '.join(f'{a} {n}' for a, n in r['node_actions_baseline_by_action'].items()) or '—'} | "
+        f"the component's action is `drain_node`: it takes whole nodes out, where node by node a throttling GPU was only avoided |",
         f"| node-removing actions on background node faults | {r['background_actions_baseline']} | {r['background_actions_with']} (link and throttling ones {r['hold_seconds']:g} s later) |",
         f"| time to name: median / p90 from the first node's finding | — | {_s(_q(r['time_to_name_s'], 0.5))} / {_s(_q(r['time_to_name_s'], 0.9))} |",
         f"| time to name: median / p90 from the fault's onset | — | {_s(_q(r['time_from_onset_s'], 0.5))} / {_s(_q(r['time_from_onset_s'], 0.9))} |",
