@@ -127,6 +127,8 @@ CASES = {
         {30.0 * k: [hang(f"job{k}", [f"gpu-{64 + 16 * (k % 4) + k:03d}"], 30.0 * k)] for k in range(8)},
         [("spine", "spine-1", "hang")],
     ),
+    "one hung job naming every node of its ranks under one leaf is one report": ({0.0: [hang("job1", [f"gpu-{48 + k:03d}" for k in range(8)], 0.0)]}, []),
+    "three hung jobs with culprits under one leaf": ({30.0 * k: [hang(f"job{k}", [f"gpu-{48 + 2 * k:03d}", f"gpu-{49 + 2 * k:03d}"], 30.0 * k)] for k in range(3)}, [("leaf_switch", "leaf-3", "hang")]),
     "throttling on one cooling loop's racks": ({20.0 * k: [throttle(f"gpu-{32 + 4 * k:03d}", 20.0 * k)] for k in range(6)}, [("cooling_loop", "loop-1", "thermal")]),
     "a leaf plus one unrelated node under its spine is the leaf": (
         {0.0: [link_down("gpu-010", 0.0)], **{30.0 + k: [link_down(f"gpu-{16 + k:03d}", 30.0 + k)] for k in range(5)}},

@@ -9,8 +9,9 @@ each would be drained. Here the symptoms are counted per component of the topolo
   component can explain them (link faults: leaf switch, spine; throttling: rack, PDU, cooling
   loop). A finding counts for its node, or for its `culprit_nodes` (a hang names the ranks that
   stopped, and their nodes);
-- a component is named when at least `min_nodes` of its nodes show the symptom and the nodes
-  outside it are quiet: under the outside rate (the share of the other nodes showing it), seeing
+- a component is named when at least `min_nodes` of its nodes show the symptom, reported by at
+  least `min_nodes` findings (one hung job naming all its ranks' nodes is one report), and the
+  nodes outside it are quiet: under the outside rate (the share of the other nodes showing it), seeing
   that many of its nodes at once has a binomial probability below `max_p_value`. Of several
   candidates (a leaf and its spine) the least likely by chance is named first, and its nodes are
   no longer counted for the others. A component holding over `max_fleet_share` of the nodes is
@@ -204,6 +205,8 @@ class ComponentCorrelator:
                     if not part < whole or len(whole) > cfg.max_fleet_share * self.fleet:
                         continue
                     inside = affected & whole
+                    if self._reports(named.symptom, inside) < cfg.min_nodes:
+                        continue
                     outside = len(affected - whole)
                     q = (outside + 0.5) / (self.fleet - len(whole) + 1)
                     rest = inside - part
@@ -237,7 +240,7 @@ class ComponentCorrelator:
                             by_comp.setdefault(comp, set()).add(n)
                     for comp, inside in by_comp.items():
                         size = len(set(self.members[(level, comp)]) - explained)
-                        if len(inside) < cfg.min_nodes or size > cfg.max_fleet_share * pool or size <= 0:
+                        if len(inside) < cfg.min_nodes or size > cfg.max_fleet_share * pool or size <= 0 or self._reports(symptom, inside) < cfg.min_nodes:
                             continue
                         outside = len(affected - inside)
                         q = (outside + 0.5) / (pool - size + 1)
@@ -256,6 +259,12 @@ class ComponentCorrelator:
                 members = set(self.members[(level, comp)])
                 explained |= members
                 affected -= members
+
+    def _reports(self, symptom: str, nodes: Iterable[str]) -> int:
+        """How many findings stand behind these nodes' symptoms: one hung job naming the eight
+        nodes of its ranks is one report, not eight (a job packed under one switch is not the
+        switch's fault until other reports join it)."""
+        return len({fid for n in nodes for fid in self.seen[(symptom, n)].findings})
 
     def _a_part_explains(self, levels: list[str], level: str, comp: str, inside: set[str], explained: set[str], q: float) -> bool:
         """A wider component (a spine) is not named when one of its parts (a leaf under it) holds
