@@ -29,6 +29,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "alerts": ("gpuvigil.alerts.build", "build Prometheus rules and Alertmanager config"),
     "dashboards": ("gpuvigil.dashboards.build", "build Grafana dashboards"),
     "deploy": ("gpuvigil.deploy", "write deployment files for gpuvigil at scale (sharded Prometheus)"),
+    "preflight": ("gpuvigil.preflight.cli", "check this node before a job or before it returns to service: PASS/WARN/FAIL, exit 0/1/2, 3 = cannot check"),
     "bench": ("gpuvigil.benchcli", "run a benchmark and write docs/benchmarks.md"),
 }
 

@@ -55,6 +55,8 @@ class Sources(BaseModel):
     nccl_inspector: str | None = Field(None, description="folder of NCCL Inspector output, one <job>/ folder per job (L1, docs/levels.md)")
     hook: str | None = Field(None, description="HOST:PORT where the in-process hook's HttpSink posts")
     job_map_dir: str | None = Field(None, description="GPU → job files (dcgm-exporter's --hpc-job-mapping-dir; deploy/slurm/prolog.sh writes them)")
+    infiniband: bool = Field(False, description="read this node's InfiniBand/RoCE ports from <sysfs_root>/class/infiniband")
+    sysfs_root: str = Field("/sys", description="the sysfs tree the infiniband source reads (a copy of a machine's /sys in tests)")
     scheduler: SchedulerKind = "none"
     # Every node's agent reads the scheduler's state; 1000 agents polling squeue each second
     # would be slurmctld's busiest client. Snapshots stay in the window between polls.
@@ -91,7 +93,7 @@ class Sources(BaseModel):
     def real(self) -> bool:
         """Whether anything but the simulator is configured."""
         return bool(self.nvml or self.dcgm or self.kernel_log or self.logs or self.flight_recorder or self.nccl_inspector or self.hook or self.job_map_dir
-                    or self.scheduler != "none")
+                    or self.infiniband or self.scheduler != "none")
 
     def node_name(self) -> str:
         return self.node or socket.gethostname()
@@ -142,6 +144,10 @@ def merge_flags(sources: Sources, args: Any) -> Sources:
         data["sim"] = True
     if "nvml" in chosen:
         data["nvml"] = True
+    if "infiniband" in chosen:
+        data["infiniband"] = True
+    if getattr(args, "sysfs_root", None):
+        data["sysfs_root"], data["infiniband"] = str(args.sysfs_root), True
     if getattr(args, "dcgm_url", None):
         data["dcgm"] = list(args.dcgm_url)
     if "dcgm" in chosen and not data["dcgm"]:
@@ -155,7 +161,7 @@ def merge_flags(sources: Sources, args: Any) -> Sources:
         data["logs"] = list(args.log)
     merged = parse(data, "flags")
     if merged.sim and merged.real:
-        what = [k for k in ("nvml", "dcgm", "kernel_log", "logs", "flight_recorder", "nccl_inspector", "hook", "job_map_dir") if getattr(merged, k)]
+        what = [k for k in ("nvml", "dcgm", "kernel_log", "logs", "flight_recorder", "nccl_inspector", "hook", "job_map_dir", "infiniband") if getattr(merged, k)]
         if merged.scheduler != "none":
             what.append(f"scheduler {merged.scheduler}")
         raise UserError(f"the simulated cluster (--source sim / sources.sim) cannot be combined with real sources ({', '.join(what)})")

@@ -309,6 +309,14 @@ def build(sources: Sources, cfg: dict[str, Any]) -> list[Source]:
                                   "<job>/ NCCL Inspector records (JSON or Prometheus textfile) as per-rank collective progress (L1)"))
         if sources.hook:
             started.append(_hook(sources.hook, node))
+        if sources.infiniband:
+            from gpuvigil.collectors.infiniband import InfinibandCollector
+
+            # NVML's PCI bus ids place each port beside its GPUs (same PCIe switch, else NUMA node).
+            nvml = next((s.collector for s in started if s.kind == "nvml" and s.collector is not None), None)
+            ib = InfinibandCollector(sources.sysfs_root, node=node, pci_to_gpu=getattr(nvml, "pci_to_gpu", None))
+            ports = ib.read(time.time()).filter(pl.col("device").is_not_null()).height
+            started.append(Source("infiniband", str(ib.base), ib, f"{ports} port(s); GPUs from {'NVML' if nvml is not None else 'nothing (node level)'}"))
         job_map = _job_map(sources, node, started)
         if job_map is not None:
             started.append(job_map)

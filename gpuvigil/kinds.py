@@ -47,6 +47,17 @@ class FindingKind(StrEnum):
     FRAGMENTATION_CLUSTER = "fragmentation_cluster"
     ANOMALY = "anomaly"  # unknown anomaly from the learned model: never pages on its own
     COLLECTOR_DOWN = "collector_down"  # a collector failed N times in a row (pipeline/health.py)
+    IB_LINK_DOWN = "ib_link_down"  # an InfiniBand/RoCE port down, or flapping
+    IB_LINK_DEGRADED = "ib_link_degraded"  # trained below its expected rate or width
+    IB_LINK_ERRORS = "ib_link_errors"  # symbol, receive or link-integrity errors over a rate
+    IB_PORT_MISSING = "ib_port_missing"  # fewer ports than expected, or one gone
+    NVLINK_DOWN = "nvlink_down"  # fewer NVLinks up than the GPU or its peers had
+    FABRIC_MANAGER = "fabric_manager"  # the GPU's NVLink fabric failed or never completes
+    ROW_REMAP_PENDING = "row_remap_pending"  # a row remap waits for a GPU reset
+    RETIRED_PAGES = "retired_pages"  # pages wait for retirement, or past the replacement limit
+    # Findings on several nodes that share a component (a leaf switch, a rack, a cooling loop)
+    # and on few others: the component, not the nodes (pipeline/components.py).
+    COMPONENT_FAULT = "component_fault"
 
 
 Scope = Literal["gpu", "node", "job", "cluster"]
@@ -76,6 +87,7 @@ class KindPolicy:
 
 _JOB = ("job",)
 _DEVICE = ("node", "gpu")
+_PORT = ("evidence.port_id",)
 
 POLICIES: Mapping[FindingKind, KindPolicy] = {
     FindingKind.OOM_PREDICTED: KindPolicy("job", "tenant", _JOB),
@@ -100,7 +112,20 @@ POLICIES: Mapping[FindingKind, KindPolicy] = {
     FindingKind.STRAGGLER: KindPolicy("job", "tenant", ("job", "node", "gpu")),
     # The learned model's anomaly: about a rank of a job, the model's cause part of what it is.
     FindingKind.ANOMALY: KindPolicy("gpu", "tenant", ("job", "node", "gpu", "cause")),
+    # A network port's faults are the port's (node/device/port: evidence port_id), whichever job or
+    # GPU it serves; a link that stops erroring while idle has not healed.
+    FindingKind.IB_LINK_DOWN: KindPolicy("node", "hardware", _PORT, clear_after_seconds=600),
+    FindingKind.IB_LINK_DEGRADED: KindPolicy("node", "hardware", _PORT),
+    FindingKind.IB_LINK_ERRORS: KindPolicy("node", "hardware", _PORT, clear_after_seconds=600),
+    FindingKind.IB_PORT_MISSING: KindPolicy("node", "hardware", _PORT, clear_after_seconds=600),
+    FindingKind.NVLINK_DOWN: KindPolicy("gpu", "hardware", _DEVICE, clear_after_seconds=600),
+    FindingKind.FABRIC_MANAGER: KindPolicy("gpu", "hardware", _DEVICE, clear_after_seconds=600),
+    # A pending repair or a retired page does not go away by going quiet.
+    FindingKind.ROW_REMAP_PENDING: KindPolicy("gpu", "hardware", _DEVICE, clear_after_seconds=3600),
+    FindingKind.RETIRED_PAGES: KindPolicy("gpu", "hardware", _DEVICE, clear_after_seconds=3600),
     FindingKind.COLLECTOR_DOWN: KindPolicy("cluster", "platform", ("evidence.collector", "evidence.target")),
+    # One per component, whichever of its nodes show the symptom.
+    FindingKind.COMPONENT_FAULT: KindPolicy("cluster", "hardware", ("evidence.level", "evidence.component")),
 }
 
 

@@ -246,7 +246,55 @@ GPU_JOBS = pl.Schema(
     }
 )
 
+# InfiniBand/RoCE ports read from sysfs (collectors/infiniband.py), one row per port per read;
+# a row without a device says the node was read and has no port. Counters kept as columns: the
+# PortCounters (counters/) and the mlx5 driver's own (hw_counters/); a file absent on this driver
+# is null, and a name present in both directories is read from counters/.
+IB_PORT_COUNTERS = (
+    "link_downed",
+    "link_error_recovery",
+    "symbol_error",
+    "port_rcv_errors",
+    "local_link_integrity_errors",
+    "excessive_buffer_overrun_errors",
+    "port_rcv_remote_physical_errors",
+    "port_xmit_discards",
+    "port_xmit_wait",
+    "VL15_dropped",
+    "port_xmit_data",
+    "port_rcv_data",
+)
+IB_HW_COUNTERS = ("out_of_buffer", "out_of_sequence", "local_ack_timeout_err", "packet_seq_err", "rnr_nak_retry_err", "implied_nak_seq_err")
+IB_COUNTERS = IB_PORT_COUNTERS + IB_HW_COUNTERS
+
+
+def ib_column(counter: str) -> str:
+    """A counter file's column name (VL15_dropped -> vl15_dropped)."""
+    return counter.lower()
+
+
+IB_PORTS = pl.Schema(
+    {
+        "ts": F64,
+        "node": STR,
+        "device": STR,  # mlx5_0
+        "port": I32,
+        "link_layer": STR,  # InfiniBand | Ethernet
+        "state": STR,  # DOWN | INIT | ARMED | ACTIVE | ACTIVE_DEFER
+        "phys_state": STR,  # Sleep | Polling | Disabled | LinkUp | LinkErrorRecovery | ...
+        "rate_gbps": F64,
+        "width": I32,  # active lanes: 1, 2, 4, 8, 12
+        "speed": STR,  # SDR ... HDR, NDR, XDR
+        "pci_bus_id": STR,  # the HCA's PCI function, as sysfs names it
+        "numa_node": I32,
+        "gpus": pl.List(I32),  # GPUs the port serves (empty: the node as a whole)
+        "affinity": STR,  # pcie | numa | node
+        **{ib_column(c): I64 for c in IB_COUNTERS},
+    }
+)
+
 STREAMS: Mapping[str, pl.Schema] = {
+    "ib_ports": IB_PORTS,
     "gpu_jobs": GPU_JOBS,
     "gpu_samples": GPU_SAMPLES,
     "gpu_workloads": GPU_WORKLOADS,

@@ -32,9 +32,10 @@ MIB = 1 << 20
 
 # Real sources. `dcgm_opt_in`: dcgm-exporter exports the field once it is in its counters file.
 # Beyond the GPU telemetry: NCCL Inspector's dumps, Flight Recorder dumps and pipes, the node's
-# GPU -> job map (collectors/jobmap.py) and the scheduler's state (built-in or Slurm).
-SOURCES = ("nvml", "dcgm", "dcgm_opt_in", "hook", "logs", "nccl_inspector", "flight_recorder", "jobmap", "scheduler")
-DEFAULT_SOURCES = ("nvml", "dcgm", "hook", "logs", "nccl_inspector", "flight_recorder", "jobmap", "scheduler")
+# GPU -> job map (collectors/jobmap.py), the scheduler's state (built-in or Slurm) and the node's
+# InfiniBand/RoCE ports read from sysfs (collectors/infiniband.py).
+SOURCES = ("nvml", "dcgm", "dcgm_opt_in", "hook", "logs", "nccl_inspector", "flight_recorder", "jobmap", "scheduler", "infiniband")
+DEFAULT_SOURCES = ("nvml", "dcgm", "hook", "logs", "nccl_inspector", "flight_recorder", "jobmap", "scheduler", "infiniband")
 
 
 @dataclass(frozen=True)
@@ -201,6 +202,31 @@ GPU_SIGNALS: tuple[Signal, ...] = (
         dcgm=Dcgm(("DCGM_FI_DEV_FB_RESERVED",), scale=MIB),
         nvml="nvmlDeviceGetMemoryInfo (v2 reserved)", producers=_p("nvml"),
     ),
+    Signal(
+        "nvlink_links_total", I32, "count", "NVLinks the GPU has (0: a PCIe GPU without NVLink; null: not read)",
+        nvml="nvmlDeviceGetNvLinkState (the links that answer)", prometheus="gpuvigil_gpu_nvlink_links", producers=_p("nvml"),
+    ),
+    Signal(
+        "nvlink_links_up", I32, "count", "NVLinks in the enabled (up) state",
+        nvml="nvmlDeviceGetNvLinkState", prometheus="gpuvigil_gpu_nvlink_links_up", producers=_p("nvml"),
+    ),
+    Signal(
+        "fabric_manager_status", I32, "code",
+        "the GPU's NVLink fabric (Fabric Manager / IMEX) as DCGM's dcgmFabricManagerStatus_t: 0 not supported, 1 not started, "
+        "2 in progress, 3 success, 4 failure, 5 unrecognized, 6 NVML too old (NVML: state, and status once completed)",
+        dcgm=Dcgm(("DCGM_FI_DEV_FABRIC_MANAGER_STATUS",)),
+        nvml="nvmlDeviceGetGpuFabricInfo", prometheus="gpuvigil_gpu_fabric_manager_status", producers=_p("nvml"),
+    ),
+    Signal(
+        "row_remap_pending", BOOL, "flag", "a row remap waits for a GPU reset to take effect",
+        dcgm=Dcgm(("DCGM_FI_DEV_ROW_REMAP_PENDING",), how="positive"),
+        nvml="nvmlDeviceGetRemappedRows (isPending)", prometheus="gpuvigil_gpu_row_remap_pending", producers=_p("nvml"),
+    ),
+    Signal(
+        "retired_pages_pending", BOOL, "flag", "pages wait for a reboot to be retired (GPUs before Ampere)",
+        dcgm=Dcgm(("DCGM_FI_DEV_RETIRED_PENDING",), how="positive"),
+        nvml="nvmlDeviceGetFieldValues(NVML_FI_DEV_RETIRED_PENDING)", prometheus="gpuvigil_gpu_retired_pages_pending", producers=_p("nvml"),
+    ),
 )
 
 GPU_COLUMNS: tuple[Signal, ...] = GPU_KEY + GPU_SIGNALS
@@ -242,6 +268,8 @@ STREAM_SOURCES: Mapping[str, StreamSources] = {
     "nodes": StreamSources(("scheduler",)),
     # the scheduler's placements, and the node's own job map where it placed nothing (pipeline/jobjoin.py)
     "allocations": StreamSources(("scheduler", "jobmap", "dcgm")),
+    # every column from sysfs; the GPUs a port serves from sysfs' PCI tree and NVML's bus ids
+    "ib_ports": StreamSources(("infiniband",), {"gpus": ("infiniband", "nvml"), "affinity": ("infiniband", "nvml")}),
 }
 
 

@@ -1,14 +1,17 @@
 """A small real runtime for the exporter/alerts tests: the real Pipeline and Scheduler, fed by a
-deterministic collector (2 nodes × 2 GPUs, one 4-rank job) and a detector that raises fixed
+deterministic collector (2 nodes × 2 GPUs, one 4-rank job, node-a's InfiniBand ports read from a
+sysfs tree) and a detector that raises fixed
 findings. Used where the full simulator would only slow the test down."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import polars as pl
 
 from gpuvigil import schemas
+from gpuvigil.collectors.infiniband import InfinibandCollector
 from gpuvigil.model import Finding, FindingKind, Severity
 from gpuvigil.pipeline.core import Pipeline, TickResult
 from gpuvigil.scheduler.core import JobSpec, NodeSpec, Scheduler, SchedulerStateCollector
@@ -37,7 +40,8 @@ class TinyCollector:
                         throttle_reasons=0x40 if (node, gpu) == ("node-b", 1) else 0, ecc_sbe_volatile_total=0,
                         ecc_dbe_volatile_total=1 if (node, gpu) == ("node-b", 1) else 0, retired_pages_total=0,
                         remap_failure=False, pcie_replay_total=0, xid_total=1 if (node, gpu) == ("node-b", 1) else 0,
-                        last_xid=79 if (node, gpu) == ("node-b", 1) else None,
+                        last_xid=79 if (node, gpu) == ("node-b", 1) else None, nvlink_links_total=18, nvlink_links_up=18,
+                        fabric_manager_status=3, row_remap_pending=False, retired_pages_pending=False,
                     )
                 )
         rank_rows, mem_rows = [], []
@@ -108,7 +112,9 @@ def tiny_runtime(findings: list[Finding] | None = None, sinks=()) -> TinyRuntime
     # Findings clear 5 s after their last report (instead of up to an hour) to keep tests short.
     clear = {kind: 5.0 for kind in [*config.defaults()["pipeline"]["clear_after_seconds"], *clear_after_defaults()]}
     cfg = config.load(overrides={**QUIET_HINTS, "pipeline": {"clear_after_seconds": clear}})
-    pipeline = Pipeline([TinyCollector(sched), SchedulerStateCollector(sched)], [detector], sinks=[sched, *sinks], cfg=cfg)
+    # node-a's InfiniBand ports: the sysfs tree of tests/data/sysfs (two NDR HCAs and a RoCE NIC)
+    ib = InfinibandCollector(Path(__file__).parent / "data" / "sysfs" / "two_gpu_ndr", node=NODES[0])
+    pipeline = Pipeline([TinyCollector(sched), SchedulerStateCollector(sched), ib], [detector], sinks=[sched, *sinks], cfg=cfg)
     sched.cycle(0.0)
     return TinyRuntime(pipeline, sched, detector)
 

@@ -41,6 +41,7 @@ COMMANDS: dict[str, list[str]] = {
     "demo": ["demo", "--scenario", "healthy", "--config", "{cfg}"],
     "alerts build": ["alerts", "build", "--out", "{tmp}/alerts", "--config", "{cfg}"],
     "serve": ["serve", "--config", "{cfg}"],
+    "preflight": ["preflight", "--config", "{cfg}"],
 }
 
 

@@ -148,5 +148,5 @@ def test_the_registry_is_the_set_serve_runs_and_the_config_knows():
 
 def test_fleet_placement_follows_the_kinds_scope():
     placed = registry.placement()
-    assert sorted(n for n, p in placed.items() if p == "agent") == ["anomaly", "ecc", "pcie", "thermal", "xid"]
+    assert sorted(n for n, p in placed.items() if p == "agent") == ["anomaly", "ecc", "infiniband", "memory_repair", "nvlink_fabric", "pcie", "thermal", "xid"]
     assert [n for n, p in placed.items() if p == "act"] == ["fragmentation_cluster"]

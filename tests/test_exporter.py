@@ -126,6 +126,8 @@ ALLOWED_LABELS = {
     "gpuvigil_detector_": {"detector", "le"},
     "gpuvigil_collector_": {"collector", "target"},  # target: a configured endpoint, device or file (bounded)
     "gpuvigil_build": {"version"},
+    # per port of the node's HCAs (a handful), with its PCI address and GPUs on the _info series
+    "gpuvigil_ib_": {"node", "device", "port", "link_layer", "pci_bus_id", "affinity", "gpus"},
 }
 
 

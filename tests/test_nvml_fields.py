@@ -75,6 +75,7 @@ def real_h200_fields(over: dict | None = None) -> dict[int, tuple[int, int, floa
         pynvml.NVML_FI_DEV_REMAPPED_COR: (0, ui, 2),
         pynvml.NVML_FI_DEV_REMAPPED_UNC: (0, ui, 1),
         pynvml.NVML_FI_DEV_REMAPPED_FAILURE: (0, ui, 0),
+        144: (0, ui, 0),  # NVML_FI_DEV_REMAPPED_PENDING, of the same group as 142/143/145 (not in the capture)
         pynvml.NVML_FI_DEV_PCIE_COUNT_TX_BYTES: (0, ull, 10_000_000),
         pynvml.NVML_FI_DEV_PCIE_COUNT_RX_BYTES: (0, ull, 50_000_000),
         # RETIRED_SBE/DBE: NotSupported on Hopper (rows are remapped instead)

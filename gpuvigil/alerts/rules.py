@@ -78,6 +78,13 @@ def rules(s: AlertSettings) -> list[Rule]:
     frag_min = _minutes(t.fragmentation_for)
     stall_pipe_min = _minutes(t.pipeline_stall_for)
     down_min = _minutes(t.collector_down_for)
+    deg_min = _minutes(t.ib_degraded_for)
+    fab_min = _minutes(t.fabric_not_ready_for)
+    ib = {"node": "n1", "device": "mlx5_0", "port": "1", "link_layer": "InfiniBand"}
+
+    def ib_port(name: str, device: str = "mlx5_0") -> str:
+        return f'{name}{{node="n1",device="{device}",port="1",link_layer="InfiniBand"}}'
+
     queue_or = " or ".join(
         f'gpuvigil_scheduler_queue_oldest_wait_seconds{{priority="{p}"}} > {_num(v)}' for p, v in sorted(t.queue_wait_seconds.items())
     )
@@ -132,6 +139,85 @@ def rules(s: AlertSettings) -> list[Rule]:
             for_=t.gpu_temperature_for,
             kind="thermal_throttle",
             example=Example({f"gpuvigil_gpu_temperature_celsius{sel}": f"{_num(t.gpu_temperature_celsius + 3)}x{temp_min + 5}"}, f"{temp_min + 1}m", [gpu], quiet_at="0m"),
+        ),
+        # -- fabric: InfiniBand/RoCE ports, NVLink, memory repairs ---------------------------
+        Rule(
+            "GpuvigilIbPortDown", "gpuvigil-hardware", "(gpuvigil_ib_port_up == 0) and (max_over_time(gpuvigil_ib_port_up[1h]) == 1)", "page", "hardware", "node",
+            "InfiniBand port {{ $labels.device }}/{{ $labels.port }} on {{ $labels.node }} is down",
+            "A port that was ACTIVE within the hour is not: jobs spanning the node stall or fail. Check the cable, transceiver and switch port; gpuvigil cordons the node.",
+            for_="2m",
+            kind="ib_link_down",
+            example=Example({ib_port("gpuvigil_ib_port_up"): "1x3 0x10"}, "8m", [ib], quiet_at="3m"),
+        ),
+        Rule(
+            "GpuvigilIbLinkFlapping", "gpuvigil-hardware", f"increase(gpuvigil_ib_port_link_downed_total[10m]) >= {_num(t.ib_link_flaps)}", "ticket", "hardware", "node",
+            "InfiniBand link {{ $labels.device }}/{{ $labels.port }} on {{ $labels.node }} is flapping",
+            "The link went down and came back several times in ten minutes: reseat or replace the cable or transceiver.",
+            kind="ib_link_down",
+            example=Example({ib_port("gpuvigil_ib_port_link_downed_total"): f"1x3 {1 + int(t.ib_link_flaps)}x10"}, "6m", [ib], quiet_at="2m"),
+        ),
+        Rule(
+            "GpuvigilIbLinkDegraded", "gpuvigil-hardware",
+            "(gpuvigil_ib_port_rate_bytes_per_second < on(cluster, instance, node, link_layer) group_left() "
+            "max by (cluster, instance, node, link_layer) (gpuvigil_ib_port_rate_bytes_per_second)) and (gpuvigil_ib_port_up == 1)",
+            "ticket", "hardware", "node",
+            "InfiniBand port {{ $labels.device }}/{{ $labels.port }} on {{ $labels.node }} runs below its peers' rate",
+            "The port trained at a lower rate or width than the fastest port of its link layer on the node: collectives across the node slow down. Check the cable and retrain the link.",
+            for_=t.ib_degraded_for,
+            kind="ib_link_degraded",
+            example=Example(
+                {ib_port("gpuvigil_ib_port_rate_bytes_per_second"): f"5e10x3 2.5e10x{deg_min + 10}", ib_port("gpuvigil_ib_port_up"): f"1x{deg_min + 13}",
+                 ib_port("gpuvigil_ib_port_rate_bytes_per_second", "mlx5_1"): f"5e10x{deg_min + 13}", ib_port("gpuvigil_ib_port_up", "mlx5_1"): f"1x{deg_min + 13}"},
+                f"{deg_min + 5}m", [ib], quiet_at="2m",
+            ),
+        ),
+        Rule(
+            "GpuvigilIbSymbolErrors", "gpuvigil-hardware", f"rate(gpuvigil_ib_port_symbol_errors_total[5m]) * 60 > {_num(t.ib_symbol_errors_per_minute)}", "ticket", "hardware", "node",
+            "InfiniBand port {{ $labels.device }}/{{ $labels.port }} on {{ $labels.node }} has a high symbol error rate",
+            "Symbol errors climb fast: the cable or transceiver is degrading and the link often goes down next.",
+            kind="ib_link_errors",
+            example=Example({ib_port("gpuvigil_ib_port_symbol_errors_total"): f"0x3 0+{int(t.ib_symbol_errors_per_minute) * 2}x10"}, "9m", [ib], quiet_at="2m"),
+        ),
+        Rule(
+            "GpuvigilIbPortMissing", "gpuvigil-hardware", "gpuvigil_ib_ports < max_over_time(gpuvigil_ib_ports[1d])", "page", "hardware", "node",
+            "{{ $labels.node }} lost an InfiniBand port",
+            "The node has fewer RDMA ports than it had within a day: an HCA fell off the bus or its driver failed. Drain the node and check the adapter.",
+            for_="2m",
+            kind="ib_port_missing",
+            example=Example({'gpuvigil_ib_ports{node="n1"}': "3x3 2x10"}, "8m", [{"node": "n1"}], quiet_at="3m"),
+        ),
+        Rule(
+            "GpuvigilGpuNvlinkDown", "gpuvigil-hardware",
+            "(gpuvigil_gpu_nvlink_links_up < max_over_time(gpuvigil_gpu_nvlink_links_up[1d])) and (gpuvigil_gpu_nvlink_links > 0)", "page", "hardware", "node",
+            "NVLink down on GPU {{ $labels.gpu }} of {{ $labels.node }}",
+            "The GPU has fewer NVLinks up than it had within a day: collectives between the node's GPUs slow down or fail. Drain the node and reset the GPU.",
+            for_="2m",
+            kind="nvlink_down",
+            example=Example({f"gpuvigil_gpu_nvlink_links_up{sel}": "18x3 17x10", f"gpuvigil_gpu_nvlink_links{sel}": "18x13"}, "8m", [gpu], quiet_at="3m"),
+        ),
+        Rule(
+            "GpuvigilGpuFabricNotReady", "gpuvigil-hardware", "(gpuvigil_gpu_fabric_manager_status == 4) or (gpuvigil_gpu_fabric_manager_status == 2)", "page", "hardware", "node",
+            "The NVLink fabric of GPU {{ $labels.gpu }} on {{ $labels.node }} is not ready",
+            "Fabric Manager (or IMEX) failed to set up the GPU's NVLink fabric, or has not finished: CUDA cannot use the GPU. Check nvidia-fabricmanager / nvidia-imex; reboot the node if it does not recover.",
+            for_=t.fabric_not_ready_for,
+            kind="fabric_manager",
+            example=Example({f"gpuvigil_gpu_fabric_manager_status{sel}": f"3x3 4x{fab_min + 10}"}, f"{fab_min + 5}m", [gpu], quiet_at="3m"),
+        ),
+        Rule(
+            "GpuvigilGpuRowRemapPending", "gpuvigil-hardware", "gpuvigil_gpu_row_remap_pending == 1", "ticket", "hardware", "node",
+            "A row remap waits for a reset on GPU {{ $labels.gpu }} of {{ $labels.node }}",
+            "The GPU repaired a failing memory row; the repair takes effect after a GPU reset. Drain the node and reset the GPU when it is idle.",
+            for_="5m",
+            kind="row_remap_pending",
+            example=Example({f"gpuvigil_gpu_row_remap_pending{sel}": "0x3 1x10"}, "10m", [gpu], quiet_at="4m"),
+        ),
+        Rule(
+            "GpuvigilGpuRetiredPagesPending", "gpuvigil-hardware", "gpuvigil_gpu_retired_pages_pending == 1", "ticket", "hardware", "node",
+            "Pages wait for retirement on GPU {{ $labels.gpu }} of {{ $labels.node }}",
+            "Memory pages are marked for retirement, which takes effect at the next reboot. Reboot the node at the next maintenance slot.",
+            for_="5m",
+            kind="retired_pages",
+            example=Example({f"gpuvigil_gpu_retired_pages_pending{sel}": "0x3 1x10"}, "10m", [gpu], quiet_at="4m"),
         ),
         # -- jobs ----------------------------------------------------------------------------
         Rule(

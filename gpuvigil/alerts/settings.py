@@ -37,8 +37,15 @@ class RuleThresholds(BaseModel):
     pipeline_stall_for: str = "2m"
     collector_down_for: str = "2m"
     sbe_per_hour: float = Field(100, ge=0)
+    # InfiniBand/RoCE ports: link drops within 10 minutes that make a flapping link, symbol
+    # errors per minute, and how long a port below its node's fastest rate or a fabric not ready lasts.
+    ib_link_flaps: float = Field(2, ge=1)
+    ib_symbol_errors_per_minute: float = Field(10, gt=0)
+    ib_degraded_for: str = "10m"
+    fabric_not_ready_for: str = "5m"
 
-    @field_validator("gpu_temperature_for", "memory_headroom_for", "collective_stall_for", "fragmentation_for", "pipeline_stall_for", "collector_down_for")
+    @field_validator("gpu_temperature_for", "memory_headroom_for", "collective_stall_for", "fragmentation_for", "pipeline_stall_for", "collector_down_for", "ib_degraded_for",
+                     "fabric_not_ready_for")
     @classmethod
     def _duration(cls, v: str) -> str:
         return _check_duration(v)

@@ -45,7 +45,9 @@ FIELD_IDS: dict[str, tuple[str, int]] = {
     "pcie_replay": ("NVML_FI_DEV_PCIE_REPLAY_COUNTER", 94),
     "remapped_cor": ("NVML_FI_DEV_REMAPPED_COR", 142),
     "remapped_unc": ("NVML_FI_DEV_REMAPPED_UNC", 143),
+    "remapped_pending": ("NVML_FI_DEV_REMAPPED_PENDING", 144),
     "remapped_failure": ("NVML_FI_DEV_REMAPPED_FAILURE", 145),
+    "retired_pending": ("NVML_FI_DEV_RETIRED_PENDING", 31),
     "pcie_tx_bytes": ("NVML_FI_DEV_PCIE_COUNT_TX_BYTES", 197),
     "pcie_rx_bytes": ("NVML_FI_DEV_PCIE_COUNT_RX_BYTES", 198),
 }
@@ -114,6 +116,8 @@ class NvmlCollector:
         self._unsupported_fields = [set() for _ in self.handles]
         self.pci_bus_ids = [self._pci_bus_id(h) for h in self.handles]
         self._pcie_prev = [None] * len(self.handles)
+        self._nvlink_ids: list[list[int] | None] = [None] * len(self.handles)
+        self._fabric_fixed: int | None = None
         self._index_of = {self._handle_key(h): i for i, h in enumerate(self.handles)}
         self.xid_total = [0] * len(self.handles)
         self.last_xid: list[int | None] = [None] * len(self.handles)
@@ -212,12 +216,15 @@ class NvmlCollector:
         if "remapped_cor" in f or "remapped_unc" in f:
             cor, unc = f.get("remapped_cor"), f.get("remapped_unc")
             out["retired_pages_total"] = int(cor) + int(unc) if cor is not None and unc is not None else None
-            fail = f.get("remapped_failure")
+            fail, pending = f.get("remapped_failure"), f.get("remapped_pending")
             out["remap_failure"] = bool(fail) if fail is not None else None
+            out["row_remap_pending"] = bool(pending) if pending is not None else None
         elif f.get("retired_sbe") is not None and f.get("retired_dbe") is not None:
-            out["retired_pages_total"], out["remap_failure"] = int(f["retired_sbe"]) + int(f["retired_dbe"]), None
+            out["retired_pages_total"], out["remap_failure"], out["row_remap_pending"] = int(f["retired_sbe"]) + int(f["retired_dbe"]), None, None
         else:
-            out["retired_pages_total"], out["remap_failure"] = self._remapped(handle)
+            out["retired_pages_total"], out["remap_failure"], out["row_remap_pending"] = self._remapped(handle)
+        retired_pending = f.get("retired_pending")
+        out["retired_pages_pending"] = bool(retired_pending) if retired_pending is not None else None
         if "pcie_replay" in f:
             out["pcie_replay_total"] = int(f["pcie_replay"]) if f["pcie_replay"] is not None else None
         else:
@@ -242,19 +249,76 @@ class NvmlCollector:
         value = self._field(name, self.nvml.nvmlDeviceGetTotalEccErrors, handle, error_type, counter)
         return int(value) if value is not None else None
 
-    def _remapped(self, handle: Any) -> tuple[int | None, bool | None]:
+    def _remapped(self, handle: Any) -> tuple[int | None, bool | None, bool | None]:
+        """(remapped rows or retired pages, remap failed, remap pending)."""
         rows = self._field("remapped_rows", self.nvml.nvmlDeviceGetRemappedRows, handle)
         if rows is not None:
-            corrected, uncorrected, _pending, failure = rows
-            return int(corrected) + int(uncorrected), bool(failure)
+            corrected, uncorrected, pending, failure = rows
+            return int(corrected) + int(uncorrected), bool(failure), bool(pending)
         # Pre-Ampere GPUs retire pages instead of remapping rows.
         total = 0
         for cause in (0, 1):
             pages = self._field("retired_pages", self.nvml.nvmlDeviceGetRetiredPages, handle, cause)
             if pages is None:
-                return None, None
+                return None, None, None
             total += len(pages)
-        return total, None
+        return total, None, None
+
+    def _nvlinks(self, i: int, handle: Any) -> tuple[int | None, int | None]:
+        """(links the GPU has, links up). The links are found once: a link index past the GPU's
+        last answers NotSupported or InvalidArgument, and a PCIe GPU has none (0, 0), so that
+        'no NVLink up' is never said of a GPU without NVLink."""
+        fn = getattr(self.nvml, "nvmlDeviceGetNvLinkState", None)
+        if fn is None:
+            return None, None
+        links = self._nvlink_ids[i]
+        if links is None:
+            links = []
+            for link in range(int(getattr(self.nvml, "NVML_NVLINK_MAX_LINKS", 18))):
+                try:
+                    fn(handle, link)
+                except self.nvml.NVMLError as exc:
+                    if getattr(exc, "value", None) not in (getattr(self.nvml, "NVML_ERROR_NOT_SUPPORTED", 3), getattr(self.nvml, "NVML_ERROR_INVALID_ARGUMENT", 2)):
+                        self._count(exc, "nvlink_state")
+                        return None, None  # unsure which links exist: ask again next time
+                    continue
+                links.append(link)
+            self._nvlink_ids[i] = links
+        up = 0
+        for link in links:
+            state = self._field("nvlink_state", fn, handle, link)
+            if state is None:
+                return len(links), None
+            up += int(state) == int(getattr(self.nvml, "NVML_FEATURE_ENABLED", 1))
+        return len(links), up
+
+    def _fabric(self, handle: Any) -> int | None:
+        """The GPU's fabric state as DCGM's dcgmFabricManagerStatus_t, mapped as DCGM maps NVML's
+        (state not supported / not started / in progress; completed: success, or failure when its
+        status is an error)."""
+        fn = getattr(self.nvml, "nvmlDeviceGetGpuFabricInfo", None)
+        if fn is None:
+            return None
+        if self._fabric_fixed is not None:  # not supported, or a driver without the call: asked once
+            return self._fabric_fixed
+        try:
+            info = fn(handle)
+        except self.nvml.NVMLError as exc:
+            code = getattr(exc, "value", None)
+            if code == getattr(self.nvml, "NVML_ERROR_NOT_SUPPORTED", 3):
+                self._fabric_fixed = 0  # no NVLink fabric (a PCIe GPU, or before Hopper)
+                return 0
+            if code == getattr(self.nvml, "NVML_ERROR_FUNCTION_NOT_FOUND", 13):
+                self._fabric_fixed = 6  # the driver predates the call
+                return 6
+            self._count(exc, "fabric_info")
+            return None
+        state, status = int(getattr(info, "state", -1)), int(getattr(info, "status", 0))
+        if state in (0, 1, 2):
+            return state
+        if state == 3:
+            return 3 if status == int(getattr(self.nvml, "NVML_SUCCESS", 0)) else 4
+        return 5
 
     def _sample(self, i: int, handle: Any, now: float) -> dict[str, Any]:
         nv = self.nvml
@@ -265,6 +329,7 @@ class NvmlCollector:
         sm_clock = self._field("sm_clock", nv.nvmlDeviceGetClockInfo, handle, nv.NVML_CLOCK_SM)
         mem_clock = self._field("mem_clock", nv.nvmlDeviceGetClockInfo, handle, nv.NVML_CLOCK_MEM)
         counters = self._counters(i, handle, now)
+        links, links_up = self._nvlinks(i, handle)
         return {
             "ts": now,
             "node": self.node,
@@ -281,6 +346,9 @@ class NvmlCollector:
             "throttle_reasons": self._throttle(handle),
             **counters,
             "memory_reserved_bytes": reserved,
+            "nvlink_links_total": links,
+            "nvlink_links_up": links_up,
+            "fabric_manager_status": self._fabric(handle),
             "xid_total": self.xid_total[i],
             "last_xid": self.last_xid[i],
         }

@@ -52,6 +52,7 @@ SECTIONS: dict[str, str | dict[str, str]] = {
     "levels": "gpuvigil.detectors.levels:LevelsConfig",
     "oom_classify": "gpuvigil.parsers.oom:OomClassifyConfig",
     "pipeline": "gpuvigil.pipeline.core:PipelineConfig",
+    "preflight": "gpuvigil.preflight.config:PreflightConfig",
     "report": "gpuvigil.report:ReportConfig",
     "scheduler": "gpuvigil.scheduler.config:SchedulerConfig",
     "sources": "gpuvigil.deployconfig:Sources",

@@ -144,9 +144,10 @@ def cluster_overview() -> Dashboard:
 
 def node() -> Dashboard:
     gpu = "GPU {{gpu}}"
+    port = "{{device}}/{{port}}"
     return dashboard(
         "gpuvigil-node", "gpuvigil / Node",
-        "Per-GPU health of one node: utilisation, memory, power, temperature, clocks, throttling, XID and ECC timelines.",
+        "Per-GPU health of one node: utilisation, memory, power, temperature, clocks, throttling, XID and ECC timelines, InfiniBand ports and NVLink.",
         [cluster_var(), node_var()],
         [
             ("Health", [
@@ -169,6 +170,22 @@ def node() -> Dashboard:
                 ts("Corrected ECC (SBE)", (f"increase({q('gpuvigil_gpu_ecc_sbe_errors_total', NODE)}[{RATE}])", gpu)),
                 ts("Remapped rows / retired pages", (q("gpuvigil_gpu_retired_pages_total", NODE), gpu)),
                 ts("Row remap failure", (q("gpuvigil_gpu_row_remap_failure", NODE), gpu)),
+                ts("Memory repairs waiting", (q("gpuvigil_gpu_row_remap_pending", NODE), "row remap, " + gpu),
+                   (q("gpuvigil_gpu_retired_pages_pending", NODE), "page retirement, " + gpu),
+                   description="1 while a row remap waits for a GPU reset, or pages wait for a reboot to be retired."),
+            ]),
+            ("Fabric: InfiniBand and NVLink", [
+                ts("InfiniBand ports up", (q("gpuvigil_ib_port_up", NODE), port), description="1 while the port is ACTIVE."),
+                ts("InfiniBand port rate", (q("gpuvigil_ib_port_rate_bytes_per_second", NODE), port), unit="Bps",
+                   description="Active width x speed; a port below its peers trained at a lower width or speed."),
+                ts("InfiniBand link drops", (f"increase({q('gpuvigil_ib_port_link_downed_total', NODE)}[{RATE}])", port)),
+                ts("InfiniBand link errors", (f"increase({q('gpuvigil_ib_port_symbol_errors_total', NODE)}[{RATE}])", "symbol " + port),
+                   (f"increase({q('gpuvigil_ib_port_receive_errors_total', NODE)}[{RATE}])", "receive " + port),
+                   (f"increase({q('gpuvigil_ib_port_link_integrity_errors_total', NODE)}[{RATE}])", "link integrity " + port)),
+                ts("NVLinks up", (q("gpuvigil_gpu_nvlink_links_up", NODE), "up, " + gpu), (q("gpuvigil_gpu_nvlink_links", NODE), "total, " + gpu),
+                   description="A PCIe GPU has no NVLink (0)."),
+                ts("NVLink fabric status", (q("gpuvigil_gpu_fabric_manager_status", NODE), gpu),
+                   description="DCGM's dcgmFabricManagerStatus_t: 0 not supported, 1 not started, 2 in progress, 3 success, 4 failure."),
             ]),
         ],
         ["node"],

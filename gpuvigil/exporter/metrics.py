@@ -175,11 +175,32 @@ GPU_SPECS: list[tuple[str, MetricType, str, str, float]] = [
     ("gpuvigil_gpu_pcie_replays", "counter", "pcie_replay_total", "PCIe replay events.", 1),
     ("gpuvigil_gpu_xid_errors", "counter", "xid_total", "XID errors reported for this GPU.", 1),
     ("gpuvigil_gpu_last_xid", "gauge", "last_xid", "Most recent XID code on this GPU (0 when none).", 1),
+    ("gpuvigil_gpu_nvlink_links", "gauge", "nvlink_links_total", "NVLinks the GPU has (0 on a PCIe GPU without NVLink).", 1),
+    ("gpuvigil_gpu_nvlink_links_up", "gauge", "nvlink_links_up", "NVLinks in the enabled (up) state.", 1),
+    ("gpuvigil_gpu_fabric_manager_status", "gauge", "fabric_manager_status",
+     "The GPU's NVLink fabric state as DCGM's dcgmFabricManagerStatus_t (0 not supported, 1 not started, 2 in progress, 3 success, 4 failure).", 1),
+    ("gpuvigil_gpu_row_remap_pending", "gauge", "row_remap_pending", "1 when a row remap waits for a GPU reset.", 1),
+    ("gpuvigil_gpu_retired_pages_pending", "gauge", "retired_pages_pending", "1 when pages wait for a reboot to be retired (GPUs before Ampere).", 1),
 ]
 GPU_THROTTLED = ("gpuvigil_gpu_clock_throttled", "gauge", "1 when the clock-event reason is active on the GPU.")
 GPU_FATAL = ("gpuvigil_gpu_last_xid_fatal", "gauge", "1 when the GPU's most recent XID needs an operator (reset, reboot, drain) per the XID table.")
 GPU_REMAP = ("gpuvigil_gpu_row_remap_failure", "gauge", "1 when row remapping failed (the GPU needs service).")
 GPU_INFO = ("gpuvigil_gpu", "info", "GPU identity.")
+# InfiniBand/RoCE ports, per (node, device, port): (name, type, ib_ports column, help, scale).
+IB_SPECS: list[tuple[str, MetricType, str, str, float]] = [
+    ("gpuvigil_ib_port_rate_bytes_per_second", "gauge", "rate_gbps", "Rate the port trained at (active width x speed; 400 Gb/s NDR is 5e10).", 1e9 / 8),
+    ("gpuvigil_ib_port_width_lanes", "gauge", "width", "Active lanes of the port (1, 2, 4, 8, 12).", 1),
+    ("gpuvigil_ib_port_link_downed", "counter", "link_downed", "Times the port's link training failed and the link went down.", 1),
+    ("gpuvigil_ib_port_link_error_recovery", "counter", "link_error_recovery", "Times the link recovered from errors by retraining.", 1),
+    ("gpuvigil_ib_port_symbol_errors", "counter", "symbol_error", "Minor link errors on the port's physical lanes.", 1),
+    ("gpuvigil_ib_port_receive_errors", "counter", "port_rcv_errors", "Packets with an error received on the port.", 1),
+    ("gpuvigil_ib_port_link_integrity_errors", "counter", "local_link_integrity_errors", "Times local physical errors exceeded their threshold.", 1),
+    ("gpuvigil_ib_port_buffer_overrun_errors", "counter", "excessive_buffer_overrun_errors", "Input buffer overruns on the port.", 1),
+    ("gpuvigil_ib_port_transmit_discards", "counter", "port_xmit_discards", "Outbound packets discarded because the port was down or congested.", 1),
+]
+IB_UP = ("gpuvigil_ib_port_up", "gauge", "1 when the InfiniBand/RoCE port is ACTIVE.")
+IB_PORTS = ("gpuvigil_ib_ports", "gauge", "InfiniBand/RoCE ports present on the node (sysfs).")
+IB_INFO = ("gpuvigil_ib_port", "info", "An InfiniBand/RoCE port: link layer, PCI address, the GPUs it serves and how that is known.")
 _THROTTLE_INDEX = [c for _, _, c, _, _ in GPU_SPECS].index("throttle_reasons")
 
 
@@ -275,6 +296,7 @@ class Snapshot:
             out += self._job_families()
             out += self._finding_families()
             out += self._node_families()
+            out += self._ib_families()
             out += self._scheduler_families()
             out += self._pipeline_families()
             for source in self.extra:
@@ -460,6 +482,32 @@ class Snapshot:
             free.add(len(ns.free_gpus()) if ns.schedulable else 0, node=name)
             info.add(1, node=name, rack=ns.spec.rack)
         return [state, gpus, free, info]
+
+    def _ib_families(self) -> list[Family]:
+        """InfiniBand/RoCE ports (collectors/infiniband.py): the latest read of each port."""
+        fams = [Family(name, typ, help) for name, typ, _col, help, _scale in IB_SPECS]
+        up = Family(*IB_UP)
+        ports = Family(*IB_PORTS)
+        info = Family(*IB_INFO)
+        window = self.runtime.pipeline.window
+        df = window.get("ib_ports")
+        if df.height == 0 or "device" not in df.columns:
+            return [up, *fams, ports, info]
+        # The newest read of each node: its ports now (one gone from it is gone from here too).
+        newest = df.group_by("node").agg(pl.col("ts").max().alias("_newest"))
+        latest = df.join(newest, on="node").filter(pl.col("ts") == pl.col("_newest")).unique(["node", "device", "port"], keep="last", maintain_order=True)
+        for node, n in latest.group_by("node").agg(pl.col("device").is_not_null().sum()).sort("node").iter_rows():
+            ports.add(n, node=node)
+        latest = latest.filter(pl.col("device").is_not_null()).sort("node", "device", "port")
+        cols = ["node", "device", "port", "link_layer", "state", "pci_bus_id", "affinity", "gpus", *[c for _, _, c, _, _ in IB_SPECS]]
+        for node, device, port, layer, state, bus, affinity, gpus, *values in _rows(latest, cols):
+            key = {"node": node, "device": device, "port": port, "link_layer": layer or ""}
+            up.add(1 if state == "ACTIVE" else 0, **key)
+            for fam, (_, _, _, _, scale), value in zip(fams, IB_SPECS, values, strict=True):
+                if value is not None:
+                    fam.add(value * scale, **key)
+            info.add(1, **key, pci_bus_id=bus or "", affinity=affinity or "", gpus=",".join(map(str, gpus or [])))
+        return [up, *fams, ports, info]
 
     def _scheduler_families(self) -> list[Family]:
         sched = self.runtime.scheduler

@@ -17,6 +17,7 @@ from gpuvigil.detectors.levels import LevelSelector, LevelsConfig
 from gpuvigil.model import SEVERITY_RANK, Finding, Hint
 from gpuvigil.pipeline.health import HealthTracker
 from gpuvigil.pipeline.hints import HintPolicy
+from gpuvigil.pipeline.components import ComponentCorrelator, ComponentsConfig
 from gpuvigil.pipeline.incidents import IncidentsConfig, IncidentTracker
 from gpuvigil.pipeline.jobjoin import JobJoin
 from gpuvigil.pipeline.window import Window
@@ -43,6 +44,9 @@ class PipelineConfig(BaseModel):
     findings_kept: int = Field(10_000, ge=1)
     # Which findings are one incident, one message to on-call (pipeline/incidents.py).
     incidents: IncidentsConfig = Field(default_factory=IncidentsConfig)
+    # Findings on many nodes under one leaf switch, rack or cooling loop: the component, named as one
+    # incident, whose hint replaces the nodes' drains (pipeline/components.py).
+    components: ComponentsConfig = Field(default_factory=ComponentsConfig)
 
 
 @dataclass
@@ -181,6 +185,16 @@ class Pipeline:
         self.sinks = list(sinks)
         self.hint_policy = HintPolicy(cfg)
         self.incidents = IncidentTracker(self.config.incidents)
+        self.components: ComponentCorrelator | None = None
+        if self.config.components.enabled:
+            from gpuvigil.topology import Topology
+
+            c = self.config.components
+            self.components = ComponentCorrelator(c, Topology.load(topology_file=c.topology_file, slurm_topology=c.slurm_topology, ibnetdiscover=c.ibnetdiscover))
+        # Node-removing hints of a component symptom, waiting `components.hold_seconds` for the
+        # component to be named: finding id → (release time, finding, hints).
+        self._held: dict[str, tuple[float, Finding, list[Hint]]] = {}
+        self.hints_replaced_by_component = 0  # held hints a named component's one action replaced
         self.window = Window(
             declared_horizons(self.config.horizon_seconds, self.detectors, self.config.tick_seconds),
             columns=declared_columns(self.detectors),
@@ -254,6 +268,39 @@ class Pipeline:
                 break
             del issued[key]
 
+    def _hold(self, finding: Finding, hints: list[Hint], now: float) -> list[Hint]:
+        """The hints to issue now; a component symptom's node-removing hints wait to see whether
+        its component is named (then the component's one action replaces them)."""
+        comp = self.components
+        if comp is None or not hints or not comp.symptom_nodes(finding):
+            return hints
+        held_actions = set(comp.config.held_actions)
+        held = [h for h in hints if h.action in held_actions]
+        if not held:
+            return hints
+        if comp.explaining(finding) is not None:
+            self.hints_replaced_by_component += len(held)
+        else:
+            self._held[finding.id] = (now + comp.config.hold_seconds, finding, held)
+        return [h for h in hints if h.action not in held_actions]
+
+    def _release_held(self, now: float, reported_now: set[str]) -> list[Hint]:
+        out: list[Hint] = []
+        comp = self.components
+        for fid, (release, finding, held) in list(self._held.items()):
+            if comp is not None and comp.explaining(finding) is not None:
+                self.hints_replaced_by_component += len(held)
+                del self._held[fid]
+            elif fid not in self.active and fid not in reported_now:
+                del self._held[fid]  # cleared while waiting: nothing left to take out
+            elif now >= release:
+                due = [h for h in held if self._hint_due(h, now)]
+                self.active_hints.setdefault(fid, []).extend(due)
+                self.all_hints.extend(due)
+                out.extend(due)
+                del self._held[fid]
+        return out
+
     def tick(self, now: float) -> TickResult:
         t0 = time.perf_counter()
         ingested = 0
@@ -299,6 +346,10 @@ class Pipeline:
                 retain(stream, *(rule if rule is not None else (0.0, None)))
 
         reported.extend(self.health.findings(now))
+        if self.components is not None:
+            # Named components are reported like any finding, before clearing: one that goes on
+            # being named is one finding, not a new one (and a new drain) each tick.
+            reported.extend(self.components.observe(reported, now))
 
         # Clear what went quiet first: a cause that comes back later is a new finding.
         cleared: list[Finding] = []
@@ -321,10 +372,16 @@ class Pipeline:
         self.incidents.expire(now)
         # Every reported finding gets its incident and role before any sink sees it.
         self.incidents.observe(reported, now)
+        if self.components is not None:
+            for named in self.components.named.values():
+                if named.finding is not None:
+                    self.incidents.absorb(named.finding, self.components.member_findings(named))
 
         new: list[Finding] = []
         escalated: list[Finding] = []
         new_hints: list[Hint] = []
+        if self._held:
+            new_hints.extend(self._release_held(now, reported_now))
         for finding in reported:
             key = finding.id
             before = self.active.get(key)
@@ -334,7 +391,7 @@ class Pipeline:
                 new.append(finding)
                 self.first_seen[key] = now
                 self.all_findings.append(finding)
-                hints = [h for h in self.hint_policy.hints_for(finding) if self._hint_due(h, now)]
+                hints = [h for h in self._hold(finding, self.hint_policy.hints_for(finding), now) if self._hint_due(h, now)]
                 self.active_hints[key] = hints
                 new_hints.extend(hints)
                 self.all_hints.extend(hints)

@@ -50,6 +50,8 @@ class HintPolicy:
         rule = self.rule_for(finding)
         if rule is None:
             return []
+        if finding.kind == FindingKind.COMPONENT_FAULT:
+            return self._component_hints(finding, rule)
         hints = []
         for action in rule.actions:
             params: dict[str, Any] = dict(rule.params.get(action.value, {}))
@@ -82,4 +84,18 @@ class HintPolicy:
                     params=params,
                 )
             )
+        return hints
+
+    def _component_hints(self, finding: Finding, rule: HintRule) -> list[Hint]:
+        """A named component is taken out as one action: one hint per node it drains, all with the
+        same `component_action` (the component finding's id) so that a breaker counts them once."""
+        nodes = [str(n) for n in finding.evidence.get("drain_nodes") or []]  # type: ignore[union-attr]
+        component = f"{finding.evidence.get('level')}:{finding.evidence.get('component')}"
+        hints = []
+        for action in rule.actions:
+            if action not in (HintAction.CORDON_NODE, HintAction.DRAIN_NODE):
+                continue
+            for node in nodes:
+                params = {**rule.params.get(action.value, {}), "component": component, "component_action": finding.id, "component_nodes": nodes}
+                hints.append(Hint(action=action, ts=finding.ts, reason=f"{finding.kind.value}: {finding.summary}", finding_id=finding.id, finding_kind=finding.kind, node=node, params=params))
         return hints

@@ -173,6 +173,20 @@ class IncidentTracker:
         self._of_finding[f.id] = inc.id
         f.incident, f.incident_role = inc.id, role
 
+    def absorb(self, cause: Finding, members: Iterable[Finding]) -> None:
+        """A shared component (`cause`, already placed) explains these findings: from now on they
+        are evidence of its incident, whichever incident they opened before it was named."""
+        inc = self.incident_of(cause.id)
+        if inc is None:
+            return
+        for f in members:
+            if f.id == cause.id:
+                continue
+            self._of_finding[f.id] = inc.id
+            inc.findings[f.id] = f
+            inc.roles[f.id] = EVIDENCE
+            f.incident, f.incident_role = inc.id, EVIDENCE
+
     def incident_of(self, finding_id: str) -> Incident | None:
         return self.live.get(self._of_finding.get(finding_id, ""))
 
