@@ -110,6 +110,14 @@ def test_a_storm_drains_exactly_the_cap_pages_once_and_waits_for_a_person(cluste
         hist = acting.machine.history("gvnode3")
         assert [(t.from_state, t.to_state) for t in hist] == [("healthy", "suspect"), ("suspect", "cordoned")]
         assert hist[1].detail.startswith("scontrol drained gvnode3: gpuvigil cordon xid")
+        # `gpuvigil why NODE`: the node's state and every move, with who and why.
+        assert main(["why", "gvnode3", "--hint-db", str(tmp_path / "hints.db")]) == 0
+        out = capsys.readouterr().out
+        fid = storm[2].id
+        assert "  node: cordoned since 1970-01-01T00:17:20Z (scontrol drained gvnode3: gpuvigil cordon xid" in out
+        assert f"    cause xid {fid} (active): xid: XID 79 (GPU has fallen off the bus) on gvnode3 GPU 0" in out
+        assert "healthy -> suspect by rule (finding): xid: xid: XID 79 (GPU has fallen off the bus) on gvnode3 GPU 0" in out
+        assert "suspect -> cordoned by rule (applied):" in out and f"[{fid}]" in out
 
 
 def test_a_restart_mid_drain_repeats_no_action_and_acts_on_nothing_stale(cluster, tmp_path):
