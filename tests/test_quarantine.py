@@ -210,3 +210,19 @@ def test_the_built_in_schedulers_health_plugin_stops_at_the_breaker():
 
     plain = Scheduler([NodeSpec(f"n{i}") for i in range(4)], SchedulerConfig())
     assert [a.action for h in cordon[:2] for a in plain.apply_hint(h, 1.0)] == ["cordoned", "breaker_open", "breaker_held"]
+
+
+def test_acting_metrics_are_lint_clean(tmp_path):
+    import subprocess
+
+    from gpuvigil.acting import Acting
+    from gpuvigil.exporter.prometheus import _render
+    from gpuvigil.scheduler.slurm import SlurmAdapter
+    from services import PROMTOOL, binary
+
+    acting = Acting("slurm", "on", store=None, adapter=SlurmAdapter(), quarantine=store_beside(tmp_path / "h.db"))
+    acting.breaker.admit("n1", nodes=1, gpus=8, fleet_nodes=1, fleet_gpus=8, now=1.0, cause="xid")
+    text = _render(acting.families()).decode()
+    assert 'gpuvigil_breaker_open{scope="slurm"} 0.0' in text and 'gpuvigil_quarantine_records{scheduler="slurm",state="healthy"} 0.0' in text
+    proc = subprocess.run([binary(PROMTOOL), "check", "metrics"], input=text, capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0 and proc.stdout.strip() == "" and proc.stderr.strip() == "", proc.stdout + proc.stderr
