@@ -56,11 +56,14 @@ NODE_ACTIONS = (HintAction.DRAIN_NODE, HintAction.CORDON_NODE)
 OUT_ACTIONS = (*NODE_ACTIONS, HintAction.AVOID_GPU)  # hints that take capacity out of service
 
 
-def make_acting(scheduler: str, mode: str, *, store: Any, cfg: dict[str, Any], pager: Callable[[str, bool], None] | None = None) -> Acting | None:
+def make_acting(
+    scheduler: str, mode: str, *, store: Any, cfg: dict[str, Any], pager: Callable[[str, bool], None] | None = None, steps: Steps | None = None
+) -> Acting | None:
     """The `Acting` sink for `sources.scheduler` / `sources.act` (or `--scheduler` / `--act`), as
     `serve` and the `gpuvigil act` leader both build it: None without a scheduler. Kubernetes with
     `act: on` needs its API client now (a config error is a UserError); `dry-run` needs none.
-    The quarantine state and the breaker live beside the hint store (in memory without one)."""
+    The quarantine state and the breaker live beside the hint store (in memory without one);
+    `steps` are the remediation and return-to-service check (default: the hold-down alone)."""
     if scheduler == "none":
         return None
     if scheduler == "slurm":
@@ -78,7 +81,7 @@ def make_acting(scheduler: str, mode: str, *, store: Any, cfg: dict[str, Any], p
     else:
         raise ValueError(f"scheduler {scheduler!r}")
     qstore = store_beside(getattr(store, "path", None)) if mode == "on" else None
-    return Acting(scheduler, mode, store=store, adapter=adapter, cfg=acting_config(cfg), quarantine=qstore, pager=pager)
+    return Acting(scheduler, mode, store=store, adapter=adapter, cfg=acting_config(cfg), quarantine=qstore, pager=pager, steps=steps)
 
 
 class Acting:
