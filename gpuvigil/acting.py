@@ -56,11 +56,14 @@ NODE_ACTIONS = (HintAction.DRAIN_NODE, HintAction.CORDON_NODE)
 OUT_ACTIONS = (*NODE_ACTIONS, HintAction.AVOID_GPU)  # hints that take capacity out of service
 
 
-def make_acting(scheduler: str, mode: str, *, store: Any, cfg: dict[str, Any], pager: Callable[[str, bool], None] | None = None) -> Acting | None:
+def make_acting(
+    scheduler: str, mode: str, *, store: Any, cfg: dict[str, Any], pager: Callable[[str, bool], None] | None = None, steps: Steps | None = None
+) -> Acting | None:
     """The `Acting` sink for `sources.scheduler` / `sources.act` (or `--scheduler` / `--act`), as
     `serve` and the `gpuvigil act` leader both build it: None without a scheduler. Kubernetes with
     `act: on` needs its API client now (a config error is a UserError); `dry-run` needs none.
-    The quarantine state and the breaker live beside the hint store (in memory without one)."""
+    The quarantine state and the breaker live beside the hint store (in memory without one);
+    `steps` are the remediation and return-to-service check (default: the hold-down alone)."""
     if scheduler == "none":
         return None
     if scheduler == "slurm":
@@ -78,7 +81,7 @@ def make_acting(scheduler: str, mode: str, *, store: Any, cfg: dict[str, Any], p
     else:
         raise ValueError(f"scheduler {scheduler!r}")
     qstore = store_beside(getattr(store, "path", None)) if mode == "on" else None
-    return Acting(scheduler, mode, store=store, adapter=adapter, cfg=acting_config(cfg), quarantine=qstore, pager=pager)
+    return Acting(scheduler, mode, store=store, adapter=adapter, cfg=acting_config(cfg), quarantine=qstore, pager=pager, steps=steps)
 
 
 class Acting:
@@ -319,6 +322,16 @@ class Acting:
             if not self.breaker.admit(rec.key, nodes=nodes, gpus=gpus, fleet_nodes=len(fleet), fleet_gpus=sum(fleet.values()), now=now, cause=kind):
                 self._describe(hint, BREAKER_NOTE, "breaker_open")
                 return
+        if rec.state == State.SUSPECT and rec.action == hint.action.value and (rec.hint or {}).get("id") == hint.id:
+            # The intent was written and the process stopped before the outcome was: what the
+            # scheduler shows decides, and a command that ran is not run again.
+            seen = self._already_applied(hint)
+            if seen:
+                rec.applied = seen
+                to = State.CORDONED if hint.action != HintAction.DRAIN_NODE else State.DRAINING
+                self._move(rec, to, now, rule="found_applied", cause=f"{kind}: {hint.reason}", ids=[hint.finding_id], detail=f"found after a restart: {seen}")
+                self._ack(hint, seen)
+                return
         # Intent first: a restart between the command and its record finds the action named.
         rec.action, rec.hint, rec.scheduler = hint.action.value, hint.to_json_dict(), self.scheduler
         self.machine.save(rec)
@@ -338,6 +351,18 @@ class Acting:
         to = State.CORDONED if hint.action != HintAction.DRAIN_NODE else State.DRAINING
         self._move(rec, to, now, rule="applied", cause=f"{kind}: {hint.reason}", ids=[hint.finding_id], detail=detail)
         self._ack(hint, detail)
+
+    def _already_applied(self, hint: Hint) -> str | None:
+        from gpuvigil.scheduler.apply import ApplyError
+
+        probe = getattr(self.adapter, "applied_by_us", None)
+        if probe is None:
+            return None
+        try:
+            return probe(hint)
+        except ApplyError as exc:
+            log.warning("act on (%s): cannot read whether %s was applied: %s", self.scheduler, hint.id, exc)
+            return None
 
     def _advance(self, rec: Record, now: float) -> None:
         moved = self.machine.advance(rec, self.steps, now)

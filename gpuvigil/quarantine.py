@@ -43,7 +43,9 @@ taken out may be at most `max_node_fraction` of the fleet and `max_nodes`, the G
 the window. A request over the limit trips the breaker: it stays open (persisted) until
 `close(who=...)`, and every later `admit` says no and counts what would have been taken
 (`would_have`) and why (`causes`). `page_due()` returns the one page message of an opening, once.
-`families()` is its /metrics view.
+`families()` is its /metrics view. A key admitted once stays admitted within the window (an apply
+that failed and is retried is not counted twice). `breaker_scopes(store)` and
+`close_breakers(store, cfg, who=..., now=...)` serve `gpuvigil breaker` and the API.
 
 Everything here is pure bookkeeping: no scheduler, API or alert code. The callers
 (`gpuvigil.acting.Acting`, the built-in scheduler's health plugin, `gpuvigil breaker`) act.
@@ -279,12 +281,12 @@ class QuarantineMachine:
         return Record.from_json(json.loads(rows[0][0])) if rows else Record(key=key, node=node, gpu=gpu)
 
     def records(self, states: Iterable[State] | None = None) -> list[Record]:
-        rows = self.store.read("SELECT data FROM records ORDER BY key")
-        out = [Record.from_json(json.loads(r[0])) for r in rows]
-        if states is not None:
-            want = set(states)
-            out = [r for r in out if r.state in want]
-        return out
+        if states is None:
+            rows = self.store.read("SELECT data FROM records ORDER BY key")
+        else:
+            want = sorted({State(s).value for s in states})
+            rows = self.store.read(f"SELECT data FROM records WHERE state IN ({', '.join('?' * len(want))}) ORDER BY key", tuple(want))
+        return [Record.from_json(json.loads(r[0])) for r in rows]
 
     def save(self, record: Record) -> None:
         """Write a record's bookkeeping (causes, steps) without a state change."""
@@ -365,9 +367,7 @@ class QuarantineMachine:
         """Mark causes quiet (their hints expired) or active again (reported this tick); returns
         the records that changed. A cause that comes back cancels the hold-down."""
         changed = []
-        for rec in self.records():
-            if rec.state == S.HEALTHY:
-                continue
+        for rec in self.records([s for s in State if s != S.HEALTHY]):
             dirty = False
             for fid, c in rec.causes.items():
                 if fid in active_ids and c.quiet_since is not None:
