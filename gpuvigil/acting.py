@@ -280,13 +280,21 @@ class Acting:
             return 0, 1
         return 1, fleet.get(hint.node or "") or max(fleet.values(), default=1) or 1
 
+    def _admit(self, hint: Hint, rec: Any, fleet: dict[str, int], now: float, cause: str) -> bool:
+        """Ask the breaker. The drains of one named component (a leaf switch, a rack) are one
+        action: its first hint is admitted as one node, and its other nodes' hints follow it
+        (the breaker's window already holds that key), so a switch is not 40 node removals."""
+        nodes, gpus = self._size(hint, fleet)
+        component = hint.params.get("component_action")
+        key = f"component:{component}" if component else rec.key
+        return self.breaker.admit(key, nodes=nodes, gpus=gpus, fleet_nodes=len(fleet), fleet_gpus=sum(fleet.values()), now=now, cause=cause)
+
     def _refuse(self, hint: Hint, now: float, window: Any) -> None:
         fleet = self._fleet(window)
         rec = self.machine.get(hint.node or "", hint.gpu if hint.action == HintAction.AVOID_GPU else None)
         if rec.out_of_service:
             return
-        nodes, gpus = self._size(hint, fleet)
-        self.breaker.admit(rec.key, nodes=nodes, gpus=gpus, fleet_nodes=len(fleet), fleet_gpus=sum(fleet.values()), now=now, cause=hint.finding_kind.value)
+        self._admit(hint, rec, fleet, now, hint.finding_kind.value)
         if rec.state == State.HEALTHY:
             self.machine.add_cause(rec, finding_id=hint.finding_id, kind=hint.finding_kind.value, summary=hint.reason, hint_id=hint.id)
             self._move(rec, State.SUSPECT, now, rule="finding", cause=f"{hint.finding_kind.value}: {hint.reason}", ids=[hint.finding_id], detail="breaker open: not applied")
@@ -317,9 +325,7 @@ class Acting:
         if rec.state == State.HEALTHY:
             self._move(rec, State.SUSPECT, now, rule="finding", cause=f"{kind}: {hint.reason}", ids=[hint.finding_id])
         if not rec.ours:
-            fleet = self._fleet(window)
-            nodes, gpus = self._size(hint, fleet)
-            if not self.breaker.admit(rec.key, nodes=nodes, gpus=gpus, fleet_nodes=len(fleet), fleet_gpus=sum(fleet.values()), now=now, cause=kind):
+            if not self._admit(hint, rec, self._fleet(window), now, kind):
                 self._describe(hint, BREAKER_NOTE, "breaker_open")
                 return
         if rec.state == State.SUSPECT and rec.action == hint.action.value and (rec.hint or {}).get("id") == hint.id:

@@ -7,6 +7,7 @@ cluster (munged + slurmctld + four slurmd, tests/slurm_cluster.py; 8 gres GPUs p
   stored quarantine state: no scontrol command is repeated, and a hint stored before the restart
   whose cause is gone is never acted on;
 - an operator's drain is never resumed, neither one found in place nor one laid over ours.
+- a named component's drain (a leaf switch over 3 nodes) is one action for the breaker.
 
 Findings enter through the real Pipeline and HintStore (a scripted detector stands in for the
 XID detector, which has its own tests on real kernel lines).
@@ -210,3 +211,32 @@ def test_a_restart_between_the_drain_and_its_record_does_not_drain_again(cluster
         assert acting.machine.get("gvnode4").state == State.CORDONED
         assert acting.machine.history("gvnode4")[-1].rule == "found_applied"
         assert store.get_hint(hint.id).state == HintState.ACKED
+
+
+def test_a_named_components_drain_is_one_action_for_the_breaker(cluster, tmp_path):
+    """A leaf switch over 3 of the 4 nodes fails: the component's drain takes its 3 nodes as one
+    action, although 3 node removals would be over the cap (2): no trip, no page."""
+    import yaml
+
+    from gpuvigil import config
+    from gpuvigil.pipeline.core import Pipeline
+    from h_api_helpers import ScriptedDetector
+
+    topo = tmp_path / "topology.yaml"
+    topo.write_text(yaml.safe_dump({"components": {"leaf_switch": {"leaf-a": "gvnode[1-3]", "leaf-b": "gvnode4"}}}))
+    down = [Finding(kind=FindingKind.IB_LINK_DOWN, severity=Severity.PAGE, ts=0.0, node=n, evidence={"device": "mlx5_0", "port": 1, "port_id": f"{n}/mlx5_0/1"},
+                    summary=f"{n} mlx5_0 port 1 down", source="infiniband") for n in NODES[:3]]
+    cfg = config.load(overrides={"pipeline": {"components": {"topology_file": str(topo), "min_nodes": 3, "max_p_value": 0.5, "max_fleet_share": 0.9}}})
+    slurm = Slurm(timeout=20, env={"SLURM_CONF": str(cluster.conf)})
+    pages: list[tuple[str, bool]] = []
+    with HintStore(tmp_path / "hints.db") as store:
+        pipe = Pipeline([], [ScriptedDetector([down] * 30)], sinks=[store], cfg=cfg)
+        acting = Acting("slurm", "on", store=store, adapter=SlurmAdapter(slurm, store=store), cfg=CFG,
+                        quarantine=store_beside(tmp_path / "hints.db"), pager=lambda text, firing: pages.append((text, firing)))
+        pipe.sinks.append(acting)
+        for t in range(0, 300, 10):
+            pipe.tick(1000.0 + t)
+        hints = store.hints()
+        assert {h.params.get("component") for h in hints if h.node in NODES[:3]} == {"leaf_switch:leaf-a"}
+        assert drained_by_us(cluster) == list(NODES[:3])
+        assert pages == [] and not acting.breaker.state().open
