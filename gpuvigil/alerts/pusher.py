@@ -103,10 +103,11 @@ def is_message(f: Finding) -> bool:
 
 def team_of(f: Finding, tenant: str | None, s: AlertSettings) -> str:
     """The team a finding's alert goes to: hardware and job-less findings to the hardware team,
-    the rest to the team of the job's tenant."""
+    the rest to the team of the job's tenant. A device finding that is the user's fault (an
+    application XID under that job only) goes to the job's tenant: its owner fixes it."""
     if f.kind == FindingKind.COLLECTOR_DOWN:
         return s.default_team
-    hardware = f.kind.value in HARDWARE_KINDS or not f.job
+    hardware = (f.kind.value in HARDWARE_KINDS and f.evidence.get("fault") != "user") or not f.job
     return s.hardware_team if hardware else s.team_of_tenant(tenant)
 
 
