@@ -131,6 +131,8 @@ class Record:
     action: str | None = None
     applied: str | None = None
     scheduler: str | None = None
+    # The hint whose plan took it out (its JSON): the undo plan is built from it.
+    hint: dict[str, Any] | None = None
     # Free-form state of the remediation and verification steps (rung, attempts, outputs).
     steps: dict[str, Any] = field(default_factory=dict)
 
@@ -333,7 +335,7 @@ class QuarantineMachine:
         )
         record.state, record.since = to, now
         if to == S.HEALTHY:
-            record.causes, record.action, record.applied, record.steps = {}, None, None, {}
+            record.causes, record.action, record.applied, record.hint, record.steps = {}, None, None, None, {}
         with self.store.tx() as db:
             self._write(db, record)
             db.execute("INSERT INTO transitions(key, node, ts, data) VALUES (?, ?, ?, ?)", (t.key, t.node, t.ts, json.dumps(asdict(t), sort_keys=True, default=str)))
@@ -495,6 +497,9 @@ class Breaker:
             return True
         with self.store.tx() as db:
             st = self.state()
+            again = db.execute("SELECT 1 FROM breaker_taken WHERE scope = ? AND key = ? AND ts > ?", (self.scope, key, now - self.cfg.window_seconds)).fetchone()
+            if not st.open and again:
+                return True  # admitted already in this window (an apply that failed is retried)
             if not st.open:
                 got_nodes, got_gpus = self.taken(now)
                 lim_nodes, lim_gpus = self.limits(fleet_nodes, fleet_gpus)
