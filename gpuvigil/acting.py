@@ -78,7 +78,12 @@ def make_acting(scheduler: str, mode: str, *, store: Any, cfg: dict[str, Any], p
     else:
         raise ValueError(f"scheduler {scheduler!r}")
     qstore = store_beside(getattr(store, "path", None)) if mode == "on" else None
-    return Acting(scheduler, mode, store=store, adapter=adapter, cfg=acting_config(cfg), quarantine=qstore, pager=pager)
+    steps = None
+    if qstore is not None:
+        from gpuvigil.remediation import make_steps
+
+        steps = make_steps(cfg, QuarantineMachine(qstore), store=store, adapter=adapter)  # None: the hold-down
+    return Acting(scheduler, mode, store=store, adapter=adapter, cfg=acting_config(cfg), quarantine=qstore, pager=pager, steps=steps)
 
 
 class Acting:

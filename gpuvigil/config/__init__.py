@@ -68,6 +68,7 @@ SECTIONS: dict[str, str | dict[str, str]] = {
     "levels": "gpuvigil.detectors.levels:LevelsConfig",
     "oom_classify": "gpuvigil.parsers.oom:OomClassifyConfig",
     "pipeline": "gpuvigil.pipeline.core:PipelineConfig",
+    "remediation": "gpuvigil.remediation:RemediationConfig",
     "report": "gpuvigil.report:ReportConfig",
     "scheduler": "gpuvigil.scheduler.config:SchedulerConfig",
     "sources": "gpuvigil.deployconfig:Sources",
