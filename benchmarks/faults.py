@@ -201,8 +201,10 @@ def markdown(res: dict[str, Any], cmd: str) -> str:
             cordoned = [r["storm_nodes_cordoned"] for r in runs]
             nob = [r["storm_nodes_cordoned"] for r in sc["arms"]["gpuvigil, no breaker"]["runs"]]
             pages = [o["page"] for r in runs for o in r["breaker_openings"] if o.get("page")]
+            held = [sum(o["would_have_nodes"] for o in r["breaker_openings"]) for r in runs]
             lines += [f"Storm nodes (per seed, {runs[0]['storm_nodes']} hit): cordoned without a breaker {min(nob)}-{max(nob)}, through the breaker "
-                      f"{min(cordoned)}-{max(cordoned)}; the breaker's page (first seed): {pages[0] if pages else 'none'}", ""]
+                      f"{min(cordoned)}-{max(cordoned)}, while it was open it held back {min(held)}-{max(held)} more (dry-run); its one page, "
+                      f"sent as it opened (first seed): \"{pages[0] if pages else 'none'}\"", ""]
     lines += targets_table(targets(res))
     return "\n".join(lines)
 
