@@ -611,3 +611,22 @@ def acting_config(cfg: dict[str, Any] | None = None) -> ActingConfig:
 
     cfg = config.defaults() if cfg is None else cfg
     return config.section("acting", ActingConfig, cfg)
+
+
+def breaker_scopes(store: QuarantineStore) -> list[str]:
+    """The breakers a file holds (one per acting path: "slurm", "kubernetes", ...)."""
+    return [r[0] for r in store.read("SELECT scope FROM breaker ORDER BY scope")]
+
+
+def close_breakers(store: QuarantineStore, cfg: BreakerConfig, *, who: str, now: float, note: str = "", scope: str | None = None) -> list[dict[str, Any]]:
+    """Close the open breakers of a file (or the one named): what `gpuvigil breaker close` and
+    `POST /v1/breaker/close` do. Returns each closed breaker's status."""
+    out = []
+    for name in breaker_scopes(store):
+        if scope is not None and name != scope:
+            continue
+        b = Breaker(store, cfg, scope=name)
+        if b.state().open:
+            b.close(who=who, now=now, note=note)
+            out.append(b.status(now))
+    return out

@@ -160,3 +160,32 @@ def test_disabled_breaker_admits_everything_and_store_beside(tmp_path):
     s = store_beside(tmp_path / "hints.db")
     assert s.path.endswith("hints.quarantine.db")
     s.close()
+
+
+def test_breaker_and_node_records_over_the_api_need_the_token(tmp_path):
+    from fastapi.testclient import TestClient
+
+    from gpuvigil.api.app import create_app
+    from gpuvigil.api.store import HintStore
+
+    token = "t" * 32
+    with HintStore(tmp_path / "hints.db") as hints, store_beside(tmp_path / "hints.db") as store:
+        b = Breaker(store, BreakerConfig(max_node_fraction=0.5), scope="slurm")
+        assert b.admit("n1", nodes=1, gpus=8, fleet_nodes=2, fleet_gpus=16, now=1, cause="xid")
+        assert not b.admit("n2", nodes=1, gpus=8, fleet_nodes=2, fleet_gpus=16, now=2, cause="xid")
+        m = QuarantineMachine(store)
+        rec = m.get("n1")
+        m.transition(rec, State.SUSPECT, now=1, rule="finding", cause="xid", finding_ids=["f1"])
+        with TestClient(create_app(hints, token)) as c:
+            auth = {"Authorization": f"Bearer {token}"}
+            assert c.get("/v1/breaker").status_code == 401
+            assert c.post("/v1/breaker/close", json={"who": "ann"}).status_code == 401
+            [st] = c.get("/v1/breaker", headers=auth).json()["breakers"]
+            assert (st["scope"], st["open"], st["would_have_nodes"]) == ("slurm", True, 1)
+            assert c.post("/v1/breaker/close", headers=auth, json={"who": ""}).status_code == 422
+            closed = c.post("/v1/breaker/close", headers=auth, json={"who": "ann", "note": "rollback"}).json()["closed"]
+            assert [x["closed_by"] for x in closed] == ["operator:ann"]
+            assert not b.is_open  # the acting loop's own view of the file
+            why = c.get("/v1/nodes/n1/quarantine", headers=auth).json()
+            assert why["records"][0]["state"] == "suspect" and why["history"][0]["finding_ids"] == ["f1"]
+            assert c.get("/v1/nodes/n9/quarantine", headers=auth).status_code == 404
