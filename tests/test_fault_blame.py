@@ -173,13 +173,16 @@ FAULTS = [
     (FindingKind.COLLECTIVE_MISMATCH, None, "user"),
     (FindingKind.ECC, "hardware", "infrastructure"),
     (FindingKind.STRAGGLER, None, None),
+    (FindingKind.XID, "hardware", "infrastructure"),  # fatal, e.g. DCGM's last XID (evidence fatal: true below)
+    (FindingKind.XID, None, None),  # an application-level XID no detector could attribute
 ]
 
 
 @pytest.mark.parametrize("kind, cause, fault", FAULTS)
 def test_whose_fault_by_the_table(kind, cause, fault):
     policy = HintPolicy(config.defaults())
-    f = Finding(kind=kind, severity=Severity.PAGE, ts=T0, job="j", node="n0", gpu=1, cause=cause, summary="s.")
+    f = Finding(kind=kind, severity=Severity.PAGE, ts=T0, job="j", node="n0", gpu=1, cause=cause, summary="s.",
+                evidence={"fatal": cause == "hardware"} if kind == FindingKind.XID else {})
     assert policy.classify(f) == fault
     assert f.evidence.get("fault") == fault
     assert (f.summary != "s.") == (fault is not None)
