@@ -9,9 +9,12 @@ seconds, the tail of its output, timed out or not) is recorded on the record
 1. **GPU reset**, only where the XID table says a reset suffices for every cause (NVIDIA's
    RESET_GPU action), the GPU is known, and the processes command shows nothing holding it;
 2. **reboot**, through the scheduler: the node is drained first (the drain waits until no job is
-   left on it), then the reboot command runs;
+   left on it), then the reboot command runs; where the scheduler cannot drain it (no drainer and
+   gpuvigil only cordoned it), the rung is skipped;
 3. **RMA**: the record leaves for the RMA state with an evidence bundle.
 
+A rung's command is recorded as running before it starts: gpuvigil restarted while it ran never
+runs it again (NVSentinel's unwanted reboots after a restart); the check says whether it worked.
 A rung that passes moves the record to `verifying`; `Ladder.verify` runs the check command (by
 default `gpuvigil preflight`, pass = its PASS or WARN exit code) and only a pass returns the
 node. A failed check sends the record back to remediating, where the next rung runs: a quiet
@@ -150,6 +153,14 @@ class Ladder:
     # -- Steps ---------------------------------------------------------------------------------
     def remediate(self, record: Record, now: float) -> StepResult:
         lad = record.steps.setdefault("ladder", {"next": 0, "runs": []})
+        started = lad.pop("running", None)
+        if started is not None:
+            # gpuvigil stopped while this rung's command ran: never run again (a second reboot is
+            # worse than none); whether it worked is for the check to say.
+            detail = f"{started['rung']}: gpuvigil stopped while it ran (started {started['ts']:.0f}); not run again, the check decides"
+            lad["runs"].append({"rung": started["rung"], "ts": now, "outcome": "unknown", "detail": detail})
+            self.machine.save(record)
+            return StepResult("passed", detail, {"rung": started["rung"], "rc": None})
         done = self.remediations(record, now)
         if done >= self.cfg.lemon.remediations:
             why = f"lemon: {done} remediations within {self.cfg.lemon.window_seconds / 86400:g} days (limit {self.cfg.lemon.remediations})"
@@ -167,10 +178,14 @@ class Ladder:
                 self.machine.save(record)
                 return StepResult("pending", f"reboot waits for {record.node} to drain")
             cmd: Command = getattr(self.cfg, rung)
+            # Intent first: a restart while the command runs finds it named and does not repeat it.
+            lad["next"] += 1
+            lad["running"] = {"rung": rung, "ts": now}
+            self.machine.save(record)
             run = run_command(cmd, node=record.node, gpu=record.gpu if record.gpu is not None else self._gpu(record))
             ok, detail = _outcome(run)
+            del lad["running"]
             lad["runs"].append({"rung": rung, "ts": now, "outcome": "passed" if ok else "failed", "detail": detail, **_kept(run)})
-            lad["next"] += 1
             self.machine.save(record)
             if ok:
                 return StepResult("passed", f"{rung}: {detail}", {"rung": rung, "rc": run["rc"], "seconds": run["seconds"]})
@@ -203,7 +218,9 @@ class Ladder:
         cmd: Command = getattr(self.cfg, rung)
         if not cmd.command:
             return f"no {rung} command configured (remediation.{rung}.command)"
-        if rung != "gpu_reset":
+        if rung == "reboot":
+            if self.scheduler is None and record.action != "drain_node":
+                return "the node cannot be drained first through this scheduler: no reboot"
             return None
         found = self._cause_findings(record)
         if not found:

@@ -257,3 +257,34 @@ def test_serve_and_act_use_the_ladder_when_it_is_enabled(tmp_path):
         assert isinstance(on.steps, Ladder) and isinstance(on.steps.scheduler, SlurmDrainer)
         assert on.steps.cfg.verify.command == ["gpuvigil", "preflight"]
         assert isinstance(off.steps, HoldDown)
+
+
+def test_a_rung_running_when_gpuvigil_stopped_is_not_run_again(tmp_path):
+    """The record says a reboot was running (gpuvigil was killed during it): a new process's ladder
+    does not reboot again; the check decides, and a failed check goes on to RMA, not a reboot."""
+    cfg = ladder_cfg(tmp_path)
+    q = QuarantineStore(tmp_path / "q.db")
+    machine = QuarantineMachine(q)
+    f = xid_reset("n0").model_copy(update={"xid": 79})
+    rec = Record(key="n0", node="n0", state=State.REMEDIATING, action="drain_node")
+    machine.add_cause(rec, finding_id=f.id, kind="xid", summary=f.summary)
+    rec.steps["ladder"] = {"next": 2, "runs": [{"rung": "gpu_reset", "outcome": "skipped"}], "running": {"rung": "reboot", "ts": 50.0}}
+    machine.save(rec)
+    again = Ladder(cfg, QuarantineMachine(QuarantineStore(tmp_path / "q.db")), findings_of=lambda n: [f.to_json_dict()])
+    rec = machine.get("n0")
+    r = again.remediate(rec, 100.0)
+    assert (r.status, commands(tmp_path)) == ("passed", [])
+    assert r.detail.startswith("reboot: gpuvigil stopped while it ran (started 50)")
+    assert "running" not in machine.get("n0").steps["ladder"]  # saved: a second restart does not see it running
+    r = again.remediate(machine.get("n0"), 200.0)
+    assert r.status == "rma" and commands(tmp_path) == []
+
+
+def test_without_a_drain_through_the_scheduler_there_is_no_reboot(tmp_path):
+    cfg = ladder_cfg(tmp_path)
+    machine = QuarantineMachine(QuarantineStore(":memory:"))
+    lad = Ladder(cfg, machine)
+    cordoned = Record(key="n0", node="n0", state=State.REMEDIATING, action="cordon_node")
+    drained = Record(key="n1", node="n1", state=State.REMEDIATING, action="drain_node")
+    assert "cannot be drained first" in lad._skip(cordoned, "reboot")
+    assert lad._skip(drained, "reboot") is None
