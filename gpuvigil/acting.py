@@ -324,6 +324,16 @@ class Acting:
             if not self.breaker.admit(rec.key, nodes=nodes, gpus=gpus, fleet_nodes=len(fleet), fleet_gpus=sum(fleet.values()), now=now, cause=kind):
                 self._describe(hint, BREAKER_NOTE, "breaker_open")
                 return
+        if rec.state == State.SUSPECT and rec.action == hint.action.value and (rec.hint or {}).get("id") == hint.id:
+            # The intent was written and the process stopped before the outcome was: what the
+            # scheduler shows decides, and a command that ran is not run again.
+            seen = self._already_applied(hint)
+            if seen:
+                rec.applied = seen
+                to = State.CORDONED if hint.action != HintAction.DRAIN_NODE else State.DRAINING
+                self._move(rec, to, now, rule="found_applied", cause=f"{kind}: {hint.reason}", ids=[hint.finding_id], detail=f"found after a restart: {seen}")
+                self._ack(hint, seen)
+                return
         # Intent first: a restart between the command and its record finds the action named.
         rec.action, rec.hint, rec.scheduler = hint.action.value, hint.to_json_dict(), self.scheduler
         self.machine.save(rec)
@@ -343,6 +353,18 @@ class Acting:
         to = State.CORDONED if hint.action != HintAction.DRAIN_NODE else State.DRAINING
         self._move(rec, to, now, rule="applied", cause=f"{kind}: {hint.reason}", ids=[hint.finding_id], detail=detail)
         self._ack(hint, detail)
+
+    def _already_applied(self, hint: Hint) -> str | None:
+        from gpuvigil.scheduler.apply import ApplyError
+
+        probe = getattr(self.adapter, "applied_by_us", None)
+        if probe is None:
+            return None
+        try:
+            return probe(hint)
+        except ApplyError as exc:
+            log.warning("act on (%s): cannot read whether %s was applied: %s", self.scheduler, hint.id, exc)
+            return None
 
     def _advance(self, rec: Record, now: float) -> None:
         moved = self.machine.advance(rec, self.steps, now)

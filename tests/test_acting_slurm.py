@@ -110,6 +110,14 @@ def test_a_storm_drains_exactly_the_cap_pages_once_and_waits_for_a_person(cluste
         hist = acting.machine.history("gvnode3")
         assert [(t.from_state, t.to_state) for t in hist] == [("healthy", "suspect"), ("suspect", "cordoned")]
         assert hist[1].detail.startswith("scontrol drained gvnode3: gpuvigil cordon xid")
+        # `gpuvigil why NODE`: the node's state and every move, with who and why.
+        assert main(["why", "gvnode3", "--hint-db", str(tmp_path / "hints.db")]) == 0
+        out = capsys.readouterr().out
+        fid = storm[2].id
+        assert "  node: cordoned since 1970-01-01T00:17:20Z (scontrol drained gvnode3: gpuvigil cordon xid" in out
+        assert f"    cause xid {fid} (active): xid: XID 79 (GPU has fallen off the bus) on gvnode3 GPU 0" in out
+        assert "healthy -> suspect by rule (finding): xid: xid: XID 79 (GPU has fallen off the bus) on gvnode3 GPU 0" in out
+        assert "suspect -> cordoned by rule (applied):" in out and f"[{fid}]" in out
 
 
 def test_a_restart_mid_drain_repeats_no_action_and_acts_on_nothing_stale(cluster, tmp_path):
@@ -175,3 +183,30 @@ def test_an_operators_drain_is_never_resumed(cluster, tmp_path):
         pipe2.tick(1700.0)
         [h] = [h for h in store.hints() if h.node == "gvnode2" and h.state == HintState.NACKED]
         assert h.state_reason == "gvnode2 is operator_held: gpuvigil leaves it to the operator"
+
+
+def test_a_restart_between_the_drain_and_its_record_does_not_drain_again(cluster, tmp_path):
+    """The loop writes its intent before it runs the command; a process that stopped after the
+    command and before the outcome finds the node drained by gpuvigil and records it."""
+    slurm = Slurm(timeout=20, env={"SLURM_CONF": str(cluster.conf)})
+    finding = xid("gvnode4")
+    with HintStore(tmp_path / "hints.db") as store, QuarantineStore(tmp_path / "q.db") as q:
+        pipe = pipeline_into(store, [[finding]] * 2)
+        pipe.tick(1000.0)  # the hint is stored; no loop ran yet
+        [hint] = [h.to_hint() for h in store.hints()]
+        adapter = SlurmAdapter(slurm, store=store)
+        acting = Acting("slurm", "on", store=store, adapter=adapter, cfg=CFG, quarantine=q)
+        # What the stopped process left: the intent on the record, the drain done in Slurm.
+        rec = acting.machine.get("gvnode4")
+        acting.machine.add_cause(rec, finding_id=finding.id, kind="xid", summary=hint.reason, hint_id=hint.id)
+        acting.machine.transition(rec, State.SUSPECT, now=1000.0, rule="finding", cause="xid", finding_ids=[finding.id])
+        rec.action, rec.hint = hint.action.value, hint.to_json_dict()
+        acting.machine.save(rec)
+        adapter.drain_node("gvnode4", adapter.node_reason(hint))
+        before = len(updates(slurm))
+        pipe.sinks.append(acting)
+        pipe.tick(1001.0)
+        assert len(updates(slurm)) == before  # not drained again
+        assert acting.machine.get("gvnode4").state == State.CORDONED
+        assert acting.machine.history("gvnode4")[-1].rule == "found_applied"
+        assert store.get_hint(hint.id).state == HintState.ACKED

@@ -351,3 +351,57 @@ def test_inventory_and_the_quarantine_audit_on_the_node(api):
     assert event.body["involvedObject"] == {"kind": "Node", "name": NODE, "apiVersion": "v1"}
     assert (event.body["reason"], event.body["type"]) == ("QuarantineDraining", "Warning")
     assert FID in event.body["message"]
+
+
+def test_acting_on_kubernetes_stops_at_the_breaker_and_leaves_an_operators_cordon(tmp_path):
+    """Production's apply loop over the adapter, the API faked as above (FakeApiServer under the
+    real client): a storm of fatal XIDs on 3 of 4 nodes cordons one (25% of the fleet), opens the
+    breaker with one page and patches nothing more; a node an operator cordoned is recorded as
+    operator_held and its cordon is never lifted."""
+    from gpuvigil.quarantine import QuarantineStore, State
+
+    fake = FakeApiServer()
+    api_client = client.ApiClient(client.Configuration(host="https://k8s.invalid:6443"))
+    api_client.rest_client.pool_manager = fake
+    names = [f"gpu-node-{i}" for i in range(1, 5)]
+    listed = []
+    for n in names:
+        m = node_model(unschedulable=True if n == "gpu-node-4" else None)
+        m.metadata.name = n
+        m.status = client.V1NodeStatus(allocatable={"nvidia.com/gpu": "8"})
+        fake.on("GET", f"/api/v1/nodes/{n}", 200, m)
+        listed.append(m)
+    fake.on("GET", "/api/v1/nodes", 200, client.V1NodeList(items=listed))
+    pages = []
+
+    def xid_on(node):
+        return Finding(kind=FindingKind.XID, severity=Severity.PAGE, ts=0, node=node, gpu=0, xid=79, evidence={"fatal": True}, summary=f"XID 79 on {node}")
+
+    with HintStore(tmp_path / "h.db") as store:
+        adapter = KubernetesAdapter(api_client, store=store)
+        acting = Acting("kubernetes", "on", store=store, adapter=adapter, quarantine=QuarantineStore(tmp_path / "q.db"), pager=lambda t, firing: pages.append(t))
+        pipe = pipeline_into(store, [[xid_on(n) for n in names[:3]]] * 3)
+        pipe.sinks.append(acting)
+        pipe.tick(10.0)
+        pipe.tick(11.0)
+        cordons = [r.path for r in fake.requests if r.method == "PATCH" and (r.body or {}).get("spec", {}).get("unschedulable") is True]
+        assert cordons == ["/api/v1/nodes/gpu-node-1"]
+        # The page counts every node held back in the tick that tripped it.
+        assert len(pages) == 1 and pages[0].startswith("breaker open: 2 node(s) would have been drained (16 GPU(s)), top causes xid (2)")
+        assert acting.machine.get("gpu-node-2").state == acting.machine.get("gpu-node-3").state == State.SUSPECT
+        # The audit trail on the node: its quarantine annotation and an Event.
+        notes = [json.loads(r.body["metadata"]["annotations"]["gpuvigil.io/quarantine"]) for r in fake.requests
+                 if r.method == "PATCH" and r.path == "/api/v1/nodes/gpu-node-1" and "gpuvigil.io/quarantine" in (r.body or {}).get("metadata", {}).get("annotations", {})]
+        assert [n["state"] for n in notes] == ["suspect", "cordoned"]
+        assert any(r.method == "POST" and r.path == "/api/v1/namespaces/default/events" for r in fake.requests)
+
+    with HintStore(tmp_path / "h2.db") as store:
+        acting = Acting("kubernetes", "on", store=store, adapter=KubernetesAdapter(api_client, store=store), quarantine=QuarantineStore(tmp_path / "q2.db"))
+        pipe = pipeline_into(store, [[xid_on("gpu-node-4")]])
+        pipe.sinks.append(acting)
+        before = len(fake.requests)
+        for t in (10.0, 700.0, 701.0, 1400.0, 1401.0, 1402.0):  # cleared at 700 (XID), far past the hold-down
+            pipe.tick(t)
+        assert acting.machine.get("gpu-node-4").state == State.OPERATOR_HELD
+        lifted = [r for r in fake.requests[before:] if r.method == "PATCH" and (r.body or {}).get("spec", {}).get("unschedulable", True) is None]
+        assert lifted == []

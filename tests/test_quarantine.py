@@ -189,3 +189,40 @@ def test_breaker_and_node_records_over_the_api_need_the_token(tmp_path):
             why = c.get("/v1/nodes/n1/quarantine", headers=auth).json()
             assert why["records"][0]["state"] == "suspect" and why["history"][0]["finding_ids"] == ["f1"]
             assert c.get("/v1/nodes/n9/quarantine", headers=auth).status_code == 404
+
+
+def test_the_built_in_schedulers_health_plugin_stops_at_the_breaker():
+    from gpuvigil.model import FindingKind, Hint, HintAction
+    from gpuvigil.scheduler.core import Scheduler
+    from gpuvigil.scheduler.state import NodeSpec
+
+    cfg = config.load(overrides={"acting": {"breaker": {"max_node_fraction": 0.5, "max_gpu_fraction": 0.5}}})
+    sched = Scheduler([NodeSpec(f"n{i}") for i in range(4)], cfg)
+    cordon = [Hint(action=HintAction.CORDON_NODE, ts=0, reason="xid 79", finding_id=f"{i:016x}", finding_kind=FindingKind.XID, node=f"n{i}") for i in range(4)]
+    done = [a.action for h in cordon[:3] for a in sched.apply_hint(h, 10.0 + int(h.node[1:]))]
+    assert done == ["cordoned", "cordoned", "breaker_open", "breaker_held"]
+    assert [n for n, ns in sched.nodes.items() if ns.state != "up"] == ["n0", "n1"]
+    health = sched.plugin("health")
+    health.close_breaker("ann", 20.0)
+    assert [a.action for a in sched.apply_hint(cordon[3], 21.0)] == ["cordoned"]
+    # A SchedulerConfig alone keeps the breaker's defaults (25% of 4 nodes: one).
+    from gpuvigil.scheduler.config import SchedulerConfig
+
+    plain = Scheduler([NodeSpec(f"n{i}") for i in range(4)], SchedulerConfig())
+    assert [a.action for h in cordon[:2] for a in plain.apply_hint(h, 1.0)] == ["cordoned", "breaker_open", "breaker_held"]
+
+
+def test_acting_metrics_are_lint_clean(tmp_path):
+    import subprocess
+
+    from gpuvigil.acting import Acting
+    from gpuvigil.exporter.prometheus import _render
+    from gpuvigil.scheduler.slurm import SlurmAdapter
+    from services import PROMTOOL, binary
+
+    acting = Acting("slurm", "on", store=None, adapter=SlurmAdapter(), quarantine=store_beside(tmp_path / "h.db"))
+    acting.breaker.admit("n1", nodes=1, gpus=8, fleet_nodes=1, fleet_gpus=8, now=1.0, cause="xid")
+    text = _render(acting.families()).decode()
+    assert 'gpuvigil_breaker_open{scope="slurm"} 0.0' in text and 'gpuvigil_quarantine_records{scheduler="slurm",state="healthy"} 0.0' in text
+    proc = subprocess.run([binary(PROMTOOL), "check", "metrics"], input=text, capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0 and proc.stdout.strip() == "" and proc.stderr.strip() == "", proc.stdout + proc.stderr

@@ -360,6 +360,17 @@ class KubernetesAdapter:
     def apply(self, hint: Hint) -> str:
         return self.plan(hint).execute()
 
+    def applied_by_us(self, hint: Hint) -> str | None:
+        """What the API shows of this hint already applied by gpuvigil (the node cordoned for its
+        finding), or None."""
+        if hint.action not in (HintAction.CORDON_NODE, HintAction.DRAIN_NODE) or not hint.node:
+            return None
+        current = self.read_node(self._check_node(hint.node))
+        annotations = (current.metadata.annotations or {}) if current.metadata else {}
+        if current.spec and current.spec.unschedulable and annotations.get(ANNOTATION_CORDONED_BY) == hint.finding_id:
+            return f"{hint.node} already cordoned by gpuvigil for {hint.finding_id}"
+        return None
+
     def undo_plan(self, hint: Hint) -> Plan | None:
         """How to take back what `apply` did to the node, as far as it is still ours."""
         plan = Plan(hint, [])

@@ -720,6 +720,16 @@ class SlurmAdapter:
         self.applied.append(done)
         return done
 
+    def applied_by_us(self, hint: Hint) -> str | None:
+        """What the scheduler shows of this hint already applied by gpuvigil (a node drained with
+        its finding in the reason), or None."""
+        if hint.action not in (HintAction.DRAIN_NODE, HintAction.CORDON_NODE):
+            return None
+        current = self.state.node(_check_node(hint.node))
+        if "DRAIN" in current.flags and self.ours(current.reason) and hint.finding_id in (current.reason or ""):
+            return f"{current.node} already drained by gpuvigil: {current.reason}"
+        return None
+
     def undo_plan(self, hint: Hint) -> Plan | None:
         """How to take back what the hint did: resume the node, only while it is still drained
         with gpuvigil's reason for this finding. None for hints that changed no node."""
