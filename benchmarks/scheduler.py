@@ -376,8 +376,9 @@ def fault_sim(faults: list[FaultEvent], p: FaultSimParams, hints: bool, sched_ov
     tw = np.array(p.tenant_weights) / sum(p.tenant_weights)
     quotas = {t: float(round(cap * w / p.gpus_per_node) * p.gpus_per_node) for t, w in zip(p.tenants, tw, strict=True)}
     # The product's scheduler (default plugins, actions and grace periods) with the tenants' quotas.
-    # The breaker stays open until a person closes it, and no person runs in this simulation:
-    # the fault study measures the scheduler's policy without it (the mass_xid demo shows it).
+    # The health plugin's breaker stays open until a person closes it, and no person runs in the
+    # scheduler: off here. `gate` is the breaker of a run that has one (benchmarks/faults.py: the
+    # same Breaker, with a person closing it an hour after its page).
     cfg = config.load(
         overrides={
             "scheduler": {"quota": {"tenants": {t: {"gpus": q} for t, q in quotas.items()}, "reclaim_grace_seconds": p.reclaim_grace_seconds}, **(sched_overrides or {})},
