@@ -9,6 +9,8 @@ slurmctld + two slurmd, tests/slurm_cluster.py), driven by production's apply lo
 - Lemon rule: remediated twice within the window, the third time it goes to RMA instead, stays
   drained, and the evidence bundle holds the record, its transitions, the node's findings with
   the XID history, the kernel-log excerpt, the ECC/row-remap report and the bug report.
+- Whose fault, on the same cluster (it starts once per module): an application XID under one
+  Slurm job drains nothing; under a second job on the same GPU it drains the node.
 
 The commands are small scripts written here that record their arguments (a test machine has no
 GPU to reset); what the bundle quotes is real: the kernel log is
@@ -288,3 +290,63 @@ def test_without_a_drain_through_the_scheduler_there_is_no_reboot(tmp_path):
     drained = Record(key="n1", node="n1", state=State.REMEDIATING, action="drain_node")
     assert "cannot be drained first" in lad._skip(cordoned, "reboot")
     assert lad._skip(drained, "reboot") is None
+
+
+def test_an_application_xid_under_a_second_slurm_job_drains_the_node(cluster, slurm, tmp_path):
+    """Whose fault, end to end on the real cluster: the real XID 13 line (leptonai/gpud#46) on the
+    GPU of Slurm job A (the GPU map read from slurmctld) is A's own bug: a ticket, nothing drained;
+    the same XID on the same GPU under job B is the GPU: the node is drained and B requeued."""
+    import polars as pl
+    from gpuvigil.detectors.xid import XidDetector
+    from gpuvigil.pipeline.core import Pipeline
+    from gpuvigil.scheduler.slurm import SlurmState, SlurmStateCollector
+    from test_detectors_real import _kernel_events
+
+    node = cluster.nodes[0]
+    line = _kernel_events("kernel_xids.log").filter(pl.col("xid") == 13).head(1)
+
+    class KernelLines:
+        name = "kernel_log"
+        errors = 0
+        at: dict[float, int] = {}
+
+        def collect(self, now):
+            gpu = self.at.get(now)
+            return {} if gpu is None else {"events": line.with_columns(pl.lit(now).alias("ts"), pl.lit(node).alias("node"), pl.lit(gpu, pl.Int32).alias("gpu"))}
+
+    def gpu_of(job):
+        frames = SlurmStateCollector(SlurmState(slurm)).collect(0.0)
+        return frames["allocations"].filter(pl.col("job") == job)["gpu"].to_list()
+
+    a = cluster.sbatch("--requeue", "--gres=gpu:1", "-w", node, "--wrap", "sleep 300")
+    cluster.wait_for(running_on(cluster, a), 60, f"job {a} running")
+    [gpu] = gpu_of(a)
+    kernel = KernelLines()
+    kernel.at = {1000.0: gpu, 1100.0: gpu}
+    with HintStore(tmp_path / "hints.db") as store:
+        adapter = SlurmAdapter(slurm, store=store)
+        pipe = Pipeline([SlurmStateCollector(SlurmState(slurm)), kernel], [XidDetector()], sinks=[store], cfg=config.defaults())
+        acting = Acting("slurm", "on", store=store, adapter=adapter, cfg=ActingConfig(), quarantine=QuarantineStore(tmp_path / "q.db"))
+        pipe.sinks.append(acting)
+        r = pipe.tick(1000.0)
+        [f] = r.new_findings
+        assert (f.job, f.evidence["fault"], f.severity) == (a, "user", Severity.TICKET) and r.new_hints == []
+        assert cluster.node_state(node)[0] in ("mixed", "allocated")  # not drained: A's owner fixes it
+        cluster.cmd("scancel", a)
+        b = cluster.sbatch("--requeue", "--gres=gpu:1", "-w", node, "--wrap", "sleep 300")
+        cluster.wait_for(running_on(cluster, b), 60, f"job {b} running")
+        assert gpu_of(b) == [gpu]
+        r = pipe.tick(1100.0)
+        [g] = r.escalated_findings
+        assert (g.job, g.evidence["fault"], g.evidence["jobs_hit"], g.severity) == (b, "infrastructure", [a, b], Severity.PAGE)
+        assert sorted(h.action.value for h in r.new_hints) == ["cordon_node", "requeue_job"]
+        state, reason = cluster.node_state(node)
+        assert "drain" in state and reason.startswith(f"gpuvigil cordon xid {g.id}")
+        assert cluster.job_field(b, "Restarts") == "1" and cluster.job_field(b, "ExcNodeList") == node
+
+
+def running_on(cluster, job):
+    def check():
+        return cluster.job_field(job, "NodeList") if cluster.job_field(job, "JobState") == "RUNNING" else None
+
+    return check
