@@ -41,6 +41,7 @@ from slurm_cluster import SlurmCluster, missing_binaries
 
 DATA = Path(__file__).parent / "data"
 KERNEL_LOG = DATA / "public" / "kernel_dmesg_hung_task.log"
+SLURM = pytest.mark.services  # these start the real cluster
 SMI_Q = DATA / "h200" / "nvidia-smi-q.txt"
 
 
@@ -102,6 +103,7 @@ def commands(tmp: Path) -> list[str]:
     return f.read_text().splitlines() if f.exists() else []
 
 
+@SLURM
 def test_the_ladder_returns_a_node_only_after_its_check_passes(cluster, slurm, tmp_path):
     node = cluster.nodes[0]
     finding = xid_reset(node)
@@ -144,6 +146,7 @@ def test_the_ladder_returns_a_node_only_after_its_check_passes(cluster, slurm, t
         assert hist[-1].cause.startswith("every cause quiet, check passed")
 
 
+@SLURM
 def test_a_lemon_goes_to_rma_with_its_evidence_bundle(cluster, slurm, tmp_path):
     node = cluster.nodes[1]
     finding = xid_reset(node)
@@ -292,6 +295,7 @@ def test_without_a_drain_through_the_scheduler_there_is_no_reboot(tmp_path):
     assert lad._skip(drained, "reboot") is None
 
 
+@SLURM
 def test_an_application_xid_under_a_second_slurm_job_drains_the_node(cluster, slurm, tmp_path):
     """Whose fault, end to end on the real cluster: the real XID 13 line (leptonai/gpud#46) on the
     GPU of Slurm job A (the GPU map read from slurmctld) is A's own bug: a ticket, nothing drained;
