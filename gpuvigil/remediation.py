@@ -107,7 +107,11 @@ RUNGS = ("gpu_reset", "reboot")
 
 def run_command(cmd: Command, **values: Any) -> dict[str, Any]:
     """Run one configured command (placeholders filled in) with its timeout; its outcome."""
-    argv = [a.format(**{k: "" if v is None else str(v) for k, v in values.items()}) for a in cmd.command or []]
+    argv = []
+    for arg in cmd.command or []:
+        for k, v in values.items():  # only the known placeholders: an awk script's braces stay as they are
+            arg = arg.replace("{" + k + "}", "" if v is None else str(v))
+        argv.append(arg)
     out: dict[str, Any] = {"argv": argv, "started": time.time()}
     t0 = time.monotonic()
     try:

@@ -354,3 +354,12 @@ def running_on(cluster, job):
         return cluster.job_field(job, "NodeList") if cluster.job_field(job, "JobState") == "RUNNING" else None
 
     return check
+
+
+def test_only_known_placeholders_are_filled_in():
+    from gpuvigil.remediation import Command, run_command
+
+    run = run_command(Command(command=["awk", "BEGIN { print \"{node}/{gpu}\" }"]), node="n0", gpu=None)
+    assert (run["argv"][1], run["rc"], run["stdout"]) == ('BEGIN { print "n0/" }', 0, "n0/\n")
+    missing = run_command(Command(command=["/nonexistent/reset", "{gpu}"]), gpu=3)
+    assert missing["rc"] is None and missing["stderr"].startswith("cannot run /nonexistent/reset")
