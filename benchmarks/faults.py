@@ -195,7 +195,9 @@ def markdown(res: dict[str, Any], cmd: str) -> str:
             d = sc["paired"][key]
             ci = f"{d['mean']:+.2f} [{d['low']:+.2f}, {d['high']:+.2f}]" if math.isfinite(d["low"]) else f"{d['mean']:+.2f} (one seed: no interval)"
             lines.append(f"| {label} | {fmt.format(sc['arms'][a][key])} | {fmt.format(sc['arms'][bb][key])} | {ci} |")
-        lines.append("")
+        spread = ", ".join(f"{name} {min(r['queue_p95_hours'] for r in sc['arms'][name]['runs']):.1f}-{max(r['queue_p95_hours'] for r in sc['arms'][name]['runs']):.1f} h"
+                           for name in (a, bb))
+        lines += ["", f"Queue p95 from seed to seed (is the queue stable at this load?): {spread}.", ""]
         if scenario == "storm":
             runs = sc["arms"]["gpuvigil + breaker"]["runs"]
             cordoned = [r["storm_nodes_cordoned"] for r in runs]
