@@ -199,3 +199,21 @@ def test_the_real_h200_capacity_oom_is_the_users_and_cordons_nothing():
     assert policy.classify(f) == "user" and f.summary.endswith("User fault: the application's own, its owner is told.")
     assert [h.action for h in policy.hints_for(f)] == [HintAction.RESIZE_OR_MOVE_JOB]
     assert team_of(f, "vision", load_settings(config.defaults())) == "ml-vision"
+
+
+def test_the_history_survives_a_restart_and_a_garbage_file(tmp_path):
+    """With blame.state_file, a detector started after a restart still knows job a hit the GPU:
+    job b's XID 13 there is the GPU's. A file that is not the history (garbage, wrong shapes) is
+    not trusted: the detector starts empty."""
+    state = tmp_path / "xid_blame.json"
+    cfg = _cfg(xid={"blame": {"state_file": str(state)}})
+    [a] = _hit(XidDetector(cfg), 13, "node-a", 0, "a", T0)
+    assert a.evidence["fault"] == "user" and state.is_file()
+    [b] = _hit(XidDetector(cfg), 13, "node-a", 0, "b", T0 + HOUR)  # a new process
+    assert (b.evidence["fault"], b.evidence["jobs_hit"]) == ("infrastructure", ["a", "b"])
+    for garbage in (b"\x00\xff" * 50, b'{"node-a": 1}', b'[["node-a", true, {"a": 1}], ["n", 0, {"x": "NaN"}], [1, 2]]', b"[" * 100_000):
+        state.write_bytes(garbage)
+        d = XidDetector(cfg)
+        assert len(d.history) == 0
+        [c] = _hit(d, 13, "node-a", 0, "b", T0 + 2 * HOUR)
+        assert c.evidence["fault"] == "user"

@@ -11,7 +11,10 @@ the hardware team, and the node is cordoned by the hint rules).
 
 from __future__ import annotations
 
+import json
+import math
 from collections import OrderedDict
+from pathlib import Path
 from typing import Any, Literal
 
 import polars as pl
@@ -31,6 +34,8 @@ class XidBlameConfig(BaseModel):
     # Bounds of that memory: GPUs (least recently hit forgotten first) and jobs per GPU (oldest first).
     max_gpus: int = Field(100_000, ge=1)
     max_jobs_per_gpu: int = Field(16, ge=2)
+    # Where the history is kept across restarts (JSON, rewritten when it changes); null: in memory.
+    state_file: str | None = None
 
 
 class XidConfig(BaseModel):
@@ -50,8 +55,12 @@ class GpuJobHistory:
         self.cfg = cfg
         self._gpus: OrderedDict[tuple[str | None, int | None], dict[str, float]] = OrderedDict()
 
-    def record(self, node: str | None, gpu: int | None, job: str, ts: float) -> None:
+    def record(self, node: str | None, gpu: int | None, job: str, ts: float) -> bool:
+        """Remember `job` on the GPU at `ts`; whether anything changed."""
         key = (node, gpu)
+        jobs = self._gpus.get(key, {})
+        if jobs.get(job, float("-inf")) >= ts and next(reversed(self._gpus), None) == key:
+            return False
         jobs = self._gpus.pop(key, {})
         jobs[job] = max(ts, jobs.get(job, ts))
         if len(jobs) > self.cfg.max_jobs_per_gpu:
@@ -60,6 +69,25 @@ class GpuJobHistory:
         self._gpus[key] = jobs  # most recently hit last
         while len(self._gpus) > self.cfg.max_gpus:
             self._gpus.popitem(last=False)
+        return True
+
+    def to_json(self) -> list[Any]:
+        return [[node, gpu, jobs] for (node, gpu), jobs in self._gpus.items()]
+
+    def load(self, rows: Any) -> None:
+        """Rows of `to_json` read back (a file is untrusted: rows that are not well formed are
+        skipped, and the bounds apply as if they were recorded again)."""
+        if not isinstance(rows, list):
+            return
+        for row in rows:
+            if not (isinstance(row, list) and len(row) == 3 and isinstance(row[2], dict)):
+                continue
+            node, gpu, jobs = row
+            if not (node is None or isinstance(node, str)) or not (gpu is None or (isinstance(gpu, int) and not isinstance(gpu, bool))):
+                continue
+            for job, ts in jobs.items():
+                if isinstance(ts, (int, float)) and not isinstance(ts, bool) and math.isfinite(ts):
+                    self.record(node, gpu, str(job), float(ts))
 
     def jobs(self, node: str | None, gpu: int | None, now: float) -> list[str]:
         """The jobs hit on this GPU within the history, oldest first."""
@@ -78,6 +106,12 @@ class XidDetector:
     def __init__(self, cfg: dict[str, Any] | None = None):
         self.config = settings("xid", XidConfig, cfg)
         self.history = GpuJobHistory(self.config.blame)
+        state = self.config.blame.state_file
+        if state:
+            try:
+                self.history.load(json.loads(Path(state).read_text()))
+            except (OSError, ValueError, UnicodeDecodeError, RecursionError):
+                pass  # no file yet, or not ours to trust: start empty
 
     def detect(self, window: Window) -> list[Finding]:
         now = window.now
@@ -164,9 +198,18 @@ class XidDetector:
             .group_by("node", "gpu", "xid", "message", "job")
             .agg(pl.col("ts").max())
         )
-        for node, gpu, xid, message, job, ts in rows.iter_rows():
+        changed = False
+        for node, gpu, xid, message, job, ts in rows.sort("ts").iter_rows():
             if not xid_table.is_fatal(xid, message or ""):
-                self.history.record(node, gpu, job, float(ts))
+                changed = self.history.record(node, gpu, job, float(ts)) or changed
+        state = self.config.blame.state_file
+        if changed and state:
+            try:
+                tmp = Path(state).with_suffix(".tmp")
+                tmp.write_text(json.dumps(self.history.to_json()))
+                tmp.replace(state)
+            except OSError:
+                pass  # the history stays in memory; the next change tries again
 
     def _blame(self, node: str | None, gpu: int | None, fatal: bool, app_level: bool, now: float) -> tuple[Fault | None, list[str], str]:
         """Whose fault, the jobs hit on the GPU, and the summary's verdict."""
