@@ -56,11 +56,15 @@ NODE_ACTIONS = (HintAction.DRAIN_NODE, HintAction.CORDON_NODE)
 OUT_ACTIONS = (*NODE_ACTIONS, HintAction.AVOID_GPU)  # hints that take capacity out of service
 
 
-def make_acting(scheduler: str, mode: str, *, store: Any, cfg: dict[str, Any], pager: Callable[[str, bool], None] | None = None) -> Acting | None:
+def make_acting(
+    scheduler: str, mode: str, *, store: Any, cfg: dict[str, Any], pager: Callable[[str, bool], None] | None = None, steps: Steps | None = None
+) -> Acting | None:
     """The `Acting` sink for `sources.scheduler` / `sources.act` (or `--scheduler` / `--act`), as
     `serve` and the `gpuvigil act` leader both build it: None without a scheduler. Kubernetes with
     `act: on` needs its API client now (a config error is a UserError); `dry-run` needs none.
-    The quarantine state and the breaker live beside the hint store (in memory without one)."""
+    The quarantine state and the breaker live beside the hint store (in memory without one);
+    `steps` are the remediation and return-to-service check (default: the remediation ladder
+    when `remediation.enabled`, else the hold-down alone)."""
     if scheduler == "none":
         return None
     if scheduler == "slurm":
@@ -78,8 +82,7 @@ def make_acting(scheduler: str, mode: str, *, store: Any, cfg: dict[str, Any], p
     else:
         raise ValueError(f"scheduler {scheduler!r}")
     qstore = store_beside(getattr(store, "path", None)) if mode == "on" else None
-    steps = None
-    if qstore is not None:
+    if steps is None and qstore is not None:
         from gpuvigil.remediation import make_steps
 
         steps = make_steps(cfg, QuarantineMachine(qstore), store=store, adapter=adapter)  # None: the hold-down

@@ -43,7 +43,9 @@ taken out may be at most `max_node_fraction` of the fleet and `max_nodes`, the G
 the window. A request over the limit trips the breaker: it stays open (persisted) until
 `close(who=...)`, and every later `admit` says no and counts what would have been taken
 (`would_have`) and why (`causes`). `page_due()` returns the one page message of an opening, once.
-`families()` is its /metrics view.
+`families()` is its /metrics view. A key admitted once stays admitted within the window (an apply
+that failed and is retried is not counted twice). `breaker_scopes(store)` and
+`close_breakers(store, cfg, who=..., now=...)` serve `gpuvigil breaker` and the API.
 
 Everything here is pure bookkeeping: no scheduler, API or alert code. The callers
 (`gpuvigil.acting.Acting`, the built-in scheduler's health plugin, `gpuvigil breaker`) act.
