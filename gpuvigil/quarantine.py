@@ -281,12 +281,12 @@ class QuarantineMachine:
         return Record.from_json(json.loads(rows[0][0])) if rows else Record(key=key, node=node, gpu=gpu)
 
     def records(self, states: Iterable[State] | None = None) -> list[Record]:
-        rows = self.store.read("SELECT data FROM records ORDER BY key")
-        out = [Record.from_json(json.loads(r[0])) for r in rows]
-        if states is not None:
-            want = set(states)
-            out = [r for r in out if r.state in want]
-        return out
+        if states is None:
+            rows = self.store.read("SELECT data FROM records ORDER BY key")
+        else:
+            want = sorted({State(s).value for s in states})
+            rows = self.store.read(f"SELECT data FROM records WHERE state IN ({', '.join('?' * len(want))}) ORDER BY key", tuple(want))
+        return [Record.from_json(json.loads(r[0])) for r in rows]
 
     def save(self, record: Record) -> None:
         """Write a record's bookkeeping (causes, steps) without a state change."""
@@ -367,9 +367,7 @@ class QuarantineMachine:
         """Mark causes quiet (their hints expired) or active again (reported this tick); returns
         the records that changed. A cause that comes back cancels the hold-down."""
         changed = []
-        for rec in self.records():
-            if rec.state == S.HEALTHY:
-                continue
+        for rec in self.records([s for s in State if s != S.HEALTHY]):
             dirty = False
             for fid, c in rec.causes.items():
                 if fid in active_ids and c.quiet_since is not None:

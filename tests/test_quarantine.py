@@ -226,3 +226,25 @@ def test_acting_metrics_are_lint_clean(tmp_path):
     assert 'gpuvigil_breaker_open{scope="slurm"} 0.0' in text and 'gpuvigil_quarantine_records{scheduler="slurm",state="healthy"} 0.0' in text
     proc = subprocess.run([binary(PROMTOOL), "check", "metrics"], input=text, capture_output=True, text=True, timeout=60)
     assert proc.returncode == 0 and proc.stdout.strip() == "" and proc.stderr.strip() == "", proc.stdout + proc.stderr
+
+
+def test_a_person_holds_and_releases_a_node(tmp_path, capsys):
+    from gpuvigil.cli import main
+
+    db = tmp_path / "hints.db"
+    assert main(["quarantine", "hold", "n1", "--hint-db", str(db)]) == 2  # nothing acted yet: no file
+    with store_beside(db) as store:
+        m = QuarantineMachine(store)
+        rec = m.get("n1")
+        m.add_cause(rec, finding_id="f1", kind="xid", summary="XID 79")
+        m.transition(rec, State.SUSPECT, now=1, rule="finding", cause="xid", finding_ids=["f1"])
+    capsys.readouterr()
+    assert main(["quarantine", "release", "n1", "--hint-db", str(db)]) == 2
+    assert "n1 is suspect: only an operator_held or rma record is released" in capsys.readouterr().err
+    assert main(["quarantine", "hold", "n1", "--hint-db", str(db), "--who", "ann", "--note", "reseating GPUs"]) == 0
+    assert "suspect -> operator_held by operator:ann (operator_hold): reseating GPUs [f1]" in capsys.readouterr().out
+    assert main(["quarantine", "release", "n1", "--hint-db", str(db), "--who", "ann"]) == 0
+    with store_beside(db) as store:
+        m = QuarantineMachine(store)
+        assert m.get("n1").state == State.HEALTHY
+        assert [(t.to_state, t.who) for t in m.history("n1")] == [("suspect", "rule"), ("operator_held", "operator:ann"), ("healthy", "operator:ann")]
