@@ -342,11 +342,33 @@ class FaultSimParams:
     seed: int = 0
 
 
+@dataclass
+class Storm:
+    """A mass XID storm: `share` of the nodes log a fatal XID within `spread_seconds` from `day`
+    (a bad driver rollout, or a detector bug). The GPUs keep working: the XIDs are the driver's
+    false alarm, so whatever is cordoned is lost capacity, and a person returns it `return_hours`
+    after the storm began."""
+
+    day: float
+    share: float = 0.6
+    spread_seconds: float = 120.0
+    xid: int = 119  # GSP RPC timeout: fatal, what a bad driver typically logs
+    return_hours: float = 1.0
+
+
+# What decides whether a finding's hints are applied: (hint, now, takes_a_node) → yes/no; asked
+# for each hint, a node-taking one (cordon, drain of a node in service) admitted or refused.
+Gate = Any
+
+
 def _pct(values, q: float) -> float:
     return float(np.percentile(values, q)) if len(values) else 0.0
 
 
-def fault_sim(faults: list[FaultEvent], p: FaultSimParams, hints: bool, sched_overrides: dict[str, Any] | None = None) -> dict[str, Any]:
+def fault_sim(faults: list[FaultEvent], p: FaultSimParams, hints: bool, sched_overrides: dict[str, Any] | None = None, *,
+              gate: Gate | None = None, storm: Storm | None = None) -> dict[str, Any]:
+    """One run; `gate` (e.g. the circuit breaker) may refuse a node-taking hint, which is then
+    not applied (dry-run); `storm` adds a mass XID storm to the trace's faults."""
     rng = np.random.default_rng(p.seed)
     node_names = [f"node-{i:03d}" for i in range(p.nodes)]
     specs = [NodeSpec(n, rack=f"rack-{i // p.nodes_per_rack:02d}", n_gpus=p.gpus_per_node) for i, n in enumerate(node_names)]
@@ -354,8 +376,9 @@ def fault_sim(faults: list[FaultEvent], p: FaultSimParams, hints: bool, sched_ov
     tw = np.array(p.tenant_weights) / sum(p.tenant_weights)
     quotas = {t: float(round(cap * w / p.gpus_per_node) * p.gpus_per_node) for t, w in zip(p.tenants, tw, strict=True)}
     # The product's scheduler (default plugins, actions and grace periods) with the tenants' quotas.
-    # The breaker stays open until a person closes it, and no person runs in this simulation:
-    # the fault study measures the scheduler's policy without it (the mass_xid demo shows it).
+    # The health plugin's breaker stays open until a person closes it, and no person runs in the
+    # scheduler: off here. `gate` is the breaker of a run that has one (benchmarks/faults.py: the
+    # same Breaker, with a person closing it an hour after its page).
     cfg = config.load(
         overrides={
             "scheduler": {"quota": {"tenants": {t: {"gpus": q} for t, q in quotas.items()}, "reclaim_grace_seconds": p.reclaim_grace_seconds}, **(sched_overrides or {})},
@@ -407,6 +430,17 @@ def fault_sim(faults: list[FaultEvent], p: FaultSimParams, hints: bool, sched_ov
         push(t, "arrive", JobSpec(name, size, submit_ts=t, gpus_per_node=p.gpus_per_node, tenant=tenant, priority=prio))
     for f in faults:
         push(f.day * 86400.0, "fault_start" if f.start else "fault_end", f)
+    storm_nodes: list[str] = []
+    if storm is not None:
+        srng = np.random.default_rng(p.seed + 2)
+        storm_nodes = [node_names[int(i)] for i in srng.choice(p.nodes, size=int(round(storm.share * p.nodes)), replace=False)]
+        t_storm = storm.day * 86400.0
+        for node in storm_nodes:
+            push(t_storm + float(srng.uniform(0.0, storm.spread_seconds)), "storm_xid", node)
+        push(t_storm + storm.return_hours * 3600.0, "storm_return", None)
+    storm_cordoned: set[str] = set()
+    storm_requeued = 0
+    peak_out = 0
 
     faulty: dict[str, int] = {}  # node → open faults
     strikes: dict[str, int] = {}
@@ -539,6 +573,17 @@ def fault_sim(faults: list[FaultEvent], p: FaultSimParams, hints: bool, sched_ov
                 if now_t - since > reclaim_grace + 300:
                     violations.append({"tenant": tnt, "since": since, "seconds": now_t - since, **seen})
 
+    def gated(hint_list, now_t: float):
+        """The hints as applied: none while the gate is shut (a node-taking hint it refuses, or
+        any hint while it stays shut): acting is dry-run then."""
+        if gate is None or not hint_list:
+            return hint_list
+        for h in hint_list:
+            taking = h.action.value in ("cordon_node", "drain_node") and sched.nodes[h.node].state == "up"
+            if not gate(h, now_t, taking):
+                return []
+        return hint_list
+
     def stop_job(name: str, now_t: float, why: str, exclude: str | None, hint_list) -> None:
         js = sched.jobs[name]
         if js.state != "running":
@@ -564,7 +609,9 @@ def fault_sim(faults: list[FaultEvent], p: FaultSimParams, hints: bool, sched_ov
         now, _, kind, payload = heapq.heappop(events)
         if now > horizon:
             break
-        out_of_service_node_s += (now - last_t) * (p.nodes - int(sched.view.schedulable.sum()))
+        out_now = p.nodes - int(sched.view.schedulable.sum())
+        out_of_service_node_s += (now - last_t) * out_now
+        peak_out = max(peak_out, out_now)
         last_t = now
         if kind == "arrive":
             sched.submit(payload, now)
@@ -603,7 +650,11 @@ def fault_sim(faults: list[FaultEvent], p: FaultSimParams, hints: bool, sched_ov
                 cause=cause,
                 summary=f"{fault.desc if fault else 'node fault'} on {node}",
             )
-            hs = policy.hints_for(finding)
+            wanted = policy.hints_for(finding)
+            hs = gated(wanted, now)
+            if wanted and not hs and name is not None and name in hung and sched.jobs[name].state == "running":
+                # Dry-run: nothing stops the hung job but its own NCCL watchdog.
+                push(max(now, hung[name] + p.watchdog_seconds), "watchdog", (name, node, run_gen[name]))
             if not faulty.get(node):
                 # Repaired before gpuvigil saw it: the finding is already clear, so no cordon;
                 # a job that hung meanwhile still restarts from its checkpoint.
@@ -637,6 +688,34 @@ def fault_sim(faults: list[FaultEvent], p: FaultSimParams, hints: bool, sched_ov
                 strikes.pop(node, None)
                 if sched.nodes[node].state != "up":
                     sched.uncordon(node, now, "repaired")
+        elif kind == "storm_xid":
+            node = payload
+            if hints:
+                names = sorted(n for n in sched.nodes[node].jobs() if sched.jobs[n].state == "running")
+                was_up = sched.nodes[node].state == "up"
+                cordoned = False
+                for name in names or [None]:
+                    finding = Finding(kind=FindingKind.XID, severity=Severity.PAGE, ts=now, job=name, node=node, xid=storm.xid if storm else 119,
+                                      evidence={"fatal": True}, cause="hardware", summary=f"XID storm on {node}")
+                    hs = gated(policy.hints_for(finding), now)
+                    cordoned = cordoned or any(h.action.value in ("cordon_node", "drain_node") for h in hs)
+                    if name is None:
+                        for h in hs:
+                            sched.apply_hint(h, now)
+                    elif any(h.action.value == "requeue_job" for h in hs) and sched.jobs[name].state == "running":
+                        storm_requeued += 1
+                        stop_job(name, now, finding.summary, node, hs)
+                    else:
+                        for h in hs:
+                            if h.job is None:
+                                sched.apply_hint(h, now)
+                if cordoned and was_up and sched.nodes[node].state != "up":
+                    storm_cordoned.add(node)
+        elif kind == "storm_return":
+            # A person returns what the storm's false alarm took out (not a node broken meanwhile).
+            for node in sorted(storm_cordoned):
+                if not faulty.get(node) and sched.nodes[node].state != "up":
+                    sched.uncordon(node, now, "XID storm was the driver's: returned by a person")
         elif kind == "wake":
             pass  # a preemption grace period ends: the cycle below evicts
         # Next event at the same time: batch the cycle.
@@ -709,6 +788,10 @@ def fault_sim(faults: list[FaultEvent], p: FaultSimParams, hints: bool, sched_ov
         "jct_p95_hours": _pct(jct, 95) / 3600,
         "restarts": int(sum(js.restarts for js in jobs)),
         "node_hours_out_of_service": out_of_service_node_s / 3600.0,
+        "nodes_out_of_service_peak": peak_out,
+        "storm_nodes": len(storm_nodes),
+        "storm_nodes_cordoned": len(storm_cordoned),
+        "storm_jobs_requeued": storm_requeued,
         "faults_injected": sum(1 for f in faults if f.start and f.day * 86400 <= horizon),
         "by_class": group_stats(lambda js: js.spec.priority),
         "by_tenant": group_stats(lambda js: js.spec.tenant),

@@ -63,7 +63,8 @@ def make_acting(
     `serve` and the `gpuvigil act` leader both build it: None without a scheduler. Kubernetes with
     `act: on` needs its API client now (a config error is a UserError); `dry-run` needs none.
     The quarantine state and the breaker live beside the hint store (in memory without one);
-    `steps` are the remediation and return-to-service check (default: the hold-down alone)."""
+    `steps` are the remediation and return-to-service check (default: the remediation ladder
+    when `remediation.enabled`, else the hold-down alone)."""
     if scheduler == "none":
         return None
     if scheduler == "slurm":
@@ -81,6 +82,10 @@ def make_acting(
     else:
         raise ValueError(f"scheduler {scheduler!r}")
     qstore = store_beside(getattr(store, "path", None)) if mode == "on" else None
+    if steps is None and qstore is not None:
+        from gpuvigil.remediation import make_steps
+
+        steps = make_steps(cfg, QuarantineMachine(qstore), store=store, adapter=adapter)  # None: the hold-down
     return Acting(scheduler, mode, store=store, adapter=adapter, cfg=acting_config(cfg), quarantine=qstore, pager=pager, steps=steps)
 
 

@@ -17,6 +17,7 @@ BENCHMARKS: dict[str, tuple[str, str]] = {
     "incidents": ("benchmarks.incidents", "messages to on-call per injected fault, every built-in scenario (simulated)"),
     "realistic": ("benchmarks.realistic", "the detectors on real sample rates (DCGM 30 s, NVML 1 s) and fault time scales (leaks over hours)"),
     "components": ("benchmarks.components", "the failed switch, PDU or cooling loop named instead of its nodes drained (fat tree, InfiniteHBD trace, simulated findings)"),
+    "faults": ("benchmarks.faults", "fault study: GPU-hours lost, nodes out, the breaker in a mass XID storm, queue p95 with paired CIs over seeds"),
     "soak": ("benchmarks.soak", "serve at 10k simulated GPUs for minutes with faults, restarts and a full disk"),
 }
 

@@ -74,8 +74,10 @@ def test_findings_arrive_in_alertmanager_with_labels_and_annotations(alertmanage
     }
     ann = xid[0]["annotations"]
     assert ann["summary"].startswith("XID 79 on node-b")
-    # every finding records the observation level it was made at; an XID is L0
-    assert json.loads(ann["evidence"]) == {"fatal": True, "xid": 79, "level": "L0"}
+    # every finding records the observation level it was made at; an XID is L0; a fatal XID is
+    # the infrastructure's fault, said before it is sent
+    assert json.loads(ann["evidence"]) == {"fatal": True, "xid": 79, "level": "L0", "fault": "infrastructure"}
+    assert ann["summary"].endswith("Infrastructure fault: the GPU, node or network, not the application.")
     assert ann["runbook"].endswith("#finding-xid")
     oom = am_alerts(alertmanager, alertname="GpuvigilOomPredicted", job="train")
     assert len(oom) == 1

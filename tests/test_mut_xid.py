@@ -64,10 +64,13 @@ def test_each_real_xid_finding_says_what_it_is_what_to_do_and_whose_job():
     assert (f.severity.value, f.cause, f.job, f.ranks, f.node, f.gpu) == ("page", "hardware", "train", [3], "node-a", 0)
     t79 = float(ev.filter(pl.col("xid") == 79)["ts"][0])
     assert (f.kind.value, f.source, f.ts) == ("xid", "xid", t79)
-    assert f.evidence == {"xid": 79, "fatal": True, "action": "RESTART_BM", "meaning": "GPU has fallen off the bus", "count": 1, "first_ts": t79, "message": "GPU has fallen off the bus."}
+    assert f.evidence == {"xid": 79, "fatal": True, "action": "RESTART_BM", "meaning": "GPU has fallen off the bus", "count": 1, "first_ts": t79, "message": "GPU has fallen off the bus.",
+                          "fault": "infrastructure"}
     assert f.summary == "XID 79 (GPU has fallen off the bus) on node-a GPU 0 under job train: fatal, cordon the node; NVIDIA action RESTART_BM."
     f = got[31]
     assert (f.severity.value, f.cause, f.job, f.evidence["meaning"], f.evidence["action"]) == ("ticket", "software", "train", "GPU memory page fault (MMU error)", "RESTART_APP")
+    # an application-level XID under one job only: the application's, its owner is told
+    assert (f.evidence["fault"], f.evidence["app_level"], f.evidence["jobs_hit"]) == ("user", True, ["train"])
     f = got[3]
     assert (f.severity.value, f.cause, f.job, f.ranks, f.node) == ("ticket", "software", "other", [], "localhost")
     assert (f.evidence["meaning"], f.evidence["action"], f.evidence["fatal"]) == ("unknown XID (not in the table)", "CONTACT_SUPPORT", False)

@@ -104,11 +104,12 @@ def is_message(f: Finding) -> bool:
 def team_of(f: Finding, tenant: str | None, s: AlertSettings) -> str:
     """The team a finding's alert goes to, by its kind's owner (gpuvigil/kinds.py): hardware and
     job-less findings to the hardware team, gpuvigil's own plumbing to the default team, the rest
-    to the team of the job's tenant."""
+    to the team of the job's tenant. A device finding that is the user's fault (an application
+    XID under that job only) goes to the job's tenant: its owner fixes it."""
     owner = kinds.policy(f.kind).owner
     if owner == "platform":
         return s.default_team
-    hardware = owner == "hardware" or not f.job
+    hardware = (owner == "hardware" and f.evidence.get("fault") != "user") or not f.job
     return s.hardware_team if hardware else s.team_of_tenant(tenant)
 
 

@@ -53,6 +53,7 @@ SECTIONS: dict[str, str | dict[str, str]] = {
     "oom_classify": "gpuvigil.parsers.oom:OomClassifyConfig",
     "pipeline": "gpuvigil.pipeline.core:PipelineConfig",
     "preflight": "gpuvigil.preflight.config:PreflightConfig",
+    "remediation": "gpuvigil.remediation:RemediationConfig",
     "report": "gpuvigil.report:ReportConfig",
     "scheduler": "gpuvigil.scheduler.config:SchedulerConfig",
     "sources": "gpuvigil.deployconfig:Sources",

@@ -350,6 +350,9 @@ class Pipeline:
             # Named components are reported like any finding, before clearing: one that goes on
             # being named is one finding, not a new one (and a new drain) each tick.
             reported.extend(self.components.observe(reported, now))
+        # Whose fault, before anything acts on it or tells anybody (pipeline/hints.py: classify).
+        for finding in reported:
+            self.hint_policy.classify(finding)
 
         # Clear what went quiet first: a cause that comes back later is a new finding.
         cleared: list[Finding] = []
@@ -385,14 +388,18 @@ class Pipeline:
         for finding in reported:
             key = finding.id
             before = self.active.get(key)
-            if before is not None and SEVERITY_RANK[finding.severity] > SEVERITY_RANK[before.severity]:
+            rose = before is not None and SEVERITY_RANK[finding.severity] > SEVERITY_RANK[before.severity]
+            if rose:
                 escalated.append(finding)
             if key not in self.active:
                 new.append(finding)
                 self.first_seen[key] = now
                 self.all_findings.append(finding)
+            if key not in self.active or (rose and before is not None and before.evidence.get("fault") != finding.evidence.get("fault")):
+                # New, or its fault changed with its severity (an application XID seen under a second
+                # job is now the GPU's): its hints follow the new verdict.
                 hints = [h for h in self._hold(finding, self.hint_policy.hints_for(finding), now) if self._hint_due(h, now)]
-                self.active_hints[key] = hints
+                self.active_hints[key] = self.active_hints.get(key, []) + hints
                 new_hints.extend(hints)
                 self.all_hints.extend(hints)
             self.active[key] = finding

@@ -3,11 +3,17 @@
 The first rule whose `kind`, `cause`, `severity` and `match` (evidence key → value) all fit a
 finding decides its hints. Rules are data so an operator can, say, stop auto-cordoning on XID 13
 without touching code.
+
+Before any hint, `classify` says whose fault a finding is (the `faults` table, first match wins):
+`user` (the application's own: an OOM of its own memory, a hang whose culprit rank is the
+program, an XID under that job only: its owner is told, nothing is cordoned) or `infrastructure`
+(the GPU, node or network: the hardware team). A detector that knows better (the XID detector's
+per-GPU job history) sets `evidence["fault"]` itself, and the table leaves it alone.
 """
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Literal
 
 from pydantic import BaseModel, Field
 
@@ -25,8 +31,22 @@ class HintRule(BaseModel):
     params: dict[str, Any] = Field(default_factory=dict)
 
 
+FAULT_WORDS = {
+    "user": "User fault: the application's own, its owner is told.",
+    "infrastructure": "Infrastructure fault: the GPU, node or network, not the application.",
+}
+
+
+class FaultRule(BaseModel):
+    kind: FindingKind
+    cause: str | None = None
+    match: dict[str, Any] = Field(default_factory=dict)
+    fault: Literal["user", "infrastructure"]
+
+
 class HintConfig(BaseModel):
     rules: list[HintRule]
+    faults: list[FaultRule] = Field(default_factory=list)
 
 
 class HintPolicy:
@@ -44,6 +64,20 @@ class HintPolicy:
             if any(finding.evidence.get(k) != v for k, v in rule.match.items()):
                 continue
             return rule
+        return None
+
+    def classify(self, finding: Finding) -> str | None:
+        """Say whose fault `finding` is, in its evidence (`fault`) and summary; returns it."""
+        if "fault" in finding.evidence:
+            return finding.evidence["fault"]  # type: ignore[return-value]
+        for rule in self.config.faults:
+            if rule.kind != finding.kind or (rule.cause is not None and rule.cause != finding.cause):
+                continue
+            if any(finding.evidence.get(k) != v for k, v in rule.match.items()):
+                continue
+            finding.evidence["fault"] = rule.fault
+            finding.summary = f"{finding.summary.rstrip()} {FAULT_WORDS[rule.fault]}"
+            return rule.fault
         return None
 
     def hints_for(self, finding: Finding) -> list[Hint]:
