@@ -28,7 +28,7 @@ from typing import Any
 
 import polars as pl
 
-from gpuvigil import config, throttle
+from gpuvigil import config, policies, throttle
 from gpuvigil.collectors.safe_pickle import looks_like_pickle
 from gpuvigil.errors import UserError
 from gpuvigil.model import Finding, FindingKind, Severity, place
@@ -507,7 +507,7 @@ def _xid_counter_findings(text: str, display: str, ts: float, node: str | None) 
         out.append(
             Finding(
                 kind=FindingKind.XID,
-                severity=Severity.PAGE if fatal else (Severity.INFO if info and info.action == "IGNORE" else Severity.TICKET),
+                severity=policies.xid_severity(s["xid"]),
                 ts=ts,
                 node=host,
                 gpu=gpu,
@@ -515,7 +515,7 @@ def _xid_counter_findings(text: str, display: str, ts: float, node: str | None) 
                 evidence={"fatal": fatal, "action": info.action if info else None, "name": info.name if info else "unknown XID", "metric": s["metric"], "value": s["value"], "gpu_uuid": labels.get("UUID")},
                 summary=f"{s['metric']} counts XID {s['xid']} ({info.name if info else 'unknown'}) on {place(host, gpu)}",
                 source=f"{display}:gpu={gpu}",
-                cause="hardware" if fatal else None,
+                cause=policies.xid_cause(s["xid"]),
             )
         )
     return out

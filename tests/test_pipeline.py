@@ -97,6 +97,23 @@ def test_same_hint_is_not_reissued_within_cooldown():
     assert r.new_hints == [], "but the remedy that did not work is not repeated"
 
 
+def test_what_the_pipeline_remembers_of_causes_stays_bounded():
+    """A thousand causes, each seen once and cleared: nothing of a cleared finding is kept, and a
+    hint's issue time is kept only while its cooldown can still hold it back."""
+    script = {float(t): [hang(float(t), node=f"node-{t}").model_copy(update={"job": f"j{t}"})] for t in range(1000)}
+    cfg = config.load(overrides={"pipeline": {"clear_after_seconds": {"default": 5.0}, "hint_cooldown_seconds": 100}})
+    p = Pipeline([], [ScriptedDetector(script)], cfg=cfg)
+    for t in range(1000):
+        p.tick(float(t))
+    assert len(p.active) <= 7
+    assert len(p.first_seen) == len(p.last_seen) == len(p.active)
+    assert len(p._hint_issued_at) <= 2 * 101  # two hints per cause, causes of the last 100 s
+    # a cause of 50 s ago comes back: a new finding, but its remedy is still cooling down
+    script[1000.0] = [script[950.0][0].model_copy(update={"ts": 1000.0})]
+    again = p.tick(1000.0)
+    assert len(again.new_findings) == 1 and again.new_hints == []
+
+
 @pytest.mark.parametrize("tick_seconds", [1.0, 30.0, 60.0, 600.0])
 def test_a_cause_reported_on_every_tick_is_one_finding_however_long_the_ticks(tick_seconds):
     """A replay of 15-60 s Prometheus history ticks at the data's step, longer than the 30 s clear

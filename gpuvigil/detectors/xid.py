@@ -7,6 +7,7 @@ from typing import Any
 import polars as pl
 from pydantic import BaseModel
 
+from gpuvigil import policies
 from gpuvigil import xid as xid_table
 from gpuvigil.detectors.base import FRESH, HISTORY, Declared, DetectorSpec
 from gpuvigil.detectors.common import gpu_jobs, settings
@@ -70,14 +71,14 @@ class XidDetector(Declared):
             findings.append(
                 Finding(
                     kind=FindingKind.XID,
-                    severity=Severity.PAGE if fatal else Severity.TICKET,
+                    severity=policies.xid_severity(code, row["message"] or ""),
                     ts=float(row["last_ts"]),
                     job=job,
                     ranks=[int(row["rank"])] if row.get("rank") is not None else [],
                     node=row["node"],
                     gpu=row["gpu"],
                     xid=code,
-                    cause="hardware" if fatal else "software",
+                    cause=policies.xid_cause(code, row["message"] or ""),
                     source=self.name,
                     evidence={
                         "xid": code,

@@ -237,8 +237,22 @@ class Pipeline:
         last = self._hint_issued_at.get(hint.id)
         if last is not None and now - last < self.config.hint_cooldown_seconds:
             return False
+        # Re-inserted, so the dict stays in issue order and `_forget_hints` stops at the first
+        # hint still cooling down.
+        self._hint_issued_at.pop(hint.id, None)
         self._hint_issued_at[hint.id] = now
         return True
+
+    def _forget_hints(self, now: float) -> None:
+        """Drop the issue times of hints whose cooldown is over: they no longer hold anything
+        back, and a serve that runs for months would otherwise keep every hint it ever issued."""
+        issued = self._hint_issued_at
+        cooldown = self.config.hint_cooldown_seconds
+        while issued:
+            key = next(iter(issued))
+            if now - issued[key] < cooldown:
+                break
+            del issued[key]
 
     def tick(self, now: float) -> TickResult:
         t0 = time.perf_counter()
@@ -299,6 +313,10 @@ class Pipeline:
             if key in recovered or (not continuous and now - self.last_seen[key] > self._clear_after(finding)):
                 cleared.append(self.active.pop(key))
                 expired.extend(self.active_hints.pop(key, []))
+                # A cause that comes back later is a new finding: nothing of this one is kept.
+                self.first_seen.pop(key, None)
+                self.last_seen.pop(key, None)
+        self._forget_hints(now)
         self.incidents.forget(f.id for f in cleared)
         self.incidents.expire(now)
         # Every reported finding gets its incident and role before any sink sees it.
