@@ -190,6 +190,12 @@ GPU_SIGNALS: tuple[Signal, ...] = (
         dcgm=Dcgm(("DCGM_FI_PROF_PCIE_RX_BYTES",)),
         nvml="nvmlDeviceGetFieldValues(NVML_FI_DEV_PCIE_COUNT_RX_BYTES), differenced", producers=_p("nvml"),
     ),
+    Signal(
+        "nvlink_crc_errors_total", I64, "count", "NVLink flits and data packets that failed their CRC check, summed over the GPU's links",
+        dcgm=Dcgm(("DCGM_FI_DEV_NVLINK_CRC_FLIT_ERROR_COUNT_TOTAL", "DCGM_FI_DEV_NVLINK_CRC_DATA_ERROR_COUNT_TOTAL"), how="sum"),
+        nvml="nvmlDeviceGetNvLinkErrorCounter (NVML_NVLINK_ERROR_DL_CRC_FLIT + NVML_NVLINK_ERROR_DL_CRC_DATA), summed over links",
+        prometheus="gpuvigil_gpu_nvlink_crc_errors_total", prometheus_help="NVLink CRC errors (flit and data) summed over the GPU's links.",
+    ),
     Signal("nvlink_tx_bytes_per_second", F64, "B/s", "NVLink transmit throughput", dcgm=Dcgm(("DCGM_FI_PROF_NVLINK_TX_BYTES",))),
     Signal("nvlink_rx_bytes_per_second", F64, "B/s", "NVLink receive throughput", dcgm=Dcgm(("DCGM_FI_PROF_NVLINK_RX_BYTES",))),
     Signal(
