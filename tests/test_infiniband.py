@@ -367,6 +367,7 @@ def test_exported_port_series(sysfs):
     assert samples[("gpuvigil_ib_ports", None)] == (2, {"node": "n0"})
     assert samples[("gpuvigil_ib_port_symbol_errors_total", "mlx5_0")] == (7, {"node": "n0", "device": "mlx5_0", "port": "1", "link_layer": "InfiniBand"})
     assert samples[("gpuvigil_ib_port_rate_bytes_per_second", "mlx5_1")][0] == 5e10  # 400 Gb/s
+    assert samples[("gpuvigil_ib_port_out_of_buffer_total", "mlx5_0")][0] == 0  # from hw_counters/
     assert samples[("gpuvigil_ib_port_info", "mlx5_0")][1] == {"node": "n0", "device": "mlx5_0", "port": "1", "link_layer": "InfiniBand",
                                                                "pci_bus_id": "0000:19:00.0", "affinity": "pcie", "gpus": "0"}
 

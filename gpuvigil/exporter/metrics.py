@@ -182,6 +182,8 @@ IB_SPECS: list[tuple[str, MetricType, str, str, float]] = [
     ("gpuvigil_ib_port_link_integrity_errors", "counter", "local_link_integrity_errors", "Times local physical errors exceeded their threshold.", 1),
     ("gpuvigil_ib_port_buffer_overrun_errors", "counter", "excessive_buffer_overrun_errors", "Input buffer overruns on the port.", 1),
     ("gpuvigil_ib_port_transmit_discards", "counter", "port_xmit_discards", "Outbound packets discarded because the port was down or congested.", 1),
+    ("gpuvigil_ib_port_out_of_buffer", "counter", "out_of_buffer", "Packets dropped for lack of receive buffers (mlx5 hw_counters).", 1),
+    ("gpuvigil_ib_port_local_ack_timeouts", "counter", "local_ack_timeout_err", "Transport retries after a missing ACK (mlx5 hw_counters; RoCE congestion or loss).", 1),
 ]
 IB_UP = ("gpuvigil_ib_port_up", "gauge", "1 when the InfiniBand/RoCE port is ACTIVE.")
 IB_PORTS = ("gpuvigil_ib_ports", "gauge", "InfiniBand/RoCE ports present on the node (sysfs).")
