@@ -19,6 +19,7 @@ import argparse
 import json
 import re
 import sys
+import time
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
@@ -27,7 +28,7 @@ from typing import Any
 
 import polars as pl
 
-from gpuvigil import config, throttle
+from gpuvigil import config, policies, throttle
 from gpuvigil.collectors.safe_pickle import looks_like_pickle
 from gpuvigil.errors import UserError
 from gpuvigil.model import Finding, FindingKind, Severity, place
@@ -265,6 +266,27 @@ def findings_from_gpuvigil_scrape(text: str, display: str, ts: float) -> list[Fi
     return out
 
 
+def detect_once(names: Iterable[str], streams: dict[str, pl.DataFrame], ts: float, cfg: dict[str, Any] | None) -> list[Finding]:
+    """Findings of the registered detectors `names` over one snapshot (one tick at `ts`): what a
+    saved scrape or a copy of a sysfs tree says on its own, by the detectors serve runs."""
+    from gpuvigil.detectors.registry import default_detectors
+    from gpuvigil.pipeline.window import Window
+
+    window = Window(600.0)
+    for stream, df in streams.items():
+        window.add(stream, df)
+    window.seal(ts)
+    out: list[Finding] = []
+    for detector in default_detectors(cfg, only=set(names)):
+        out.extend(detector.detect(window))
+    return out
+
+
+def is_sysfs_tree(path: Path) -> bool:
+    """A copy of a machine's /sys (or /sys itself) with its RDMA ports: <path>/class/infiniband."""
+    return path.is_dir() and (path / "class" / "infiniband").is_dir()
+
+
 class Analyzer:
     def __init__(
         self, *, cfg: dict[str, Any] | None = None, job: str | None = None, node: str | None = None, pci_to_gpu: dict[str, int] | None = None, at: float | None = None
@@ -283,7 +305,10 @@ class Analyzer:
     def run(self, paths: list[Path], display: Callable[[Path], str] = str) -> Report:
         report = Report()
         fr_groups: dict[Path, list[Path]] = {}
-        for path in _iter_files(paths):
+        trees = [p for p in paths if is_sysfs_tree(p)]
+        for tree in trees:
+            self._analyze_sysfs(tree, display(tree), report)
+        for path in _iter_files([p for p in paths if p not in trees]):
             if isinstance(path, str):
                 report.errors.append(path)
                 continue
@@ -408,6 +433,8 @@ class Analyzer:
                 samples, _w, _e = dcgm.read_scrape(path, ts=ref, default_node=self.node)
                 report.findings.extend(dcgm.findings_from_scrape(samples, source_file=name, ts=ref))
                 report.findings.extend(_xid_counter_findings(text, name, ref, self.node))
+                # the NVLink fabric and pending memory repairs, by serve's own detectors
+                report.findings.extend(self._tag(detect_once(["nvlink_fabric", "memory_repair"], {"gpu_samples": samples}, ref, self.cfg), name))
                 return "dcgm_scrape"
             if "gpuvigil_" in text:
                 try:
@@ -422,6 +449,18 @@ class Analyzer:
             report.findings.extend(nvidia_smi.findings(nvidia_smi.parse(text), source_file=name, ts=ref, node=self.node))
             return "nvidia_smi_q"
         return None
+
+    def _analyze_sysfs(self, tree: Path, name: str, report: Report) -> None:
+        """A sysfs tree's InfiniBand/RoCE ports, read once: ports below their expected or their
+        peers' rate, and (with detectors.infiniband.expected_ports) ports down or missing."""
+        from gpuvigil.collectors.infiniband import InfinibandCollector
+
+        ref = self.at if self.at is not None else time.time()
+        ports = InfinibandCollector(tree, node=self.node or "sysfs").read(ref)
+        report.findings.extend(self._tag(detect_once(["infiniband"], {"ib_ports": ports}, ref, self.cfg), name))
+        report.read.append(name)
+        report.formats[name] = "sysfs"
+        report.placed[name] = (ref, "--at" if self.at is not None else "time of reading")
 
     def _place(self, path: Path, name: str, found: list[Finding], report: Report) -> None:
         """Findings of `path` that carry no time of their own got the file's modification time
@@ -468,7 +507,7 @@ def _xid_counter_findings(text: str, display: str, ts: float, node: str | None) 
         out.append(
             Finding(
                 kind=FindingKind.XID,
-                severity=Severity.PAGE if fatal else (Severity.INFO if info and info.action == "IGNORE" else Severity.TICKET),
+                severity=policies.xid_severity(s["xid"]),
                 ts=ts,
                 node=host,
                 gpu=gpu,
@@ -476,7 +515,7 @@ def _xid_counter_findings(text: str, display: str, ts: float, node: str | None) 
                 evidence={"fatal": fatal, "action": info.action if info else None, "name": info.name if info else "unknown XID", "metric": s["metric"], "value": s["value"], "gpu_uuid": labels.get("UUID")},
                 summary=f"{s['metric']} counts XID {s['xid']} ({info.name if info else 'unknown'}) on {place(host, gpu)}",
                 source=f"{display}:gpu={gpu}",
-                cause="hardware" if fatal else None,
+                cause=policies.xid_cause(s["xid"]),
             )
         )
     return out

@@ -24,13 +24,16 @@ error naming it; serve never swaps the simulator in for it.
 
 from __future__ import annotations
 
+import copy
 import difflib
 import re
 import socket
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, create_model, field_validator
 
 from gpuvigil.errors import UserError
 
@@ -40,63 +43,160 @@ SchedulerKind = Literal["slurm", "kubernetes", "none"]
 _PLACEHOLDER = re.compile(r"\{(job|rank|node)\}")
 
 
-class Sources(BaseModel):
-    """The `sources:` section. Every field is optional; see the module docstring."""
+@dataclass(frozen=True)
+class SourceSpec:
+    """One source of the `sources:` section, registered with `register_source`.
+
+    `key`: its key under `sources:` (and the `Sources` field), of pydantic type `annotation`
+    with `default`; `is_set(value)`: whether the value configures it (a real source: the
+    simulator is then left out); `flag`: the `serve` argparse destination that overrides the key
+    (`flag_list`: a repeatable flag, whose values replace the list); `build`: "module:function"
+    of its builder, `builder(sources, ctx) -> list[deploysources.Source]`, called in `order` at
+    start (with `always` even when the key is unset: the job map builds from whatever the node
+    has); `check`: a validator of the value (raise ValueError)."""
+
+    key: str
+    annotation: Any
+    default: Any
+    description: str
+    order: int
+    build: str | None = None
+    flag: str | None = None
+    flag_list: bool = False
+    is_set: Callable[[Any], bool] = bool
+    always: bool = False
+    check: Callable[[Any], Any] | None = None
+    # The flag's help and further argparse keywords (metavar, choices): `add_source_flags`.
+    flag_help: str = ""
+    flag_kwargs: tuple[tuple[str, Any], ...] = ()
+
+    @property
+    def option(self) -> str | None:
+        return None if self.flag is None else "--" + self.flag.replace("_", "-")
+
+
+def add_source_flags(group: Any) -> None:
+    """One `serve` flag per registered source that has one, in start-up order."""
+    for spec in sorted(SOURCE_SPECS, key=lambda s: s.order):
+        if spec.flag is None:
+            continue
+        kwargs = dict(spec.flag_kwargs)
+        if spec.flag_list:
+            kwargs.update(action="append", default=[])
+        group.add_argument(spec.option, dest=spec.flag, help=spec.flag_help or f"{spec.description} (sources.{spec.key})", **kwargs)
+
+
+def _check_urls(urls: list[str]) -> list[str]:
+    for url in urls:
+        if not url.startswith(("http://", "https://")):
+            raise ValueError(f"{url!r} is not an http(s):// URL of a dcgm-exporter /metrics endpoint")
+    return urls
+
+
+def _check_address(value: str | None) -> str | None:
+    if value is not None:
+        split_address(value)
+    return value
+
+
+def _check_patterns(patterns: list[str]) -> list[str]:
+    for p in patterns:
+        if not p.startswith("/"):
+            raise ValueError(f"{p!r}: log patterns must be absolute paths")
+        for name in ("job", "rank", "node"):
+            if p.count("{" + name + "}") > 1:
+                raise ValueError(f"{p!r}: {{{name}}} may appear once")
+    return patterns
+
+
+_BUILD = "gpuvigil.deploysources:"
+SOURCE_SPECS: list[SourceSpec] = [
+    SourceSpec("nvml", bool, False, "sample this node's GPUs through NVML", 10, _BUILD + "build_nvml"),
+    SourceSpec("dcgm", list[str], [], "dcgm-exporter /metrics URLs", 20, _BUILD + "build_dcgm", flag="dcgm_url", flag_list=True, check=_check_urls,
+               flag_help="dcgm-exporter /metrics URL (repeat for several nodes)"),
+    SourceSpec("kernel_log", str | None, None, "kmsg | journald | PATH of a kernel log file", 30, _BUILD + "build_kernel_log", flag="kernel_log",
+               flag_help="kernel log: kmsg, journald, or a file path (sources.kernel_log)"),
+    SourceSpec("logs", list[str], [], "torch/NCCL log path patterns ({job}, {rank}, {node}, shell globs)", 40, _BUILD + "build_logs", flag="log", flag_list=True,
+               check=_check_patterns, flag_help="torch/NCCL log path pattern, e.g. '/logs/{job}/rank{rank}.log' (repeatable; sources.logs)",
+               flag_kwargs=(("metavar", "PATTERN"),)),
+    SourceSpec("flight_recorder", str | None, None, "folder where ranks write Flight Recorder dumps", 50, _BUILD + "build_flight_recorder", flag="fr_dump_dir",
+               flag_help="folder of Flight Recorder dumps to analyse as they appear (sources.flight_recorder)"),
+    SourceSpec("nccl_inspector", str | None, None, "folder of NCCL Inspector output, one <job>/ folder per job (L1, docs/levels.md)", 60, _BUILD + "build_nccl_inspector",
+               flag="nccl_inspector_dir", flag_help="folder of NCCL Inspector output, <job>/ per job (sources.nccl_inspector)"),
+    SourceSpec("hook", str | None, None, "HOST:PORT where the in-process hook's HttpSink posts", 70, _BUILD + "build_hook", flag="hook_listen", check=_check_address,
+               flag_help="receive the in-process hook's records here (sources.hook)", flag_kwargs=(("metavar", "HOST:PORT"),)),
+    # After nvml, whose PCI bus ids place each port beside its GPUs.
+    SourceSpec("infiniband", bool | str | None, None, "this node's InfiniBand/RoCE ports from <sysfs root>/class/infiniband: true for /sys, or the root "
+               "(a container's /host/sys, a copy of a machine's tree)", 75, _BUILD + "build_infiniband", flag="sysfs_root",
+               flag_help="read InfiniBand/RoCE ports from DIR/class/infiniband (DIR default /sys; sources.infiniband)",
+               flag_kwargs=(("metavar", "DIR"), ("nargs", "?"), ("const", "/sys"))),
+    SourceSpec("job_map_dir", str | None, None, "GPU → job files (dcgm-exporter's --hpc-job-mapping-dir; deploy/slurm/prolog.sh writes them)", 80, _BUILD + "build_job_map",
+               flag="job_map_dir", always=True, flag_help="GPU → job mapping files, as dcgm-exporter's --hpc-job-mapping-dir (sources.job_map_dir)"),
+    SourceSpec("scheduler", Literal["slurm", "kubernetes", "none"], "none", "slurm | kubernetes | none", 90, _BUILD + "build_scheduler", flag="scheduler",
+               is_set=lambda v: v != "none", flag_help="job map and acting (sources.scheduler)", flag_kwargs=(("choices", ["slurm", "kubernetes", "none"]),)),
+]
+
+
+class _SourcesBase(BaseModel):
+    """The `sources:` section: the settings below, and one field per registered source
+    (`SOURCE_SPECS`). Every field is optional; see the module docstring."""
 
     model_config = ConfigDict(extra="forbid")
 
     node: str | None = Field(None, description="this node's name as the scheduler knows it (default: the hostname)")
     sim: bool = Field(False, description="the simulated cluster (demo); cannot be combined with real sources")
-    nvml: bool = Field(False, description="sample this node's GPUs through NVML")
-    dcgm: list[str] = Field(default_factory=list, description="dcgm-exporter /metrics URLs")
-    kernel_log: str | None = Field(None, description="kmsg | journald | PATH of a kernel log file")
-    logs: list[str] = Field(default_factory=list, description="torch/NCCL log path patterns ({job}, {rank}, {node}, shell globs)")
-    flight_recorder: str | None = Field(None, description="folder where ranks write Flight Recorder dumps")
-    nccl_inspector: str | None = Field(None, description="folder of NCCL Inspector output, one <job>/ folder per job (L1, docs/levels.md)")
-    hook: str | None = Field(None, description="HOST:PORT where the in-process hook's HttpSink posts")
-    job_map_dir: str | None = Field(None, description="GPU → job files (dcgm-exporter's --hpc-job-mapping-dir; deploy/slurm/prolog.sh writes them)")
-    infiniband: bool = Field(False, description="read this node's InfiniBand/RoCE ports from <sysfs_root>/class/infiniband")
-    sysfs_root: str = Field("/sys", description="the sysfs tree the infiniband source reads (a copy of a machine's /sys in tests)")
-    scheduler: SchedulerKind = "none"
-    # Every node's agent reads the scheduler's state; 1000 agents polling squeue each second
-    # would be slurmctld's busiest client. Snapshots stay in the window between polls.
-    scheduler_poll_seconds: float = Field(10.0, gt=0, description="seconds between reads of the scheduler's job map")
-    act: Act = "dry-run"
-
-    @field_validator("dcgm")
-    @classmethod
-    def _urls(cls, urls: list[str]) -> list[str]:
-        for url in urls:
-            if not url.startswith(("http://", "https://")):
-                raise ValueError(f"{url!r} is not an http(s):// URL of a dcgm-exporter /metrics endpoint")
-        return urls
-
-    @field_validator("hook")
-    @classmethod
-    def _address(cls, value: str | None) -> str | None:
-        if value is not None:
-            split_address(value)
-        return value
-
-    @field_validator("logs")
-    @classmethod
-    def _patterns(cls, patterns: list[str]) -> list[str]:
-        for p in patterns:
-            if not p.startswith("/"):
-                raise ValueError(f"{p!r}: log patterns must be absolute paths")
-            for name in ("job", "rank", "node"):
-                if p.count("{" + name + "}") > 1:
-                    raise ValueError(f"{p!r}: {{{name}}} may appear once")
-        return patterns
 
     @property
     def real(self) -> bool:
-        """Whether anything but the simulator is configured."""
-        return bool(self.nvml or self.dcgm or self.kernel_log or self.logs or self.flight_recorder or self.nccl_inspector or self.hook or self.job_map_dir
-                    or self.infiniband or self.scheduler != "none")
+        """Whether any registered source is configured (then the simulator is not started)."""
+        return bool(self.configured())
+
+    def configured(self) -> list[str]:
+        """The registered sources this section configures, in start-up order."""
+        return [spec.key for spec in sorted(SOURCE_SPECS, key=lambda s: s.order) if spec.is_set(getattr(self, spec.key))]
 
     def node_name(self) -> str:
         return self.node or socket.gethostname()
+
+
+def _sources_model() -> type[_SourcesBase]:
+    fields: dict[str, Any] = {}
+    validators: dict[str, Any] = {}
+    for spec in SOURCE_SPECS:
+        default = Field(default_factory=lambda d=spec.default: copy.deepcopy(d), description=spec.description) if isinstance(spec.default, list | dict) else Field(
+            spec.default, description=spec.description)
+        fields[spec.key] = (spec.annotation, default)
+        if spec.check is not None:
+            validators[f"_check_{spec.key}"] = field_validator(spec.key)(classmethod(lambda cls, v, _c=spec.check: _c(v)))
+    # Every node's agent reads the scheduler's state; 1000 agents polling squeue each second
+    # would be slurmctld's busiest client. Snapshots stay in the window between polls.
+    fields["scheduler_poll_seconds"] = (float, Field(10.0, gt=0, description="seconds between reads of the scheduler's job map"))
+    fields["act"] = (Act, Field("dry-run", description="off | dry-run | on: what to do with hints on the scheduler"))
+    return create_model("Sources", __base__=_SourcesBase, __validators__=validators, **fields)  # type: ignore[call-overload, no-any-return]
+
+
+def register_source(spec: SourceSpec) -> None:
+    """Add a source: its key joins the `sources:` model, its flag the merge, its builder the
+    start-up chain. A key registered twice is an error."""
+    global Sources
+    if any(s.key == spec.key for s in SOURCE_SPECS) or spec.key in (*_SourcesBase.model_fields, "scheduler_poll_seconds", "act"):
+        raise ValueError(f"source {spec.key!r} is registered already")
+    SOURCE_SPECS.append(spec)
+    Sources = _sources_model()
+
+
+def unregister_source(key: str) -> None:
+    global Sources
+    SOURCE_SPECS[:] = [s for s in SOURCE_SPECS if s.key != key]
+    Sources = _sources_model()
+
+
+def sources_model() -> type[_SourcesBase]:
+    """The `sources:` model as registered now (config validation asks for it by this name)."""
+    return Sources
+
+
+Sources = _sources_model()
 
 
 def split_address(value: str) -> tuple[str, int]:
@@ -115,7 +215,7 @@ def _nearest(key: str, valid: list[str]) -> str:
     return f"did you mean '{close[0]}'?" if close else f"valid keys: {', '.join(valid)}"
 
 
-def parse(raw: Any, where: str = "config") -> Sources:
+def parse(raw: Any, where: str = "config") -> _SourcesBase:
     """Validate a `sources:` mapping; errors are one line naming the key (and the nearest valid
     key for an unknown one)."""
     if raw is None:
@@ -134,41 +234,37 @@ def parse(raw: Any, where: str = "config") -> Sources:
         raise UserError(f"{where}: {SECTION}.{loc}: {msg}") from None
 
 
-def merge_flags(sources: Sources, args: Any) -> Sources:
-    """Flags override the file: each given flag replaces its key."""
+def merge_flags(sources: _SourcesBase, args: Any) -> _SourcesBase:
+    """Flags override the file: each given flag replaces its key (the registered sources' flags,
+    `--source` for the boolean ones and the simulator, `--act`, `--node`)."""
     data = sources.model_dump()
     chosen = list(getattr(args, "source", None) or [])
     if "sim" in chosen:
         if len(set(chosen)) > 1:
             raise UserError("--source sim cannot be combined with a real source")
         data["sim"] = True
-    if "nvml" in chosen:
-        data["nvml"] = True
-    if "infiniband" in chosen:
-        data["infiniband"] = True
-    if getattr(args, "sysfs_root", None):
-        data["sysfs_root"], data["infiniband"] = str(args.sysfs_root), True
-    if getattr(args, "dcgm_url", None):
-        data["dcgm"] = list(args.dcgm_url)
+    for spec in SOURCE_SPECS:
+        if spec.key in chosen and spec.annotation is bool:
+            data[spec.key] = True
+        value = getattr(args, spec.flag, None) if spec.flag else None
+        if spec.flag_list and value:
+            data[spec.key] = list(value)
+        elif not spec.flag_list and value is not None:
+            data[spec.key] = str(value)
     if "dcgm" in chosen and not data["dcgm"]:
         raise UserError("--source dcgm needs --dcgm-url URL (a dcgm-exporter /metrics endpoint)")
-    for flag, key in (("kernel_log", "kernel_log"), ("fr_dump_dir", "flight_recorder"), ("nccl_inspector_dir", "nccl_inspector"), ("hook_listen", "hook"), ("job_map_dir", "job_map_dir"),
-                      ("scheduler", "scheduler"), ("act", "act"), ("node", "node")):
+    for flag in ("act", "node"):
         value = getattr(args, flag, None)
         if value is not None:
-            data[key] = str(value)
-    if getattr(args, "log", None):
-        data["logs"] = list(args.log)
+            data[flag] = str(value)
     merged = parse(data, "flags")
     if merged.sim and merged.real:
-        what = [k for k in ("nvml", "dcgm", "kernel_log", "logs", "flight_recorder", "nccl_inspector", "hook", "job_map_dir", "infiniband") if getattr(merged, k)]
-        if merged.scheduler != "none":
-            what.append(f"scheduler {merged.scheduler}")
+        what = [k if k != "scheduler" else f"scheduler {merged.scheduler}" for k in merged.configured()]  # type: ignore[attr-defined]
         raise UserError(f"the simulated cluster (--source sim / sources.sim) cannot be combined with real sources ({', '.join(what)})")
     return merged
 
 
-def from_config(cfg: dict[str, Any], args: Any, where: str = "config") -> Sources:
+def from_config(cfg: dict[str, Any], args: Any, where: str = "config") -> _SourcesBase:
     return merge_flags(parse(cfg.get(SECTION), where), args)
 
 

@@ -21,7 +21,7 @@ from typing import Any
 import polars as pl
 
 from gpuvigil import schemas
-from gpuvigil.deployconfig import Sources, pattern_glob, pattern_regex, pattern_root, split_address
+from gpuvigil.deployconfig import pattern_glob, pattern_regex, pattern_root, split_address
 from gpuvigil.errors import UserError
 from gpuvigil.pipeline.health import HealthTracker
 
@@ -259,82 +259,127 @@ def _slurm(cfg: dict[str, Any], poll_seconds: float) -> Source:
     return Source("scheduler", f"slurm ({conf})", Every(SlurmStateCollector(state, sc), poll_seconds), detail)
 
 
-def build(sources: Sources, cfg: dict[str, Any]) -> list[Source]:
-    """Start every configured real source; UserError names the first one that cannot start."""
-    node = sources.node_name()
-    started: list[Source] = []
+@dataclass
+class BuildContext:
+    """What a source's builder is given besides the section: this node's name, the whole config,
+    and the sources started before it (the kernel log names GPUs by NVML's PCI bus ids)."""
+
+    node: str
+    cfg: dict[str, Any]
+    started: list[Source]
+
+    def collector_of(self, kind: str) -> Any:
+        return next((s.collector for s in self.started if s.kind == kind and s.collector is not None), None)
+
+
+def build(sources: Any, cfg: dict[str, Any]) -> list[Source]:
+    """Start every configured source, each by its registered builder in its declared order
+    (deployconfig.SOURCE_SPECS); UserError names the first one that cannot start."""
+    import importlib
+
+    from gpuvigil.deployconfig import SOURCE_SPECS
+
+    ctx = BuildContext(sources.node_name(), cfg, [])
     try:
-        if sources.nvml:
-            try:
-                import gpuvigil.collectors.nvml as nvml
-            except ImportError as exc:
-                raise UserError(f"source nvml: cannot start: {exc} (pip install nvidia-ml-py)") from exc
-            try:
-                collector = nvml.NvmlCollector(node=node)
-            except nvml.NvmlUnavailable as exc:
-                raise UserError(f"source nvml: cannot start: {str(exc).split('; use the simulated')[0]}") from exc
-            started.append(Source("nvml", f"NVML on {node}", collector, f"{len(collector.handles)} GPU(s)"))
-        if sources.dcgm:
-            from gpuvigil.collectors.dcgm import DcgmCollector
-
-            # One collector for every endpoint: scraped concurrently, each with its own timeout.
-            dcgm = DcgmCollector(list(sources.dcgm), node=None)
-            where = sources.dcgm[0] if len(sources.dcgm) == 1 else f"{len(sources.dcgm)} endpoints ({sources.dcgm[0]}, ...)"
-            started.append(Source("dcgm", where, dcgm, "dcgm-exporter scrapes, concurrent"))
-        if sources.kernel_log:
-            # NVML's PCI bus ids name the GPU of each XID line (and, through the job map, its job).
-            nvml = next((s.collector for s in started if s.kind == "nvml" and s.collector is not None), None)
-            bus_ids = getattr(nvml, "pci_bus_ids", None) or []
-            started.append(_kernel_log(sources.kernel_log, node, cfg, {b: i for i, b in enumerate(bus_ids) if b}))
-        for pattern in sources.logs:
-            root = pattern_root(pattern)
-            job_of = slurm_job_of_path() if sources.scheduler == "slurm" and "{job}" not in pattern else None
-            collector = LogGlobCollector(pattern, node=node, job_of=job_of)
-            if "{job}" in pattern:
-                how = "job, rank from the path"
-            elif job_of is not None:
-                how = "job from Slurm (the job whose StdOut/StdErr is the file), rank from the lines"
-            else:
-                how = "no {job} in the pattern: its events carry no job; a timeout pages naming the node and file"
-            if not root.is_dir():
-                # Jobs create their log folders: not an error, but said at start (a typo shows here).
-                how += f"; {root} does not exist yet"
-            started.append(Source("logs", pattern, collector, how))
-        if sources.flight_recorder:
-            started.append(_flight_recorder(sources.flight_recorder, node))
-        if sources.nccl_inspector:
-            from gpuvigil.collectors.nccl_inspector import NcclInspectorCollector
-
-            started.append(Source("nccl_inspector", sources.nccl_inspector, NcclInspectorCollector(sources.nccl_inspector),
-                                  "<job>/ NCCL Inspector records (JSON or Prometheus textfile) as per-rank collective progress (L1)"))
-        if sources.hook:
-            started.append(_hook(sources.hook, node))
-        if sources.infiniband:
-            from gpuvigil.collectors.infiniband import InfinibandCollector
-
-            # NVML's PCI bus ids place each port beside its GPUs (same PCIe switch, else NUMA node).
-            nvml = next((s.collector for s in started if s.kind == "nvml" and s.collector is not None), None)
-            ib = InfinibandCollector(sources.sysfs_root, node=node, pci_to_gpu=getattr(nvml, "pci_to_gpu", None))
-            ports = ib.read(time.time()).filter(pl.col("device").is_not_null()).height
-            started.append(Source("infiniband", str(ib.base), ib, f"{ports} port(s); GPUs from {'NVML' if nvml is not None else 'nothing (node level)'}"))
-        job_map = _job_map(sources, node, started)
-        if job_map is not None:
-            started.append(job_map)
-        if sources.scheduler == "slurm":
-            started.append(_slurm(cfg, sources.scheduler_poll_seconds))
-        elif sources.scheduler == "kubernetes":
-            started.append(Source("scheduler", "kubernetes", None, "acting only: no job map from the API server in this build"))
+        for spec in sorted(SOURCE_SPECS, key=lambda s: s.order):
+            if spec.build is None or not (spec.always or spec.is_set(getattr(sources, spec.key))):
+                continue
+            module, _, attr = spec.build.partition(":")
+            ctx.started.extend(getattr(importlib.import_module(module), attr)(sources, ctx))
     except BaseException:
-        for src in started:
+        for src in ctx.started:
             src.close()
         raise
-    return started
+    return ctx.started
+
+
+def build_nvml(sources: Any, ctx: BuildContext) -> list[Source]:
+    try:
+        import gpuvigil.collectors.nvml as nvml
+    except ImportError as exc:
+        raise UserError(f"source nvml: cannot start: {exc} (pip install nvidia-ml-py)") from exc
+    try:
+        collector = nvml.NvmlCollector(node=ctx.node)
+    except nvml.NvmlUnavailable as exc:
+        raise UserError(f"source nvml: cannot start: {str(exc).split('; use the simulated')[0]}") from exc
+    return [Source("nvml", f"NVML on {ctx.node}", collector, f"{len(collector.handles)} GPU(s)")]
+
+
+def build_dcgm(sources: Any, ctx: BuildContext) -> list[Source]:
+    from gpuvigil.collectors.dcgm import DcgmCollector
+
+    # One collector for every endpoint: scraped concurrently, each with its own timeout.
+    dcgm = DcgmCollector(list(sources.dcgm), node=None)
+    where = sources.dcgm[0] if len(sources.dcgm) == 1 else f"{len(sources.dcgm)} endpoints ({sources.dcgm[0]}, ...)"
+    return [Source("dcgm", where, dcgm, "dcgm-exporter scrapes, concurrent")]
+
+
+def build_kernel_log(sources: Any, ctx: BuildContext) -> list[Source]:
+    # NVML's PCI bus ids name the GPU of each XID line (and, through the job map, its job).
+    bus_ids = getattr(ctx.collector_of("nvml"), "pci_bus_ids", None) or []
+    return [_kernel_log(sources.kernel_log, ctx.node, ctx.cfg, {b: i for i, b in enumerate(bus_ids) if b})]
+
+
+def build_logs(sources: Any, ctx: BuildContext) -> list[Source]:
+    out = []
+    for pattern in sources.logs:
+        root = pattern_root(pattern)
+        job_of = slurm_job_of_path() if sources.scheduler == "slurm" and "{job}" not in pattern else None
+        collector = LogGlobCollector(pattern, node=ctx.node, job_of=job_of)
+        if "{job}" in pattern:
+            how = "job, rank from the path"
+        elif job_of is not None:
+            how = "job from Slurm (the job whose StdOut/StdErr is the file), rank from the lines"
+        else:
+            how = "no {job} in the pattern: its events carry no job; a timeout pages naming the node and file"
+        if not root.is_dir():
+            # Jobs create their log folders: not an error, but said at start (a typo shows here).
+            how += f"; {root} does not exist yet"
+        out.append(Source("logs", pattern, collector, how))
+    return out
+
+
+def build_flight_recorder(sources: Any, ctx: BuildContext) -> list[Source]:
+    return [_flight_recorder(sources.flight_recorder, ctx.node)]
+
+
+def build_nccl_inspector(sources: Any, ctx: BuildContext) -> list[Source]:
+    from gpuvigil.collectors.nccl_inspector import NcclInspectorCollector
+
+    return [Source("nccl_inspector", sources.nccl_inspector, NcclInspectorCollector(sources.nccl_inspector),
+                   "<job>/ NCCL Inspector records (JSON or Prometheus textfile) as per-rank collective progress (L1)")]
+
+
+def build_hook(sources: Any, ctx: BuildContext) -> list[Source]:
+    return [_hook(sources.hook, ctx.node)]
+
+
+def build_infiniband(sources: Any, ctx: BuildContext) -> list[Source]:
+    from gpuvigil.collectors.infiniband import InfinibandCollector
+
+    root = "/sys" if sources.infiniband is True else str(sources.infiniband)
+    # NVML's PCI bus ids place each port beside its GPUs (same PCIe switch, else NUMA node).
+    nvml = next((s.collector for s in ctx.started if s.kind == "nvml" and s.collector is not None), None)
+    ib = InfinibandCollector(root, node=ctx.node, pci_to_gpu=getattr(nvml, "pci_to_gpu", None))
+    ports = ib.read(time.time()).filter(pl.col("device").is_not_null()).height
+    return [Source("infiniband", str(ib.base), ib, f"{ports} port(s); GPUs from {'NVML' if nvml is not None else 'nothing (node level)'}")]
+
+
+def build_job_map(sources: Any, ctx: BuildContext) -> list[Source]:
+    job_map = _job_map(sources, ctx.node, ctx.started)
+    return [job_map] if job_map is not None else []
+
+
+def build_scheduler(sources: Any, ctx: BuildContext) -> list[Source]:
+    if sources.scheduler == "slurm":
+        return [_slurm(ctx.cfg, sources.scheduler_poll_seconds)]
+    return [Source("scheduler", "kubernetes", None, "acting only: no job map from the API server in this build")]
 
 
 PODRESOURCES_SOCKET = "/var/lib/kubelet/pod-resources/kubelet.sock"
 
 
-def _job_map(sources: Sources, node: str, started: list[Source]) -> Source | None:
+def _job_map(sources: Any, node: str, started: list[Source]) -> Source | None:
     """GPU → job, rank from what this node has: the job-mapping folder, NVML's processes (their
     /proc environment and cgroup; `scontrol pidinfo` under Slurm), the kubelet's PodResources."""
     from gpuvigil.collectors.jobmap import JobMapCollector

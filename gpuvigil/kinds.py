@@ -42,6 +42,7 @@ class FindingKind(StrEnum):
     ECC = "ecc"
     THERMAL_THROTTLE = "thermal_throttle"
     PCIE_REPLAY = "pcie_replay"  # a GPU's PCIe link retransmits at a sustained rate
+    NVLINK_CRC = "nvlink_crc"  # a GPU's NVLink links keep failing their CRC checks
     STRAGGLER = "straggler"
     FRAGMENTATION_ALLOCATOR = "fragmentation_allocator"
     FRAGMENTATION_CLUSTER = "fragmentation_cluster"
@@ -108,6 +109,7 @@ POLICIES: Mapping[FindingKind, KindPolicy] = {
     FindingKind.THERMAL_THROTTLE: KindPolicy("gpu", "hardware", _DEVICE),
     # A link that stops retransmitting while idle has not healed.
     FindingKind.PCIE_REPLAY: KindPolicy("gpu", "hardware", _DEVICE, clear_after_seconds=600),
+    FindingKind.NVLINK_CRC: KindPolicy("gpu", "hardware", _DEVICE, clear_after_seconds=600),
     # A rank's slowness is its job's (a straggler follows the job's placement).
     FindingKind.STRAGGLER: KindPolicy("job", "tenant", ("job", "node", "gpu")),
     # The learned model's anomaly: about a rank of a job, the model's cause part of what it is.

@@ -40,6 +40,7 @@ import polars as pl
 from gpuvigil import config, schemas, signals
 from gpuvigil.collectors import dcgm
 from gpuvigil.errors import UserError
+from gpuvigil.exporter.metrics import IB_SPECS, IB_UP
 from gpuvigil.model import Finding, Hint, Severity
 from gpuvigil.pipeline.incidents import MESSAGE_ROLES
 
@@ -63,14 +64,21 @@ GPUVIGIL_ALLOC_FIELDS: dict[str, tuple[str, float]] = {
     "gpuvigil_rank_memory_reserved_bytes": ("reserved_bytes", 1.0),
     "gpuvigil_rank_memory_largest_free_block_bytes": ("largest_free_block_bytes", 1.0),
 }
-ALL_FIELDS: tuple[str, ...] = (*DCGM_FIELDS, *GPUVIGIL_GPU_FIELDS, *GPUVIGIL_RANK_FIELDS, *GPUVIGIL_ALLOC_FIELDS)
+# gpuvigil's own InfiniBand port series (exporter/metrics.py) -> (ib_ports column, factor to its
+# unit); `gpuvigil_ib_port_up` gives the state (ACTIVE or not).
+GPUVIGIL_IB_FIELDS: dict[str, tuple[str, float]] = {
+    **{name + ("_total" if typ == "counter" else ""): (col, 1.0 / scale) for name, typ, col, _help, scale in IB_SPECS},
+    IB_UP[0]: ("_up", 1.0),
+}
+ALL_FIELDS: tuple[str, ...] = (*DCGM_FIELDS, *GPUVIGIL_GPU_FIELDS, *GPUVIGIL_RANK_FIELDS, *GPUVIGIL_ALLOC_FIELDS, *GPUVIGIL_IB_FIELDS)
 # counters may come back with or without the `_total` suffix (OpenMetrics drops it from the family)
 _ALIASES = {k.removesuffix("_total"): k for k in ALL_FIELDS if k.endswith("_total")}
 
 # One sample a row. The label columns: those of dcgm-exporter's series (collectors/dcgm.py:
 # LABELS; the workload ones are read on DCGM series only), and job/rank of gpuvigil's rank series.
 _DCGM_ATTRIBUTION = tuple(c for c in dcgm.LABELS if c not in ("node", "gpu", "gpu_uuid"))
-_LABEL_COLUMNS = ("node", "gpu", "gpu_uuid", "job", "rank", *_DCGM_ATTRIBUTION)
+_IB_LABELS = ("device", "port", "link_layer")  # of gpuvigil's InfiniBand port series only
+_LABEL_COLUMNS = ("node", "gpu", "gpu_uuid", "job", "rank", *_DCGM_ATTRIBUTION, *_IB_LABELS)
 LONG = pl.Schema({"ts": pl.Float64, "metric": pl.Utf8, "value": pl.Float64, **dict.fromkeys(_LABEL_COLUMNS, pl.Utf8)})
 
 
@@ -117,6 +125,7 @@ def _labels_row(metric: str, labels: Mapping[str, str], ts: float, value: float)
         "job": (labels.get("exported_job") or labels.get("job")) if metric.startswith("gpuvigil_rank") else None,
         "rank": labels.get("rank"),
         **{c: known[c] if is_dcgm else None for c in _DCGM_ATTRIBUTION},
+        **{c: labels.get(c) if metric.startswith("gpuvigil_ib_") else None for c in _IB_LABELS},
     }
 
 
@@ -191,6 +200,9 @@ def streams_from_long(
         out["gpu_samples"] = schemas.conform(samples.sort("ts"), "gpu_samples")
         if xids.height:
             out["events"] = schemas.conform(xids.sort("ts"), "events")
+    ib = long.filter(pl.col("metric").is_in(list(GPUVIGIL_IB_FIELDS)) & pl.col("device").is_not_null())
+    if ib.height:
+        out["ib_ports"] = _ib_ports(ib)
     for stream, fields in (("rank_progress", GPUVIGIL_RANK_FIELDS), ("allocator_stats", GPUVIGIL_ALLOC_FIELDS)):
         r = long.filter(pl.col("metric").is_in(list(fields)))
         if r.height == 0:
@@ -201,6 +213,26 @@ def streams_from_long(
         wide = wide.with_columns([pl.col(c).round(0).cast(pl.Int64) for c in wide.columns if c in ints])
         out[stream] = schemas.conform(wide.sort("ts"), stream)
     return out
+
+
+def _ib_ports(ib: pl.DataFrame) -> pl.DataFrame:
+    """gpuvigil's InfiniBand port series -> `ib_ports` rows, one per port and time. The GPUs a port
+    serves are not in its series: replayed ports are the node's (affinity `node`)."""
+    key = ["ts", "node", "device", "port", "link_layer"]
+    ib = ib.with_columns(
+        pl.col("metric").replace_strict({k: v[0] for k, v in GPUVIGIL_IB_FIELDS.items()}).alias("col"),
+        (pl.col("value") * pl.col("metric").replace_strict({k: float(v[1]) for k, v in GPUVIGIL_IB_FIELDS.items()}, return_dtype=pl.Float64)).alias("v"),
+    )
+    wide = ib.pivot(on="col", index=key, values="v", aggregate_function="first")
+    ints = [c for c in wide.columns if c in schemas.IB_PORTS and schemas.IB_PORTS[c].is_integer() and c != "port"]
+    wide = wide.with_columns(
+        *[pl.col(c).round(0) for c in ints],
+        pl.col("port").cast(pl.Int32, strict=False),
+        (pl.when(pl.col("_up") == 1).then(pl.lit("ACTIVE")).when(pl.col("_up") == 0).then(pl.lit("DOWN")) if "_up" in wide.columns else pl.lit(None, pl.Utf8)).alias("state"),
+        pl.lit([], pl.List(pl.Int32)).alias("gpus"),
+        pl.lit("node").alias("affinity"),
+    )
+    return schemas.conform(wide.sort("ts"), "ib_ports")
 
 
 # -- sources ---------------------------------------------------------------------------------------
@@ -243,7 +275,7 @@ def query_prometheus(url: str, start: float, end: float, step: float, *, client:
 
 
 # the labels `_labels_row` reads, and a query_range answer's shape with only those
-_QUERY_LABELS = tuple(dict.fromkeys(("__name__", *(n for names in dcgm.LABELS.values() for n in names), "exported_job", "job", "rank")))
+_QUERY_LABELS = tuple(dict.fromkeys(("__name__", *(n for names in dcgm.LABELS.values() for n in names), "exported_job", "job", "rank", *_IB_LABELS)))
 _QUERY_SCHEMA = pl.Schema(
     {
         "status": pl.Utf8,
@@ -351,6 +383,7 @@ def _series_columns(series: pl.DataFrame) -> pl.DataFrame:
         pl.when(is_rank).then(pl.coalesce(_label("exported_job"), _label("job"))).alias("job"),
         _label("rank").alias("rank"),
         *[pl.when(is_dcgm).then(first_of(dcgm.LABELS[c])).alias(c) for c in _DCGM_ATTRIBUTION],
+        *[pl.when(metric.str.starts_with("gpuvigil_ib_")).then(_label(c)).alias(c) for c in _IB_LABELS],
     )
     # escaped values are rare: undone in Python, once per distinct series that has one
     for c in _LABEL_COLUMNS:

@@ -31,7 +31,7 @@ from typing import Any
 
 import polars as pl
 
-from gpuvigil import config
+from gpuvigil import config, deployconfig
 from gpuvigil.alerts.settings import AlertSettings, load_settings
 from gpuvigil.errors import UserError
 from gpuvigil.exporter.metrics import Snapshot, TickStats
@@ -45,20 +45,10 @@ NAME = "serve"
 def add_parser(sub) -> None:
     p = sub.add_parser(NAME, help="run gpuvigil continuously: /metrics, alerts, OTLP, feedback API")
     src = p.add_argument_group("sources (each overrides the same key of the config's `sources:` section)")
-    src.add_argument("--source", action="append", choices=["sim", "nvml", "dcgm", "infiniband"], default=None,
-                     help="sim (the simulated cluster: the default when nothing else is configured), nvml, dcgm, infiniband; repeatable")
-    src.add_argument("--dcgm-url", action="append", default=[], help="dcgm-exporter /metrics URL (repeat for several nodes)")
-    src.add_argument("--kernel-log", help="kernel log: kmsg, journald, or a file path (sources.kernel_log)")
-    src.add_argument("--log", action="append", default=[], metavar="PATTERN",
-                     help="torch/NCCL log path pattern, e.g. '/logs/{job}/rank{rank}.log' (repeatable; sources.logs)")
-    src.add_argument("--fr-dump-dir", help="folder of Flight Recorder dumps to analyse as they appear (sources.flight_recorder)")
-    src.add_argument("--nccl-inspector-dir", help="folder of NCCL Inspector output, <job>/ per job (sources.nccl_inspector)")
-    src.add_argument("--hook-listen", metavar="HOST:PORT", help="receive the in-process hook's records here (sources.hook)")
-    src.add_argument("--scheduler", choices=["slurm", "kubernetes", "none"], help="job map and acting (sources.scheduler)")
+    src.add_argument("--source", action="append", choices=["sim", "nvml", "dcgm"], default=None,
+                     help="sim (the simulated cluster: the default when nothing else is configured), nvml, dcgm; repeatable")
+    deployconfig.add_source_flags(src)  # one per registered source
     src.add_argument("--act", choices=["off", "dry-run", "on"], help="what to do with hints on the scheduler (default dry-run)")
-    src.add_argument("--sysfs-root", metavar="DIR",
-                     help="read InfiniBand/RoCE ports from DIR/class/infiniband (default /sys; implies --source infiniband; sources.sysfs_root)")
-    src.add_argument("--job-map-dir", help="GPU → job mapping files, as dcgm-exporter's --hpc-job-mapping-dir (sources.job_map_dir)")
     src.add_argument("--node", help="this node's name as the scheduler knows it (default: the hostname)")
     sim = p.add_argument_group("simulated cluster (--source sim)")
     sim.add_argument("--scenario", default="healthy", help="simulator scenario name or file (default: healthy)")

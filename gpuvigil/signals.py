@@ -64,6 +64,7 @@ class Signal:
     hook: str | None = None  # the field of the in-process hook's record
     prometheus: str | None = None  # gpuvigil's exporter series (sample name as scraped)
     prometheus_scale: float = 1.0  # series value = column value x this
+    prometheus_help: str = ""  # the exporter series' HELP text
     # Real collectors that fill it under their default configuration (see the module's doc).
     producers: frozenset[str] = field(default_factory=frozenset)
 
@@ -87,7 +88,7 @@ GPU_SIGNALS: tuple[Signal, ...] = (
     Signal(
         "memory_used_bytes", I64, "B", "device memory in use",
         dcgm=Dcgm(("DCGM_FI_DEV_FB_USED",), scale=MIB, default=("DCGM_FI_DEV_FB_USED",)),
-        nvml="nvmlDeviceGetMemoryInfo", prometheus="gpuvigil_gpu_memory_used_bytes", producers=_p("nvml", "dcgm"),
+        nvml="nvmlDeviceGetMemoryInfo", prometheus="gpuvigil_gpu_memory_used_bytes", prometheus_help="Device memory in use.", producers=_p("nvml", "dcgm"),
     ),
     Signal(
         "memory_total_bytes", I64, "B", "device memory capacity (DCGM without FB_TOTAL: used + free + reserved)",
@@ -95,52 +96,52 @@ GPU_SIGNALS: tuple[Signal, ...] = (
             ("DCGM_FI_DEV_FB_TOTAL", "DCGM_FI_DEV_FB_USED", "DCGM_FI_DEV_FB_FREE", "DCGM_FI_DEV_FB_RESERVED"), how="total_or_parts", scale=MIB,
             default=("DCGM_FI_DEV_FB_USED", "DCGM_FI_DEV_FB_FREE"),
         ),
-        nvml="nvmlDeviceGetMemoryInfo", prometheus="gpuvigil_gpu_memory_total_bytes", producers=_p("nvml", "dcgm"),
+        nvml="nvmlDeviceGetMemoryInfo", prometheus="gpuvigil_gpu_memory_total_bytes", prometheus_help="Device memory capacity.", producers=_p("nvml", "dcgm"),
     ),
     Signal(
         "util_ratio", F64, "ratio", "0..1 of the time a kernel ran (SM busy)",
         dcgm=Dcgm(("DCGM_FI_DEV_GPU_UTIL",), scale=0.01, default=("DCGM_FI_DEV_GPU_UTIL",)),
-        nvml="nvmlDeviceGetUtilizationRates", prometheus="gpuvigil_gpu_utilization_ratio", producers=_p("nvml", "dcgm"),
+        nvml="nvmlDeviceGetUtilizationRates", prometheus="gpuvigil_gpu_utilization_ratio", prometheus_help="Fraction of time the SMs were busy (0..1).", producers=_p("nvml", "dcgm"),
     ),
     Signal(
         "mem_util_ratio", F64, "ratio", "0..1 of the time the memory controller was busy",
         dcgm=Dcgm(("DCGM_FI_DEV_MEM_COPY_UTIL",), scale=0.01, default=("DCGM_FI_DEV_MEM_COPY_UTIL",)),
-        nvml="nvmlDeviceGetUtilizationRates", prometheus="gpuvigil_gpu_memory_utilization_ratio", producers=_p("nvml", "dcgm"),
+        nvml="nvmlDeviceGetUtilizationRates", prometheus="gpuvigil_gpu_memory_utilization_ratio", prometheus_help="Fraction of time the memory controller was busy (0..1).", producers=_p("nvml", "dcgm"),
     ),
     Signal(
         "power_w", F64, "W", "board power draw",
         dcgm=Dcgm(("DCGM_FI_DEV_POWER_USAGE",), default=("DCGM_FI_DEV_POWER_USAGE",)),
-        nvml="nvmlDeviceGetPowerUsage", prometheus="gpuvigil_gpu_power_watts", producers=_p("nvml", "dcgm"),
+        nvml="nvmlDeviceGetPowerUsage", prometheus="gpuvigil_gpu_power_watts", prometheus_help="Board power draw.", producers=_p("nvml", "dcgm"),
     ),
     Signal(
         "temperature_c", F64, "degC", "GPU core temperature",
         dcgm=Dcgm(("DCGM_FI_DEV_GPU_TEMP",), default=("DCGM_FI_DEV_GPU_TEMP",)),
-        nvml="nvmlDeviceGetTemperature", prometheus="gpuvigil_gpu_temperature_celsius", producers=_p("nvml", "dcgm"),
+        nvml="nvmlDeviceGetTemperature", prometheus="gpuvigil_gpu_temperature_celsius", prometheus_help="GPU core temperature.", producers=_p("nvml", "dcgm"),
     ),
     Signal(
         "sm_clock_mhz", F64, "MHz", "SM clock",
         dcgm=Dcgm(("DCGM_FI_DEV_SM_CLOCK",), default=("DCGM_FI_DEV_SM_CLOCK",)),
-        nvml="nvmlDeviceGetClockInfo", prometheus="gpuvigil_gpu_sm_clock_hertz", prometheus_scale=1e6, producers=_p("nvml", "dcgm"),
+        nvml="nvmlDeviceGetClockInfo", prometheus="gpuvigil_gpu_sm_clock_hertz", prometheus_help="SM clock.", prometheus_scale=1e6, producers=_p("nvml", "dcgm"),
     ),
     Signal(
         "mem_clock_mhz", F64, "MHz", "memory clock",
         dcgm=Dcgm(("DCGM_FI_DEV_MEM_CLOCK",), default=("DCGM_FI_DEV_MEM_CLOCK",)),
-        nvml="nvmlDeviceGetClockInfo", prometheus="gpuvigil_gpu_memory_clock_hertz", prometheus_scale=1e6, producers=_p("nvml", "dcgm"),
+        nvml="nvmlDeviceGetClockInfo", prometheus="gpuvigil_gpu_memory_clock_hertz", prometheus_help="Memory clock.", prometheus_scale=1e6, producers=_p("nvml", "dcgm"),
     ),
     Signal(
         "throttle_reasons", I64, "bitmask", "NVML clock-event reasons (DCGM's older field name first renamed, either taken)",
         dcgm=Dcgm(("DCGM_FI_DEV_CLOCKS_EVENT_REASONS", "DCGM_FI_DEV_CLOCK_THROTTLE_REASONS"), how="coalesce"),
-        nvml="nvmlDeviceGetCurrentClocksEventReasons", prometheus="gpuvigil_gpu_throttle_reasons", producers=_p("nvml"),
+        nvml="nvmlDeviceGetCurrentClocksEventReasons", prometheus="gpuvigil_gpu_throttle_reasons", prometheus_help="NVML clock-event reasons bitmask (see gpuvigil_gpu_clock_throttled).", producers=_p("nvml"),
     ),
     Signal(
         "ecc_sbe_volatile_total", I64, "count", "corrected ECC errors since the driver loaded",
         dcgm=Dcgm(("DCGM_FI_DEV_ECC_SBE_VOL_TOTAL",)),
-        nvml="nvmlDeviceGetFieldValues(NVML_FI_DEV_ECC_SBE_VOL_TOTAL)", prometheus="gpuvigil_gpu_ecc_sbe_errors_total", producers=_p("nvml"),
+        nvml="nvmlDeviceGetFieldValues(NVML_FI_DEV_ECC_SBE_VOL_TOTAL)", prometheus="gpuvigil_gpu_ecc_sbe_errors_total", prometheus_help="Corrected (single-bit) ECC errors since the driver loaded.", producers=_p("nvml"),
     ),
     Signal(
         "ecc_dbe_volatile_total", I64, "count", "uncorrected ECC errors since the driver loaded",
         dcgm=Dcgm(("DCGM_FI_DEV_ECC_DBE_VOL_TOTAL",)),
-        nvml="nvmlDeviceGetFieldValues(NVML_FI_DEV_ECC_DBE_VOL_TOTAL)", prometheus="gpuvigil_gpu_ecc_dbe_errors_total", producers=_p("nvml"),
+        nvml="nvmlDeviceGetFieldValues(NVML_FI_DEV_ECC_DBE_VOL_TOTAL)", prometheus="gpuvigil_gpu_ecc_dbe_errors_total", prometheus_help="Uncorrected (double-bit) ECC errors since the driver loaded.", producers=_p("nvml"),
     ),
     Signal(
         "retired_pages_total", I64, "count", "remapped rows (Ampere and later) or retired pages (older GPUs)",
@@ -148,7 +149,7 @@ GPU_SIGNALS: tuple[Signal, ...] = (
             ("DCGM_FI_DEV_RETIRED_SBE", "DCGM_FI_DEV_RETIRED_DBE", "DCGM_FI_DEV_UNCORRECTABLE_REMAPPED_ROWS", "DCGM_FI_DEV_CORRECTABLE_REMAPPED_ROWS"), how="sum",
             default=("DCGM_FI_DEV_UNCORRECTABLE_REMAPPED_ROWS", "DCGM_FI_DEV_CORRECTABLE_REMAPPED_ROWS"),
         ),
-        nvml="nvmlDeviceGetRemappedRows", prometheus="gpuvigil_gpu_retired_pages_total", producers=_p("nvml", "dcgm"),
+        nvml="nvmlDeviceGetRemappedRows", prometheus="gpuvigil_gpu_retired_pages_total", prometheus_help="Remapped rows (Hopper) or retired pages.", producers=_p("nvml", "dcgm"),
     ),
     Signal(
         "remap_failure", BOOL, "flag", "row remapping failed (the GPU needs service)",
@@ -158,16 +159,16 @@ GPU_SIGNALS: tuple[Signal, ...] = (
     Signal(
         "pcie_replay_total", I64, "count", "PCIe replays",
         dcgm=Dcgm(("DCGM_FI_DEV_PCIE_REPLAY_COUNTER",), default=("DCGM_FI_DEV_PCIE_REPLAY_COUNTER",)),
-        nvml="nvmlDeviceGetPcieReplayCounter", prometheus="gpuvigil_gpu_pcie_replays_total", producers=_p("nvml", "dcgm"),
+        nvml="nvmlDeviceGetPcieReplayCounter", prometheus="gpuvigil_gpu_pcie_replays_total", prometheus_help="PCIe replay events.", producers=_p("nvml", "dcgm"),
     ),
     Signal(
         "xid_total", I64, "count", "XIDs seen on this GPU so far (DCGM: changes of its last XID, counted by whoever watches successive samples)",
-        nvml="nvmlEventSetWait (nvmlEventTypeXidCriticalError)", prometheus="gpuvigil_gpu_xid_errors_total", producers=_p("nvml", "dcgm"),
+        nvml="nvmlEventSetWait (nvmlEventTypeXidCriticalError)", prometheus="gpuvigil_gpu_xid_errors_total", prometheus_help="XID errors reported for this GPU.", producers=_p("nvml", "dcgm"),
     ),
     Signal(
         "last_xid", I32, "code", "most recent XID (DCGM semantics), null if none",
         dcgm=Dcgm(("DCGM_FI_DEV_XID_ERRORS",), how="nonzero", default=("DCGM_FI_DEV_XID_ERRORS",)),
-        nvml="nvmlEventSetWait (nvmlEventTypeXidCriticalError)", prometheus="gpuvigil_gpu_last_xid", producers=_p("nvml", "dcgm"),
+        nvml="nvmlEventSetWait (nvmlEventTypeXidCriticalError)", prometheus="gpuvigil_gpu_last_xid", prometheus_help="Most recent XID code on this GPU (0 when none).", producers=_p("nvml", "dcgm"),
     ),
     Signal(
         "ecc_sbe_aggregate_total", I64, "count", "lifetime corrected ECC errors (survive driver reloads)",
@@ -189,6 +190,12 @@ GPU_SIGNALS: tuple[Signal, ...] = (
         dcgm=Dcgm(("DCGM_FI_PROF_PCIE_RX_BYTES",)),
         nvml="nvmlDeviceGetFieldValues(NVML_FI_DEV_PCIE_COUNT_RX_BYTES), differenced", producers=_p("nvml"),
     ),
+    Signal(
+        "nvlink_crc_errors_total", I64, "count", "NVLink flits and data packets that failed their CRC check, summed over the GPU's links",
+        dcgm=Dcgm(("DCGM_FI_DEV_NVLINK_CRC_FLIT_ERROR_COUNT_TOTAL", "DCGM_FI_DEV_NVLINK_CRC_DATA_ERROR_COUNT_TOTAL"), how="sum"),
+        nvml="nvmlDeviceGetNvLinkErrorCounter (NVML_NVLINK_ERROR_DL_CRC_FLIT + NVML_NVLINK_ERROR_DL_CRC_DATA), summed over links",
+        prometheus="gpuvigil_gpu_nvlink_crc_errors_total", prometheus_help="NVLink CRC errors (flit and data) summed over the GPU's links.",
+    ),
     Signal("nvlink_tx_bytes_per_second", F64, "B/s", "NVLink transmit throughput", dcgm=Dcgm(("DCGM_FI_PROF_NVLINK_TX_BYTES",))),
     Signal("nvlink_rx_bytes_per_second", F64, "B/s", "NVLink receive throughput", dcgm=Dcgm(("DCGM_FI_PROF_NVLINK_RX_BYTES",))),
     Signal(
@@ -204,28 +211,29 @@ GPU_SIGNALS: tuple[Signal, ...] = (
     ),
     Signal(
         "nvlink_links_total", I32, "count", "NVLinks the GPU has (0: a PCIe GPU without NVLink; null: not read)",
-        nvml="nvmlDeviceGetNvLinkState (the links that answer)", prometheus="gpuvigil_gpu_nvlink_links", producers=_p("nvml"),
+        nvml="nvmlDeviceGetNvLinkState (the links that answer)", prometheus="gpuvigil_gpu_nvlink_links", prometheus_help="NVLinks the GPU has (0 on a PCIe GPU without NVLink).", producers=_p("nvml"),
     ),
     Signal(
         "nvlink_links_up", I32, "count", "NVLinks in the enabled (up) state",
-        nvml="nvmlDeviceGetNvLinkState", prometheus="gpuvigil_gpu_nvlink_links_up", producers=_p("nvml"),
+        nvml="nvmlDeviceGetNvLinkState", prometheus="gpuvigil_gpu_nvlink_links_up", prometheus_help="NVLinks in the enabled (up) state.", producers=_p("nvml"),
     ),
     Signal(
         "fabric_manager_status", I32, "code",
         "the GPU's NVLink fabric (Fabric Manager / IMEX) as DCGM's dcgmFabricManagerStatus_t: 0 not supported, 1 not started, "
         "2 in progress, 3 success, 4 failure, 5 unrecognized, 6 NVML too old (NVML: state, and status once completed)",
         dcgm=Dcgm(("DCGM_FI_DEV_FABRIC_MANAGER_STATUS",)),
-        nvml="nvmlDeviceGetGpuFabricInfo", prometheus="gpuvigil_gpu_fabric_manager_status", producers=_p("nvml"),
+        nvml="nvmlDeviceGetGpuFabricInfo", prometheus="gpuvigil_gpu_fabric_manager_status",
+        prometheus_help="The GPU's NVLink fabric state as DCGM's dcgmFabricManagerStatus_t (0 not supported, 1 not started, 2 in progress, 3 success, 4 failure).", producers=_p("nvml"),
     ),
     Signal(
         "row_remap_pending", BOOL, "flag", "a row remap waits for a GPU reset to take effect",
         dcgm=Dcgm(("DCGM_FI_DEV_ROW_REMAP_PENDING",), how="positive"),
-        nvml="nvmlDeviceGetRemappedRows (isPending)", prometheus="gpuvigil_gpu_row_remap_pending", producers=_p("nvml"),
+        nvml="nvmlDeviceGetRemappedRows (isPending)", prometheus="gpuvigil_gpu_row_remap_pending", prometheus_help="1 when a row remap waits for a GPU reset.", producers=_p("nvml"),
     ),
     Signal(
         "retired_pages_pending", BOOL, "flag", "pages wait for a reboot to be retired (GPUs before Ampere)",
         dcgm=Dcgm(("DCGM_FI_DEV_RETIRED_PENDING",), how="positive"),
-        nvml="nvmlDeviceGetFieldValues(NVML_FI_DEV_RETIRED_PENDING)", prometheus="gpuvigil_gpu_retired_pages_pending", producers=_p("nvml"),
+        nvml="nvmlDeviceGetFieldValues(NVML_FI_DEV_RETIRED_PENDING)", prometheus="gpuvigil_gpu_retired_pages_pending", prometheus_help="1 when pages wait for a reboot to be retired (GPUs before Ampere).", producers=_p("nvml"),
     ),
 )
 

@@ -50,12 +50,12 @@ def _sections() -> list[tuple[str, type[BaseModel], dict[str, Any]]]:
         data = defaults.get(name, {})
         models = config.blocks(name)
         if models is None:
-            out.append((name, config._model(str(config.SECTIONS[name])), data))
+            out.append((name, config.model_of(name), data))
         else:
             out += [(f"{name}.{block}", models[block], data.get(block) or {}) for block in models]
     for sub in (s for s in config.SECTIONS if "." in s):
         top, _, key = sub.partition(".")
-        out.append((sub, config._model(str(config.SECTIONS[sub])), (defaults.get(top) or {}).get(key) or {}))
+        out.append((sub, config.model_of(sub), (defaults.get(top) or {}).get(key) or {}))
     return out
 
 

@@ -146,7 +146,34 @@ def test_the_registry_is_the_set_serve_runs_and_the_config_knows():
         assert set(spec.reads) <= set(schemas.STREAMS), f"{spec.name} reads a stream with no schema"
 
 
+def test_every_detector_class_of_the_package_is_declared():
+    """A class with a `detect` method in gpuvigil/detectors/ that declares no spec would never run."""
+    import importlib
+    import inspect
+    import pkgutil
+
+    import gpuvigil.detectors as package
+
+    registered = set(registry.registered())
+    for info in pkgutil.iter_modules(package.__path__):
+        if info.name == "base":  # the Protocol itself
+            continue
+        module = importlib.import_module(f"gpuvigil.detectors.{info.name}")
+        for _, cls in inspect.getmembers(module, inspect.isclass):
+            if cls.__module__ == module.__name__ and callable(getattr(cls, "detect", None)) and not cls.__name__.startswith("_"):
+                assert cls in registered, f"{cls.__qualname__} has detect() but no spec: it is not registered"
+
+
+def test_every_kind_a_detector_emits_has_a_hint_rule():
+    """Which scheduler action a kind takes (maybe none) is decided, not forgotten."""
+    from gpuvigil.pipeline.hints import HintConfig
+
+    ruled = {r.kind for r in config.section("hints", HintConfig).rules}
+    for spec in SPECS.values():
+        assert set(spec.emits) <= ruled, f"{spec.name} emits {sorted(set(spec.emits) - ruled)} with no rule in gpuvigil/config/hints.yaml"
+
+
 def test_fleet_placement_follows_the_kinds_scope():
     placed = registry.placement()
-    assert sorted(n for n, p in placed.items() if p == "agent") == ["anomaly", "ecc", "infiniband", "memory_repair", "nvlink_fabric", "pcie", "thermal", "xid"]
+    assert sorted(n for n, p in placed.items() if p == "agent") == ["anomaly", "ecc", "infiniband", "memory_repair", "nvlink_crc", "nvlink_fabric", "pcie", "thermal", "xid"]
     assert [n for n, p in placed.items() if p == "act"] == ["fragmentation_cluster"]

@@ -241,7 +241,7 @@ def _kernel_events(name: str) -> pl.DataFrame:
         # public: leptonai/gpud#46, a burst of XID 13 (application error) and an XID 109.
         ("kernel_xids.log", {13: ("ticket", "software", 3), 109: ("page", "hardware", 1)}),
         # public: XID 79 (fallen off the bus) pages; 31, 32 (application/driver) and 3 do not.
-        ("kernel_fallen_off_bus.log", {79: ("page", "hardware", 1), 31: ("ticket", "software", 1), 32: ("ticket", "software", 1), 3: ("ticket", "software", 1)}),
+        ("kernel_fallen_off_bus.log", {79: ("page", "hardware", 1), 31: ("ticket", "software", 1), 32: ("ticket", "software", 1), 3: ("ticket", None, 1)}),
     ],
 )
 def test_xid_detector_on_public_kernel_logs(name, expected):

@@ -367,5 +367,34 @@ def test_exported_port_series(sysfs):
     assert samples[("gpuvigil_ib_ports", None)] == (2, {"node": "n0"})
     assert samples[("gpuvigil_ib_port_symbol_errors_total", "mlx5_0")] == (7, {"node": "n0", "device": "mlx5_0", "port": "1", "link_layer": "InfiniBand"})
     assert samples[("gpuvigil_ib_port_rate_bytes_per_second", "mlx5_1")][0] == 5e10  # 400 Gb/s
+    assert samples[("gpuvigil_ib_port_out_of_buffer_total", "mlx5_0")][0] == 0  # from hw_counters/
     assert samples[("gpuvigil_ib_port_info", "mlx5_0")][1] == {"node": "n0", "device": "mlx5_0", "port": "1", "link_layer": "InfiniBand",
                                                                "pci_bus_id": "0000:19:00.0", "affinity": "pcie", "gpus": "0"}
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.text(max_size=60))
+def test_parsers_never_raise_and_agree_with_the_kernel_format(text):
+    rate, width, speed = parse_rate(text)
+    assert rate is None or rate >= 0
+    if rate is not None and width is not None:
+        assert parse_rate(f"{rate:g} Gb/sec ({width}X {speed or ''})")[:2] == (rate, width)
+    state = parse_state(text)
+    assert state is None or state.replace("_", "").isalpha()
+    value = parse_counter(text)
+    assert value is None or 0 <= value < 1 << 63
+
+
+def test_a_port_s_finding_is_the_port_s_whichever_job_it_serves(sysfs):
+    """Identity is node/device/port (evidence port_id): a new job on the GPU behind the port does
+    not make the same down port a new finding, alert and hint."""
+
+    def down(root):
+        put(root, "mlx5_0", "state", "1: DOWN")
+
+    other = schemas.frame([{"job": "train-8", "rank": 0, "node": "n0", "gpu": 0}], schemas.ALLOCATIONS)
+    [[a]] = run(sysfs, [None, down], alloc=ALLOC)[1:]
+    shutil.rmtree(sysfs)
+    shutil.copytree(TREE, sysfs, symlinks=True)
+    [[b]] = run(sysfs, [None, down], alloc=other)[1:]
+    assert (a.job, b.job) == ("train-7", "train-8") and a.id == b.id and a.evidence["port_id"] == "n0/mlx5_0/1"

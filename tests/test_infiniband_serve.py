@@ -89,8 +89,7 @@ def test_sysfs_root_flag_turns_the_source_on():
 
     assert not sources().infiniband and not sources().real
     s = sources("--sysfs-root", "/srv/copy")
-    assert (s.infiniband, s.sysfs_root, s.real) == (True, "/srv/copy", True)
-    s = sources("--source", "infiniband")
-    assert (s.infiniband, s.sysfs_root) == (True, "/sys")
-    s = sources(cfg={"sources": {"infiniband": True, "sysfs_root": "/host/sys"}})
-    assert (s.infiniband, s.sysfs_root) == (True, "/host/sys")
+    assert (s.infiniband, s.real, s.configured()) == ("/srv/copy", True, ["infiniband"])
+    assert sources("--sysfs-root").infiniband == "/sys"
+    assert sources(cfg={"sources": {"infiniband": True}}).infiniband is True
+    assert sources("--sysfs-root", "/host/sys", cfg={"sources": {"infiniband": True}}).infiniband == "/host/sys"  # the flag wins

@@ -96,6 +96,9 @@ def _event(ts, node, kind="xid", xid=79):
         (0.0, "n0", "ecc", None, "hardware", [], "it never entered the collective"),
         (0.0, "n1", "xid", 79, "software", [], "it never entered the collective"),  # another node: not the culprit's
         (0.0, "n0", "oom", None, "software", [], "it never entered the collective"),  # not a hardware event
+        # the application's own XID (the table's app_level) is its bug: the node is not at fault
+        (0.0, "n0", "xid", 13, "software", [], "it never entered the collective"),
+        (0.0, "n0", "xid", 43, "software", [], "it never entered the collective"),
     ],
 )
 def test_hardware_evidence_on_the_culprit_node(event_at, node, kind, xid, cause, xids, why):

@@ -460,6 +460,7 @@ def test_reader_never_crashes_on_garbage_bytes(tmp_path):
             else:
                 assert df.height > 0 and df.columns == [
                     "ts", "metric", "value", "node", "gpu", "gpu_uuid", "job", "rank", "model_name", "pci_bus_id", "pod", "namespace", "container", "hpc_job",
+                    "device", "port", "link_layer",
                 ]
 
     check()

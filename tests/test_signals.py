@@ -174,6 +174,8 @@ def test_every_column_a_detector_reads_has_a_real_source():
 OPT_IN_ONLY: dict[tuple[str, str, str], str] = {
     ("hang_device", "gpu_samples", c): "a DCGM profiling field, absent from dcgm-exporter's default counters (hang_device falls back on util and power)"
     for c in ("nvlink_rx_bytes_per_second", "nvlink_tx_bytes_per_second", "sm_active_ratio", "tensor_active_ratio")
+} | {
+    ("nvlink_crc", "gpu_samples", "nvlink_crc_errors_total"): "dcgm-exporter's NVLink CRC fields are not among its default counters; without them nvlink_crc stays silent",
 }
 
 

@@ -29,7 +29,7 @@ import httpx
 import polars as pl
 from prometheus_client.parser import text_string_to_metric_families
 
-from gpuvigil import schemas, signals, xid
+from gpuvigil import policies, schemas, signals, xid
 from gpuvigil.errors import UserError
 from gpuvigil.model import Finding, FindingKind, Severity, place
 
@@ -247,7 +247,7 @@ def findings_from_scrape(samples: pl.DataFrame, *, source_file: str | None = Non
             out.append(
                 Finding(
                     kind=FindingKind.XID,
-                    severity=Severity.PAGE if fatal else (Severity.INFO if info and info.action == "IGNORE" else Severity.TICKET),
+                    severity=policies.xid_severity(code),
                     ts=ts if ts is not None else row["ts"],
                     node=row["node"],
                     gpu=row["gpu"],

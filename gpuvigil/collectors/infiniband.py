@@ -37,7 +37,7 @@ STREAMS: Mapping[str, pl.Schema] = {"ib_ports": IB_PORTS}
 
 MAX_FILE_BYTES = 4096
 _RATE = re.compile(r"^\s*([0-9]+(?:\.[0-9]+)?)\s*Gb/sec(?:\s*\(\s*([0-9]+)X\s*([A-Za-z0-9]*)\s*\))?\s*$")
-_STATE = re.compile(r"^\s*(?:[0-9]+\s*:\s*)?([A-Za-z_]+)\s*$")
+_STATE = re.compile(r"^\s*(?:[0-9]+\s*:\s*)?([A-Za-z][A-Za-z_]*)\s*$")
 _BDF = re.compile(r"^(?:([0-9a-fA-F]+):)?([0-9a-fA-F]{2}):([0-9a-fA-F]{2})\.([0-7])$")
 _MAX_I64 = (1 << 63) - 1
 

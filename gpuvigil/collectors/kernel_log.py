@@ -34,7 +34,7 @@ from typing import Any
 import polars as pl
 from pydantic import BaseModel, Field
 
-from gpuvigil import config, schemas, xid
+from gpuvigil import config, policies, schemas, xid
 from gpuvigil.parsers.logtime import line_time, syslog_host
 from gpuvigil.parsers.xid_line import XID_LINE, iter_xid_records, looks_like_kernel_log, normalise_pci, parse_xid_line  # noqa: F401
 from gpuvigil.collectors.tail import FileTail, TailingLogCollector, TailPosition  # noqa: F401 (re-exported)
@@ -174,13 +174,8 @@ def incidents(xid_lines: pl.DataFrame, burst_gap_seconds: float = 180.0) -> pl.D
     return out.select([pl.col(c).cast(t) for c, t in INCIDENTS.items()])
 
 
-def _severity(code: int, fatal: bool) -> Severity:
-    info = xid.xid_info(code)
-    if fatal:
-        return Severity.PAGE
-    if info is not None and info.action == "IGNORE":
-        return Severity.INFO
-    return Severity.TICKET
+def _severity(code: int, message: str) -> Severity:
+    return policies.xid_severity(code, message)
 
 
 def findings(
@@ -245,7 +240,7 @@ def findings(
         out.append(
             Finding(
                 kind=FindingKind.XID,
-                severity=_severity(code, fatal),
+                severity=_severity(code, row["message"] or ""),
                 ts=row["first_ts"],
                 job=job,
                 node=row["node"],
@@ -254,7 +249,7 @@ def findings(
                 evidence=evidence,
                 summary=summary,
                 source=f"{source_file}:{row['first_line']}" if source_file else "kernel_log",
-                cause="hardware" if fatal else ("software" if info is not None and info.app_level else None),
+                cause=policies.xid_cause(code, row["message"] or ""),
             )
         )
     return _group_cascades(out)

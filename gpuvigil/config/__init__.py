@@ -56,7 +56,8 @@ SECTIONS: dict[str, str | dict[str, str]] = {
     "remediation": "gpuvigil.remediation:RemediationConfig",
     "report": "gpuvigil.report:ReportConfig",
     "scheduler": "gpuvigil.scheduler.config:SchedulerConfig",
-    "sources": "gpuvigil.deployconfig:Sources",
+    # One key per registered source (deployconfig.SOURCE_SPECS), besides its settings.
+    "sources": "gpuvigil.deployconfig:sources_model()",
 }
 
 
@@ -144,15 +145,29 @@ def _model(ref: str) -> type[BaseModel]:
     return getattr(importlib.import_module(module), attr)
 
 
+def _resolve(ref: str) -> Any:
+    """A "module:Class" model, or what a "module:function()" returns now (a registry's model or
+    blocks: its registrations may change at run time)."""
+    if ref.endswith("()"):
+        module, _, attr = ref[:-2].partition(":")
+        return getattr(importlib.import_module(module), attr)()
+    return _model(ref)
+
+
 def blocks(name: str) -> dict[str, type[BaseModel]] | None:
     """A section of named blocks: block -> its model (None for a section with one model)."""
     spec = SECTIONS[name]
     if isinstance(spec, dict):
         return {block: _model(ref) for block, ref in spec.items()}
-    if spec.endswith("()"):
-        module, _, attr = spec[:-2].partition(":")
-        return dict(getattr(importlib.import_module(module), attr)())
-    return None
+    got = _resolve(spec)
+    return dict(got) if isinstance(got, dict) else None
+
+
+def model_of(name: str) -> type[BaseModel]:
+    """The model of a section (or "section.key") validated by one model."""
+    spec = SECTIONS[name]
+    assert isinstance(spec, str), name
+    return _resolve(spec)  # type: ignore[no-any-return]
 
 
 def _first_error(exc: ValidationError) -> str:
@@ -234,7 +249,7 @@ def validate_all(cfg: dict[str, Any], where: str = "config") -> None:
                 _validate(f"{name}.{block}", model, data.get(block) or {}, where, frozenset())
         else:
             nested = frozenset(s for s in SECTIONS if s.startswith(f"{name}."))
-            _validate(name, _model(str(spec)), data, where, nested)
+            _validate(name, model_of(name), data, where, nested)
 
 
 def _validate(name: str, model: type[BaseModel], data: Any, where: str, skip: frozenset[str]) -> None:

@@ -23,6 +23,7 @@ from typing import Any
 import polars as pl
 from pydantic import BaseModel
 
+from gpuvigil.policies import implicates_hardware
 from gpuvigil.detectors.base import FRESH, HISTORY, Declared, DetectorSpec
 from gpuvigil.detectors.common import node_names, rank_at, settings
 from gpuvigil.model import Finding, FindingKind, Severity
@@ -149,9 +150,7 @@ class HangDetector(Declared):
             ).fill_null(False).alias("culprit"),
             (pl.col("fresh_ts") - pl.col("ts") > c.stale_report_seconds).alias("silent"),
         )
-        events = window.get("events").filter(
-            pl.col("kind").is_in(["xid", "ecc_dbe", "ecc"]) & (pl.col("ts") >= now - c.hardware_lookback_seconds)
-        )
+        events = window.get("events").filter(implicates_hardware(now - c.hardware_lookback_seconds))
         findings = []
         for job_rows in ranks.partition_by("job"):
             culprits = job_rows.filter(pl.col("culprit")).sort("rank")

@@ -23,6 +23,7 @@ import numpy as np
 import polars as pl
 from pydantic import BaseModel
 
+from gpuvigil.policies import implicates_hardware
 from gpuvigil.detectors.base import FRESH, HISTORY, Declared, DetectorSpec
 from gpuvigil.detectors.common import node_names, rank_at, settings
 from gpuvigil.detectors.per_gpu import GpuSlots, grow, last_per_slot
@@ -190,7 +191,7 @@ class DeviceHangDetector(Declared):
                 self._recovered[job] = max(self._recovered.get(job, 0.0), run)
         if not cand_jobs:
             return []
-        events = window.get("events").filter(pl.col("kind").is_in(["xid", "ecc_dbe"]) & (pl.col("ts") >= now - c.hardware_lookback_seconds))
+        events = window.get("events").filter(implicates_hardware(now - c.hardware_lookback_seconds))
         findings = []
         for rows in g.filter(pl.col("job").is_in(list(cand_jobs))).partition_by("job"):
             job = rows["job"][0]

@@ -16,6 +16,7 @@ from typing import Any
 import polars as pl
 from pydantic import BaseModel
 
+from gpuvigil.policies import implicates_hardware
 from gpuvigil.detectors.base import HISTORY, Declared, DetectorSpec
 from gpuvigil.detectors.common import node_names, settings
 from gpuvigil.model import Finding, FindingKind, Severity
@@ -82,7 +83,7 @@ class FlightRecorderHangDetector(Declared):
             culprits = [int(r) for r in latest["culprit_ranks"]]
             alloc = window.get("allocations").filter((pl.col("job") == job) & pl.col("rank").is_in(culprits))
             nodes = node_names(alloc["node"]) or ([latest["node"]] if latest["node"] else [])
-            hw = window.get("events").filter(pl.col("kind").is_in(["xid", "ecc_dbe"]) & (pl.col("ts") >= now - c.hardware_lookback_seconds) & pl.col("node").is_in(nodes))
+            hw = window.get("events").filter(implicates_hardware(now - c.hardware_lookback_seconds) & pl.col("node").is_in(nodes))
             one = alloc.row(0, named=True) if alloc.height == 1 else None
             findings.append(
                 Finding(

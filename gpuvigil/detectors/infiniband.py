@@ -76,6 +76,11 @@ class InfinibandConfig(BaseModel):
     }
 
 
+def _speed(rate: float | None, width: int | None) -> str:
+    """'400 Gb/s at 4X', or what of it is known."""
+    return " at ".join(p for p in (f"{rate:g} Gb/s" if rate is not None else None, f"{width}X" if width is not None else None) if p) or "an unknown rate"
+
+
 def _port(row: dict[str, Any]) -> str:
     return f"{row['device']} port {row['port']}"
 
@@ -273,8 +278,8 @@ class InfinibandDetector(Declared):
         for row in exp.filter(slow).sort(KEY).iter_rows(named=True):
             ev = {"rate_gbps": row["rate_gbps"], "width": row["width"], "speed": row["speed"], "expected_rate_gbps": row["expected_rate_gbps"],
                   "expected_width": row["expected_width"], "expected_from": "config" if row["configured"] else "peers"}
-            summary = (f"InfiniBand link below its expected speed on {row['node']} {_port(row)}: {row['rate_gbps']:g} Gb/s at {row['width']}X"
-                       f" where {row['expected_rate_gbps']:g} Gb/s at {row['expected_width']}X is expected ({'configured' if row['configured'] else 'its peers on the node'}):"
+            summary = (f"InfiniBand link below its expected speed on {row['node']} {_port(row)}: {_speed(row['rate_gbps'], row['width'])}"
+                       f" where {_speed(row['expected_rate_gbps'], row['expected_width'])} is expected ({'configured' if row['configured'] else 'its peers on the node'}):"
                        " a link trained at half width halves every collective across the node; check the cable and retrain the link.")
             findings.append(self._finding(FindingKind.IB_LINK_DEGRADED, Severity.TICKET, row, now, jobs, ev, summary))
 

@@ -7,7 +7,10 @@ its exported fields) and keeps a few numbers per GPU:
 - `nvlink_down` (page): fewer links up than the GPU had up before, or than most GPUs of its node
   with as many links have up. A GPU with no NVLink (`nvlink_links_total` 0: a PCIe GPU, which NVML
   answers NotSupported for every link) is never said to have its NVLink down, nor is a GPU whose
-  links were never up while its peers' are not either (an NVLink bridge that is not fitted).
+  links were never up while its peers' are not either (an NVLink bridge that is not fitted). The
+  other side of that rule: a link down on every GPU alike since before gpuvigil started (one
+  NVSwitch of an HGX board) has nothing to be compared with; the same loss seen happening is
+  reported on each GPU.
 - `fabric_manager` (page): the GPU's fabric failed (status 4: Fabric Manager or IMEX could not
   set it up), or stays in progress (2) longer than `settle_seconds`; CUDA cannot start on it until
   it completes. "Not started" (1) is reported only with `require_fabric: true`: on single-node

@@ -75,3 +75,84 @@ def last_per_slot(idx: np.ndarray, ts: np.ndarray) -> tuple[np.ndarray, np.ndarr
     last_pos = np.full(int(sidx.max()) + 1, -1, dtype=np.int64)
     np.maximum.at(last_pos, sidx, np.arange(sidx.shape[0]))
     return order[last_pos[slots_in_order]], slots_in_order
+
+
+class CounterRate:
+    """Per GPU, the rate of a cumulative error counter (PCIe replays, NVLink CRC errors) over
+    about `window_seconds`: each GPU's reading is compared with its baseline once a window has
+    passed, the verdict (rate at or above `floor_per_minute`) holds until the next comparison,
+    and the reading becomes the next baseline. O(samples) per tick, in numpy slots."""
+
+    def __init__(self) -> None:
+        self._slots = GpuSlots()
+        self._ts0 = np.zeros(0)
+        self._count0 = np.zeros(0, dtype=np.int64)
+        self._has_base = np.zeros(0, dtype=bool)
+        self._hot = np.zeros(0, dtype=bool)
+        self._rate = np.zeros(0)
+        self._hot_ts = np.zeros(0)  # the evaluated reading and its baseline's time
+        self._hot_count = np.zeros(0, dtype=np.int64)
+        self._hot_ts0 = np.zeros(0)
+        self._order = np.zeros(0, dtype=np.int64)  # when each verdict was given (report order)
+        self._evaluations = 0
+
+    @property
+    def _base(self) -> pl.DataFrame:
+        """The baselines, one row per GPU (for inspection and tests)."""
+        b = np.flatnonzero(self._has_base[: len(self._slots)])
+        return pl.DataFrame({"node": [self._slots.keys[i][0] for i in b], "gpu": [self._slots.keys[i][1] for i in b], "ts": self._ts0[b], "count": self._count0[b]})
+
+    def fold(self, fresh: pl.DataFrame, column: str, window_seconds: float, floor_per_minute: float) -> None:
+        """Fold this tick's samples of `column` in (rows without a reading, node or GPU skipped)."""
+        if fresh.height == 0 or fresh.get_column(column).null_count() == fresh.height:
+            return  # e.g. dcgm-exporter's default fields carry no such counter: nothing to fold
+        fresh = fresh.select("node", "gpu", "ts", pl.col(column).alias("count"))
+        if fresh["count"].null_count() or fresh["node"].null_count() or fresh["gpu"].null_count():
+            fresh = fresh.filter(pl.col("count").is_not_null() & pl.col("node").is_not_null() & pl.col("gpu").is_not_null())
+        if fresh.height == 0:
+            return
+        idx = self._slots.of(fresh["node"], fresh["gpu"])
+        n = len(self._slots)
+        if self._has_base.shape[0] < n:
+            self._ts0, self._rate, self._hot_ts, self._hot_ts0 = (grow(a, n, 0.0) for a in (self._ts0, self._rate, self._hot_ts, self._hot_ts0))
+            self._count0, self._hot_count, self._order = (grow(a, n, 0) for a in (self._count0, self._hot_count, self._order))
+            self._has_base, self._hot = (grow(a, n, False) for a in (self._has_base, self._hot))
+        ts = fresh["ts"].to_numpy()
+        rows, slots = last_per_slot(idx, ts)  # one reading per GPU: its latest
+        t, count = ts[rows], fresh["count"].to_numpy()[rows]
+        based = self._has_base[slots]
+        due = ~based | (t - self._ts0[slots] >= window_seconds)
+        slots, t, count, based = slots[due], t[due], count[due], based[due]
+        if slots.shape[0] == 0:
+            return
+        # Re-evaluated GPUs replace their previous verdict (a GPU without a baseline: none).
+        with np.errstate(divide="ignore", invalid="ignore"):  # window_seconds 0: as polars, inf/nan
+            rate = np.where(based, (count - self._count0[slots]).astype(np.float64) * 60.0 / np.where(based, t - self._ts0[slots], 1.0), 0.0)
+        hot = based & (rate >= floor_per_minute)
+        self._hot[slots] = hot
+        self._rate[slots] = rate
+        self._hot_ts[slots] = t
+        self._hot_count[slots] = count
+        self._hot_ts0[slots] = self._ts0[slots]
+        self._order[slots] = self._evaluations + np.arange(1, slots.shape[0] + 1)
+        self._evaluations += slots.shape[0]
+        self._ts0[slots] = t
+        self._count0[slots] = count
+        self._has_base[slots] = True
+
+    def flagged(self) -> pl.DataFrame:
+        """The GPUs whose latest verdict is hot, earliest verdict first: node, gpu, ts, count,
+        ts0 (the baseline's time), per_minute."""
+        hot = np.flatnonzero(self._hot[: len(self._slots)])
+        hot = hot[np.argsort(self._order[hot], kind="stable")]
+        return pl.DataFrame(
+            {
+                "node": [self._slots.keys[i][0] for i in hot],
+                "gpu": [self._slots.keys[i][1] for i in hot],
+                "ts": self._hot_ts[hot],
+                "count": self._hot_count[hot],
+                "ts0": self._hot_ts0[hot],
+                "per_minute": self._rate[hot],
+            },
+            schema={"node": pl.Utf8, "gpu": pl.Int32, "ts": pl.Float64, "count": pl.Int64, "ts0": pl.Float64, "per_minute": pl.Float64},
+        )

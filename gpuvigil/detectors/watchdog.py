@@ -23,6 +23,7 @@ from typing import Any
 import polars as pl
 from pydantic import BaseModel, Field
 
+from gpuvigil.policies import implicates_hardware
 from gpuvigil.detectors.base import HISTORY, Declared, DetectorSpec
 from gpuvigil.detectors.common import settings
 from gpuvigil.model import Finding, FindingKind, Severity, log_file, place
@@ -69,7 +70,7 @@ class WatchdogTimeoutDetector(Declared):
         timeouts = events.filter((pl.col("kind") == "nccl_timeout") & (pl.col("ts") >= now - c.report_seconds))
         if timeouts.height == 0:
             return []
-        hardware = events.filter(pl.col("kind").is_in(["xid", "ecc_dbe", "ecc"]) & (pl.col("ts") >= now - c.hardware_lookback_seconds))
+        hardware = events.filter(implicates_hardware(now - c.hardware_lookback_seconds))
         timeouts = timeouts.with_columns(log_file(pl.col("source")).alias("_file"))
         # NCCL's own network warnings in the same job's (or, of no known job, the same file's) log
         # are the evidence of a network cause, as `analyze` reads them.

@@ -20,6 +20,7 @@ from typing import Any, Literal
 import polars as pl
 from pydantic import BaseModel, Field
 
+from gpuvigil import policies
 from gpuvigil import xid as xid_table
 from gpuvigil.detectors.base import FRESH, HISTORY, Declared, DetectorSpec
 from gpuvigil.detectors.common import gpu_jobs, settings
@@ -159,7 +160,9 @@ class XidDetector(Declared):
             action = info.action if info else "CONTACT_SUPPORT"
             app_level = bool(info and info.app_level and not fatal)
             fault, jobs_hit, verdict = self._blame(row["node"], row["gpu"], fatal, app_level, now)
-            severity = Severity.PAGE if fatal or (app_level and fault == "infrastructure") else Severity.TICKET
+            # The shared XID policy, unless the job history decides: an application XID on a GPU
+            # under several jobs is the GPU's (page), under one job its owner's (a ticket to them).
+            severity = {"infrastructure": Severity.PAGE, "user": Severity.TICKET}.get(fault or "") or policies.xid_severity(code, row["message"] or "")
             findings.append(
                 Finding(
                     kind=FindingKind.XID,
@@ -170,7 +173,7 @@ class XidDetector(Declared):
                     node=row["node"],
                     gpu=row["gpu"],
                     xid=code,
-                    cause="hardware" if fatal or fault == "infrastructure" else "software",
+                    cause="hardware" if fault == "infrastructure" else policies.xid_cause(code, row["message"] or ""),
                     source=self.name,
                     evidence={
                         "xid": code,

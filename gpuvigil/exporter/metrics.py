@@ -24,7 +24,7 @@ from typing import Any, Literal, Protocol
 import polars as pl
 
 import gpuvigil
-from gpuvigil import throttle, xid
+from gpuvigil import signals, throttle, xid
 from gpuvigil.model import Finding, FindingKind, Severity
 
 MetricType = Literal["gauge", "counter", "info", "histogram"]
@@ -159,28 +159,13 @@ def time_to_oom_seconds(finding: Finding) -> float | None:
 # are ~240,000 samples, most of a scrape, so they have two renderers: `Snapshot._gpu_families`
 # (Family objects, for OTel and tests) and `gpu_exposition_text` (Prometheus text straight from the
 # frame, for /metrics); tests/test_exporter.py checks that both give the same exposition.
+# The table of telemetry columns (gpuvigil/signals.py) names each one's series, scale and help: a
+# column with an exporter series there is exported here.
 GPU_SPECS: list[tuple[str, MetricType, str, str, float]] = [
-    ("gpuvigil_gpu_memory_used_bytes", "gauge", "memory_used_bytes", "Device memory in use.", 1),
-    ("gpuvigil_gpu_memory_total_bytes", "gauge", "memory_total_bytes", "Device memory capacity.", 1),
-    ("gpuvigil_gpu_utilization_ratio", "gauge", "util_ratio", "Fraction of time the SMs were busy (0..1).", 1),
-    ("gpuvigil_gpu_memory_utilization_ratio", "gauge", "mem_util_ratio", "Fraction of time the memory controller was busy (0..1).", 1),
-    ("gpuvigil_gpu_power_watts", "gauge", "power_w", "Board power draw.", 1),
-    ("gpuvigil_gpu_temperature_celsius", "gauge", "temperature_c", "GPU core temperature.", 1),
-    ("gpuvigil_gpu_sm_clock_hertz", "gauge", "sm_clock_mhz", "SM clock.", 1e6),
-    ("gpuvigil_gpu_memory_clock_hertz", "gauge", "mem_clock_mhz", "Memory clock.", 1e6),
-    ("gpuvigil_gpu_throttle_reasons", "gauge", "throttle_reasons", "NVML clock-event reasons bitmask (see gpuvigil_gpu_clock_throttled).", 1),
-    ("gpuvigil_gpu_ecc_sbe_errors", "counter", "ecc_sbe_volatile_total", "Corrected (single-bit) ECC errors since the driver loaded.", 1),
-    ("gpuvigil_gpu_ecc_dbe_errors", "counter", "ecc_dbe_volatile_total", "Uncorrected (double-bit) ECC errors since the driver loaded.", 1),
-    ("gpuvigil_gpu_retired_pages", "counter", "retired_pages_total", "Remapped rows (Hopper) or retired pages.", 1),
-    ("gpuvigil_gpu_pcie_replays", "counter", "pcie_replay_total", "PCIe replay events.", 1),
-    ("gpuvigil_gpu_xid_errors", "counter", "xid_total", "XID errors reported for this GPU.", 1),
-    ("gpuvigil_gpu_last_xid", "gauge", "last_xid", "Most recent XID code on this GPU (0 when none).", 1),
-    ("gpuvigil_gpu_nvlink_links", "gauge", "nvlink_links_total", "NVLinks the GPU has (0 on a PCIe GPU without NVLink).", 1),
-    ("gpuvigil_gpu_nvlink_links_up", "gauge", "nvlink_links_up", "NVLinks in the enabled (up) state.", 1),
-    ("gpuvigil_gpu_fabric_manager_status", "gauge", "fabric_manager_status",
-     "The GPU's NVLink fabric state as DCGM's dcgmFabricManagerStatus_t (0 not supported, 1 not started, 2 in progress, 3 success, 4 failure).", 1),
-    ("gpuvigil_gpu_row_remap_pending", "gauge", "row_remap_pending", "1 when a row remap waits for a GPU reset.", 1),
-    ("gpuvigil_gpu_retired_pages_pending", "gauge", "retired_pages_pending", "1 when pages wait for a reboot to be retired (GPUs before Ampere).", 1),
+    (s.prometheus.removesuffix("_total") if s.prometheus.endswith("_total") else s.prometheus, "counter" if s.prometheus.endswith("_total") else "gauge",
+     s.name, s.prometheus_help, s.prometheus_scale)
+    for s in signals.GPU_SIGNALS
+    if s.prometheus
 ]
 GPU_THROTTLED = ("gpuvigil_gpu_clock_throttled", "gauge", "1 when the clock-event reason is active on the GPU.")
 GPU_FATAL = ("gpuvigil_gpu_last_xid_fatal", "gauge", "1 when the GPU's most recent XID needs an operator (reset, reboot, drain) per the XID table.")
@@ -197,6 +182,8 @@ IB_SPECS: list[tuple[str, MetricType, str, str, float]] = [
     ("gpuvigil_ib_port_link_integrity_errors", "counter", "local_link_integrity_errors", "Times local physical errors exceeded their threshold.", 1),
     ("gpuvigil_ib_port_buffer_overrun_errors", "counter", "excessive_buffer_overrun_errors", "Input buffer overruns on the port.", 1),
     ("gpuvigil_ib_port_transmit_discards", "counter", "port_xmit_discards", "Outbound packets discarded because the port was down or congested.", 1),
+    ("gpuvigil_ib_port_out_of_buffer", "counter", "out_of_buffer", "Packets dropped for lack of receive buffers (mlx5 hw_counters).", 1),
+    ("gpuvigil_ib_port_local_ack_timeouts", "counter", "local_ack_timeout_err", "Transport retries after a missing ACK (mlx5 hw_counters; RoCE congestion or loss).", 1),
 ]
 IB_UP = ("gpuvigil_ib_port_up", "gauge", "1 when the InfiniBand/RoCE port is ACTIVE.")
 IB_PORTS = ("gpuvigil_ib_ports", "gauge", "InfiniBand/RoCE ports present on the node (sysfs).")
