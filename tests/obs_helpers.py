@@ -16,6 +16,8 @@ from gpuvigil.model import Finding, FindingKind, Severity
 from gpuvigil.pipeline.core import Pipeline, TickResult
 from gpuvigil.scheduler.core import JobSpec, NodeSpec, Scheduler, SchedulerStateCollector
 
+import sysfs_trees
+
 GIB = 1 << 30
 NODES = ["node-a", "node-b"]
 
@@ -113,7 +115,7 @@ def tiny_runtime(findings: list[Finding] | None = None, sinks=()) -> TinyRuntime
     clear = {kind: 5.0 for kind in [*config.defaults()["pipeline"]["clear_after_seconds"], *clear_after_defaults()]}
     cfg = config.load(overrides={**QUIET_HINTS, "pipeline": {"clear_after_seconds": clear}})
     # node-a's InfiniBand ports: the sysfs tree of tests/data/sysfs (two NDR HCAs and a RoCE NIC)
-    ib = InfinibandCollector(Path(__file__).parent / "data" / "sysfs" / "two_gpu_ndr", node=NODES[0])
+    ib = InfinibandCollector(sysfs_trees.tree("two_gpu_ndr"), node=NODES[0])
     pipeline = Pipeline([TinyCollector(sched), SchedulerStateCollector(sched), ib], [detector], sinks=[sched, *sinks], cfg=cfg)
     sched.cycle(0.0)
     return TinyRuntime(pipeline, sched, detector)

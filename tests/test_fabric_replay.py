@@ -17,6 +17,8 @@ from gpuvigil import cli, config
 from gpuvigil.analyze import Analyzer
 from gpuvigil.replay import Recorded, load_files, run_replay
 
+import sysfs_trees
+
 T0 = 1_790_000_000.0
 STEP = 30
 IB = 'node="ib07",device="{d}",port="1",link_layer="InfiniBand"'
@@ -84,7 +86,7 @@ def test_analyze_a_saved_scrape_names_the_fabric_failure_and_the_pending_remap(t
 
 def test_analyze_a_sysfs_copy(tmp_path, capsys):
     tree = tmp_path / "sys"
-    shutil.copytree(Path(__file__).parent / "data" / "sysfs" / "two_gpu_ndr", tree, symlinks=True)
+    shutil.copytree(sysfs_trees.tree("two_gpu_ndr"), tree, symlinks=True)
     report = Analyzer(node="n7", at=T0).run([tree])
     assert report.findings == [] and report.formats == {str(tree): "sysfs"}  # a healthy node's ports
     (tree / "class" / "infiniband" / "mlx5_1" / "ports" / "1" / "rate").write_text("200 Gb/sec (2X NDR)\n")

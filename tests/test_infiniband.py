@@ -24,7 +24,9 @@ from gpuvigil.collectors.infiniband import InfinibandCollector, normalize_bdf, p
 from gpuvigil.detectors.infiniband import InfinibandDetector
 from gpuvigil.pipeline.window import Window
 
-TREE = Path(__file__).parent / "data" / "sysfs" / "two_gpu_ndr"
+import sysfs_trees
+
+TREE = sysfs_trees.tree("two_gpu_ndr")
 GPUS = {"00000000:18:00.0": 0, "00000000:9D:00.0": 1}  # NVML's PCI bus ids of the tree's GPUs
 
 

@@ -15,10 +15,11 @@ from pathlib import Path
 import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
+import sysfs_trees
 from services import wait_for
 
 REPO = Path(__file__).resolve().parents[1]
-TREE = Path(__file__).parent / "data" / "sysfs" / "two_gpu_ndr"
+TREE = sysfs_trees.tree("two_gpu_ndr")
 
 
 def samples(text: str, name: str) -> list[tuple[dict, float]]:
