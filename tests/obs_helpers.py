@@ -6,7 +6,6 @@ findings. Used where the full simulator would only slow the test down."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from pathlib import Path
 
 import polars as pl
 

@@ -11,7 +11,6 @@ sysfs tree (tests/data/sysfs/two_gpu_ndr), each read once."""
 from __future__ import annotations
 
 import shutil
-from pathlib import Path
 
 from gpuvigil import cli, config
 from gpuvigil.analyze import Analyzer
