@@ -41,7 +41,7 @@ def test_detectors_split_is_serves_set():
 
     agent, detect = split_detectors(cfg, Fleet())
     cluster = cluster_detectors(cfg)
-    assert {d.name for d in agent} == {"xid", "ecc", "thermal", "pcie", "anomaly"}
+    assert {d.name for d in agent} == {"xid", "ecc", "thermal", "pcie", "nvlink_crc", "anomaly"}  # their findings are about one GPU
     assert [d.name for d in cluster] == ["fragmentation_cluster"]  # run by the act leader
     # Every detector serve runs runs somewhere in the fleet, and in one place only.
     names = [d.name for d in (*agent, *detect, *cluster)]
