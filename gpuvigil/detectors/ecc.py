@@ -8,7 +8,7 @@ import polars as pl
 from pydantic import BaseModel
 
 from gpuvigil import xid as xid_table
-from gpuvigil.detectors.base import FRESH, HISTORY, Declared, DetectorSpec
+from gpuvigil.detectors.base import HISTORY, Declared, DetectorSpec, Reads
 from gpuvigil.detectors.common import gpu_jobs, settings
 from gpuvigil.model import Finding, FindingKind, Severity, place
 from gpuvigil.pipeline.window import Window
@@ -24,7 +24,8 @@ class EccDetector(Declared):
         name="ecc",
         config=EccConfig,
         emits=(FindingKind.ECC,),
-        reads={"events": HISTORY, "allocations": HISTORY, "gpu_samples": FRESH},
+        reads={"events": HISTORY, "allocations": HISTORY,
+               "gpu_samples": Reads(history=False, columns=("ts", "node", "gpu", "ecc_dbe_volatile_total", "retired_pages_total", "remap_failure"))},
         order=100,
         level="L0",
         streams=("events", "gpu_samples"),

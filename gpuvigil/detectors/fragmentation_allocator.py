@@ -48,6 +48,7 @@ from pydantic import BaseModel, Field
 from gpuvigil.detectors.base import HISTORY, Declared, DetectorSpec
 from gpuvigil.detectors.common import rank_at, settings
 from gpuvigil.detectors.incremental import KEYS, SlidingRows, edges_from_rows
+from gpuvigil.detectors.per_gpu import resized
 from gpuvigil.model import Finding, FindingKind, Severity
 from gpuvigil.pipeline.window import Window
 
@@ -109,14 +110,6 @@ def _ints(s: pl.Series) -> tuple[np.ndarray, np.ndarray]:
     return s.to_numpy(), np.ones(s.len(), bool)
 
 
-def _grown(a: np.ndarray, n: int, fill: Any, axis: int = 0) -> np.ndarray:
-    shape = list(a.shape)
-    shape[axis] = n
-    out = np.full(shape, fill, dtype=a.dtype)
-    out[tuple(slice(0, s) for s in a.shape)] = a
-    return out
-
-
 class _Keys:
     """(job, rank) -> key number, and each row's node -> an index into `nodes`.
 
@@ -159,7 +152,7 @@ class _Keys:
                         jn = self.job_ids[j] = len(self.jobs)
                         self.jobs.append(j)
                     if len(self.job_of) < len(self.names):
-                        self.job_of = _grown(self.job_of, max(len(self.names), 2 * len(self.job_of), 64), 0)
+                        self.job_of = resized(self.job_of, max(len(self.names), 2 * len(self.job_of), 64), 0)
                     self.job_of[k] = jn
                 ni = self.node_ids.get(nd)
                 if ni is None:
@@ -304,23 +297,23 @@ class AllocatorFragmentationDetector(Declared):
         if need <= have:
             return
         cap = max(need, have + have // 4, 64)
-        self.n = _grown(self.n, cap, 0)
+        self.n = resized(self.n, cap, 0)
         for d in (self.i, self.v):
             for name in d:
-                d[name] = _grown(d[name], cap, 0)
-        self.ts0, self.ts1, self.node = _grown(self.ts0, cap, 0.0), _grown(self.ts1, cap, 0.0), _grown(self.node, cap, 0)
+                d[name] = resized(d[name], cap, 0)
+        self.ts0, self.ts1, self.node = resized(self.ts0, cap, 0.0), resized(self.ts1, cap, 0.0), resized(self.node, cap, 0)
         if self.R:
-            self.bn, self.bts = _grown(self.bn, cap, 0, 1), _grown(self.bts, cap, 0.0, 1)
+            self.bn, self.bts = resized(self.bn, cap, 0, 1), resized(self.bts, cap, 0.0, 1)
             for d in (self.bi, self.bv):
                 for name in d:
-                    d[name] = _grown(d[name], cap, 0, 1)
+                    d[name] = resized(d[name], cap, 0, 1)
 
     def _fit_jobs(self) -> None:
         """Per job number: start + warm-up from the snapshot (NaN: none, its rows all count)."""
         have, need = self._jobs_set, len(self.keys.jobs)
         if have < need:
             if self.job_start.shape[0] < need:
-                self.job_start = _grown(self.job_start, max(need, 2 * self.job_start.shape[0], 16), np.nan)
+                self.job_start = resized(self.job_start, max(need, 2 * self.job_start.shape[0], 16), np.nan)
             starts = self._starts or {}
             for jn in range(have, need):
                 s = starts.get(self.keys.jobs[jn])

@@ -17,7 +17,7 @@ from typing import Any
 
 from pydantic import BaseModel, Field
 
-from gpuvigil.detectors.base import FRESH, HISTORY, Declared, DetectorSpec
+from gpuvigil.detectors.base import HISTORY, Declared, DetectorSpec, Reads
 from gpuvigil.detectors.common import gpu_jobs, settings
 from gpuvigil.detectors.per_gpu import CounterRate
 from gpuvigil.model import Finding, FindingKind, Severity, place
@@ -34,7 +34,7 @@ class NvlinkCrcDetector(Declared):
         name="nvlink_crc",
         config=NvlinkCrcConfig,
         emits=(FindingKind.NVLINK_CRC,),
-        reads={"gpu_samples": FRESH, "allocations": HISTORY},
+        reads={"gpu_samples": Reads(history=False, columns=("ts", "node", "gpu", "nvlink_crc_errors_total")), "allocations": HISTORY},
         order=125,
     )
 

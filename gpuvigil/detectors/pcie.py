@@ -18,7 +18,7 @@ from typing import Any
 import polars as pl
 from pydantic import BaseModel
 
-from gpuvigil.detectors.base import FRESH, HISTORY, Declared, DetectorSpec
+from gpuvigil.detectors.base import HISTORY, Declared, DetectorSpec, Reads
 from gpuvigil.detectors.common import gpu_jobs, settings
 from gpuvigil.detectors.per_gpu import CounterRate
 from gpuvigil.model import Finding, FindingKind, Severity
@@ -35,7 +35,7 @@ class PcieReplayDetector(Declared):
         name="pcie",
         config=PcieConfig,
         emits=(FindingKind.PCIE_REPLAY,),
-        reads={"gpu_samples": FRESH, "allocations": HISTORY},
+        reads={"gpu_samples": Reads(history=False, columns=("ts", "node", "gpu", "pcie_replay_total")), "allocations": HISTORY},
         order=120,
         level="L0",
         streams=("gpu_samples",),

@@ -55,6 +55,16 @@ def grow(arr: np.ndarray, n: int, fill: float | int | bool) -> np.ndarray:
     return out
 
 
+def resized(a: np.ndarray, n: int, fill: float | int | bool, axis: int = 0) -> np.ndarray:
+    """A copy of `a` with exactly `n` entries along `axis`, the new ones `fill` (`grow` doubles;
+    this is for callers that choose the size themselves)."""
+    shape = list(a.shape)
+    shape[axis] = n
+    out = np.full(shape, fill, dtype=a.dtype)
+    out[tuple(slice(0, s) for s in a.shape)] = a
+    return out
+
+
 def last_per_slot(idx: np.ndarray, ts: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """(rows, slots): for each slot present, the row of its latest sample (the later row on equal
     times), slots in the order of their first sample by time (as `sort("ts").group_by(...,

@@ -9,7 +9,7 @@ import polars as pl
 from pydantic import BaseModel
 
 from gpuvigil import throttle
-from gpuvigil.detectors.base import FRESH, HISTORY, Declared, DetectorSpec
+from gpuvigil.detectors.base import HISTORY, Declared, DetectorSpec, Reads
 from gpuvigil.detectors.common import gpu_jobs, settings
 from gpuvigil.detectors.per_gpu import GpuSlots, grow, last_per_slot
 from gpuvigil.model import Finding, FindingKind, Severity
@@ -31,7 +31,7 @@ class ThermalDetector(Declared):
         name="thermal",
         config=ThermalConfig,
         emits=(FindingKind.THERMAL_THROTTLE,),
-        reads={"gpu_samples": FRESH, "allocations": HISTORY},
+        reads={"gpu_samples": Reads(history=False, columns=("ts", "node", "gpu", "throttle_reasons", "temperature_c", "power_w", "sm_clock_mhz")), "allocations": HISTORY},
         order=110,
         level="L0",
         streams=("gpu_samples",),
