@@ -234,18 +234,3 @@ async def ensure(js: Any, fleet: Fleet, *, attempts: int = 60) -> None:
             await asyncio.sleep(0.5)
     raise RuntimeError(f"JetStream set-up failed: {last}")
 
-
-class Clock:
-    """The fleet's data clock: the newest tick time any agent announced."""
-
-    def __init__(self) -> None:
-        self.now = float("-inf")
-
-    async def subscribe(self, nc: Any, subjects: Subjects) -> Any:
-        async def on(msg: Any) -> None:
-            try:
-                self.now = max(self.now, float(json.loads(msg.data)["now"]))
-            except (ValueError, KeyError, TypeError):
-                pass
-
-        return await nc.subscribe(f"{subjects.prefix}.clock.>", cb=on)
