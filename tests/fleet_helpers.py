@@ -160,6 +160,15 @@ class Probe:
 
         self.call(go())
 
+    def stream_leader(self, name: str) -> str:
+        """The server name (n<i>) leading a stream's RAFT group (a KV bucket's is KV_<bucket>)."""
+
+        async def go() -> str:
+            info = await self.nc.jetstream(timeout=5).stream_info(name)
+            return str(info.cluster.leader)
+
+        return self.call(go())
+
     def stream_replicas(self, name: str) -> int:
         async def go() -> int:
             info = await self.nc.jetstream(timeout=5).stream_info(name)
