@@ -281,6 +281,11 @@ class Fleet(BaseModel):
     cluster_refresh_seconds: float = Field(20.0, gt=0, description="agents resend an unchanged node summary (fragmentation_cluster at act) this often; < findings_stale_seconds")
     agent_detectors: list[str] = Field(default_factory=lambda: ["xid", "ecc", "thermal", "pcie", "anomaly"],
                                        description="detectors whose scope is one node or GPU: they run in the agent, every other one in detect")
+    # The data clock takes a time only within this much of the receiver's own clock (gpuvigil.fleet.clock):
+    # a message stamped further ahead is counted, logged and ignored, never a jump.
+    clock_max_skew_seconds: float = Field(15.0, gt=0, description="a data time further than this ahead of the receiver's own clock is ignored with its message")
+    clock_origin: Literal["wall", "data"] = Field("wall", description="the receiver's own clock: its wall clock (real fleets), or a simulation's data time anchored at the first time heard")
+    clock_rate: float = Field(1.0, gt=0, description="with clock_origin data: data seconds per wall second (the simulator's --speed)")
     # Security (docs/security.md): one credential per role, so NATS can give each role only its
     # subjects (`gpuvigil agent --print-nats-config` writes the server side).
     tls: NatsTLS | None = Field(None, description="TLS to NATS (CA, optional client certificate)")

@@ -151,6 +151,15 @@ class Probe:
         except Exception:  # noqa: BLE001 - a failover in progress: ask again later
             return {}
 
+    def publish(self, subject: str, data: bytes, headers: dict[str, str] | None = None) -> None:
+        """A core NATS publish, as any client on the bus can send one (forged stamps included)."""
+
+        async def go() -> None:
+            await self.nc.publish(subject, data, headers=headers)
+            await self.nc.flush()
+
+        self.call(go())
+
     def stream_replicas(self, name: str) -> int:
         async def go() -> int:
             info = await self.nc.jetstream(timeout=5).stream_info(name)

@@ -317,3 +317,27 @@ def test_healthy_jobs_are_those_whose_fresh_reports_show_no_stall():
     w.seal(20.0)
     det.detect(w)
     assert det.healthy_jobs == set()
+
+
+def test_a_stall_rebuilt_from_many_reports_in_one_tick_keeps_its_start():
+    """A replica that takes a job over reads the last minutes of reports in one tick: rank 2 stopped
+    at #10 at t=20 while the others wait in #11. The stall is timed from t=20 (when the counters
+    last moved), as a detector that saw every report as its own tick times it, not from the latest
+    report (which would page a 150 s hang as a few seconds old)."""
+    moving = [rank_rows(float(t), [t // 2 + 1] * 8, [t // 2] * 8) for t in range(0, 20)]
+    stalled = [stuck()(float(t)) for t in range(20, 170)]
+    w = Window(1e9)
+    w.add("rank_progress", pl.concat([*moving, *stalled]))
+    w.seal(170.0)
+    [f] = HangDetector().detect(w)
+    assert f.evidence["stalled_seconds"] == 150.0 and f.culprit_ranks == [2]
+    # Every report its own tick: the same figure.
+    det, w = HangDetector(), Window(1e9)
+    for frame in [*moving, *stalled]:
+        w.add("rank_progress", frame)
+        w.seal(float(frame["ts"][0]))
+        found = det.detect(w)
+    w.add("rank_progress", stuck()(170.0))
+    w.seal(170.0)
+    [g] = det.detect(w)
+    assert g.evidence == f.evidence

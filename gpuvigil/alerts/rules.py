@@ -78,6 +78,7 @@ def rules(s: AlertSettings) -> list[Rule]:
     frag_min = _minutes(t.fragmentation_for)
     stall_pipe_min = _minutes(t.pipeline_stall_for)
     down_min = _minutes(t.collector_down_for)
+    lag_min = _minutes(t.fleet_clock_lag_for)
     queue_or = " or ".join(
         f'gpuvigil_scheduler_queue_oldest_wait_seconds{{priority="{p}"}} > {_num(v)}' for p, v in sorted(t.queue_wait_seconds.items())
     )
@@ -213,6 +214,28 @@ def rules(s: AlertSettings) -> list[Rule]:
             "Alerts wait in gpuvigil's outbox (nothing is lost; they are retried with backoff). Check that Alertmanager is up and reachable.",
             for_="10m",
             example=Example({"gpuvigil_alert_outbox_pending": "3x20"}, "11m", [{}], quiet_at="5m"),
+        ),
+        Rule(
+            "GpuvigilFleetClockLag", "gpuvigil-self",
+            f"max by (instance, replica) ({{__name__=~\"gpuvigil_(detect|act)_clock_lag_seconds\"}}) > {_num(t.fleet_clock_lag_seconds)}",
+            "page", "platform", "cluster",
+            "The fleet's data clock trails {{ $labels.replica }}'s own clock",
+            "The data time detect or act ticks on is far behind the replica's own clock: no agent's announcement or rows reach it, or their "
+            "stamps are refused as too far ahead of it, so nothing new is judged. Check the agents, NATS, and the replica's clock skew.",
+            for_=t.fleet_clock_lag_for,
+            example=Example({'gpuvigil_detect_clock_lag_seconds{instance="d1:9500",replica="d1"}': f"1x2 {_num(t.fleet_clock_lag_seconds * 3)}x{lag_min + 5}"},
+                            f"{lag_min + 4}m", [{"instance": "d1:9500", "replica": "d1"}], quiet_at="1m"),
+        ),
+        Rule(
+            "GpuvigilFleetClockSkew", "gpuvigil-self",
+            f"(max by (instance, replica) (abs({{__name__=~\"gpuvigil_(detect|act)_clock_skew_seconds\"}})) > {_num(t.fleet_clock_skew_seconds)}) or "
+            "(sum by (instance, replica) (increase({__name__=~\"gpuvigil_(detect|act)_clock_future_messages_total\"}[10m])) > 0)",
+            "ticket", "platform", "cluster",
+            "Times far from {{ $labels.replica }}'s clock on the fleet bus",
+            "A host stamps its clock announcements, rows or findings far from this replica's clock: ahead of the bound, they are ignored "
+            "(gpuvigil_*_clock_future_messages_total, the log names the subject). Fix the host's NTP, or find the client that forges stamps.",
+            example=Example({'gpuvigil_act_clock_future_messages_total{instance="a1:9501",replica="a1",message="clock"}': "0 0 0 1 1"},
+                            "3m", [{"instance": "a1:9501", "replica": "a1"}], quiet_at="1m"),
         ),
     ]
 

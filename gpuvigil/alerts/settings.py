@@ -36,8 +36,12 @@ class RuleThresholds(BaseModel):
     pipeline_stall_for: str = "2m"
     collector_down_for: str = "2m"
     sbe_per_hour: float = Field(100, ge=0)
+    fleet_clock_lag_seconds: float = Field(120, gt=0)
+    fleet_clock_lag_for: str = "2m"
+    fleet_clock_skew_seconds: float = Field(10, gt=0)
 
-    @field_validator("gpu_temperature_for", "memory_headroom_for", "collective_stall_for", "fragmentation_for", "pipeline_stall_for", "collector_down_for")
+    @field_validator("gpu_temperature_for", "memory_headroom_for", "collective_stall_for", "fragmentation_for", "pipeline_stall_for", "collector_down_for",
+                     "fleet_clock_lag_for")
     @classmethod
     def _duration(cls, v: str) -> str:
         return _check_duration(v)

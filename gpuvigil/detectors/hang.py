@@ -64,16 +64,30 @@ class HangDetector:
         """
         fresh = window.fresh("rank_progress")
         if fresh.height:
-            fresh = fresh.sort("ts").group_by(["job", "rank"], maintain_order=True).last()
+            # A tick may carry many reports of a rank (a slow tick over a fast sampler, or a
+            # replica rebuilding a partition from the stream in one go): its counter last moved
+            # at the first of them that shows the latest completed collective, not at the latest
+            # report, so the stall is timed exactly as if every report had been its own tick.
+            fresh = fresh.sort("ts")
+            last = fresh.group_by(["job", "rank"], maintain_order=True).last()
+            moved = (
+                fresh.join(last.select("job", "rank", pl.col("last_completed_seq").alias("_final")), on=["job", "rank"])
+                .filter(pl.col("last_completed_seq").eq_missing(pl.col("_final")))
+                .group_by(["job", "rank"])
+                .agg(pl.col("ts").min().alias("_moved"))
+            )
+            fresh = last.join(moved, on=["job", "rank"], how="left")
+        else:
+            fresh = fresh.with_columns(pl.col("ts").alias("_moved"))
         if self._state is None:
-            state = fresh.with_columns(pl.col("ts").alias("since"))
+            state = fresh.rename({"_moved": "since"})
         elif fresh.height == 0:
             state = self._state
         else:
             prev = self._state.select("job", "rank", pl.col("last_completed_seq").alias("_prev_comp"), pl.col("since").alias("_prev_since"))
             updated = fresh.join(prev, on=["job", "rank"], how="left").with_columns(
-                pl.when(pl.col("_prev_comp") == pl.col("last_completed_seq")).then(pl.col("_prev_since")).otherwise(pl.col("ts")).alias("since")
-            ).drop("_prev_comp", "_prev_since")
+                pl.when(pl.col("_prev_comp") == pl.col("last_completed_seq")).then(pl.col("_prev_since")).otherwise(pl.col("_moved")).alias("since")
+            ).drop("_prev_comp", "_prev_since", "_moved")
             kept = self._state.join(fresh.select("job", "rank"), on=["job", "rank"], how="anti")
             state = pl.concat([kept, updated], how="vertical_relaxed")
         jobs = window.get("jobs")

@@ -35,7 +35,8 @@ from gpuvigil.fleet import transport
 from gpuvigil.fleet.agent import add_common, add_metrics_args, install_signals, load
 from gpuvigil.fleet.lease import Leases
 from gpuvigil.fleet.metrics import ActStats
-from gpuvigil.fleet.transport import Clock, Subjects
+from gpuvigil.fleet.clock import from_fleet as clock_of
+from gpuvigil.fleet.transport import Subjects
 from gpuvigil.model import Finding
 
 log = logging.getLogger("gpuvigil.fleet")
@@ -257,7 +258,7 @@ class Act:
         self.acting = None
         self.id = args.id or f"{socket.gethostname()}-{os.getpid()}"
         self.subjects = Subjects(self.fleet)
-        self.clock = Clock()
+        self.clock = clock_of(self.fleet)
         self.stop_event = asyncio.Event()
         self.relay = Relay(self.fleet.findings_stale_seconds)
         self.cluster = ClusterView(self.fleet.findings_stale_seconds)
@@ -336,9 +337,14 @@ class Act:
             log.warning("act: undecodable findings on %s: %s", m.subject, exc)
             self.stats.bad_messages += 1
             return
-        now = float(doc.get("now", 0.0))
+        now = doc.get("now")
+        if not self.clock.offer(now, m.subject, "findings"):
+            # From the future (or no time at all): taken, it would hold this source's findings
+            # over every later, true message; ignored, the source's next message counts.
+            self.stats.future_messages += 1
+            return
+        now = float(now)
         self.relay.update(m.subject, now, found, doc.get("tenants"))
-        self.clock.now = max(self.clock.now, now)
         self.stats.findings_messages += 1
         self.stats.newest_findings_now = max(self.stats.newest_findings_now, now)
 

@@ -30,7 +30,8 @@ from gpuvigil import schemas
 from gpuvigil.fleet import transport
 from gpuvigil.fleet.agent import add_common, add_metrics_args, install_signals, load, split_detectors
 from gpuvigil.fleet.lease import Leases
-from gpuvigil.fleet.transport import Clock, Subjects
+from gpuvigil.fleet.clock import from_fleet as clock_of
+from gpuvigil.fleet.transport import Subjects
 
 log = logging.getLogger("gpuvigil.fleet")
 NAME = "detect"
@@ -54,6 +55,7 @@ class Feed:
 
     def __init__(self) -> None:
         self.errors = 0
+        self.future = 0  # messages stamped too far ahead of the clock, ignored
         self.pending: dict[str, list[pl.DataFrame]] = {}
         self.alloc: dict[tuple[str, str], tuple[float, pl.DataFrame]] = {}
         self.jobs: dict[str, tuple[float, pl.DataFrame]] = {}
@@ -114,7 +116,7 @@ class Detect:
         self.cfg, self.fleet = load(args)
         self.id = args.id or f"{socket.gethostname()}-{os.getpid()}"
         self.subjects = Subjects(self.fleet)
-        self.clock = Clock()
+        self.clock = clock_of(self.fleet)
         self.parts: dict[int, Partition] = {}
         self.stop_event = asyncio.Event()
         self.last_tick = float("-inf")
@@ -276,7 +278,9 @@ class Detect:
             return
         frames, now = decoded
         if not math.isnan(now):
-            self.clock.now = max(self.clock.now, now)
+            if not self.clock.offer(now, f"{m.subject} (node {h.get('Gv-Node', '?')})", "rows"):
+                part.feed.future += 1
+                return  # from the future: its rows would sit ahead of every window
             part.newest_now = max(part.newest_now, now)
         stream = self.subjects.rows_stream_of(part.p)
         self.stream_messages[stream] = self.stream_messages.get(stream, 0) + 1

@@ -85,6 +85,7 @@ class ActStats:
     def __init__(self) -> None:
         self.findings_messages = 0
         self.bad_messages = 0
+        self.future_messages = 0
         self.newest_findings_now = float("-inf")
         self.pending: dict[str, int] = {"findings": 0, "cluster": 0}
         self.leader_terms = 0
@@ -123,6 +124,21 @@ class ActStats:
     def end_term(self, act: Any) -> None:
         self.base_alerts = self.alerts(act)
         self.base_acting = self.acting(act)
+
+
+def clock_families(role: str, clock: Any, rid: dict[str, str]) -> Iterable[Any]:
+    """The bounded data clock (gpuvigil.fleet.clock) of a detect or act replica."""
+    from prometheus_client.core import CounterMetricFamily
+
+    yield _gauge(f"gpuvigil_{role}_clock_lag_seconds", "This process's own clock minus the fleet's data clock: how far the fleet's data trails it (NaN before any time).",
+                 clock.lag(), rid)
+    yield _gauge(f"gpuvigil_{role}_clock_skew_seconds", "The largest offset of a data time heard in the last one to two minutes from this process's own clock (positive: ahead).",
+                 clock.skew(), rid)
+    fam = CounterMetricFamily(f"gpuvigil_{role}_clock_future_messages", "Messages stamped further ahead of this process's clock than clock_max_skew_seconds: ignored.",
+                              labels=["replica", "message"])
+    for source, n in sorted(dict(clock.future).items()):
+        fam.add_metric([rid["replica"], source], n)
+    yield fam
 
 
 def act_families(act: Any) -> Iterable[Any]:
@@ -168,6 +184,7 @@ def act_families(act: Any) -> Iterable[Any]:
     yield fam
     yield _gauge("gpuvigil_act_cluster_nodes", "Nodes in the cluster view built from the agents' node summaries.", len(act.cluster.nodes))
     yield _gauge("gpuvigil_act_cluster_pending_jobs", "Pending jobs in the cluster view (the newest queue an agent reported).", len(act.cluster.queue[1]))
+    yield from clock_families("act", act.clock, rid)
 
 
 def detect_families(d: Any) -> Iterable[Any]:
@@ -203,3 +220,4 @@ def detect_families(d: Any) -> Iterable[Any]:
     yield lag
     yield active
     yield _counter("gpuvigil_detect_findings_published", "Findings messages published to the findings stream.", d.findings_published, rid)
+    yield from clock_families("detect", d.clock, rid)

@@ -349,19 +349,3 @@ async def apply_limits(js: Any, have: Any, want: dict[str, Any], setting: str) -
 
 def _limits_text(limits: dict[str, Any]) -> str:
     return ", ".join(f"{k}={v:g}" if isinstance(v, float) else f"{k}={v}" for k, v in sorted(limits.items()))
-
-
-class Clock:
-    """The fleet's data clock: the newest tick time any agent announced."""
-
-    def __init__(self) -> None:
-        self.now = float("-inf")
-
-    async def subscribe(self, nc: Any, subjects: Subjects) -> Any:
-        async def on(msg: Any) -> None:
-            try:
-                self.now = max(self.now, float(json.loads(msg.data)["now"]))
-            except (ValueError, KeyError, TypeError):
-                pass
-
-        return await nc.subscribe(f"{subjects.prefix}.clock.>", cb=on)
