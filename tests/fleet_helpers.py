@@ -220,3 +220,70 @@ class GvProc:
             except subprocess.TimeoutExpired:
                 self.proc.kill()
                 self.proc.wait(5)
+
+
+class NatsServer:
+    """One nats-server (JetStream) on loopback from a config body the test writes (TLS, accounts):
+    `body` gets the listen/http/jetstream lines prepended; `env` holds the variables it names."""
+
+    def __init__(self, workdir: Path, body: str, env: dict[str, str] | None = None, name: str = "nats"):
+        exe = nats_binary()
+        self.workdir = workdir
+        self.port, self.http = free_port(), free_port()
+        self.name = name
+        conf = workdir / f"{name}.conf"
+        conf.write_text(f'listen: 127.0.0.1:{self.port}\nhttp: 127.0.0.1:{self.http}\n'
+                        f'jetstream {{ store_dir: "{workdir / (name + "-js")}", max_memory_store: 64MB, max_file_store: 1GB }}\n{body}')
+        self.log = workdir / f"{name}.log"
+        self.argv = [exe, "-c", str(conf)]
+        self.env = {**os.environ, **(env or {})}
+        self.proc: subprocess.Popen | None = None
+        self.start()
+
+    def start(self) -> None:
+        self.proc = subprocess.Popen(self.argv, stdout=self.log.open("ab"), stderr=subprocess.STDOUT, env=self.env)
+        deadline = time.monotonic() + 30
+        while True:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"nats-server exited: {self.log.read_text()[-2000:]}")
+            try:
+                if httpx.get(f"http://127.0.0.1:{self.http}/healthz", timeout=1.0).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                pass
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"nats-server not healthy: {self.log.read_text()[-2000:]}")
+            time.sleep(0.1)
+
+    def url(self, scheme: str = "nats") -> str:
+        return f"{scheme}://127.0.0.1:{self.port}"
+
+    def stop(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(10)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(5)
+        self.proc = None
+
+
+def make_tls(workdir: Path) -> dict[str, Path]:
+    """A throwaway CA, a server certificate for 127.0.0.1/localhost and a client certificate
+    (openssl CLI, EC P-256, valid one day)."""
+    d = workdir / "tls"
+    d.mkdir(exist_ok=True)
+
+    def ssl(*argv: str) -> None:
+        subprocess.run(["openssl", *argv], check=True, capture_output=True, cwd=d)
+
+    ec = ["-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1", "-nodes"]
+    ssl("req", "-x509", *ec, "-keyout", "ca.key", "-out", "ca.crt", "-days", "1", "-subj", "/CN=gpuvigil test CA")
+    for name, ext in (("server", "subjectAltName=IP:127.0.0.1,DNS:localhost\nextendedKeyUsage=serverAuth"),
+                      ("client", "extendedKeyUsage=clientAuth")):
+        (d / f"{name}.ext").write_text(ext + "\n")
+        ssl("req", "-new", *ec, "-keyout", f"{name}.key", "-out", f"{name}.csr", "-subj", f"/CN=gpuvigil {name}")
+        ssl("x509", "-req", "-in", f"{name}.csr", "-CA", "ca.crt", "-CAkey", "ca.key", "-CAcreateserial", "-days", "1",
+            "-out", f"{name}.crt", "-extfile", f"{name}.ext")
+    return {n: d / n for n in ("ca.crt", "server.crt", "server.key", "client.crt", "client.key")}

@@ -47,7 +47,7 @@ LEADER_KEY = "act.leader"
 
 def add_parser(sub) -> None:
     p = sub.add_parser(NAME, help="findings → alerts and hints, one leader through a NATS KV lease")
-    add_common(p)
+    add_common(p, NAME)
     p.add_argument("--id", help="replica id (default: hostname-pid)")
     p.add_argument("--alertmanager", action="append", default=[], help="Alertmanager base URL; repeat for every peer of a cluster (default: alerts.alertmanagers)")
     p.add_argument("--outbox", default="gpuvigil-act-outbox.sqlite", help="SQLite alert outbox of this replica")
@@ -426,7 +426,7 @@ class Act:
         self.ticks += 1
 
     async def run(self) -> None:
-        nc = await transport.connect(self.fleet, f"gpuvigil-act-{self.id}")
+        nc = await transport.connect(self.fleet, f"gpuvigil-act-{self.id}", role=NAME)
         self.js = nc.jetstream(timeout=5)
         reader: asyncio.Task | None = None
         try:
@@ -481,15 +481,14 @@ class Act:
                 except TimeoutError:
                     pass
             lease_task.cancel()
-            if LEADER_KEY in leases.revision:
-                await leases.release(LEADER_KEY)
+            if reader is not None:
+                reader.cancel()
+            # The lease released at once hands over to a standby (bounded: SIGTERM exits within 5 s).
+            await transport.shutdown(nc, *([leases.release(LEADER_KEY)] if LEADER_KEY in leases.revision else []))
         finally:
             if reader is not None:
                 reader.cancel()
-            try:
-                await nc.drain()
-            except Exception:  # noqa: BLE001
-                pass
+            await transport.shutdown(nc)
 
 
 def run(args: argparse.Namespace) -> int:

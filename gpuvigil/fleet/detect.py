@@ -40,7 +40,7 @@ SNAPSHOT_STALE_SECONDS = 60.0  # a job's placement not refreshed for this long (
 
 def add_parser(sub) -> None:
     p = sub.add_parser(NAME, help="job-level detectors over leased job partitions of the NATS rows stream")
-    add_common(p)
+    add_common(p, NAME)
     p.add_argument("--id", help="replica id (default: hostname-pid)")
     add_metrics_args(p)
     p.set_defaults(func=run)
@@ -336,7 +336,7 @@ class Detect:
         return out
 
     async def run(self) -> None:
-        self.nc = nc = await transport.connect(self.fleet, f"gpuvigil-detect-{self.id}")
+        self.nc = nc = await transport.connect(self.fleet, f"gpuvigil-detect-{self.id}", role=NAME)
         self.js = nc.jetstream(timeout=5)
         try:
             await transport.ensure(self.js, self.fleet)
@@ -379,15 +379,13 @@ class Detect:
                 except TimeoutError:
                     pass
             lease_task.cancel()
-            for p in list(self.parts):  # a clean stop hands the partitions over at once
+            held = list(self.parts)
+            for p in held:
                 await self.drop(p)
-                await leases.release(f"part.{p}")
-            await leases.release(f"member.{self.id}")
+            # A clean stop hands the partitions over at once (bounded: SIGTERM exits within 5 s).
+            await transport.shutdown(nc, *(leases.release(f"part.{p}") for p in held), leases.release(f"member.{self.id}"))
         finally:
-            try:
-                await nc.drain()
-            except Exception:  # noqa: BLE001
-                pass
+            await transport.shutdown(nc)
 
 
 def run(args: argparse.Namespace) -> int:

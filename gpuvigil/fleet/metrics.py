@@ -194,6 +194,7 @@ def detect_families(d: Any) -> Iterable[Any]:
 
     rid = {"replica": d.id}
     parts = list(d.parts.values())
+    yield _gauge("gpuvigil_detect_partitions", "Job partitions of the fleet (fleet.partitions): what the replicas together must hold.", d.fleet.partitions, rid)
     yield _gauge("gpuvigil_detect_partitions_held", "Partitions this replica holds a lease on.", len(parts), rid)
     yield _gauge("gpuvigil_detect_partitions_caught_up", "Held partitions whose replay from the stream has caught up.", sum(1 for p in parts if p.caught_up), rid)
     yield _gauge("gpuvigil_detect_member_lease_held", "1 while this replica's membership lease is valid.",
