@@ -332,7 +332,7 @@ class Act:
         from gpuvigil.acting import make_acting
 
         src = self.sources_cfg
-        self.acting = make_acting(src.scheduler, src.act, store=store, cfg=self.cfg)
+        self.acting = make_acting(src.scheduler, src.act, store=store, cfg=self.cfg, pager=self.pusher.page if self.pusher is not None else None)
         if self.acting is not None:
             print(f"gpuvigil act {self.id}: act {self.acting.mode} on {self.acting.scheduler}", flush=True)
 
