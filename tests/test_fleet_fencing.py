@@ -35,6 +35,8 @@ class FlakyKV:
         self.down = False
         self.lose_acks = 0
         self.clock = clock  # the monotonic clock Leases reads: a call that gets no answer takes its time
+        self.behind: Entry | None = None  # what a replica behind its leader answers to a read
+        self.refuse_updates = 0  # updates answered 'wrong last sequence' (a leader change racing them)
 
     async def _answer(self) -> None:
         if self.down:
@@ -62,7 +64,8 @@ class FlakyKV:
         from nats.js.errors import KeyWrongLastSequenceError
 
         await self._answer()
-        if key not in self.data or self.data[key].revision != last:
+        if self.refuse_updates or key not in self.data or self.data[key].revision != last:
+            self.refuse_updates = max(0, self.refuse_updates - 1)
             raise KeyWrongLastSequenceError(description="wrong last sequence")
         return self._commit(key, value)
 
@@ -70,6 +73,8 @@ class FlakyKV:
         from nats.js.errors import KeyNotFoundError
 
         await self._answer()
+        if self.behind is not None:
+            return self.behind
         if key not in self.data:
             raise KeyNotFoundError
         return self.data[key]
@@ -97,6 +102,15 @@ def test_a_lost_acknowledgement_is_recognised_not_a_lost_lease():
         assert a.adopted == 1 and a.epoch["part.3"] == epoch and a.revision["part.3"] == kv.data["part.3"].revision
         kv.lose_acks = 1  # a create whose answer was lost: the key is ours
         assert await a.take("part.4") and a.adopted == 2
+        # A refused renewal, then a read answered by a replica behind its leader with the key's
+        # previous holder: older than our own write, so no proof we lost it.
+        kv.refuse_updates, kv.behind = 1, Entry(b"detect-2", a.revision["part.3"] - 1)
+        assert await a.renew("part.3") and "part.3" in a.revision
+        kv.behind = None
+        assert await a.renew("part.3")
+        # A read newer than our write naming another holder is a definite answer.
+        kv.refuse_updates, kv.behind = 1, Entry(b"detect-2", kv.seq + 1)
+        assert not await a.renew("part.3") and "part.3" not in a.revision
 
     run(go())
 

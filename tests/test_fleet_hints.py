@@ -71,7 +71,7 @@ def test_act_failover_with_hints_in_flight_loses_none_and_repeats_none(tmp_path,
             await transport.ensure(js, fleet)
             kv = await js.key_value(act.subjects.ledger_bucket)
             act._open_outputs()
-            act.shared = SharedHints(kv, act.store)
+            act.shared = SharedHints(kv, act.store, act.stats.hint_store)
             await act.shared.load()
             return act_mod.Ledger(kv, act.id), nc
 
@@ -113,6 +113,7 @@ def test_act_failover_with_hints_in_flight_loses_none_and_repeats_none(tmp_path,
             ids = [m.split("hint ", 1)[1].split(" ", 2)[1].rstrip(":") for m in said]
             assert sorted(ids) == sorted(recorded), said
             assert {h.id: h.state_reason.startswith("dry-run: would run:") for h in second.store.hints()} == dict.fromkeys(recorded, True)
+            assert second.stats.hint_store["loaded"] == len(recorded) and second.stats.hint_store["push_failures"] == 0
             second.close()
             await nc2.close()
 

@@ -478,9 +478,9 @@ class Act:
                     if self.store is not None:
                         from gpuvigil.fleet.hints import SharedHints
 
-                        self.shared = SharedHints(ledger.kv, self.store)
+                        self.shared = SharedHints(ledger.kv, self.store, self.stats.hint_store)
                         loaded = False
-                        while not loaded and leases.valid(LEADER_KEY):
+                        while not loaded and leases.valid(LEADER_KEY) and not self.stop_event.is_set():
                             try:  # every earlier leader's hints, before this one ticks or serves
                                 await self.shared.load()
                                 loaded = True

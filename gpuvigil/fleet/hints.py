@@ -22,6 +22,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+from collections import Counter
 from typing import Any
 
 log = logging.getLogger("gpuvigil.fleet")
@@ -64,13 +65,13 @@ def import_records(store: Any, records: list[Any]) -> int:
 
 
 class SharedHints:
-    def __init__(self, kv: Any, store: Any):
+    def __init__(self, kv: Any, store: Any, totals: Counter[str] | None = None):
         self.kv = kv
         self.store = store
         self.synced_seq = 0  # the local change log is in the bucket up to here
         self.loaded = 0
-        self.pushed = 0
-        self.failures = 0
+        # Across terms (the process's /metrics): records loaded, pushed, pushes that failed.
+        self.totals: Counter[str] = totals if totals is not None else Counter()
 
     async def load(self) -> int:
         """Every record of the bucket into the local copy (at the start of a term)."""
@@ -94,6 +95,7 @@ class SharedHints:
             except ValueError as exc:
                 log.warning("hint store: unreadable record %s: %s", k, exc)
         self.loaded = await asyncio.to_thread(import_records, self.store, records)
+        self.totals["loaded"] += self.loaded
         self.synced_seq = self.store.latest_seq()
         log.info("hint store: %d record(s) in the fleet's store, %d loaded into %s", len(records), self.loaded, self.store.path)
         return len(records)
@@ -112,8 +114,8 @@ class SharedHints:
             try:
                 await asyncio.gather(*(self.kv.put(key(i), r.model_dump_json().encode()) for i, r in latest.items()))
             except Exception:
-                self.failures += 1
+                self.totals["push_failures"] += 1
                 raise
             self.synced_seq = max(r.seq for r in changes)
-            self.pushed += len(latest)
+            self.totals["pushed"] += len(latest)
             n += len(latest)

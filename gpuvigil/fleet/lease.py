@@ -97,8 +97,10 @@ class Leases:
                     continue  # renew from there (the committed write may be old by now)
                 if state == "absent":  # expired while NATS could not be reached, and nobody took it
                     return await self._retake(key) or self.valid(key)
-                if state == "unknown":
-                    return self.valid(key)  # no answer: try again next round
+                if state == "unknown" or (state == "theirs" and ours is not None and ours < rev):
+                    # No answer, or a read older than our own write (a replica behind its
+                    # leader): not a definite answer, try again next round.
+                    return self.valid(key)
                 self.forget(key)
                 return False
             except Exception as exc:  # noqa: BLE001 - a NATS node died, a stream leader is being elected: retry while valid
@@ -111,7 +113,7 @@ class Leases:
             return True
 
     async def _look(self, key: str) -> tuple[str, int | None]:
-        """('ours', revision) | ('theirs', None) | ('absent', None) | ('unknown', None)."""
+        """('ours' | 'theirs', the entry's revision) | ('absent', None) | ('unknown', None)."""
         from nats.js.errors import KeyNotFoundError
 
         try:
@@ -122,7 +124,7 @@ class Leases:
             return "unknown", None
         if e is None or not e.value:
             return "absent", None
-        return ("ours", int(e.revision or 0)) if e.value == self.owner.encode() else ("theirs", None)
+        return ("ours" if e.value == self.owner.encode() else "theirs"), int(e.revision or 0)
 
     async def _retake(self, key: str) -> bool:
         from nats.js.errors import KeyWrongLastSequenceError

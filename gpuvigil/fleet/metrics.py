@@ -96,6 +96,7 @@ class ActStats:
         self.last_tick_now = float("-inf")
         self.base_alerts = Counter({"enqueued": 0, "delivered": 0, "failures": 0})
         self.base_acting: Counter[tuple[str, str]] = Counter()
+        self.hint_store: Counter[str] = Counter()  # the fleet's hint store (gpuvigil.fleet.hints): loaded, pushed, push_failures
 
     def on_tick(self, act: Any, result: Any, now: float) -> None:
         from gpuvigil.model import Severity
@@ -186,6 +187,10 @@ def act_families(act: Any) -> Iterable[Any]:
     yield _gauge("gpuvigil_act_cluster_pending_jobs", "Pending jobs in the cluster view (the newest queue an agent reported).", len(act.cluster.queue[1]))
     yield _counter("gpuvigil_act_fenced_messages", "Findings messages dropped: stamped with an older partition lease epoch than its newest holder's (a replica that lost the lease).",
                    sum(act.fence.dropped.values()), rid)
+    hs = act.stats.hint_store
+    yield _counter("gpuvigil_act_hint_store_records_loaded", "Hint records loaded from the fleet's hint store into this replica's copy when it became leader.", hs["loaded"], rid)
+    yield _counter("gpuvigil_act_hint_store_records_pushed", "Hint records (new, applied, acked, expired) written to the fleet's hint store.", hs["pushed"], rid)
+    yield _counter("gpuvigil_act_hint_store_push_failures", "Ticks whose hints the fleet's hint store could not take (nothing applied on them).", hs["push_failures"], rid)
     yield from clock_families("act", act.clock, rid)
 
 
