@@ -149,6 +149,11 @@ class Detect:
     # -- leases ----------------------------------------------------------------------------------
     async def balance(self, leases: Leases) -> None:
         """Renew what we hold, then grow or shrink to the fair share."""
+        await self.renew(leases)
+        await self.rebalance(leases)
+
+    async def renew(self, leases: Leases) -> None:
+        """Renew what we hold; drop a partition only on a definite answer that another holds it."""
         me = f"member.{self.id}"
         held = list(self.parts)
         # All renewals at once: one slow KV round trip (a NATS node failing over) must not push
@@ -166,7 +171,12 @@ class Detect:
                 log.info("detect %s: lease of partition %d not confirmed (NATS does not answer); holding its state", self.id, p)
             elif p in self.parts:
                 self.parts[p].epoch = leases.epoch.get(key, self.parts[p].epoch)  # taken again after it expired: a new epoch
+
+    async def rebalance(self, leases: Leases) -> None:
+        """Grow or shrink to the fair share of the live members."""
         live = await leases.keys()
+        if live is None:
+            return  # the lease table cannot be read now: no move on a guess
         members = max(1, sum(1 for k in live if k.startswith("member.")))
         share = math.ceil(self.fleet.partitions / members)
         if len(self.parts) > share:  # a replica joined: hand back the surplus
@@ -345,17 +355,19 @@ class Detect:
             self.leases = leases = Leases(kv, self.id, self.fleet.lease_ttl_seconds)
             renew_every = self.fleet.lease_ttl_seconds / 4
 
-            async def keep_leases() -> None:
-                # Its own task: a slow tick or a findings publish during a NATS failover never
-                # delays the renewals.
+            async def keep(step: Any, what: str) -> None:
+                # Their own tasks: a slow tick or a findings publish during a NATS failover never
+                # delays the renewals, nor does a slow read of the lease table (a consumer on the
+                # bucket, created anew after a server loss) when growing or shrinking.
                 while True:
                     try:
-                        await self.balance(leases)
+                        await step(leases)
                     except Exception as exc:  # noqa: BLE001 - retried next round; leases expire only after the TTL
-                        log.info("detect %s: lease round failed: %s", self.id, exc)
+                        log.info("detect %s: %s round failed: %s", self.id, what, exc)
                     await asyncio.sleep(renew_every)
 
-            lease_task = asyncio.create_task(keep_leases())
+            await self.renew(leases)  # the membership first, so the first share counts us
+            lease_task = asyncio.gather(keep(self.renew, "lease renewal"), keep(self.rebalance, "rebalance"))
             deadline = time.monotonic() + self.args.duration if self.args.duration else None
             while not self.stop_event.is_set() and (deadline is None or time.monotonic() < deadline):
                 now = self.clock.now

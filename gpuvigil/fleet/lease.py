@@ -41,8 +41,8 @@ class Leases:
         self.adopted = 0  # writes whose acknowledgement was lost, recognised as ours afterwards
         self.retaken = 0  # keys that expired while NATS could not be reached, taken again
 
-    async def _call(self, coro: Any) -> Any:
-        return await asyncio.wait_for(coro, self.call_timeout)
+    async def _call(self, coro: Any, timeout: float | None = None) -> Any:
+        return await asyncio.wait_for(coro, timeout or self.call_timeout)
 
     def held(self) -> list[str]:
         return [k for k in self.revision if self.valid(k)]
@@ -88,7 +88,9 @@ class Leases:
             if rev is None:
                 return False
             try:
-                self.revision[key] = await self._call(self.kv.update(key, self.owner.encode(), last=rev))
+                # A slow answer (a loaded server, a new stream leader) is waited for as long as the
+                # lease stays valid: cutting it short only replaces it with another slow one.
+                self.revision[key] = await self._call(self.kv.update(key, self.owner.encode(), last=rev), max(self.call_timeout, self._left(key)))
             except (KeyWrongLastSequenceError, KeyNotFoundError):
                 state, ours = await self._look(key)
                 if state == "ours" and ours is not None and ours > rev:  # our last update was committed, its ack lost
@@ -168,12 +170,12 @@ class Leases:
         self.epoch.pop(key, None)
         self.renewed_at.pop(key, None)
 
-    async def keys(self) -> set[str]:
-        """Every live key (empty when the bucket is, or NATS does not answer)."""
+    async def keys(self) -> set[str] | None:
+        """Every live key (empty when the bucket is; None when NATS does not answer)."""
         try:
-            return set(await self.kv.keys())
-        except Exception:  # noqa: BLE001 - NoKeysError when empty; timeouts during a failover
-            return set()
+            return set(await self._call(self.kv.keys(), max(self.call_timeout, self.ttl / 2)))
+        except Exception as exc:  # noqa: BLE001 - NoKeysError when empty; timeouts during a failover
+            return set() if type(exc).__name__ == "NoKeysError" else None
 
     async def holders(self, prefix: str) -> dict[str, str]:
         """key → owner of every live key under `prefix` (e.g. 'member.')."""
