@@ -480,6 +480,8 @@ def e2e_run(workdir: Path, nodes: int, speed: float, wall_limit: float, log=prin
     # Fault → notification: the first notification of the fault's kind for its job (a hang) or
     # its node (an XID, which names the device, not the job).
     notes: list[tuple[float, dict[str, str]]] = [(w, a.get("labels", {})) for w, doc in hook.received for a in doc.get("alerts", []) if a.get("status") == "firing"]
+    # Every notification as received, for a look at a fault notified more than once.
+    (workdir / "notifications.json").write_text(json.dumps([{"wall": w, "labels": lab} for w, lab in notes], indent=1, sort_keys=True))
     rows = []
     for phase, kind, f in faults:
         t0 = wall_of(float(f["at"]))
@@ -568,9 +570,13 @@ def markdown(r: dict[str, Any], cmd: str | None = None) -> str:
         total = sum(1 for f in e["faults"] if f["phase"] == phase)
         lines.append(f"| {phase} | {len(vals)} of {total} | {secs(_pct(vals, 0.5))} | {secs(_pct(vals, 0.99))} |")
     cpu = e.get("cpu_us_per_gpu_sample", {})
+    twice = [f for f in e["faults"] if f["notifications"] > 1]
     lines += [
         "",
-        f"With so few faults per phase p99 is the largest latency: a rerun with more faults (not --quick) narrows it.",
+        "With so few faults per phase p99 is the largest latency: a rerun with more faults (not --quick) narrows it. "
+        + (f"{len(twice)} of {len(e['faults'])} faults were notified more than once: each was firing when the act leader was killed, and the "
+           "new leader's alerts for it notified again (a second page for one fault; the run's notifications.json holds the labels of each)."
+           if twice else "Every fault was notified once."),
         "",
         "| figure | value |",
         "|---|---|",
