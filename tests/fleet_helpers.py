@@ -46,8 +46,8 @@ class NatsCluster:
             conf.write_text(
                 f'server_name: n{i}\nlisten: 127.0.0.1:{self.client_ports[i]}\nhttp: 127.0.0.1:{self.http_ports[i]}\n'
                 f'jetstream {{ store_dir: "{store}", max_memory_store: 64MB, max_file_store: 2GB }}\n'
-                f'cluster {{ name: gvtest, listen: 127.0.0.1:{self.route_ports[i]}, routes: [{routes}] }}\n'
-                f"{mapping}\n"
+                + (f'cluster {{ name: gvtest, listen: 127.0.0.1:{self.route_ports[i]}, routes: [{routes}] }}\n' if n > 1 else "")  # one node: no cluster
+                + f"{mapping}\n"
             )
             log = (workdir / f"nats{i}.log").open("ab")
             self.procs.append(subprocess.Popen([exe, "-c", str(conf)], stdout=log, stderr=subprocess.STDOUT))
@@ -159,6 +159,15 @@ class Probe:
             await self.nc.flush()
 
         self.call(go())
+
+    def stream_leader(self, name: str) -> str:
+        """The server name (n<i>) leading a stream's RAFT group (a KV bucket's is KV_<bucket>)."""
+
+        async def go() -> str:
+            info = await self.nc.jetstream(timeout=5).stream_info(name)
+            return str(info.cluster.leader)
+
+        return self.call(go())
 
     def stream_replicas(self, name: str) -> int:
         async def go() -> int:

@@ -3,8 +3,9 @@ loopback (streams and buckets replicated x3), one `gpuvigil agent` process playi
 simulated cluster with injected faults, two `gpuvigil detect` replicas, two `gpuvigil act`
 replicas, and a real Alertmanager paging a webhook receiver.
 
-Mid-run (right after the hang is injected, before anything could have found it) the test kills one
-NATS node, the detect replica that owns the hung job's partition and the act leader, all with
+Mid-run (right after the hang is injected, before anything could have found it) the test kills the
+NATS node that leads the leases bucket (the worst one to lose: every renewal waits for a new
+leader; the surviving replicas must not drop a lease over it), the detect replica that owns the hung job's partition and the act leader, all with
 SIGKILL. Before that, and again once everything paged, a client stamps a clock announcement, a rows
 message and a findings message an hour ahead: the replicas count and ignore them (their data clock
 is bounded by their own), act clears and re-raises nothing, and the lost GPU's XID, injected after
@@ -142,7 +143,8 @@ def test_fleet_survives_nats_detect_and_act_failures(tmp_path):
         hung_part = f"part.{partition_of('train-a', PARTITIONS)}"
         victim_detect = holders[hung_part]
         victim_act = holders["act.leader"]
-        cluster.kill(0)
+        leases_leader = probe.stream_leader("KV_gv_leases")
+        cluster.kill(int(leases_leader.removeprefix("n")))
         detects[victim_detect].kill()
         acts[victim_act].kill()
         survivor_detect = next(n for n in detects if n != victim_detect)
@@ -248,6 +250,10 @@ def test_fleet_survives_nats_detect_and_act_failures(tmp_path):
         assert value(m_act, "gpuvigil_act_cluster_nodes") == SCENARIO["nodes"]
         m_detect = scrape(detects[survivor_detect])
         assert value(m_detect, "gpuvigil_detect_partitions_held") == PARTITIONS
+        # The NATS node leading the leases bucket died: the survivors lost no lease over it (the
+        # detect replica kept its own partitions, the new act leader stayed leader).
+        assert value(m_detect, "gpuvigil_detect_partitions_lost_total") == 0, (tmp_path / f"{survivor_detect}.log").read_text()[-3000:]
+        assert value(m_act, "gpuvigil_act_leader_terms_total") == 1
         assert value(m_detect, "gpuvigil_detect_clock_future_messages_total", message="clock") == 2
         assert value(m_detect, "gpuvigil_detect_clock_future_messages_total", message="rows") >= 1
         assert value(m_detect, "gpuvigil_detect_partitions_taken_total") >= PARTITIONS

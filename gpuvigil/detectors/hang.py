@@ -98,6 +98,24 @@ class HangDetector:
         self._state = state.filter(pl.col("ts") >= window.now - self.config.forget_after_seconds)
         return self._state
 
+    def _idle_in_batch(self, window: Window) -> pl.DataFrame:
+        """(job, idle_ts): the latest report time, among this tick's several reports of a job,
+        at which every rank of it reported and nobody waited in a collective. What a detector
+        ticking on every report would have kept in `_idle`; counted only for report times at
+        which all the job's ranks in the batch reported together (else unknown: not guessed)."""
+        fresh = window.fresh("rank_progress")
+        if fresh.height == 0 or fresh["ts"].n_unique() < 2:
+            return pl.DataFrame(schema={"job": pl.Utf8, "idle_ts": pl.Float64})
+        ranks = fresh.group_by("job").agg(pl.col("rank").n_unique().alias("_n"))
+        return (
+            fresh.group_by(["job", "ts"])
+            .agg(pl.col("last_enqueued_seq").max().alias("_enq"), pl.col("last_completed_seq").min().alias("_comp"), pl.col("rank").n_unique().alias("_k"))
+            .join(ranks, on="job")
+            .filter((pl.col("_k") == pl.col("_n")) & (pl.col("_enq") <= pl.col("_comp")))
+            .group_by("job")
+            .agg(pl.col("ts").max().alias("idle_ts"))
+        )
+
     def detect(self, window: Window) -> list[Finding]:
         c = self.config
         now = window.now
@@ -119,6 +137,9 @@ class HangDetector:
                 pl.col("last_started_seq").max().alias("max_started"),
             )
         )
+        idle_before = self._idle_in_batch(window)
+        if idle_before.height:
+            self._idle = pl.concat([self._idle, idle_before]).group_by("job", maintain_order=True).agg(pl.col("idle_ts").max())
         idle_now = per_job.filter(pl.col("max_enq") <= pl.col("min_comp")).select("job", pl.lit(now).alias("idle_ts"))
         self._idle = pl.concat([self._idle.join(per_job.select("job"), on="job", how="semi").join(idle_now, on="job", how="anti"), idle_now])
         per_job = per_job.join(self._idle, on="job", how="left").with_columns(

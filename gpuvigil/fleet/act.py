@@ -36,6 +36,7 @@ from gpuvigil.fleet.agent import add_common, add_metrics_args, install_signals, 
 from gpuvigil.fleet.lease import Leases
 from gpuvigil.fleet.metrics import ActStats
 from gpuvigil.fleet.clock import from_fleet as clock_of
+from gpuvigil.fleet.fence import Fence
 from gpuvigil.fleet.transport import Subjects
 from gpuvigil.model import Finding
 
@@ -74,6 +75,13 @@ class Relay:
         self.sources: dict[str, tuple[float, float, list[Finding]]] = {}  # subject → (data now, wall, findings)
         self.tenants: dict[str, str] = {}
         self._tenants_sent: dict[str, str] = {}
+
+    def hold(self, subject: str) -> None:
+        """A new owner claimed the source and catches up: keep its last findings meanwhile (the
+        stale clock restarts), so a takeover neither clears nor re-pages them."""
+        old = self.sources.get(subject)
+        if old is not None:
+            self.sources[subject] = (old[0], time.monotonic(), old[2])
 
     def update(self, subject: str, now: float, findings: list[Finding], tenants: dict[str, str] | None = None) -> None:
         old = self.sources.get(subject)
@@ -261,6 +269,7 @@ class Act:
         self.clock = clock_of(self.fleet)
         self.stop_event = asyncio.Event()
         self.relay = Relay(self.fleet.findings_stale_seconds)
+        self.fence = Fence()
         self.cluster = ClusterView(self.fleet.findings_stale_seconds)
         # The relay, plus the detectors of serve's set that need the whole cluster
         # (fragmentation_cluster), over the agents' node summaries.
@@ -344,7 +353,12 @@ class Act:
             self.stats.future_messages += 1
             return
         now = float(now)
-        self.relay.update(m.subject, now, found, doc.get("tenants"))
+        if not self.fence.admit(m.subject, doc):
+            return  # from a replica that lost the partition's lease (paused past it)
+        if doc.get("claim"):
+            self.relay.hold(m.subject)
+        else:
+            self.relay.update(m.subject, now, found, doc.get("tenants"))
         self.stats.findings_messages += 1
         self.stats.newest_findings_now = max(self.stats.newest_findings_now, now)
 

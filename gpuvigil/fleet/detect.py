@@ -108,6 +108,9 @@ class Partition:
         self.caught_up_wall: float | None = None
         self.pending = 0  # the consumer's num_pending at the last fetch (its lag in messages)
         self.newest_now = float("-inf")  # the newest data time read
+        self.epoch: int | None = None  # the lease's fencing token (Leases.epoch) stamped on what it publishes
+        self.target_seq: int | None = None  # the stream's last sequence when it was taken: the replay reads up to it at least
+        self.claimed_at = float("-inf")  # data time of the last claim published while catching up
 
 
 class Detect:
@@ -133,6 +136,7 @@ class Detect:
         self.stream_messages: dict[str, int] = {}
         self.stream_rows: dict[str, int] = {}
         self.findings_published = 0
+        self.fenced = 0  # messages not published: the lease was no longer valid (or taken) when they were ready
         self.metrics_port: int | None = None
 
     def _pipeline(self) -> tuple[Any, Feed]:
@@ -153,10 +157,15 @@ class Detect:
         if me not in leases.revision:
             await leases.take(me)
         for p, renewed in zip(held, ok[:-1], strict=True):
-            if not renewed:
+            key = f"part.{p}"
+            if key not in leases.revision:  # a definite answer: another replica holds it
                 log.warning("detect %s: lost the lease of partition %d", self.id, p)
                 self.partitions_lost += 1
                 await self.drop(p)
+            elif not renewed:  # NATS does not answer: keep the partition's state, publish nothing under it
+                log.info("detect %s: lease of partition %d not confirmed (NATS does not answer); holding its state", self.id, p)
+            elif p in self.parts:
+                self.parts[p].epoch = leases.epoch.get(key, self.parts[p].epoch)  # taken again after it expired: a new epoch
         live = await leases.keys()
         members = max(1, sum(1 for k in live if k.startswith("member.")))
         share = math.ceil(self.fleet.partitions / members)
@@ -184,6 +193,7 @@ class Detect:
     async def adopt(self, p: int) -> None:
         pipeline, feed = self._pipeline()
         part = Partition(p, pipeline, feed)
+        part.epoch = self.leases.epoch.get(f"part.{p}") if self.leases is not None else None
         self.parts[p] = part
         part.task = asyncio.create_task(self._consume(part))
 
@@ -219,6 +229,10 @@ class Detect:
         errors = idle = 0
         while True:
             try:
+                if part.target_seq is None:
+                    # Where the stream stands at takeover: the replay is complete only once the
+                    # server says nothing of this partition up to there (and since) is unread.
+                    part.target_seq = int((await self.js.stream_info(self.subjects.rows_stream_of(part.p))).state.last_seq or 0)
                 if part.sub is None:
                     # Nothing consumed yet: the replay is still owed (a resubscription from
                     # sequence 1 would read the whole stream instead of replay_seconds of it).
@@ -227,12 +241,15 @@ class Detect:
                 try:
                     msgs = await part.sub.fetch(512, timeout=1.0)
                 except TimeoutError:
-                    part.pending = 0
-                    if not part.caught_up:
-                        self._mark_caught_up(part)
                     idle += 1
-                    if idle % 3 == 0:  # quiet, or its server died with it: ask (raises if it is gone)
-                        await part.sub.consumer_info()
+                    # A fetch that times out proves nothing (a server failing over answers late):
+                    # only the consumer's own count of unread messages does. Asked on every idle
+                    # fetch while replaying, every third one after (raises if the consumer is gone).
+                    if not part.caught_up or idle % 3 == 0:
+                        info = await part.sub.consumer_info()
+                        part.pending = int(info.num_pending or 0)
+                        if not part.caught_up and part.pending == 0:
+                            self._mark_caught_up(part)
                     continue
                 errors = idle = 0
                 # Decoding (Arrow IPC) off the event loop, so lease renewals never wait on a replay.
@@ -259,7 +276,8 @@ class Detect:
     def _mark_caught_up(self, part: Partition) -> None:
         part.caught_up = True
         part.caught_up_wall = time.monotonic()
-        log.info("detect %s: partition %d rebuilt from the stream (%d messages, %.2fs)", self.id, part.p, part.messages, part.caught_up_wall - part.taken_wall)
+        log.info("detect %s: partition %d rebuilt from the stream (%d messages to seq %d, the stream at seq %s when taken; %.2fs)",
+                 self.id, part.p, part.messages, part.last_seq, part.target_seq, part.caught_up_wall - part.taken_wall)
 
     def _decode(self, part: Partition, m: Any) -> tuple[dict[str, pl.DataFrame], float] | None:
         h = m.headers or {}
@@ -288,12 +306,19 @@ class Detect:
         part.feed.add(frames, h.get("Gv-Node", ""), h.get("Gv-Job", ""), now)
 
     # -- ticks -----------------------------------------------------------------------------------
-    def tick(self, now: float) -> list[tuple[str, bytes]]:
+    def tick(self, now: float) -> list[tuple[int, int | None, str, bytes]]:
+        """Each held partition's message: (partition, lease epoch, subject, body)."""
         c0 = time.thread_time()
         out = []
         for part in list(self.parts.values()):
             if not part.caught_up:
-                continue  # never judge a half-replayed window
+                # Never judge a half-replayed window; claim the partition meanwhile, so readers
+                # fence its previous owner off and keep its findings until ours are ready.
+                if now - part.claimed_at >= self.fleet.findings_refresh_seconds:
+                    part.claimed_at = now
+                    out.append((part.p, part.epoch, self.subjects.findings_part(part.p),
+                                transport.findings_payload("detect", now, [], partition=part.p, owner=self.id, epoch=part.epoch, claim=True)))
+                continue
             result = part.pipeline.tick(now)
             for f in result.new_findings:
                 log.info("detect %s: p%d finding %s %s: %s", self.id, part.p, f.severity.value, f.kind.value, f.summary)
@@ -304,7 +329,8 @@ class Detect:
                 jobs = part.pipeline.window.get("jobs")
                 # Tenants of the partition's jobs: act routes alerts by tenant (alerts.team_of_tenant).
                 tenants = dict(zip(jobs["job"].to_list(), jobs["tenant"].to_list(), strict=True)) if jobs.height else {}
-                out.append((self.subjects.findings_part(part.p), transport.findings_payload("detect", now, active, partition=part.p, owner=self.id, tenants=tenants)))
+                out.append((part.p, part.epoch, self.subjects.findings_part(part.p),
+                            transport.findings_payload("detect", now, active, partition=part.p, owner=self.id, epoch=part.epoch, tenants=tenants)))
         self.ticks += 1
         self.tick_cpu_seconds += time.thread_time() - c0
         return out
@@ -335,7 +361,14 @@ class Detect:
                 now = self.clock.now
                 if now - self.last_tick >= self.tick_seconds and math.isfinite(now):
                     self.last_tick = now
-                    for subject, body in await asyncio.to_thread(self.tick, now):
+                    for p, epoch, subject, body in await asyncio.to_thread(self.tick, now):
+                        part = self.parts.get(p)
+                        if part is None or part.epoch != epoch or not leases.valid(f"part.{p}"):
+                            # The lease ran out while this was computed (or this process was
+                            # paused past it): another replica may own the partition now.
+                            self.fenced += 1
+                            log.warning("detect %s: partition %d: lease no longer valid, not publishing", self.id, p)
+                            continue
                         try:
                             await self.js.publish(subject, body)
                             self.findings_published += 1

@@ -184,6 +184,8 @@ def act_families(act: Any) -> Iterable[Any]:
     yield fam
     yield _gauge("gpuvigil_act_cluster_nodes", "Nodes in the cluster view built from the agents' node summaries.", len(act.cluster.nodes))
     yield _gauge("gpuvigil_act_cluster_pending_jobs", "Pending jobs in the cluster view (the newest queue an agent reported).", len(act.cluster.queue[1]))
+    yield _counter("gpuvigil_act_fenced_messages", "Findings messages dropped: stamped with an older partition lease epoch than its newest holder's (a replica that lost the lease).",
+                   sum(act.fence.dropped.values()), rid)
     yield from clock_families("act", act.clock, rid)
 
 
@@ -221,4 +223,7 @@ def detect_families(d: Any) -> Iterable[Any]:
     yield lag
     yield active
     yield _counter("gpuvigil_detect_findings_published", "Findings messages published to the findings stream.", d.findings_published, rid)
+    yield _counter("gpuvigil_detect_fenced_messages", "Findings messages not published: the partition's lease was no longer valid when they were ready.", d.fenced, rid)
+    yield _counter("gpuvigil_detect_lease_writes_recovered", "Lease writes whose acknowledgement was lost (a NATS server died) recognised as this replica's own.",
+                   d.leases.adopted if d.leases is not None else 0, rid)
     yield from clock_families("detect", d.clock, rid)
