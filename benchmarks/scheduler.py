@@ -354,8 +354,13 @@ def fault_sim(faults: list[FaultEvent], p: FaultSimParams, hints: bool, sched_ov
     tw = np.array(p.tenant_weights) / sum(p.tenant_weights)
     quotas = {t: float(round(cap * w / p.gpus_per_node) * p.gpus_per_node) for t, w in zip(p.tenants, tw, strict=True)}
     # The product's scheduler (default plugins, actions and grace periods) with the tenants' quotas.
+    # The breaker stays open until a person closes it, and no person runs in this simulation:
+    # the fault study measures the scheduler's policy without it (the mass_xid demo shows it).
     cfg = config.load(
-        overrides={"scheduler": {"quota": {"tenants": {t: {"gpus": q} for t, q in quotas.items()}, "reclaim_grace_seconds": p.reclaim_grace_seconds}, **(sched_overrides or {})}}
+        overrides={
+            "scheduler": {"quota": {"tenants": {t: {"gpus": q} for t, q in quotas.items()}, "reclaim_grace_seconds": p.reclaim_grace_seconds}, **(sched_overrides or {})},
+            "acting": {"breaker": {"enabled": False}},
+        }
     )
     sched = Scheduler(specs, cfg)
     grace_cfg = sched.config.priority.preempt_grace_seconds

@@ -24,6 +24,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "detect": ("gpuvigil.fleet.detect", "job-level detectors over leased job partitions of NATS JetStream (fleet)"),
     "act": ("gpuvigil.fleet.act", "findings → alerts and hints, one leader through a NATS KV lease (fleet)"),
     "api": ("gpuvigil.api.cli", "serve the scheduler feedback API from a hint store"),
+    "breaker": ("gpuvigil.api.breakercli", "the acting circuit breaker: status, close (a person closes it)"),
     "why": ("gpuvigil.api.whycli", "why the scheduler placed a job where it is, or why it waits (asks a running API)"),
     "alerts": ("gpuvigil.alerts.build", "build Prometheus rules and Alertmanager config"),
     "dashboards": ("gpuvigil.dashboards.build", "build Grafana dashboards"),

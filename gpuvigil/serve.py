@@ -243,7 +243,7 @@ class Server:
         from gpuvigil.acting import make_acting
 
         # The same function builds the `gpuvigil act` leader's (fleet/act.py).
-        return make_acting(src.scheduler, src.act, store=self.store, cfg=self.cfg)
+        return make_acting(src.scheduler, src.act, store=self.store, cfg=self.cfg, pager=self.pusher.page if self.pusher is not None else None)
 
     def _open_store(self):
         from gpuvigil.api import HintStore

@@ -181,3 +181,20 @@ def test_unusable_outbox_path_is_a_user_error(settings, tmp_path):
     garbage.write_bytes(b"not a database" * 100)
     with pytest.raises(UserError, match="alert outbox"):
         AlertPusher("http://127.0.0.1:9", garbage, settings)
+
+
+def test_breaker_page_goes_through_the_outbox_and_resolves_when_closed(alertmanager, settings, tmp_path):
+    """The acting circuit breaker pages through the same outbox as findings: one alert, firing
+    until the breaker is closed."""
+    pusher = AlertPusher(alertmanager.url, tmp_path / "outbox.sqlite", settings)
+    text = "breaker open: 4 node(s) would have been drained (32 GPU(s)), top causes xid (4)"
+    pusher.page(text, True)
+    assert pusher.flush() == 1
+    [got] = am_alerts(alertmanager, alertname="GpuvigilBreakerOpen")
+    assert got["labels"] == {"alertname": "GpuvigilBreakerOpen", "severity": "page", "kind": "breaker_open", "team": settings.default_team,
+                             "scope": "cluster", "origin": "acting", "incident": "gpuvigil:breaker_open"}
+    assert got["annotations"]["summary"] == text and got["annotations"]["runbook"].endswith("#breaker-open")
+    pusher.page("breaker closed: acting resumes", False)
+    assert pusher.flush() == 1
+    assert am_alerts(alertmanager, alertname="GpuvigilBreakerOpen") == []
+    pusher.close()

@@ -26,6 +26,7 @@ EXPECTED = {
     "fragmentation_oom": ("oom_predicted", {"cause": "fragmentation"}, "set_alloc_conf", True),
     "nccl_hang": ("collective_hang", {"cause": "software", "severity": "page"}, "requeued", True),
     "node_xid79": ("xid", {"xid": 79, "severity": "page", "cause": "hardware"}, "cordoned", True),
+    "mass_xid": ("xid", {"xid": 79, "severity": "page", "cause": "hardware"}, "cordoned", True),
     "ecc_dbe": ("ecc", {"severity": "page", "cause": "hardware"}, "drained", True),
     "thermal_throttle": ("thermal_throttle", {}, "avoid_gpu", False),
     "straggler": ("straggler", {}, "avoid_gpu", False),
@@ -33,7 +34,7 @@ EXPECTED = {
 }
 
 # Seconds from the fault's onset within which its first finding must come.
-LATENCY_BOUND = {"nccl_hang": 10, "node_xid79": 5, "ecc_dbe": 5, "thermal_throttle": 60, "straggler": 60}
+LATENCY_BOUND = {"nccl_hang": 10, "node_xid79": 5, "mass_xid": 5, "ecc_dbe": 5, "thermal_throttle": 60, "straggler": 60}
 # Kinds whose finding must name the faulty GPU itself.
 NAMES_GPU = ("xid", "ecc", "thermal_throttle", "straggler", "collective_hang")
 
@@ -83,6 +84,24 @@ def test_scenario_end_to_end(results, name):
     if resumes:
         resumed = [a for a in res.actions if a["action"] == "placed" and a["job"] == fault["job"] and a["ts"] >= first["ts"]]
         assert resumed, f"{fault['job']} was not placed again after the action"
+
+
+def test_mass_xid_storm_stops_at_the_breaker_cap_with_one_page(results):
+    """A bad driver rollout: fatal XIDs on 6 of 10 nodes in two minutes. The breaker's cap is 25%
+    of the fleet (2 nodes): exactly those are cordoned, it opens once (the page), and the later
+    nodes' hints are held, none applied."""
+    res = results["mass_xid"]
+    faulty = [f["node"] for f in res.injected]
+    assert len(set(faulty)) == 6 and res.nodes == 10
+    assert all(f["kind"] == "xid" for f in res.findings if f["node"] in faulty and f["incident_role"] == "opened")
+    cordoned = [a["node"] for a in res.actions if a["action"] in ("cordoned", "drained")]
+    assert cordoned == faulty[:2]
+    [opened] = [a for a in res.actions if a["action"] == "breaker_open"]
+    assert opened["detail"].startswith("breaker open: 1 node(s) would have been drained (8 GPU(s)), top causes xid (1)")
+    assert opened["ts"] == res.injected[2]["ts"]
+    held = {a["node"] for a in res.actions if a["action"] == "breaker_held" and a["node"]}
+    assert held == set(faulty[2:])
+    assert not [a for a in res.actions if a["ts"] >= opened["ts"] and a["action"] in ("cordoned", "drained", "requeued", "avoid_gpu")]
 
 
 def test_hang_detected_long_before_the_watchdog(results):

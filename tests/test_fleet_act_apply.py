@@ -50,7 +50,8 @@ def parse(argv: list[str]) -> argparse.Namespace:
 
 
 def hang() -> Finding:
-    return Finding(kind=FindingKind.COLLECTIVE_HANG, severity=Severity.PAGE, ts=10.0, job="train-a", ranks=[0, 1], culprit_ranks=[1],
+    # A Slurm job id: the dry-run prints the adapter's own plan, which refuses a name Slurm lacks.
+    return Finding(kind=FindingKind.COLLECTIVE_HANG, severity=Severity.PAGE, ts=10.0, job="4242", ranks=[0, 1], culprit_ranks=[1],
                    node="n1", gpu=1, summary="train-a is hung", source="hang")
 
 

@@ -196,16 +196,18 @@ def test_fleet_survives_nats_detect_and_act_failures(tmp_path):
         assert final.get("act.leader") == survivor_act
         assert "rebuilt from the stream" in (tmp_path / f"{survivor_detect}.log").read_text()
 
-        # No hint issued by both act replicas (the ledger claims each once).
-        hint_ids = []
+        # The act replicas' --hint-db are copies of the fleet's one hint store (the ledger bucket):
+        # the survivor's holds every hint the killed leader stored (none lost with its disk).
+        stored: dict[str, set[str]] = {}
         for name in acts:
             db = tmp_path / f"{name}-hints.sqlite"
             if db.exists():
                 con = sqlite3.connect(db)
-                hint_ids += [r[0] for r in con.execute("SELECT id FROM hints")]
+                stored[name] = {r[0] for r in con.execute("SELECT id FROM hints")}
                 con.close()
+        hint_ids = sorted(set().union(*stored.values()))
         assert hint_ids, "act stored no hint"
-        assert len(hint_ids) == len(set(hint_ids)), f"a hint was issued twice: {sorted(hint_ids)}"
+        assert stored.get(victim_act, set()) <= stored[survivor_act], stored
         # The leader applies them through serve's acting code (--act dry-run: Slurm commands it
         # would run, said once per hint across both replicas and the failovers).
         said = [m.group(1) for name in acts for m in re.finditer(r"act dry-run \(slurm\): hint \S+ (\S+): would run: ", (tmp_path / f"{name}.log").read_text())]
@@ -247,7 +249,10 @@ def test_fleet_survives_nats_detect_and_act_failures(tmp_path):
         assert value(m_act, "gpuvigil_act_hints_claimed_total") >= 1
         # The hang's hints were claimed and described by the survivor (the kill came before them).
         assert value(m_act, "gpuvigil_act_hints_applied_total", outcome="dry_run") >= 1
-        assert value(m_act, "gpuvigil_act_cluster_nodes") == SCENARIO["nodes"]
+        # The node summaries' stream may have had its leader on the killed node too: the view is
+        # whole again once its consumer is recreated on the new leader.
+        wait_for(lambda: value(scrape(acts[survivor_act]), "gpuvigil_act_cluster_nodes") == SCENARIO["nodes"], 60, 1.0,
+                 "the new act leader's cluster view of every node")
         m_detect = scrape(detects[survivor_detect])
         assert value(m_detect, "gpuvigil_detect_partitions_held") == PARTITIONS
         # The NATS node leading the leases bucket died: the survivors lost no lease over it (the

@@ -109,13 +109,13 @@ def test_nats_unreachable_past_the_ttl_keeps_the_lease_unless_another_took_it(mo
 
     async def go():
         kv = FlakyKV(clock)
-        a = Leases(kv, "detect-1", ttl=2.5)  # one KV call bounded at 0.5 s
+        a = Leases(kv, "detect-1", ttl=2.5)  # one KV call bounded at 1 s
         assert await a.take("part.3")
         old_epoch = a.epoch["part.3"]
-        kv.down = True  # each try takes 0.5 s: retried while another try fits in the lease's validity
+        kv.down = True  # each try takes 0.5 s: retried while another call fits in the lease's validity
         assert await a.renew("part.3")
-        assert clock[0] - 1000.0 == 2.0
-        clock[0] += 0.625  # the next round (TTL / 4 later)
+        assert clock[0] - 1000.0 == 1.5
+        clock[0] += 0.625  # the next round (TTL / 4 later): still no answer, validity over
         assert not await a.renew("part.3")
         assert "part.3" in a.revision and not a.valid("part.3")  # not a definite answer: still ours
         kv.expire("part.3")  # the new stream leader expires the entry

@@ -23,6 +23,7 @@ import urllib3
 import yaml
 from kubernetes import client
 
+from gpuvigil.acting import Acting
 from gpuvigil.api.store import HintState, HintStore
 from gpuvigil.model import Finding, FindingKind, Hint, HintAction, Severity
 from gpuvigil.scheduler.kubernetes import KubernetesAdapter, KubernetesError
@@ -243,8 +244,8 @@ def test_blocked_eviction_keeps_the_hint_pending_with_the_reason(api, tmp_path):
     finding = Finding(kind=FindingKind.OOM_FOREIGN_PROCESS, severity=Severity.PAGE, ts=0, job="ml/llama-70b", node=NODE, gpu=0, summary="a foreign process holds 30 GiB")
     with HintStore(tmp_path / "h.db") as store:
         adapter.store = store
-        pipe = pipeline_into(store, [[finding]])
-        pipe.sinks.append(adapter)
+        pipe = pipeline_into(store, [[finding]] * 3)
+        pipe.sinks.append(Acting("kubernetes", "on", store=store, adapter=adapter))  # production's apply loop
         pipe.tick(10.0)
         [rec] = store.hints()
         assert (rec.action, rec.state, rec.attempts) == (HintAction.REQUEUE_JOB, HintState.PENDING, 1)
@@ -282,6 +283,10 @@ def test_api_errors_name_the_call_and_the_answer(api):
 # -- RBAC: deploy/rbac.yaml grants exactly what the adapter calls ------------------------------
 def _rbac_need(r: Req) -> tuple[str, str, str]:
     verb = {"GET": "get", "PATCH": "patch", "POST": "create", "DELETE": "delete"}[r.method]
+    if r.path == "/api/v1/nodes":
+        return ("", "nodes", "list")
+    if re.fullmatch(r"/api/v1/namespaces/[^/]+/events", r.path):
+        return ("", "events", verb)
     m = re.fullmatch(r"/api/v1/nodes/[^/]+(/status)?", r.path)
     if m:
         return ("", "nodes" + (m.group(1) or ""), verb)
@@ -304,6 +309,9 @@ def test_rbac_manifest_grants_exactly_the_calls_the_adapter_makes(api):
     adapter.undo(hint(HintAction.DRAIN_NODE, FindingKind.ECC, node=NODE))
     fake.on("PATCH", "/apis/batch/v1/namespaces/ml/jobs/llama-70b", 404, status_model(404, "NotFound", "not found"))
     adapter.apply(hint(HintAction.COMPACT, job="ml/llama-70b"))
+    fake.on("GET", "/api/v1/nodes", 200, client.V1NodeList(items=[node_model()]))
+    adapter.inventory()
+    adapter.record_quarantine(NODE, {"state": "draining"}, "suspect -> draining")
     needed = {_rbac_need(r) for r in fake.requests}
 
     docs = list(yaml.safe_load_all((REPO / "deploy" / "rbac.yaml").read_text()))
@@ -316,3 +324,84 @@ def test_rbac_manifest_grants_exactly_the_calls_the_adapter_makes(api):
     doc = (REPO / "docs" / "kubernetes-rbac.md").read_text()
     for group, resource, verb in granted:
         assert f"| `{group or 'core'}` | `{resource}` |" in doc and verb in doc
+
+
+def test_dry_run_plan_needs_no_client_and_is_what_apply_runs(api):
+    """`--act dry-run` prints the adapter's own plan; `apply` runs the same steps."""
+    fake, adapter = api
+    offline = KubernetesAdapter(connect=False)
+    h = hint(HintAction.DRAIN_NODE, FindingKind.ECC, node=NODE, job="ml/llama-70b")
+    text = offline.plan(h).describe()
+    assert text == f"cordon node {NODE}, taint gpuvigil.io/ecc={FID}:NoExecute, condition GpuvigilHealthy=False, evict the pods of ml/llama-70b on {NODE}"
+    assert adapter.plan(h).describe() == text
+    assert adapter.apply(h) == f"cordoned {NODE}, tainted gpuvigil.io/ecc={FID}:NoExecute, evicted 2 pod(s)"
+
+
+def test_inventory_and_the_quarantine_audit_on_the_node(api):
+    fake, adapter = api
+    gpu_node = node_model()
+    gpu_node.status = client.V1NodeStatus(allocatable={"nvidia.com/gpu": "8", "cpu": "96"})
+    fake.on("GET", "/api/v1/nodes", 200, client.V1NodeList(items=[gpu_node]))
+    assert adapter.inventory() == {NODE: 8}
+    adapter.record_quarantine(NODE, {"state": "draining", "finding_ids": [FID]}, f"suspect -> draining by rule (applied) [{FID}]")
+    annotate, event = fake.requests[-2:]
+    assert (annotate.method, annotate.path) == ("PATCH", f"/api/v1/nodes/{NODE}")
+    assert json.loads(annotate.body["metadata"]["annotations"]["gpuvigil.io/quarantine"]) == {"state": "draining", "finding_ids": [FID]}
+    assert (event.method, event.path) == ("POST", "/api/v1/namespaces/default/events")
+    assert event.body["involvedObject"] == {"kind": "Node", "name": NODE, "apiVersion": "v1"}
+    assert (event.body["reason"], event.body["type"]) == ("QuarantineDraining", "Warning")
+    assert FID in event.body["message"]
+
+
+def test_acting_on_kubernetes_stops_at_the_breaker_and_leaves_an_operators_cordon(tmp_path):
+    """Production's apply loop over the adapter, the API faked as above (FakeApiServer under the
+    real client): a storm of fatal XIDs on 3 of 4 nodes cordons one (25% of the fleet), opens the
+    breaker with one page and patches nothing more; a node an operator cordoned is recorded as
+    operator_held and its cordon is never lifted."""
+    from gpuvigil.quarantine import QuarantineStore, State
+
+    fake = FakeApiServer()
+    api_client = client.ApiClient(client.Configuration(host="https://k8s.invalid:6443"))
+    api_client.rest_client.pool_manager = fake
+    names = [f"gpu-node-{i}" for i in range(1, 5)]
+    listed = []
+    for n in names:
+        m = node_model(unschedulable=True if n == "gpu-node-4" else None)
+        m.metadata.name = n
+        m.status = client.V1NodeStatus(allocatable={"nvidia.com/gpu": "8"})
+        fake.on("GET", f"/api/v1/nodes/{n}", 200, m)
+        listed.append(m)
+    fake.on("GET", "/api/v1/nodes", 200, client.V1NodeList(items=listed))
+    pages = []
+
+    def xid_on(node):
+        return Finding(kind=FindingKind.XID, severity=Severity.PAGE, ts=0, node=node, gpu=0, xid=79, evidence={"fatal": True}, summary=f"XID 79 on {node}")
+
+    with HintStore(tmp_path / "h.db") as store:
+        adapter = KubernetesAdapter(api_client, store=store)
+        acting = Acting("kubernetes", "on", store=store, adapter=adapter, quarantine=QuarantineStore(tmp_path / "q.db"), pager=lambda t, firing: pages.append(t))
+        pipe = pipeline_into(store, [[xid_on(n) for n in names[:3]]] * 3)
+        pipe.sinks.append(acting)
+        pipe.tick(10.0)
+        pipe.tick(11.0)
+        cordons = [r.path for r in fake.requests if r.method == "PATCH" and (r.body or {}).get("spec", {}).get("unschedulable") is True]
+        assert cordons == ["/api/v1/nodes/gpu-node-1"]
+        # The page counts every node held back in the tick that tripped it.
+        assert len(pages) == 1 and pages[0].startswith("breaker open: 2 node(s) would have been drained (16 GPU(s)), top causes xid (2)")
+        assert acting.machine.get("gpu-node-2").state == acting.machine.get("gpu-node-3").state == State.SUSPECT
+        # The audit trail on the node: its quarantine annotation and an Event.
+        notes = [json.loads(r.body["metadata"]["annotations"]["gpuvigil.io/quarantine"]) for r in fake.requests
+                 if r.method == "PATCH" and r.path == "/api/v1/nodes/gpu-node-1" and "gpuvigil.io/quarantine" in (r.body or {}).get("metadata", {}).get("annotations", {})]
+        assert [n["state"] for n in notes] == ["suspect", "cordoned"]
+        assert any(r.method == "POST" and r.path == "/api/v1/namespaces/default/events" for r in fake.requests)
+
+    with HintStore(tmp_path / "h2.db") as store:
+        acting = Acting("kubernetes", "on", store=store, adapter=KubernetesAdapter(api_client, store=store), quarantine=QuarantineStore(tmp_path / "q2.db"))
+        pipe = pipeline_into(store, [[xid_on("gpu-node-4")]])
+        pipe.sinks.append(acting)
+        before = len(fake.requests)
+        for t in (10.0, 700.0, 701.0, 1400.0, 1401.0, 1402.0):  # cleared at 700 (XID), far past the hold-down
+            pipe.tick(t)
+        assert acting.machine.get("gpu-node-4").state == State.OPERATOR_HELD
+        lifted = [r for r in fake.requests[before:] if r.method == "PATCH" and (r.body or {}).get("spec", {}).get("unschedulable", True) is None]
+        assert lifted == []

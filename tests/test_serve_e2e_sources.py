@@ -315,12 +315,14 @@ def test_kubernetes_act_on_cordons_through_the_adapter(tmp_path, monkeypatch):
     api_client = client.ApiClient(client.Configuration(host="https://k8s.invalid:6443"))
     api_client.rest_client.pool_manager = fake
     fake.on("GET", f"/api/v1/nodes/{NODE}", 200, node_model())
+    fake.on("GET", "/api/v1/nodes", 200, client.V1NodeList(items=[node_model()]))
     monkeypatch.setattr(KubernetesAdapter, "_default_client", staticmethod(lambda: api_client))
     kern = tmp_path / "kern.log"
     kern.write_text("")
-    # The XID is reported for 3 s and cleared 1 s later, so the undo runs within the test.
+    # The XID is reported for 3 s and cleared 1 s later, and the node returns after a 1 s
+    # hold-down, so the undo runs within the test.
     cfg = tmp_path / "fast-clear.yaml"
-    cfg.write_text("detectors: {xid: {report_seconds: 3}}\npipeline: {clear_after_seconds: {xid: 1}}\n")
+    cfg.write_text("detectors: {xid: {report_seconds: 3}}\npipeline: {clear_after_seconds: {xid: 1}}\nacting: {hold_down_seconds: 1}\n")
     server = Server(flags("--port", "0", "--kernel-log", str(kern), "--scheduler", "kubernetes", "--act", "on", "--node", NODE,
                           "--hint-db", str(tmp_path / "h.sqlite"), "--config", str(cfg)))
     server.start()
@@ -334,7 +336,11 @@ def test_kubernetes_act_on_cordons_through_the_adapter(tmp_path, monkeypatch):
         patches = [r for r in fake.requests if r.method == "PATCH"]
         assert any(r.path == f"/api/v1/nodes/{NODE}" and r.body.get("spec", {}).get("unschedulable") is True for r in patches), patches
         assert any(r.path == f"/api/v1/nodes/{NODE}/status" for r in patches)
-        # The cause clears: the hint expires and the adapter's undo runs (condition back to True).
+        # What the API server holds now: the node cordoned and tainted by gpuvigil.
+        ours = client.V1Taint(key="gpuvigil.io/xid", value=hint.finding_id, effect="NoSchedule")
+        fake.on("GET", f"/api/v1/nodes/{NODE}", 200, node_model(annotations={"gpuvigil.io/cordoned-by": hint.finding_id}, unschedulable=True, taints=[ours]))
+        # The cause clears and stays quiet for the hold-down: the adapter's undo runs (taint and
+        # cordon removed, condition back to True).
         wait_for(lambda: server.acting.counts.get(("undo_cordon_node", "done")), 30, what="the undo")
         server.stop()
         thread.join(30)

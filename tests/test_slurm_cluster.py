@@ -2,9 +2,10 @@
 slurmd (Debian slurm-wlm 22.05), 8 gres GPUs per node backed by placeholder device files.
 
 The drill: a GPU batch job runs; an ECC finding on its node goes through the real pipeline, the
-hint store and the adapter → the node is drained with a reason naming the finding, the job is
-requeued away from it and runs again elsewhere; when the cause clears the hint expires and the
-node is resumed (idle, usable again). Plus: requeue-and-hold, OOM evidence (signal 9, exit 137),
+hint store and production's apply loop (`gpuvigil.acting.Acting`) → the node is drained with a
+reason naming the finding, the job is requeued away from it and runs again elsewhere; when the
+cause clears the hint expires, a quiet tick does not resume the node, and it is resumed (idle,
+usable again) only after the hold-down. Plus: requeue-and-hold, OOM evidence (signal 9, exit 137),
 failures that leave hints pending, unsupported hints nacked, and the non-JSON fallback reader.
 """
 
@@ -14,8 +15,10 @@ import os
 
 import pytest
 
+from gpuvigil.acting import Acting
 from gpuvigil.api.store import HintState, HintStore
 from gpuvigil.model import Finding, FindingKind, Hint, HintAction, Severity
+from gpuvigil.quarantine import ActingConfig, QuarantineStore, State
 from gpuvigil.scheduler.slurm import Slurm, SlurmAdapter, SlurmError, SlurmState, SlurmStateCollector
 from h_api_helpers import pipeline_into
 from slurm_cluster import SlurmCluster, missing_binaries
@@ -89,8 +92,10 @@ def test_drain_requeue_resume_drill_from_a_hint(cluster, slurm, tmp_path):
     with HintStore(tmp_path / "hints.db") as store:
         adapter = SlurmAdapter(slurm, store=store)
         finding = ecc_on(node, job)
-        pipe = pipeline_into(store, [[finding]] * 2, clear_after=30.0)
-        pipe.sinks.append(adapter)  # after the store: the adapter applies what the store holds
+        # Reported twice, quiet for two ticks, back once, then quiet for good.
+        pipe = pipeline_into(store, [[finding], [finding], [], [], [finding]], clear_after=30.0)
+        acting = Acting("slurm", "on", store=store, adapter=adapter, cfg=ActingConfig(hold_down_seconds=60), quarantine=QuarantineStore(tmp_path / "q.db"))
+        pipe.sinks.append(acting)  # after the store: production's apply loop acts on what the store holds
         pipe.tick(1000.0)
 
         hints = {h.action: h for h in store.hints()}
@@ -102,6 +107,7 @@ def test_drain_requeue_resume_drill_from_a_hint(cluster, slurm, tmp_path):
         assert state in ("draining", "drained")
         assert reason.startswith(f"gpuvigil drain ecc {finding.id}: ecc: 2 double-bit ECC errors on {node} GPU 1")
         assert hints[HintAction.DRAIN_NODE].state_reason.startswith(f"scontrol drained {node}")
+        assert acting.machine.get(node).state == State.DRAINING
 
         # Requeued away from the bad node, and running again on the other one.
         assert cluster.job_field(job, "ExcNodeList") == node
@@ -116,12 +122,28 @@ def test_drain_requeue_resume_drill_from_a_hint(cluster, slurm, tmp_path):
         row = frames["jobs"].filter(frames["jobs"]["job"] == job).to_dicts()[0]
         assert (row["state"], row["restarts"], row["excluded_nodes"]) == ("running", 1, node)
 
-        # The cause clears: the hints expire and the adapter resumes the node it drained.
+        # The cause clears: the hints expire, but a quiet tick does not resume the node.
         pipe.tick(1010.0)
         pipe.tick(1100.0)
         assert {h.state for h in store.hints()} == {HintState.EXPIRED}
+        pipe.tick(1101.0)
+        assert cluster.node_state(node)[0] == "drained"
+        assert acting.machine.get(node).state == State.REMEDIATING
+        # It comes back: the node stays out, back to draining.
+        pipe.tick(1102.0)
+        assert acting.machine.get(node).state == State.DRAINING
+        for t in (1200.0, 1250.0):  # quiet again, for less than the hold-down
+            pipe.tick(t)
+        assert cluster.node_state(node)[0] == "drained"
+        resumes = [c for c in slurm.calls if "State=RESUME" in c]
+        assert resumes == []
+        # Quiet for the hold-down: returned to service, once.
+        for t in (1261.0, 1262.0, 1263.0):
+            pipe.tick(t)
         cluster.wait_for(lambda: cluster.node_state(node)[0] == "idle", 30, f"{node} idle after resume")
         assert cluster.node_state(node)[1] in ("", "none")
+        assert [c for c in slurm.calls if "State=RESUME" in c] == [["scontrol", "update", f"NodeName={node}", "State=RESUME"]]
+        assert [t.to_state for t in acting.machine.history(node)] == ["suspect", "draining", "remediating", "draining", "remediating", "verifying", "healthy"]
 
     # The node takes work again.
     again = cluster.sbatch("--gres=gpu:8", "-w", node, "--wrap", "sleep 300")
@@ -134,9 +156,8 @@ def test_cordon_then_requeue_and_hold_then_resume_runs_the_job_again(cluster, sl
     adapter = SlurmAdapter(slurm)
     cordon = Hint(action=HintAction.CORDON_NODE, ts=0, reason="xid 79: GPU fell off the bus", finding_id="f" * 16, finding_kind=FindingKind.XID, node=node)
     requeue = Hint(action=HintAction.REQUEUE_JOB, ts=0, reason="xid 79", finding_id="f" * 16, finding_kind=FindingKind.XID, job=job, params={"hold": True})
-    outcome = adapter.apply_pending([cordon, requeue])
-    assert outcome[cordon.id].startswith(f"acked: scontrol drained {node}: gpuvigil cordon xid ffffffffffffffff: xid 79")
-    assert outcome[requeue.id] == f"acked: job {job} requeued and held"
+    assert adapter.apply(cordon).detail.startswith(f"scontrol drained {node}: gpuvigil cordon xid ffffffffffffffff: xid 79")
+    assert adapter.apply(requeue).detail == f"job {job} requeued and held"
     # Cordon = drain without killing: the requeue, not the cordon, stopped the job.
     assert cluster.wait_for(lambda: cluster.job_field(job, "JobState") in ("PENDING", "REQUEUE_HOLD") and cluster.job_field(job, "Reason"), 30, "job held")
     assert cluster.job_field(job, "Reason") in ("JobHeldAdmin", "job_requeued_in_held_state")
@@ -181,29 +202,31 @@ def test_oom_evidence_from_signal_9_and_exit_137(cluster, slurm):
 
 def test_failed_command_leaves_the_hint_pending_and_a_retry_applies_it(cluster, tmp_path):
     with HintStore(tmp_path / "h.db") as store:
-        pipe = pipeline_into(store, [[ecc_on("gvnode1", None)], [ecc_on("gvnode1", None)]])
+        pipe = pipeline_into(store, [[ecc_on("gvnode1", None)]] * 3)
         # A controller that does not answer: a conf whose SlurmctldPort nobody listens on.
         dead_conf = tmp_path / "dead.conf"
         text = cluster.conf.read_text().replace(f"SlurmctldPort={cluster.ports['slurmctld']}", "SlurmctldPort=9")
         dead_conf.write_text(text)
-        dead = SlurmAdapter(Slurm(timeout=3, env={"SLURM_CONF": str(dead_conf)}), store=store)
+        dead = Acting("slurm", "on", store=store, adapter=SlurmAdapter(Slurm(timeout=3, env={"SLURM_CONF": str(dead_conf)}), store=store))
+        pipe.sinks.append(dead)
         pipe.tick(100.0)
-        outcome = dead.apply_pending()
         [hint] = store.hints()
-        assert outcome[hint.id].startswith("failed: `sinfo --json`")  # reading the node state first
+        assert hint.last_error.startswith("`sinfo --json`")  # reading the node state first
         assert hint.state == HintState.PENDING
         assert hint.attempts == 1
         assert ("timed out after 3s" in hint.last_error) or ("Unable to contact slurm controller" in hint.last_error), hint.last_error
         assert cluster.node_state("gvnode1")[0] == "idle"
+        assert dead.counts[("drain_node", "failed")] == 1
 
         # Backoff: a retry right away is not due yet (5 s after the first failure by default).
-        assert dead.apply_pending() == {}
+        pipe.tick(101.0)
         assert store.get_hint(hint.id).attempts == 1
         from gpuvigil import config
 
         no_backoff = config.load(overrides={"api": {"slurm": {"retry_base_seconds": 0}}})
         live = SlurmAdapter(Slurm(timeout=20, env={"SLURM_CONF": str(cluster.conf)}), store=store, cfg=no_backoff)
-        live.apply_pending()
+        pipe.sinks[-1] = Acting("slurm", "on", store=store, adapter=live)
+        pipe.tick(102.0)
         hint = store.get_hint(hint.id)
         assert (hint.state, hint.attempts, hint.last_error) == (HintState.ACKED, 2, None)
         assert cluster.node_state("gvnode1")[0] == "drained"
@@ -227,7 +250,7 @@ def test_hints_slurm_cannot_express_are_nacked_with_the_reason(cluster, slurm, t
     with HintStore(tmp_path / "h.db") as store:
         straggler = Finding(kind=FindingKind.STRAGGLER, severity=Severity.TICKET, ts=0, node="gvnode1", gpu=3, job="1", summary="slow GPU 3")
         pipe = pipeline_into(store, [[straggler]])
-        pipe.sinks.append(SlurmAdapter(slurm, store=store))
+        pipe.sinks.append(Acting("slurm", "on", store=store, adapter=SlurmAdapter(slurm, store=store)))
         pipe.tick(10.0)
         [hint] = store.hints()
         assert (hint.action, hint.state) == (HintAction.AVOID_GPU, HintState.NACKED)

@@ -268,6 +268,25 @@ class AlertPusher:
                 self._enqueue(cur, finding.id, "resolved", alert, now)
                 cur.execute("DELETE FROM sent WHERE fingerprint = ?", (finding.id,))
 
+    def page(self, text: str, firing: bool = True, *, name: str = "breaker_open") -> None:
+        """An alert about gpuvigil's own acting (the circuit breaker), through the same outbox
+        and delivery as findings: firing until `page(..., firing=False)` resolves it. It pages
+        the platform team; endsAt lies far ahead, since only a person ends it."""
+        now = self.clock()
+        fingerprint = f"gpuvigil:{name}"
+        labels = {"alertname": f"Gpuvigil{''.join(p.capitalize() for p in name.split('_'))}", "severity": "page", "kind": name,
+                  "team": self.settings.default_team, "scope": "cluster", "origin": "acting", "incident": fingerprint}
+        # Kept out of `sent` (the findings' resend timer would give it a near endsAt): one row,
+        # delivered with the outbox's retries; Alertmanager repeats the notification while firing.
+        alert = {
+            "labels": labels,
+            "annotations": {"summary": text, "runbook": self.settings.runbook(name.replace("_", "-"))},
+            "startsAt": _rfc3339(now),
+            "endsAt": _rfc3339(now + 30 * 86400 if firing else now),
+        }
+        with sqlitedb.transaction(self.db, self._lock):
+            self._enqueue(self.db.cursor(), fingerprint, "firing" if firing else "resolved", alert, now)
+
     def _enqueue(self, cur: sqlite3.Cursor, fingerprint: str, status: str, alert: dict[str, Any], now: float) -> None:
         if status == "firing":
             # A newer firing state supersedes undelivered firing rows queued after the last

@@ -28,6 +28,7 @@ from pydantic import BaseModel, Field, field_validator
 from gpuvigil.api.auth import bearer_auth, check_bind, is_loopback
 from gpuvigil.api.config import ApiConfig, NodeHealthRules, api_config  # noqa: F401 - re-exported
 from gpuvigil.api.store import BlankReason, FindingRecord, HintNotFound, HintRecord, HintState, HintStateConflict, HintStore
+from gpuvigil.api.quarantine_routes import add_quarantine_routes
 from gpuvigil.api.why import WhyProvider, add_why_route
 from gpuvigil.errors import UserError
 from gpuvigil.model import FindingKind, HintAction, Severity
@@ -515,6 +516,7 @@ def create_app(
         return Response(content=body.encode(), media_type="application/json")
 
     add_why_route(router, why)  # GET /v1/jobs/{job}/why (gpuvigil/api/why.py)
+    add_quarantine_routes(router, store.path, cfg)  # /v1/breaker, /v1/nodes/{node}/quarantine
     app.include_router(router)
     return app
 

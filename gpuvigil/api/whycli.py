@@ -1,10 +1,13 @@
-"""`gpuvigil why JOB`: ask a running feedback API (`gpuvigil serve --api-port`) why the built-in
-scheduler placed a job where it is, or why the job still waits, and print it for a human."""
+"""`gpuvigil why JOB|NODE`: ask a running feedback API (`gpuvigil serve --api-port`) why the built-in
+scheduler placed a job where it is, or why the job still waits; or, for a node gpuvigil acted on,
+what it did and why: each quarantine state, its causes and every move with who made it (the
+quarantine file beside the hint store, through the API or read directly with --hint-db)."""
 
 from __future__ import annotations
 
 import argparse
 import json
+import time
 from pathlib import Path
 from typing import Any
 from urllib.parse import quote
@@ -28,7 +31,8 @@ def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
             f"reservation or preemption holding it). Token from --token-file or ${TOKEN_ENV}."
         ),
     )
-    p.add_argument("job", help="job name")
+    p.add_argument("job", metavar="NAME", help="a job name, or a node name: what gpuvigil did to the node and why (its quarantine history)")
+    p.add_argument("--hint-db", default=None, help="read a node's quarantine history from the file beside this hint store instead of the API")
     p.add_argument("--url", default=DEFAULT_URL, help=f"feedback API base URL (default {DEFAULT_URL})")
     p.add_argument("--token-file", type=Path, default=None, help=f"file holding the bearer token (else ${TOKEN_ENV})")
     p.add_argument("--timeout", type=float, default=10.0, help="seconds to wait for the API (default 10)")
@@ -100,12 +104,73 @@ def render(got: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+def fetch_node(url: str, node: str, token: str | None, timeout: float) -> dict[str, Any] | None:
+    """The node's quarantine records from the API, or None (not a node gpuvigil acted on, or no
+    answer: the job route then says why)."""
+    import httpx
+
+    headers = {"Authorization": f"Bearer {token}"} if token else {}
+    try:
+        r = httpx.get(f"{url.rstrip('/')}/v1/nodes/{quote(node, safe='')}/quarantine", headers=headers, timeout=timeout)
+    except httpx.HTTPError:
+        return None
+    if r.status_code != 200:
+        return None
+    try:
+        body = r.json()
+    except ValueError:
+        return None
+    return body if isinstance(body, dict) and "records" in body else None
+
+
+def render_node(got: dict[str, Any]) -> str:
+    """`gpuvigil why NODE`: each record's state, its causes, and every move with who and why."""
+    lines = [f"node {printable(got['node'], 200)}:"]
+    for r in got["records"]:
+        what = "node" if r.get("gpu") is None else f"GPU {r['gpu']}"
+        lines.append(f"  {what}: {r['state']} since {time.strftime('%Y-%m-%dT%H:%M:%SZ', time.gmtime(r['since']))}" + (f" ({printable(r['applied'], 300)})" if r.get("applied") else ""))
+        for c in r.get("causes", {}).values():
+            quiet = "active" if c.get("quiet_since") is None else f"quiet since {time.strftime('%H:%M:%SZ', time.gmtime(c['quiet_since']))}"
+            lines.append(f"    cause {printable(c['kind'], 40)} {printable(c['finding_id'], 40)} ({quiet}): {printable(c.get('summary', ''), 300)}")
+    if got.get("history"):
+        lines.append("  history (oldest first):")
+    for t in got.get("history", []):
+        when = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(t["ts"]))
+        gpu = "" if t.get("gpu") is None else f" GPU {t['gpu']}"
+        ids = f" [{', '.join(t['finding_ids'])}]" if t.get("finding_ids") else ""
+        lines.append(f"    {when}{gpu} {t['from_state']} -> {t['to_state']} by {printable(t['who'], 80)} ({printable(t['rule'], 60)}): {printable(t['cause'], 300)}{ids}"
+                     + (f"; {printable(t['detail'], 300)}" if t.get("detail") else ""))
+    return "\n".join(lines)
+
+
+def _local_node(hint_db: str, node: str) -> dict[str, Any]:
+    from gpuvigil.quarantine import QuarantineMachine, store_beside
+
+    db = Path(hint_db)
+    side = db.with_name(db.stem + ".quarantine.db")
+    if not side.exists():
+        raise UserError(f"{side}: no quarantine state (gpuvigil has not acted with --hint-db {db})")
+    with store_beside(db) as store:
+        got = QuarantineMachine(store).why(node)
+    if not got["records"] and not got["history"]:
+        raise UserError(f"gpuvigil never took {printable(node, 200)!r} out of service ({side})")
+    return got
+
+
 def run(args: argparse.Namespace) -> int:
     if not args.job.strip():
-        raise UserError("JOB must not be blank")
+        raise UserError("NAME must not be blank")
     if not 0 < args.timeout <= 600:
         raise UserError("--timeout must be in (0, 600] seconds")
+    if args.hint_db:
+        got = _local_node(args.hint_db, args.job)
+        print(json.dumps(got, indent=2) if args.json else render_node(got))
+        return 0
     token = resolve_token(args.token_file)
+    node = fetch_node(args.url, args.job, token, args.timeout)
+    if node is not None:
+        print(json.dumps(node, indent=2) if args.json else render_node(node))
+        return 0
     got = fetch(args.url, args.job, token, args.timeout)
     print(json.dumps(got, indent=2) if args.json else render(got))
     return 0

@@ -37,6 +37,7 @@ _Loader = getattr(yaml, "CSafeLoader", yaml.SafeLoader)  # libyaml when the whee
 # Sub-keys validated by their own model are given as "section.key". A new default YAML file
 # needs its entry here (a test checks that every default section has one).
 SECTIONS: dict[str, str | dict[str, str]] = {
+    "acting": "gpuvigil.quarantine:ActingConfig",
     "alerts": "gpuvigil.alerts.settings:AlertSettings",
     "allocator": "gpuvigil.collectors.allocator:AllocatorConfig",
     "api": "gpuvigil.api.config:ApiConfig",

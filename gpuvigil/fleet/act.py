@@ -11,10 +11,12 @@ read from `gv.cluster.>`), so its findings take that path too. `--metrics-port` 
 A finding processed twice never pages or acts twice:
 - alerts: the pusher re-sends firing alerts with the same labels, which Alertmanager merges into
   the alert it already notified (a new leader re-sends what the old one sent: no new page);
-- hints: a hint is stored and applied only by the leader that claims it in the ledger bucket
-  (`create` of `hint.<id>` succeeds once), so a new leader, or the same finding read twice, never
-  issues it again. The ledger also records each finding's episode (`finding.<id>`: firing or
-  resolved) for the record of who paged what.
+- hints: a hint is issued by the leader that claims it in the ledger bucket (`create` of
+  `hint.<id>` succeeds once), after it recorded the hint in the fleet's one hint store (the same
+  bucket, `rec.<id>`: gpuvigil.fleet.hints; `--hint-db` is the leader's working copy, loaded when
+  its term starts). What acting did is recorded there too, so a new leader applies what an earlier
+  one recorded but never applied, and repeats nothing it did. The ledger also records each
+  finding's episode (`finding.<id>`: firing or resolved) for the record of who paged what.
 """
 
 from __future__ import annotations
@@ -51,7 +53,7 @@ def add_parser(sub) -> None:
     p.add_argument("--id", help="replica id (default: hostname-pid)")
     p.add_argument("--alertmanager", action="append", default=[], help="Alertmanager base URL; repeat for every peer of a cluster (default: alerts.alertmanagers)")
     p.add_argument("--outbox", default="gpuvigil-act-outbox.sqlite", help="SQLite alert outbox of this replica")
-    p.add_argument("--hint-db", help="hint store (SQLite) of the hints this replica issues as leader")
+    p.add_argument("--hint-db", help="this replica's working copy (SQLite) of the fleet's hint store, loaded from NATS when it becomes leader")
     p.add_argument("--api-port", type=int, help="while leader, also serve the scheduler feedback API over --hint-db on this port (0: a free one)")
     p.add_argument("--api-host", default="127.0.0.1", help="address of the feedback API (default 127.0.0.1)")
     p.add_argument("--api-token-file", type=Path, help="bearer token file of the feedback API (else $GPUVIGIL_API_TOKEN)")
@@ -281,6 +283,8 @@ class Act:
         self.ledger: Ledger | None = None
         self.metrics_port: int | None = None
         self.sinks: list[Any] = []
+        self.store: Any = None  # the leader's --hint-db: its working copy of the fleet's hint store
+        self.shared: Any = None  # gpuvigil.fleet.hints.SharedHints over the ledger bucket, while leader
         self.closers: list[Any] = []
         self.pusher = None
         self.api = None
@@ -304,6 +308,7 @@ class Act:
             from gpuvigil.api import HintStore
 
             store = HintStore(self.args.hint_db)
+            self.store = store
             self.sinks.append(store)
             self.closers.append(store.close)
             if self.args.api_port is not None:
@@ -327,7 +332,7 @@ class Act:
         from gpuvigil.acting import make_acting
 
         src = self.sources_cfg
-        self.acting = make_acting(src.scheduler, src.act, store=store, cfg=self.cfg)
+        self.acting = make_acting(src.scheduler, src.act, store=store, cfg=self.cfg, pager=self.pusher.page if self.pusher is not None else None)
         if self.acting is not None:
             print(f"gpuvigil act {self.id}: act {self.acting.mode} on {self.acting.scheduler}", flush=True)
 
@@ -413,17 +418,34 @@ class Act:
 
     async def _tick(self, now: float, ledger: Ledger) -> None:
         result = await asyncio.to_thread(self.pipeline.tick, now)
+        recorded = True
+        if self.shared is not None:
+            # Recorded first, in the fleet's hint store (gpuvigil.fleet.hints), then claimed and
+            # applied: a leader that dies in between leaves them to the next one, never lost.
+            self.store.on_tick(result, self.pipeline.window)
+            recorded = await self._push_hints()
         await ledger.gate(result)
         for f in result.new_findings:
             log.info("act %s: finding %s %s: %s", self.id, f.severity.value, f.kind.value, f.summary)
         self.stats.on_tick(self, result, now)
         for sink in self.sinks:
-            sink.on_tick(result, self.pipeline.window)
-        if self.acting is not None:
+            if sink is not self.store or self.shared is None:
+                sink.on_tick(result, self.pipeline.window)
+        if self.acting is not None and recorded:
             # After the store (which records the claimed hints first); scontrol / API calls run
             # off the event loop so the lease keeps being renewed.
             await asyncio.to_thread(self.acting.on_tick, result, self.pipeline.window)
+            if self.shared is not None:
+                await self._push_hints()  # what was applied or noted: the next leader does not repeat it
         self.ticks += 1
+
+    async def _push_hints(self) -> bool:
+        try:
+            await self.shared.push()  # type: ignore[union-attr]
+        except Exception as exc:  # noqa: BLE001 - NATS cannot take them now: nothing is applied until it can
+            log.warning("act %s: the fleet's hint store cannot take this tick's hints (%s); applying nothing until it can", self.id, exc)
+            return False
+        return True
 
     async def run(self) -> None:
         nc = await transport.connect(self.fleet, f"gpuvigil-act-{self.id}", role=NAME)
@@ -453,6 +475,18 @@ class Act:
                     print(f"gpuvigil act {self.id}: leader", flush=True)
                     self.stats.leader_terms += 1
                     self._open_outputs()
+                    if self.store is not None:
+                        from gpuvigil.fleet.hints import SharedHints
+
+                        self.shared = SharedHints(ledger.kv, self.store)
+                        loaded = False
+                        while not loaded and leases.valid(LEADER_KEY):
+                            try:  # every earlier leader's hints, before this one ticks or serves
+                                await self.shared.load()
+                                loaded = True
+                            except Exception as exc:  # noqa: BLE001 - NATS failing over: retried
+                                log.warning("act %s: cannot load the fleet's hint store yet: %s", self.id, exc)
+                                await asyncio.sleep(0.5)
                     reader = asyncio.gather(
                         self._read(self.subjects.findings_stream, f"{self.subjects.prefix}.findings.>", self._on_findings, "findings"),
                         self._read(self.subjects.cluster_stream, f"{self.subjects.prefix}.cluster.>", self._on_cluster, "cluster"),
@@ -468,6 +502,7 @@ class Act:
                     self.sinks = []
                     self.acting = None
                     self.pusher = None
+                    self.store = self.shared = None
                 if self.leader_since is not None and leases.valid(LEADER_KEY):
                     now = self.clock.now
                     if math.isfinite(now) and now - self.last_tick >= self.pipeline.config.tick_seconds:

@@ -37,7 +37,7 @@ class Leases:
         self.epoch: dict[str, int] = {}  # key → the revision at which we took it (the fencing token)
         self.renewed_at: dict[str, float] = {}
         # One KV round trip at most this long; a renewal retries until the lease would be invalid.
-        self.call_timeout = max(0.5, ttl / 5)
+        self.call_timeout = max(1.0, ttl / 3)
         self.adopted = 0  # writes whose acknowledgement was lost, recognised as ours afterwards
         self.retaken = 0  # keys that expired while NATS could not be reached, taken again
 

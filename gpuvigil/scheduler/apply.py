@@ -1,6 +1,7 @@
-"""How scheduler adapters (Slurm, Kubernetes) report back on the hints they apply.
+"""How scheduler adapters (Slurm, Kubernetes) plan, apply and report back on hints.
 
-An adapter's `apply(hint)` either succeeds (the hint is acked with what was done), raises
+An adapter's `plan(hint)` returns a `Plan`: the steps it would take, each with the text a
+dry-run prints. `apply(hint)` is `plan(hint).execute()`: the same steps, run. It either succeeds (the hint is acked with what was done), raises
 `Unsupported` (the hint is nacked with the reason: that scheduler cannot express it), or raises
 `ApplyError` (a command or API call failed: the hint stays pending with the error recorded, and
 is tried again). Nothing is lost on failure.
@@ -8,7 +9,6 @@ is tried again). Nothing is lost on failure.
 
 from __future__ import annotations
 
-import time
 from collections.abc import Callable, Iterable
 from typing import Any
 
@@ -66,53 +66,31 @@ def apply_hints(apply: Callable[[Hint], str], hints: Iterable[Hint], *, store: A
     return outcome
 
 
-class HintApplier:
-    """What the Slurm and Kubernetes adapters share: applying the store's pending hints (those
-    due for a retry) and, as a pipeline sink, undoing what they did when a hint expires.
+class Step:
+    """One thing an adapter does for a hint: `text` is what a dry-run prints and the log says,
+    `run` does it and returns what was done ("" when there was nothing to do)."""
 
-    A subclass provides `outcome(hint) -> str` (apply it, return what was done), `undo(hint)`,
-    and the attributes `store`, `retry`, `config` (retry_base_seconds, retry_max_seconds),
-    `undo_errors` and `last_error`.
-    """
+    __slots__ = ("run", "text")
 
-    store: Any
-    retry: dict[str, Hint]
-    config: Any
-    undo_errors: int
-    last_error: str | None
+    def __init__(self, text: str, run: Callable[[], str]):
+        self.text = text
+        self.run = run
 
-    def outcome(self, hint: Hint) -> str:
-        raise NotImplementedError
 
-    def undo(self, hint: Hint) -> str | None:
-        raise NotImplementedError
+class Plan:
+    """What an adapter would do for one hint, as it will do it: `describe()` is the dry-run
+    text and `execute()` runs the very same steps. `outcome` says, after `execute()`, whether
+    the node turned out to be someone else's ("not_ours": an operator's drain or cordon, left as
+    it is) or not to need it ("absent": an undo found nothing of ours to take back)."""
 
-    def apply_pending(self, hints: Iterable[Hint] | None = None) -> dict[str, str]:
-        """Apply hints (default: every pending hint in the store that is due). Returns hint id →
-        `acked: ...`, `nacked: ...` or `failed: ...`; failures never raise here."""
-        if hints is None:
-            if self.store is None:
-                raise ValueError("apply_pending() without hints needs a store")
-            now = time.time()
-            hints = [
-                r.to_hint()
-                for r in self.store.pending_hints()
-                if due_for_retry(r, now, self.config.retry_base_seconds, self.config.retry_max_seconds)
-            ]
-        return apply_hints(self.outcome, hints, store=self.store, retry=self.retry)
+    def __init__(self, hint: Hint, steps: list[Step]):
+        self.hint = hint
+        self.steps = steps
+        self.outcome = "done"
 
-    def on_tick(self, result: Any, window: Any = None) -> None:
-        """Pipeline sink. Put it after the HintStore in the sink list so the store has the hints."""
-        for hint in result.expired_hints:
-            self.retry.pop(hint.id, None)
-            try:
-                self.undo(hint)
-            except ApplyError as exc:
-                # Counted, not raised into the loop: the node keeps its drain/taint (the safe
-                # side) until an operator looks.
-                self.undo_errors += 1
-                self.last_error = str(exc)
-        if self.store is not None:
-            self.apply_pending()
-        else:
-            self.apply_pending(list(self.retry.values()) + list(result.new_hints))
+    def describe(self) -> str:
+        return ", ".join(s.text for s in self.steps) or "nothing"
+
+    def execute(self) -> str:
+        done = [d for d in (s.run() for s in self.steps) if d]
+        return ", ".join(done)

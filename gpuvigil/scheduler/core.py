@@ -20,6 +20,7 @@ import polars as pl
 
 from gpuvigil import schemas
 from gpuvigil.model import Hint
+from gpuvigil.quarantine import acting_config
 from gpuvigil.recentlog import RecentLog
 from gpuvigil.scheduler import actions as actions_mod
 from gpuvigil.scheduler.config import SchedulerConfig, load_scheduler_config
@@ -35,6 +36,9 @@ class Scheduler:
         if len(set(names)) != len(names):
             raise ValueError("node names must be unique")
         self.config: SchedulerConfig = load_scheduler_config(cfg)
+        # The health plugin's circuit breaker: the `acting` section of a whole config, defaults
+        # otherwise (a SchedulerConfig alone says nothing about acting).
+        self.breaker_config = acting_config(None if isinstance(cfg, SchedulerConfig) else cfg).breaker
         self._dirty: set[str] = set()
         self.nodes: dict[str, NodeState] = {}
         for spec in nodes:

@@ -7,7 +7,8 @@
 | requeue_job | Evictions for the job's pods on the bad node(s) (the Job controller recreates them; the taint keeps them off), and the `gpuvigil.io/verdict` annotation on the batch/v1 Job (or its pods) |
 | set_alloc_conf, resize_or_move_job, compact | the `gpuvigil.io/verdict` annotation on the Job: the recommendation for its owner/operator |
 | avoid_gpu | node annotation `gpuvigil.io/avoid-gpus` (GPU indices, for a device plugin or DRA driver to honour) |
-| cause cleared (hint expired) | remove our taint, uncordon if *we* cordoned (annotation matches), condition back to True |
+| cause cleared (every cause quiet for the hold-down, check passed) | remove our taint, uncordon if *we* cordoned (annotation matches), condition back to True |
+| quarantine state change | node annotation `gpuvigil.io/quarantine` (state, since, causes, finding ids) and an Event on the node |
 
 Jobs are named `namespace/name` (or `name` in the configured default namespace); their pods are
 found by the `job-name` label (configurable). A failed call raises `KubernetesError` with the
@@ -27,13 +28,14 @@ from typing import Any, Literal
 from pydantic import BaseModel, Field
 
 from gpuvigil import config
-from gpuvigil.scheduler.apply import ApplyError, HintApplier, Unsupported
+from gpuvigil.scheduler.apply import ApplyError, Plan, Step, Unsupported
 from gpuvigil.model import Hint, HintAction
 
 DOMAIN = "gpuvigil.io"
 ANNOTATION_VERDICT = f"{DOMAIN}/verdict"
 ANNOTATION_CORDONED_BY = f"{DOMAIN}/cordoned-by"
 ANNOTATION_AVOID_GPUS = f"{DOMAIN}/avoid-gpus"
+ANNOTATION_QUARANTINE = f"{DOMAIN}/quarantine"
 STRATEGIC = "application/strategic-merge-patch+json"
 MERGE = "application/merge-patch+json"
 
@@ -73,25 +75,26 @@ def _camel(kind: str) -> str:
     return "".join(part.capitalize() for part in kind.split("_"))
 
 
-class KubernetesAdapter(HintApplier):
-    """Applies hints to a Kubernetes cluster; as a pipeline sink, like the Slurm adapter."""
+class KubernetesAdapter:
+    """Applies hints to a Kubernetes cluster: `plan(hint)` says which API calls, `apply(hint)`
+    runs that plan; `gpuvigil.acting.Acting` decides what to apply and when to undo it.
+    `connect=False` builds a planner only (`--act dry-run`: no client library, no credentials)."""
 
-    def __init__(self, api_client: Any = None, *, store: Any = None, cfg: dict[str, Any] | None = None):
+    def __init__(self, api_client: Any = None, *, store: Any = None, cfg: dict[str, Any] | None = None, connect: bool = True):
+        self.config = kubernetes_config(cfg)
+        self.store = store
+        self.client = self.core = self.batch = None
+        if not connect:
+            return
         from gpuvigil.extras import require
 
         # The client is an extra (gpuvigil[kubernetes]); nothing imports it before an adapter starts.
         client = require("kubernetes.client", "the Kubernetes adapter")
-
-        self.config = kubernetes_config(cfg)
         if api_client is None:
             api_client = self._default_client()
         self.client = client
         self.core = client.CoreV1Api(api_client)
         self.batch = client.BatchV1Api(api_client)
-        self.store = store
-        self.retry: dict[str, Hint] = {}
-        self.undo_errors = 0
-        self.last_error: str | None = None
 
     @staticmethod
     def _default_client() -> Any:
@@ -295,53 +298,145 @@ class KubernetesAdapter(HintApplier):
         }
 
     # -- hints ------------------------------------------------------------------------------
-    def apply(self, hint: Hint) -> str:
+    def plan(self, hint: Hint) -> Plan:
+        """The API calls for this hint (computed without the API: `--act dry-run` needs no
+        credentials); raises KubernetesUnsupported / KubernetesError for a hint it cannot apply."""
         act, kind = hint.action, hint.finding_kind.value
+        plan = Plan(hint, [])
         if act in (HintAction.CORDON_NODE, HintAction.DRAIN_NODE):
             node = self._check_node(hint.node)
             effect = "NoSchedule" if act == HintAction.CORDON_NODE else self.config.taint_effect.get(kind, self.config.taint_effect.get("default", "NoSchedule"))
-            ours = self.cordon(node, hint.finding_id)
-            self.taint(node, kind, hint.finding_id, effect)
-            self.set_condition(node, False, _camel(kind), hint.reason)
-            done = f"cordoned {node}" + ("" if ours else " (already cordoned)") + f", tainted {DOMAIN}/{kind}={hint.finding_id}:{effect}"
+
+            def cordon() -> str:
+                ours = self.cordon(node, hint.finding_id)
+                if not ours:
+                    plan.outcome = "not_ours"  # someone else's cordon: never undone by us
+                return f"cordoned {node}" + ("" if ours else " (already cordoned)")
+
+            def taint() -> str:
+                self.taint(node, kind, hint.finding_id, effect)
+                self.set_condition(node, False, _camel(kind), hint.reason)
+                return f"tainted {DOMAIN}/{kind}={hint.finding_id}:{effect}"
+
+            plan.steps += [
+                Step(f"cordon node {node}", cordon),
+                Step(f"taint {DOMAIN}/{kind}={hint.finding_id}:{effect}, condition {self.config.condition_type}=False", taint),
+            ]
             if act == HintAction.DRAIN_NODE and hint.job:
-                evicted = self.evict_job_pods(hint.job, [node])
-                done += f", evicted {len(evicted)} pod(s)"
-            return done
+                job = hint.job
+                plan.steps.append(Step(f"evict the pods of {job} on {node}", lambda: f"evicted {len(self.evict_job_pods(job, [node]))} pod(s)"))
+            return plan
         if act == HintAction.REQUEUE_JOB:
+            self.split_job(hint.job)
             nodes = hint.exclude_nodes or ([hint.node] if hint.node else [])
-            evicted = self.evict_job_pods(hint.job or "", nodes) if nodes else []
-            target = self.annotate_job(hint.job or "", self.verdict(hint))
-            return f"evicted {len(evicted)} pod(s) of {hint.job} from {','.join(nodes) or 'no node'}; verdict on {target}"
+
+            def requeue() -> str:
+                evicted = self.evict_job_pods(hint.job or "", nodes) if nodes else []
+                target = self.annotate_job(hint.job or "", self.verdict(hint))
+                return f"evicted {len(evicted)} pod(s) of {hint.job} from {','.join(nodes) or 'no node'}; verdict on {target}"
+
+            plan.steps.append(Step(f"evict the pods of {hint.job} on {','.join(nodes) or 'no node'}; annotate {ANNOTATION_VERDICT} on {hint.job}", requeue))
+            return plan
         if act in (HintAction.SET_ALLOC_CONF, HintAction.RESIZE_OR_MOVE_JOB, HintAction.COMPACT):
             if not hint.job:
                 raise KubernetesUnsupported(f"{act.value} without a job: nothing to annotate")
-            return f"verdict on {self.annotate_job(hint.job, self.verdict(hint))}"
+            self.split_job(hint.job)
+            plan.steps.append(Step(f"annotate {ANNOTATION_VERDICT} on {hint.job} ({act.value})", lambda: f"verdict on {self.annotate_job(hint.job or '', self.verdict(hint))}"))
+            return plan
         if act == HintAction.AVOID_GPU:
             node = self._check_node(hint.node)
-            current = self.read_node(node)
-            have = ((current.metadata.annotations or {}).get(ANNOTATION_AVOID_GPUS) or "").split(",")
-            gpus = sorted({int(g) for g in have if g.strip().isdigit()} | {int(hint.gpu or 0)})
-            self.annotate_node(node, ANNOTATION_AVOID_GPUS, ",".join(map(str, gpus)))
-            return f"node {node} {ANNOTATION_AVOID_GPUS}={','.join(map(str, gpus))}"
+
+            def avoid() -> str:
+                current = self.read_node(node)
+                have = ((current.metadata.annotations or {}).get(ANNOTATION_AVOID_GPUS) or "").split(",")
+                gpus = sorted({int(g) for g in have if g.strip().isdigit()} | {int(hint.gpu or 0)})
+                self.annotate_node(node, ANNOTATION_AVOID_GPUS, ",".join(map(str, gpus)))
+                return f"node {node} {ANNOTATION_AVOID_GPUS}={','.join(map(str, gpus))}"
+
+            plan.steps.append(Step(f"annotate node {node} {ANNOTATION_AVOID_GPUS} += {hint.gpu}", avoid))
+            return plan
         raise KubernetesUnsupported(f"unsupported hint action {act.value}")
+
+    def apply(self, hint: Hint) -> str:
+        return self.plan(hint).execute()
+
+    def applied_by_us(self, hint: Hint) -> str | None:
+        """What the API shows of this hint already applied by gpuvigil (the node cordoned for its
+        finding), or None."""
+        if hint.action not in (HintAction.CORDON_NODE, HintAction.DRAIN_NODE) or not hint.node:
+            return None
+        current = self.read_node(self._check_node(hint.node))
+        annotations = (current.metadata.annotations or {}) if current.metadata else {}
+        if current.spec and current.spec.unschedulable and annotations.get(ANNOTATION_CORDONED_BY) == hint.finding_id:
+            return f"{hint.node} already cordoned by gpuvigil for {hint.finding_id}"
+        return None
+
+    def undo_plan(self, hint: Hint) -> Plan | None:
+        """How to take back what `apply` did to the node, as far as it is still ours."""
+        plan = Plan(hint, [])
+        if hint.action in (HintAction.CORDON_NODE, HintAction.DRAIN_NODE) and hint.node:
+            node = self._check_node(hint.node)
+
+            def back() -> str:
+                removed = self.untaint(node, hint.finding_kind.value, hint.finding_id)
+                uncordoned = self.uncordon(node, hint.finding_id)
+                if not removed and not uncordoned:
+                    plan.outcome = "not_ours"
+                self.set_condition(node, True, "CauseCleared", f"{hint.finding_kind.value} finding {hint.finding_id} cleared")
+                return f"node {node}: " + ", ".join(x for x in ("taint removed" if removed else "", "uncordoned" if uncordoned else "", "condition True") if x)
+
+            plan.steps.append(Step(f"remove taint {DOMAIN}/{hint.finding_kind.value}={hint.finding_id} from {node}, uncordon it if gpuvigil cordoned it, condition {self.config.condition_type}=True", back))
+            return plan
+        if hint.action == HintAction.AVOID_GPU and hint.node:
+            node = self._check_node(hint.node)
+
+            def unavoid() -> str:
+                current = self.read_node(node)
+                have = ((current.metadata.annotations or {}).get(ANNOTATION_AVOID_GPUS) or "").split(",")
+                gpus = sorted({int(g) for g in have if g.strip().isdigit()} - {int(hint.gpu or 0)})
+                self.annotate_node(node, ANNOTATION_AVOID_GPUS, ",".join(map(str, gpus)) or None)
+                return f"node {node}: GPU {hint.gpu} no longer avoided"
+
+            plan.steps.append(Step(f"annotate node {node} {ANNOTATION_AVOID_GPUS} -= {hint.gpu}", unavoid))
+            return plan
+        return None
 
     def undo(self, hint: Hint) -> str | None:
         """The hint's cause cleared: take back what `apply` did to the node, if it is still ours."""
-        if hint.action in (HintAction.CORDON_NODE, HintAction.DRAIN_NODE) and hint.node:
-            node = self._check_node(hint.node)
-            removed = self.untaint(node, hint.finding_kind.value, hint.finding_id)
-            uncordoned = self.uncordon(node, hint.finding_id)
-            self.set_condition(node, True, "CauseCleared", f"{hint.finding_kind.value} finding {hint.finding_id} cleared")
-            return f"node {node}: " + ", ".join(x for x in ("taint removed" if removed else "", "uncordoned" if uncordoned else "", "condition True") if x)
-        if hint.action == HintAction.AVOID_GPU and hint.node:
-            node = self._check_node(hint.node)
-            current = self.read_node(node)
-            have = ((current.metadata.annotations or {}).get(ANNOTATION_AVOID_GPUS) or "").split(",")
-            gpus = sorted({int(g) for g in have if g.strip().isdigit()} - {int(hint.gpu or 0)})
-            self.annotate_node(node, ANNOTATION_AVOID_GPUS, ",".join(map(str, gpus)) or None)
-            return f"node {node}: GPU {hint.gpu} no longer avoided"
-        return None
+        plan = self.undo_plan(hint)
+        return (plan.execute() or None) if plan is not None else None
+
+    def inventory(self) -> dict[str, int]:
+        """Node → allocatable GPUs (`nvidia.com/gpu`), for the circuit breaker's share."""
+        nodes = self._call("list nodes", self.core.list_node)
+        out = {}
+        for n in nodes.items:
+            alloc = (n.status.allocatable or {}) if n.status else {}
+            try:
+                out[n.metadata.name] = int(alloc.get("nvidia.com/gpu", 0))
+            except (TypeError, ValueError):
+                out[n.metadata.name] = 0
+        return out
+
+    def record_quarantine(self, node: str, summary: dict[str, Any], message: str) -> None:
+        """The audit trail where operators look: the node's `gpuvigil.io/quarantine` annotation
+        (state, since, causes, finding ids) and an Event on the node."""
+        node = self._check_node(node)
+        self.annotate_node(node, ANNOTATION_QUARANTINE, json.dumps(summary, sort_keys=True))
+        ts = _now()
+        body = self.client.CoreV1Event(
+            metadata=self.client.V1ObjectMeta(generate_name=f"{node}.gpuvigil.", namespace="default"),
+            involved_object=self.client.V1ObjectReference(kind="Node", name=node, api_version="v1"),
+            reason=f"Quarantine{_camel(str(summary.get('state', '')))}",
+            message=message[:1024],
+            type="Warning" if summary.get("state") not in ("healthy",) else "Normal",
+            source=self.client.V1EventSource(component=self.config.field_manager),
+            first_timestamp=ts,
+            last_timestamp=ts,
+            count=1,
+        )
+        # The answer is not read back (the event is write-only for us).
+        self._call(f"record event on node {node}", self.core.create_namespaced_event, "default", body, _preload_content=False)
 
     def outcome(self, hint: Hint) -> str:
         return self.apply(hint)

@@ -9,12 +9,13 @@ Hint → Slurm:
 | --- | --- |
 | drain_node / cordon_node | `scontrol update NodeName=N State=DRAIN Reason="gpuvigil <kind> <finding>: ..."` (running jobs keep running: Slurm's drain never kills) |
 | requeue_job | `scontrol requeue J` (or `requeuehold` with `params.hold`), then `scontrol update JobId=J ExcNodeList=...` with the hint's exclude_nodes |
-| cause cleared (hint expired) | `scontrol update NodeName=N State=RESUME`, only if the node is still drained with *this* finding's reason (an operator's drain is never undone) |
+| cause cleared (every cause quiet for the hold-down, check passed) | `scontrol update NodeName=N State=RESUME`, only if the node is still drained with *this* finding's reason (an operator's drain is never undone) |
 | avoid_gpu, set_alloc_conf, resize_or_move_job, compact | not expressible with scontrol on a running job: nacked with the reason |
 
 Every command runs with a timeout. A command that fails raises `SlurmError` naming the command
-and Slurm's message; through `apply_pending(store)` the hint then stays pending with the error
-recorded (`HintStore.record_attempt`), so it is retried and nothing is lost.
+and Slurm's message; through `gpuvigil.acting.Acting` the hint then stays pending with the error
+recorded (`HintStore.record_attempt`), so it is retried and nothing is lost. `plan(hint)` is what
+`--act dry-run` prints; `apply(hint)` runs that same plan.
 
 The collector `SlurmStateCollector` maps jobs/nodes/GPU allocations onto gpuvigil's JOBS, NODES
 and ALLOCATIONS frames and turns OOM evidence into EVENTS rows (kind `oom`): a job that ended
@@ -38,7 +39,7 @@ import polars as pl
 from pydantic import BaseModel, Field
 
 from gpuvigil import config, schemas
-from gpuvigil.scheduler.apply import ApplyError, HintApplier, Unsupported
+from gpuvigil.scheduler.apply import ApplyError, Plan, Step, Unsupported
 from gpuvigil.model import Hint, HintAction
 
 
@@ -612,22 +613,20 @@ class Applied:
     hint_id: str
     action: str
     detail: str
+    outcome: str = "done"  # or "not_ours": an operator's drain, left as it is
 
 
-class SlurmAdapter(HintApplier):
-    """Applies hints to a Slurm cluster. As a pipeline sink it applies new hints each tick (or,
-    with a store, every pending hint), acks what it applied, nacks what Slurm cannot express,
-    leaves failures pending with the error, and resumes nodes whose drain cause cleared."""
+class SlurmAdapter:
+    """Applies hints to a Slurm cluster: `plan(hint)` says which scontrol commands, `apply(hint)`
+    runs that plan. The loop that decides what to apply and when to undo it is
+    `gpuvigil.acting.Acting` (serve, `gpuvigil act`, and the tests against a real slurmctld)."""
 
     def __init__(self, slurm: Slurm | None = None, *, store: Any = None, cfg: dict[str, Any] | None = None):
         self.config = slurm_config(cfg)
         self.slurm = slurm or Slurm(timeout=self.config.command_timeout_seconds)
         self.state = SlurmState(self.slurm)
         self.store = store
-        self.retry: dict[str, Hint] = {}  # without a store: hints that failed, retried next tick
         self.applied: deque[Applied] = deque(maxlen=1000)  # recent, for logs and tests
-        self.undo_errors = 0
-        self.last_error: str | None = None
 
     # primitives ------------------------------------------------------------------------------
     def node_reason(self, hint: Hint) -> str:
@@ -635,6 +634,9 @@ class SlurmAdapter(HintApplier):
         text = f"{self.config.reason_prefix} {verb} {hint.finding_kind.value} {hint.finding_id}: {hint.reason}"
         text = re.sub(r"\s+", " ", "".join(c if c.isprintable() else " " for c in text)).strip()
         return text[: self.config.max_reason_chars]
+
+    def ours(self, reason: str | None) -> bool:
+        return bool(reason) and reason.startswith(f"{self.config.reason_prefix} ")  # type: ignore[union-attr]
 
     def drain_node(self, node: str, reason: str) -> None:
         self.slurm.run("scontrol", "update", f"NodeName={_check_node(node)}", "State=DRAIN", f"Reason={reason}")
@@ -669,45 +671,91 @@ class SlurmAdapter(HintApplier):
     def release_job(self, job: str) -> None:
         self.slurm.run("scontrol", "release", _check_job(job))
 
+    def inventory(self) -> dict[str, int]:
+        """Node → GPUs, for the circuit breaker's share of the fleet."""
+        return {n.node: n.n_gpus for n in self.state.nodes()}
+
     # hints -------------------------------------------------------------------------------
-    def apply(self, hint: Hint) -> Applied:
-        """Apply one hint; raises SlurmError (SlurmUnsupported if Slurm cannot express it)."""
+    def plan(self, hint: Hint) -> Plan:
+        """The scontrol commands for this hint; raises SlurmUnsupported if Slurm cannot express
+        it, SlurmError for a hint naming no valid node or job."""
         act = hint.action
         if act in (HintAction.DRAIN_NODE, HintAction.CORDON_NODE):
-            current = self.state.node(hint.node or "")
-            if "DRAIN" in current.flags and not (current.reason or "").startswith(f"{self.config.reason_prefix} "):
-                # An operator's drain stays as it is (and is never resumed by us).
-                detail = f"{current.node} already drained by someone else ({current.reason or 'no reason'}): left as is"
-            else:
-                reason = self.node_reason(hint)
+            node = _check_node(hint.node)
+            reason = self.node_reason(hint)
+            plan = Plan(hint, [])
+
+            def drain() -> str:
+                current = self.state.node(node)
+                if "DRAIN" in current.flags and not self.ours(current.reason):
+                    # An operator's drain stays as it is (and is never resumed by us).
+                    plan.outcome = "not_ours"
+                    return f"{current.node} already drained by someone else ({current.reason or 'no reason'}): left as is"
                 self.drain_node(current.node, reason)
-                detail = f"scontrol drained {current.node}: {reason}"
-        elif act == HintAction.REQUEUE_JOB:
-            detail = self.requeue_job(hint.job or "", hold=bool(hint.params.get("hold")), exclude_nodes=hint.exclude_nodes)
-        else:
-            raise SlurmUnsupported(
-                {
-                    HintAction.AVOID_GPU: "Slurm cannot take a single GPU of a node out of service with scontrol; drain the node or fix gres.conf",
-                    HintAction.SET_ALLOC_CONF: "Slurm cannot change a submitted job's environment; resubmit with PYTORCH_CUDA_ALLOC_CONF set",
-                    HintAction.RESIZE_OR_MOVE_JOB: "Slurm cannot resize a running job's GPUs; resubmit with a larger-memory constraint",
-                    HintAction.COMPACT: "Slurm has no job migration; compaction needs requeues chosen by an operator",
-                }.get(act, f"unsupported hint action {act.value}")
-            )
-        done = Applied(hint.id, act.value, detail)
+                return f"scontrol drained {current.node}: {reason}"
+
+            plan.steps.append(Step(f'scontrol update NodeName={node} State=DRAIN Reason="{reason}" (unless someone else drained it)', drain))
+            return plan
+        if act == HintAction.REQUEUE_JOB:
+            job = _check_job(hint.job)
+            hold = bool(hint.params.get("hold"))
+            text = f"scontrol {'requeuehold' if hold else 'requeue'} {job}"
+            if hint.exclude_nodes:
+                text += f"; scontrol update JobId={job} ExcNodeList={','.join(sorted(_check_node(n) for n in hint.exclude_nodes))}"
+            return Plan(hint, [Step(text, lambda: self.requeue_job(job, hold=hold, exclude_nodes=hint.exclude_nodes))])
+        raise SlurmUnsupported(
+            {
+                HintAction.AVOID_GPU: "Slurm cannot take a single GPU of a node out of service with scontrol; drain the node or fix gres.conf",
+                HintAction.SET_ALLOC_CONF: "Slurm cannot change a submitted job's environment; resubmit with PYTORCH_CUDA_ALLOC_CONF set",
+                HintAction.RESIZE_OR_MOVE_JOB: "Slurm cannot resize a running job's GPUs; resubmit with a larger-memory constraint",
+                HintAction.COMPACT: "Slurm has no job migration; compaction needs requeues chosen by an operator",
+            }.get(act, f"unsupported hint action {act.value}")
+        )
+
+    def apply(self, hint: Hint) -> Applied:
+        """Apply one hint (run its plan); raises SlurmError (SlurmUnsupported if Slurm cannot
+        express it)."""
+        plan = self.plan(hint)
+        done = Applied(hint.id, hint.action.value, plan.execute(), plan.outcome)
         self.applied.append(done)
         return done
 
-    def undo(self, hint: Hint) -> str | None:
-        """The hint's cause cleared: resume a node drained for it, unless someone re-drained it
-        for another reason since. Returns what was done, None if nothing."""
+    def applied_by_us(self, hint: Hint) -> str | None:
+        """What the scheduler shows of this hint already applied by gpuvigil (a node drained with
+        its finding in the reason), or None."""
+        if hint.action not in (HintAction.DRAIN_NODE, HintAction.CORDON_NODE):
+            return None
+        current = self.state.node(_check_node(hint.node))
+        if "DRAIN" in current.flags and self.ours(current.reason) and hint.finding_id in (current.reason or ""):
+            return f"{current.node} already drained by gpuvigil: {current.reason}"
+        return None
+
+    def undo_plan(self, hint: Hint) -> Plan | None:
+        """How to take back what the hint did: resume the node, only while it is still drained
+        with gpuvigil's reason for this finding. None for hints that changed no node."""
         if hint.action not in (HintAction.DRAIN_NODE, HintAction.CORDON_NODE) or not hint.node:
             return None
-        node = self.state.node(hint.node)
-        ours = f"{self.config.reason_prefix} "
-        if "DRAIN" not in node.flags or not node.reason or not node.reason.startswith(ours) or hint.finding_id not in node.reason:
-            return None
-        self.resume_node(hint.node)
-        return f"scontrol resumed {hint.node}: cause {hint.finding_id} cleared"
+        node = _check_node(hint.node)
+        plan = Plan(hint, [])
+
+        def resume() -> str:
+            current = self.state.node(node)
+            if "DRAIN" not in current.flags:
+                plan.outcome = "absent"
+                return ""
+            if not self.ours(current.reason) or hint.finding_id not in (current.reason or ""):
+                plan.outcome = "not_ours"
+                return ""
+            self.resume_node(node)
+            return f"scontrol resumed {node}: cause {hint.finding_id} cleared"
+
+        plan.steps.append(Step(f"scontrol update NodeName={node} State=RESUME (only while drained by gpuvigil for {hint.finding_id})", resume))
+        return plan
+
+    def undo(self, hint: Hint) -> str | None:
+        """Run `undo_plan`: what was done, None if nothing."""
+        plan = self.undo_plan(hint)
+        return (plan.execute() or None) if plan is not None else None
 
     def outcome(self, hint: Hint) -> str:
         return self.apply(hint).detail

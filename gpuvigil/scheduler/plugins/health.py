@@ -8,6 +8,9 @@
   smaller micro-batch (memory_scale);
 - compact: move the listed small jobs to free a whole node for a gang.
 
+Every hint first passes the circuit breaker (`acting.breaker`): over its limits it opens, and no
+hint applies until it is closed (`close_breaker`).
+
 As a filter it removes excluded nodes and GPUs with too little memory; as a score it prefers
 the nodes a hint asked for (compact targets).
 """
@@ -17,6 +20,7 @@ from __future__ import annotations
 import numpy as np
 
 from gpuvigil.model import Hint, HintAction
+from gpuvigil.quarantine import Breaker, QuarantineStore
 from gpuvigil.scheduler.framework import Session
 from gpuvigil.scheduler.state import Action
 
@@ -29,6 +33,48 @@ class HealthPlugin:
     def __init__(self, scheduler):
         self.scheduler = scheduler
         self._all: np.ndarray | None = None
+        # The circuit breaker of every acting path (gpuvigil.quarantine), in memory: over its
+        # limits no hint applies, each held hint is an action ("breaker_held"), and the trip
+        # itself is one ("breaker_open", the page's text), until `close_breaker`.
+        self.breaker = Breaker(QuarantineStore(":memory:"), getattr(scheduler, "breaker_config", None), scope="builtin")
+
+    def close_breaker(self, who: str, now: float) -> None:
+        self.breaker.close(who=who, now=now)
+        self.scheduler.actions.append(Action(now, "breaker_closed", detail=f"closed by {who}: hints apply again"))
+
+    def _admitted(self, hint: Hint, now: float, emit) -> bool:
+        """Ask the breaker before a hint takes a node or GPU out of service; while it is open no
+        hint applies. Each hint held is an action of its own."""
+        sched = self.scheduler
+        act = hint.action
+        if not self.breaker.cfg.enabled:
+            return True
+        out = act in (HintAction.CORDON_NODE, HintAction.DRAIN_NODE, HintAction.AVOID_GPU) and hint.node in sched.nodes
+        if out and not self.breaker.is_open:
+            ns = sched.nodes[hint.node]
+            if act == HintAction.AVOID_GPU:
+                if hint.gpu is None or hint.gpu in ns.avoid_gpus:
+                    return True
+                key, nodes, gpus = f"{hint.node}/{hint.gpu}", 0, 1
+            else:
+                if ns.state != "up":
+                    return True
+                key, nodes, gpus = hint.node, 1, ns.spec.n_gpus
+            if self.breaker.admit(key, nodes=nodes, gpus=gpus, fleet_nodes=len(sched.nodes), fleet_gpus=sched.total_gpus, now=now, cause=hint.finding_kind.value):
+                return True
+            page = self.breaker.page_due()
+            if page is not None:
+                emit(Action(now, "breaker_open", detail=page, hint_id=hint.id))
+        elif not self.breaker.is_open:
+            return True
+        elif out:
+            key = hint.node if act != HintAction.AVOID_GPU else f"{hint.node}/{hint.gpu}"
+            self.breaker.admit(key, nodes=0 if act == HintAction.AVOID_GPU else 1, gpus=1 if act == HintAction.AVOID_GPU else sched.nodes[hint.node].spec.n_gpus,
+                               fleet_nodes=len(sched.nodes), fleet_gpus=sched.total_gpus, now=now, cause=hint.finding_kind.value)
+        target = f"node {hint.node}" if hint.node and act in (HintAction.CORDON_NODE, HintAction.DRAIN_NODE, HintAction.AVOID_GPU) else f"job {hint.job}"
+        emit(Action(now, "breaker_held", job=hint.job, node=hint.node if out else None, gpu=hint.gpu if act == HintAction.AVOID_GPU else None,
+                    detail=f"breaker open: {act.value} on {target} not applied ({hint.finding_kind.value}: {hint.reason})", hint_id=hint.id))
+        return False
 
     # -- hooks ----------------------------------------------------------------------------------
     def filter(self, job, ssn: Session) -> np.ndarray:
@@ -74,6 +120,8 @@ class HealthPlugin:
             out.append(a)
             sched.actions.append(a)
 
+        if not self._admitted(hint, now, emit):
+            return out
         act = hint.action
         if act in (HintAction.CORDON_NODE, HintAction.DRAIN_NODE) and hint.node in sched.nodes:
             ns = sched.nodes[hint.node]
