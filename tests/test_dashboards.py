@@ -127,11 +127,15 @@ def test_fleet_dashboard_uses_only_what_detect_act_and_the_nats_scrape_export(tm
     act_mod.add_parser(sub)
     d = detect_mod.Detect(parser.parse_args(["detect", "--id", "d1"]))
     a = act_mod.Act(parser.parse_args(["act", "--id", "a1", "--outbox", str(tmp_path / "outbox.sqlite")]))
+    # A leader acting on Slurm (act: on) exports its acting and breaker families too.
+    from gpuvigil.acting import make_acting
+
+    a.acting = make_acting("slurm", "on", store=None, cfg=a.cfg)
     names = {"up"}
     for fam in [*detect_families(d), *act_families(a)]:
         names |= {s.name for s in fam.samples} | {fam.name}
     exprs = panel_queries(dashboard_json("gpuvigil-fleet"))
-    assert len(exprs) >= 9
+    assert len(exprs) >= 11
     for title, expr in exprs:
         for metric in SELECTOR.findall(expr):
             assert metric in names, f"gpuvigil-fleet / {title}: {metric} is not exported by detect or act"

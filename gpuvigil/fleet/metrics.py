@@ -142,6 +142,22 @@ def clock_families(role: str, clock: Any, rid: dict[str, str]) -> Iterable[Any]:
     yield fam
 
 
+def _from_exporter(families: Iterable[Any], rid: dict[str, str]) -> Iterable[Any]:
+    """gpuvigil's own exporter families (gpuvigil.exporter.metrics.Family: gauges and counters)
+    as prometheus_client ones, each sample labelled with this replica."""
+    from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+    for fam in families:
+        if fam.type not in ("gauge", "counter"):
+            continue
+        keys = sorted({k for labels, _ in fam.samples for k, _ in labels} | set(rid))
+        out = (CounterMetricFamily if fam.type == "counter" else GaugeMetricFamily)(fam.name, fam.help, labels=keys)
+        for labels, value in fam.samples:
+            d = {**dict(labels), **rid}
+            out.add_metric([d.get(k, "") for k in keys], value)
+        yield out
+
+
 def act_families(act: Any) -> Iterable[Any]:
     from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
@@ -149,6 +165,11 @@ def act_families(act: Any) -> Iterable[Any]:
 
     s: ActStats = act.stats
     rid = {"replica": act.id}
+    # The leader's acting (what it did to the scheduler, quarantine states, the circuit breaker),
+    # as `serve` exports it: a standby acts on nothing and exports none.
+    acting = getattr(act, "acting", None)
+    if acting is not None:
+        yield from _from_exporter(acting.families(), rid)
     leader = act.leader_since is not None
     yield _gauge("gpuvigil_act_leader", "1 while this replica is the act leader (holds a valid leader lease).", 1.0 if leader else 0.0, rid)
     yield _gauge("gpuvigil_act_lease_held", "1 while this replica holds the act.leader lease and renewed it within the TTL.",
