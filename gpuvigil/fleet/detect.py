@@ -367,7 +367,7 @@ class Detect:
                     await asyncio.sleep(renew_every)
 
             await self.renew(leases)  # the membership first, so the first share counts us
-            lease_task = asyncio.gather(keep(self.renew, "lease renewal"), keep(self.rebalance, "rebalance"))
+            lease_tasks = [asyncio.create_task(keep(self.renew, "lease renewal")), asyncio.create_task(keep(self.rebalance, "rebalance"))]
             deadline = time.monotonic() + self.args.duration if self.args.duration else None
             while not self.stop_event.is_set() and (deadline is None or time.monotonic() < deadline):
                 now = self.clock.now
@@ -390,7 +390,8 @@ class Detect:
                     await asyncio.wait_for(self.stop_event.wait(), 0.1)
                 except TimeoutError:
                     pass
-            lease_task.cancel()
+            for t in lease_tasks:
+                t.cancel()
             held = list(self.parts)
             for p in held:
                 await self.drop(p)
