@@ -33,7 +33,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, create_model, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, create_model, field_validator, model_validator
 
 from gpuvigil.errors import UserError
 
@@ -308,6 +308,50 @@ def pattern_root(pattern: str) -> Path:
 
 
 # -- fleet: the scale-out deployment on NATS JetStream (gpuvigil.fleet) ------------------------
+Role = Literal["agent", "detect", "act"]
+
+
+class NatsTLS(BaseModel):
+    """TLS to NATS: the CA that signed the servers' certificates and, where the servers ask for one
+    (`verify: true`), this process's client certificate and key."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    ca: str | None = Field(None, description="PEM file of the CA that signed the NATS servers' certificates (default: the system's)")
+    cert: str | None = Field(None, description="PEM client certificate (mutual TLS)")
+    key: str | None = Field(None, description="PEM private key of `cert`")
+
+    @model_validator(mode="after")
+    def _pair(self) -> NatsTLS:
+        if (self.key is None) != (self.cert is None):
+            raise ValueError("cert and key go together")
+        return self
+
+
+class NatsCredential(BaseModel):
+    """How one fleet role proves who it is to NATS: a .creds file (JWT + nkey seed, operator mode),
+    an nkey seed file, or a user with a password read from a file."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    creds: str | None = Field(None, description=".creds file (decentralised auth: JWT and nkey seed, made with nsc)")
+    nkey_seed: str | None = Field(None, description="file holding an nkey user seed (SU...)")
+    user: str | None = Field(None, description="user name (with password_file)")
+    password_file: str | None = Field(None, description="file whose first line is the user's password")
+
+    @model_validator(mode="after")
+    def _one(self) -> NatsCredential:
+        ways = [k for k in ("creds", "nkey_seed") if getattr(self, k)] + (["user"] if self.user or self.password_file else [])
+        if len(ways) != 1:
+            raise ValueError("give exactly one of creds, nkey_seed, or user with password_file")
+        if (self.user is None) != (self.password_file is None):
+            raise ValueError("user and password_file go together")
+        return self
+
+    def describe(self) -> str:
+        return f"creds {self.creds}" if self.creds else f"nkey seed {self.nkey_seed}" if self.nkey_seed else f"user {self.user}"
+
+
 class Fleet(BaseModel):
     """The `fleet:` section: how `gpuvigil agent`, `detect` and `act` meet on NATS JetStream
     (docs/scale.md, deploy/fleet.yaml). `serve` ignores it: one process, no NATS."""
@@ -324,6 +368,12 @@ class Fleet(BaseModel):
     rows_streams: int = Field(1, ge=1, le=64, description="rows streams the partitions are spread over (partition p -> stream p % N)")
     replicas: int = Field(1, ge=1, le=5, description="JetStream replicas of every stream and bucket (3 in production)")
     rows_max_age_seconds: float = Field(900.0, gt=0, description="how long the rows stream keeps job rows (>= replay_seconds)")
+    # A disk bound besides the age: at 186 MB/s of rows, 900 s is ~167 GB per replica. Size it
+    # rows rate x rows_max_age_seconds / rows_streams; past it the oldest rows go first.
+    # None: no bound but the age (a small or test server); JetStream reserves the bound on its
+    # store at once, so it must fit the servers' max_file_store.
+    rows_max_bytes: int | None = Field(None, ge=2**20, description="bytes each rows stream keeps (per replica); the oldest rows are dropped past it")
+    spool_max_bytes: int = Field(1 << 30, ge=1 << 20, description="an agent's `--spool` keeps at most this much of what NATS could not take (oldest dropped)")
     replay_seconds: float = Field(600.0, gt=0, description="a replica that takes a partition replays this much of it (the detectors' window)")
     lease_ttl_seconds: float = Field(10.0, ge=1, le=3600, description="a lease not renewed for this long expires and another replica takes it")
     findings_refresh_seconds: float = Field(5.0, gt=0, description="agents and detect replicas republish unchanged active findings this often")
@@ -334,6 +384,18 @@ class Fleet(BaseModel):
     # None: the registered detectors whose findings are all about one GPU or node (their specs'
     # placement, detectors/registry.py); a list overrides it.
     agent_detectors: list[str] | None = Field(None, description="detectors run in the agent, every other one in detect (default: those whose findings are about one node or GPU)")
+    # The data clock takes a time only within this much of the receiver's own clock (gpuvigil.fleet.clock):
+    # a message stamped further ahead is counted, logged and ignored, never a jump.
+    clock_max_skew_seconds: float = Field(15.0, gt=0, description="a data time further than this ahead of the receiver's own clock is ignored with its message")
+    clock_origin: Literal["wall", "data"] = Field("wall", description="the receiver's own clock: its wall clock (real fleets), or a simulation's data time anchored at the first time heard")
+    clock_rate: float = Field(1.0, gt=0, description="with clock_origin data: data seconds per wall second (the simulator's --speed)")
+    # Security (docs/security.md): one credential per role, so NATS can give each role only its
+    # subjects (`gpuvigil agent --print-nats-config` writes the server side).
+    tls: NatsTLS | None = Field(None, description="TLS to NATS (CA, optional client certificate)")
+    credentials: dict[Role, NatsCredential] = Field(default_factory=dict, description="role (agent, detect, act) → its NATS credential")
+
+    def credential(self, role: str) -> NatsCredential | None:
+        return self.credentials.get(role)  # type: ignore[call-overload]
 
     @field_validator("servers")
     @classmethod

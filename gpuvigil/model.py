@@ -48,7 +48,9 @@ class HintAction(StrEnum):
     AVOID_GPU = "avoid_gpu"
 
 
-Evidence = dict[str, float | int | str | bool | None | list[Any]]
+# A mapping value too: the detector levels join what other detectors said about the same cause
+# (`joined`), and a finding must survive the wire (the fleet's act validates what detect sends).
+Evidence = dict[str, float | int | str | bool | None | list[Any] | dict[str, Any]]
 
 
 def _digest(*parts: object) -> str:

@@ -46,8 +46,8 @@ class NatsCluster:
             conf.write_text(
                 f'server_name: n{i}\nlisten: 127.0.0.1:{self.client_ports[i]}\nhttp: 127.0.0.1:{self.http_ports[i]}\n'
                 f'jetstream {{ store_dir: "{store}", max_memory_store: 64MB, max_file_store: 2GB }}\n'
-                f'cluster {{ name: gvtest, listen: 127.0.0.1:{self.route_ports[i]}, routes: [{routes}] }}\n'
-                f"{mapping}\n"
+                + (f'cluster {{ name: gvtest, listen: 127.0.0.1:{self.route_ports[i]}, routes: [{routes}] }}\n' if n > 1 else "")  # one node: no cluster
+                + f"{mapping}\n"
             )
             log = (workdir / f"nats{i}.log").open("ab")
             self.procs.append(subprocess.Popen([exe, "-c", str(conf)], stdout=log, stderr=subprocess.STDOUT))
@@ -151,6 +151,24 @@ class Probe:
         except Exception:  # noqa: BLE001 - a failover in progress: ask again later
             return {}
 
+    def publish(self, subject: str, data: bytes, headers: dict[str, str] | None = None) -> None:
+        """A core NATS publish, as any client on the bus can send one (forged stamps included)."""
+
+        async def go() -> None:
+            await self.nc.publish(subject, data, headers=headers)
+            await self.nc.flush()
+
+        self.call(go())
+
+    def stream_leader(self, name: str) -> str:
+        """The server name (n<i>) leading a stream's RAFT group (a KV bucket's is KV_<bucket>)."""
+
+        async def go() -> str:
+            info = await self.nc.jetstream(timeout=5).stream_info(name)
+            return str(info.cluster.leader)
+
+        return self.call(go())
+
     def stream_replicas(self, name: str) -> int:
         async def go() -> int:
             info = await self.nc.jetstream(timeout=5).stream_info(name)
@@ -202,3 +220,70 @@ class GvProc:
             except subprocess.TimeoutExpired:
                 self.proc.kill()
                 self.proc.wait(5)
+
+
+class NatsServer:
+    """One nats-server (JetStream) on loopback from a config body the test writes (TLS, accounts):
+    `body` gets the listen/http/jetstream lines prepended; `env` holds the variables it names."""
+
+    def __init__(self, workdir: Path, body: str, env: dict[str, str] | None = None, name: str = "nats"):
+        exe = nats_binary()
+        self.workdir = workdir
+        self.port, self.http = free_port(), free_port()
+        self.name = name
+        conf = workdir / f"{name}.conf"
+        conf.write_text(f'listen: 127.0.0.1:{self.port}\nhttp: 127.0.0.1:{self.http}\n'
+                        f'jetstream {{ store_dir: "{workdir / (name + "-js")}", max_memory_store: 64MB, max_file_store: 1GB }}\n{body}')
+        self.log = workdir / f"{name}.log"
+        self.argv = [exe, "-c", str(conf)]
+        self.env = {**os.environ, **(env or {})}
+        self.proc: subprocess.Popen | None = None
+        self.start()
+
+    def start(self) -> None:
+        self.proc = subprocess.Popen(self.argv, stdout=self.log.open("ab"), stderr=subprocess.STDOUT, env=self.env)
+        deadline = time.monotonic() + 30
+        while True:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"nats-server exited: {self.log.read_text()[-2000:]}")
+            try:
+                if httpx.get(f"http://127.0.0.1:{self.http}/healthz", timeout=1.0).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                pass
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"nats-server not healthy: {self.log.read_text()[-2000:]}")
+            time.sleep(0.1)
+
+    def url(self, scheme: str = "nats") -> str:
+        return f"{scheme}://127.0.0.1:{self.port}"
+
+    def stop(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(10)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(5)
+        self.proc = None
+
+
+def make_tls(workdir: Path) -> dict[str, Path]:
+    """A throwaway CA, a server certificate for 127.0.0.1/localhost and a client certificate
+    (openssl CLI, EC P-256, valid one day)."""
+    d = workdir / "tls"
+    d.mkdir(exist_ok=True)
+
+    def ssl(*argv: str) -> None:
+        subprocess.run(["openssl", *argv], check=True, capture_output=True, cwd=d)
+
+    ec = ["-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1", "-nodes"]
+    ssl("req", "-x509", *ec, "-keyout", "ca.key", "-out", "ca.crt", "-days", "1", "-subj", "/CN=gpuvigil test CA")
+    for name, ext in (("server", "subjectAltName=IP:127.0.0.1,DNS:localhost\nextendedKeyUsage=serverAuth"),
+                      ("client", "extendedKeyUsage=clientAuth")):
+        (d / f"{name}.ext").write_text(ext + "\n")
+        ssl("req", "-new", *ec, "-keyout", f"{name}.key", "-out", f"{name}.csr", "-subj", f"/CN=gpuvigil {name}")
+        ssl("x509", "-req", "-in", f"{name}.csr", "-CA", "ca.crt", "-CAkey", "ca.key", "-CAcreateserial", "-days", "1",
+            "-out", f"{name}.crt", "-extfile", f"{name}.ext")
+    return {n: d / n for n in ("ca.crt", "server.crt", "server.key", "client.crt", "client.key")}

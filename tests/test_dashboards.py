@@ -34,7 +34,8 @@ def test_check_detects_a_stale_dashboard(tmp_path):
 
 
 def test_the_issue_s_dashboards_exist():
-    assert set(artefacts()) == {f"{n}.json" for n in ("gpuvigil-cluster", "gpuvigil-node", "gpuvigil-job", "gpuvigil-detectors", "gpuvigil-scheduler", "gpuvigil-dcgm-node")}
+    assert set(artefacts()) == {f"{n}.json" for n in ("gpuvigil-cluster", "gpuvigil-node", "gpuvigil-job", "gpuvigil-detectors", "gpuvigil-scheduler", "gpuvigil-dcgm-node",
+                                                      "gpuvigil-fleet")}
 
 
 @pytest.mark.parametrize("name", sorted(DASHBOARDS))
@@ -96,7 +97,7 @@ def exported_names() -> set[str]:
     return names | {"gpuvigil_alert_outbox_pending", "gpuvigil_alert_delivery_failures_total"}
 
 
-@pytest.mark.parametrize("name", sorted(n for n in DASHBOARDS if n != "gpuvigil-dcgm-node"))
+@pytest.mark.parametrize("name", sorted(n for n in DASHBOARDS if n not in ("gpuvigil-dcgm-node", "gpuvigil-fleet")))
 def test_queries_use_only_exported_metrics(name, exported_names):
     for title, expr in panel_queries(dashboard_json(name)):
         for metric in SELECTOR.findall(expr):
@@ -109,3 +110,32 @@ def test_dcgm_dashboard_uses_only_dcgm_exporter_metrics():
     for title, expr in panel_queries(dashboard_json("gpuvigil-dcgm-node")):
         for metric in SELECTOR.findall(expr):
             assert metric.startswith("DCGM_FI_") and metric in names, f"{title}: {metric}"
+
+
+def test_fleet_dashboard_uses_only_what_detect_act_and_the_nats_scrape_export(tmp_path):
+    """Every metric of the fleet dashboard is served by `gpuvigil detect` or `act` (their /metrics
+    families, built from real replicas), or is the NATS exporter's scrape `up`."""
+    import argparse
+
+    from gpuvigil.fleet import act as act_mod
+    from gpuvigil.fleet import detect as detect_mod
+    from gpuvigil.fleet.metrics import act_families, detect_families
+
+    parser = argparse.ArgumentParser()
+    sub = parser.add_subparsers()
+    detect_mod.add_parser(sub)
+    act_mod.add_parser(sub)
+    d = detect_mod.Detect(parser.parse_args(["detect", "--id", "d1"]))
+    a = act_mod.Act(parser.parse_args(["act", "--id", "a1", "--outbox", str(tmp_path / "outbox.sqlite")]))
+    # A leader acting on Slurm (act: on) exports its acting and breaker families too.
+    from gpuvigil.acting import make_acting
+
+    a.acting = make_acting("slurm", "on", store=None, cfg=a.cfg)
+    names = {"up"}
+    for fam in [*detect_families(d), *act_families(a)]:
+        names |= {s.name for s in fam.samples} | {fam.name}
+    exprs = panel_queries(dashboard_json("gpuvigil-fleet"))
+    assert len(exprs) >= 11
+    for title, expr in exprs:
+        for metric in SELECTOR.findall(expr):
+            assert metric in names, f"gpuvigil-fleet / {title}: {metric} is not exported by detect or act"

@@ -66,6 +66,26 @@ def test_generated_configs_and_rules_pass_promtool_and_match_the_golden(tmp_path
     ]
     golden.check_text(GOLDEN / ps.config_file(0), (out / ps.config_file(0)).read_text())
 
+    # The fleet's control plane: detect, act and the NATS exporters, with both rule files.
+    assert generate(out, "--target", "node-001:9400", "--target", "node-002:9400", "--targets-file", "sd/*.json", "--cluster", "prod", "--config", str(cfg),
+                    "--detect-target", "detect-0:9403", "--detect-target", "detect-1:9403", "--act-target", "act-0:9404",
+                    "--nats-target", "nats-0:7777", "--nats-target", "nats-1:7777", "--nats-target", "nats-2:7777") == 0
+    res = subprocess.run([promtool, "check", "config", ps.CONTROL_FILE], cwd=out, capture_output=True, text=True)
+    assert res.returncode == 0 and "WARNING" not in res.stdout + res.stderr, res.stdout + res.stderr
+    control = yaml.safe_load((out / ps.CONTROL_FILE).read_text())
+    assert [j["job_name"] for j in control["scrape_configs"]] == ["gpuvigil-detect", "gpuvigil-act", "gpuvigil-nats"]
+    assert control["rule_files"] == [ps.SHARD_RULES_FILE, ps.GLOBAL_RULES_FILE]
+    # The fleet-health rules reach it: the per-replica ones in the shard file, the ones over
+    # every replica together in the global file.
+    shard_rules = (out / ps.SHARD_RULES_FILE).read_text()
+    global_rules = (out / ps.GLOBAL_RULES_FILE).read_text()
+    for name in ("GpuvigilFleetConsumerLag", "GpuvigilFleetReplays", "GpuvigilNatsServerDown"):
+        assert f"alert: {name}" in shard_rules, name
+    for name in ("GpuvigilFleetPartitionsUnjudged", "GpuvigilFleetNoActLeader"):
+        assert f"alert: {name}" in global_rules, name
+    golden.check_text(GOLDEN / ps.CONTROL_FILE, (out / ps.CONTROL_FILE).read_text())
+    (out / ps.CONTROL_FILE).unlink()
+
     # --check: current files pass; a hand edit is reported.
     capsys.readouterr()
     assert generate(out, "--target", "node-001:9400", "--target", "node-002:9400", "--targets-file", "sd/*.json",
@@ -95,8 +115,9 @@ def test_bad_arguments_are_one_line_errors(argv, message, tmp_path, capsys):
 def test_shipped_rules_split_into_shard_safe_and_global():
     s = load_settings()
     safe, unsafe = ps.split_rules(s)
-    # The one rule that joins a cluster-wide sum() with on(): scheduler series, not an agent's.
-    assert set(unsafe) == {"GpuvigilClusterFragmented"}
+    # The one rule that joins a cluster-wide sum() with on(): scheduler series, not an agent's; and
+    # the fleet-health rules over every detect or act replica together (the control plane's).
+    assert set(unsafe) == {"GpuvigilClusterFragmented", "GpuvigilFleetPartitionsUnjudged", "GpuvigilFleetNoActLeader"}
     assert any("on()" in why for why in unsafe["GpuvigilClusterFragmented"])
     # Per-node and per-GPU (hardware), per-job joined on(instance, job), per-process (self) rules are shard-safe.
     assert {"GpuvigilGpuFatalXid", "GpuvigilGpuThermalThrottle", "GpuvigilJobPredictedOom", "GpuvigilJobCollectiveStalled",

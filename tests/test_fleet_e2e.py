@@ -3,10 +3,14 @@ loopback (streams and buckets replicated x3), one `gpuvigil agent` process playi
 simulated cluster with injected faults, two `gpuvigil detect` replicas, two `gpuvigil act`
 replicas, and a real Alertmanager paging a webhook receiver.
 
-Mid-run (right after the hang is injected, before anything could have found it) the test kills one
-NATS node, the detect replica that owns the hung job's partition and the act leader, all with
-SIGKILL. Then it asserts that every injected fault is still paged, that none is paged twice (nor
-any other alert), that no hint was issued twice, that the survivor took the dead replica's
+Mid-run (right after the hang is injected, before anything could have found it) the test kills the
+NATS node that leads the leases bucket (the worst one to lose: every renewal waits for a new
+leader; the surviving replicas must not drop a lease over it), the detect replica that owns the hung job's partition and the act leader, all with
+SIGKILL. Before that, and again once everything paged, a client stamps a clock announcement, a rows
+message and a findings message an hour ahead: the replicas count and ignore them (their data clock
+is bounded by their own), act clears and re-raises nothing, and the lost GPU's XID, injected after
+the first of them, still pages. Then it asserts that every injected fault is still paged, that
+none is paged twice (nor any other alert), that no hint was issued twice, that the survivor took the dead replica's
 partitions, and that fault→page time stays within the level's target plus the lease time.
 """
 
@@ -24,6 +28,7 @@ from fleet_helpers import GvProc as Proc, NatsCluster, Probe, nats_binary
 from services import WebhookSink, binary, start_alertmanager, wait_for
 
 from gpuvigil.deployconfig import Fleet
+from gpuvigil.fleet import transport
 from gpuvigil.fleet.transport import nats_mapping, partition_of
 
 pytestmark = [pytest.mark.services, pytest.mark.timeout(420)]
@@ -55,6 +60,7 @@ SCENARIO = {
 # fault type → (finding kind, job) its page must name
 EXPECTED = {"thermal": ("thermal_throttle", "train-b"), "nccl_hang": ("collective_hang", "train-a"), "gpu_lost": ("xid", "train-b")}
 KILL_AT = 42.0  # data time: after the hang (40), before any detector could have confirmed it
+FORGE_AT = 20.0  # data time of the first forged future stamps: before any fault
 
 
 def firing_pages(webhook: WebhookSink) -> list[dict]:
@@ -84,8 +90,10 @@ def value(samples: dict, name: str, **labels: str) -> float:
 def test_fleet_survives_nats_detect_and_act_failures(tmp_path):
     nats_binary()
     binary("prometheus-alertmanager", "alertmanager")
+    # The simulator's data time starts at 0 and runs SPEED times the wall clock: the replicas bound
+    # theirs by it (clock_origin data), 30 data s (7.5 wall s) of skew allowed.
     fleet = Fleet(partitions=PARTITIONS, replicas=3, lease_ttl_seconds=LEASE_TTL, replay_seconds=300, rows_max_age_seconds=600,
-                  findings_refresh_seconds=2, findings_stale_seconds=30)
+                  findings_refresh_seconds=2, findings_stale_seconds=30, clock_origin="data", clock_rate=SPEED, clock_max_skew_seconds=30)
     cluster = NatsCluster(tmp_path, 3, nats_mapping(fleet))
     procs: list[Proc] = []
     probe = None
@@ -120,16 +128,33 @@ def test_fleet_survives_nats_detect_and_act_failures(tmp_path):
         procs.append(agent)
         assert probe.stream_replicas("GV_ROWS") == 3 and probe.stream_replicas("GV_FINDINGS") == 3 and probe.stream_replicas("GV_CLUSTER") == 3
 
+        def forge() -> None:
+            """An hour ahead, on every path a time travels: a clock announcement, a job's rows, a
+            source's findings."""
+            ahead = probe.now + 3600.0
+            probe.publish("gv.clock.forged", b'{"now": %r}' % ahead)
+            probe.publish("gv.rows.train-a", b"", {"Gv-Frames": "", "Gv-Node": "forged", "Gv-Job": "train-a", "Gv-Now": repr(ahead)})
+            probe.publish("gv.findings.node.forged", transport.findings_payload("agent", ahead, [], node="forged"))
+
+        wait_for(lambda: probe.now >= FORGE_AT, 120, 0.2, f"the fleet clock to reach {FORGE_AT}s")
+        forge()
+        # What each replica had lost so far (a loaded machine's start-up may cost a lease): the
+        # NATS node's loss must cost none more.
+        lost_at_forge = {n: value(scrape(p), "gpuvigil_detect_partitions_lost_total") for n, p in detects.items()}
+        terms_at_forge = {n: value(scrape(p), "gpuvigil_act_leader_terms_total") for n, p in acts.items()}
         wait_for(lambda: probe.now >= KILL_AT, 120, 0.2, f"the fleet clock to reach {KILL_AT}s")
         holders = wait_for(settled, 30, 0.2, "a readable lease table at the kill point")
         hung_part = f"part.{partition_of('train-a', PARTITIONS)}"
         victim_detect = holders[hung_part]
         victim_act = holders["act.leader"]
-        cluster.kill(0)
-        detects[victim_detect].kill()
-        acts[victim_act].kill()
         survivor_detect = next(n for n in detects if n != victim_detect)
         survivor_act = next(n for n in acts if n != victim_act)
+        lost_before = lost_at_forge[survivor_detect]
+        terms_before = terms_at_forge[survivor_act]
+        leases_leader = probe.stream_leader("KV_gv_leases")
+        cluster.kill(int(leases_leader.removeprefix("n")))
+        detects[victim_detect].kill()
+        acts[victim_act].kill()
 
         def all_paged() -> bool:
             kinds = {(a["labels"].get("kind"), a["labels"].get("job")) for a in firing_pages(webhook)}
@@ -152,6 +177,10 @@ def test_fleet_survives_nats_detect_and_act_failures(tmp_path):
         # would arrive within Alertmanager's group_wait of a re-send.
         survivor_log = tmp_path / f"{survivor_act}-outbox.sqlite"
         wait_for(lambda: survivor_log.exists(), 30, 0.5, "the new act leader's outbox")
+        # Forged future stamps again, now that act holds every finding: with an unbounded clock
+        # it cleared them all at once (and re-raised them on the next true time).
+        cleared_before = value(scrape(acts[survivor_act]), "gpuvigil_act_findings_cleared_total")
+        forge()
         time.sleep(3 * 2 + 2 * GROUP_WAIT)
 
         pages = firing_pages(webhook)
@@ -173,16 +202,18 @@ def test_fleet_survives_nats_detect_and_act_failures(tmp_path):
         assert final.get("act.leader") == survivor_act
         assert "rebuilt from the stream" in (tmp_path / f"{survivor_detect}.log").read_text()
 
-        # No hint issued by both act replicas (the ledger claims each once).
-        hint_ids = []
+        # The act replicas' --hint-db are copies of the fleet's one hint store (the ledger bucket):
+        # the survivor's holds every hint the killed leader stored (none lost with its disk).
+        stored: dict[str, set[str]] = {}
         for name in acts:
             db = tmp_path / f"{name}-hints.sqlite"
             if db.exists():
                 con = sqlite3.connect(db)
-                hint_ids += [r[0] for r in con.execute("SELECT id FROM hints")]
+                stored[name] = {r[0] for r in con.execute("SELECT id FROM hints")}
                 con.close()
+        hint_ids = sorted(set().union(*stored.values()))
         assert hint_ids, "act stored no hint"
-        assert len(hint_ids) == len(set(hint_ids)), f"a hint was issued twice: {sorted(hint_ids)}"
+        assert stored.get(victim_act, set()) <= stored[survivor_act], stored
         # The leader applies them through serve's acting code (--act dry-run: Slurm commands it
         # would run, said once per hint across both replicas and the failovers).
         said = [m.group(1) for name in acts for m in re.finditer(r"act dry-run \(slurm\): hint \S+ (\S+): would run: ", (tmp_path / f"{name}.log").read_text())]
@@ -210,16 +241,34 @@ def test_fleet_survives_nats_detect_and_act_failures(tmp_path):
         # The survivors' /metrics (prometheus_client) after the failovers.
         m_act = scrape(acts[survivor_act])
         assert value(m_act, "gpuvigil_act_leader") == 1 and value(m_act, "gpuvigil_act_lease_held") == 1
+        assert value(m_act, "gpuvigil_act_findings_cleared_total") == cleared_before
+        # Both forgeries were counted and ignored: the clock announcements by act and detect, the
+        # findings by the act leader, the rows by the partition's owner.
+        assert value(m_act, "gpuvigil_act_clock_future_messages_total", message="clock") == 2
+        assert value(m_act, "gpuvigil_act_clock_future_messages_total", message="findings") >= 1
+        assert value(m_act, "gpuvigil_act_clock_skew_seconds") > 3000  # the forged hour, seen within the last minute
+        assert abs(value(m_act, "gpuvigil_act_clock_lag_seconds")) <= 30
         # The hang (found after the kill) and the lost GPU (injected after it) were handed to the
         # survivor's pusher; the thermal page may have been the killed leader's.
         assert value(m_act, "gpuvigil_act_pages_total") >= 2
         assert value(m_act, "gpuvigil_act_alerts_delivered_total") >= 2
         assert value(m_act, "gpuvigil_act_hints_claimed_total") >= 1
+        # Recorded in the fleet's hint store (then described: the note is pushed too).
+        assert value(m_act, "gpuvigil_act_hint_store_records_pushed_total") >= 2 * value(m_act, "gpuvigil_act_hints_claimed_total")
         # The hang's hints were claimed and described by the survivor (the kill came before them).
         assert value(m_act, "gpuvigil_act_hints_applied_total", outcome="dry_run") >= 1
-        assert value(m_act, "gpuvigil_act_cluster_nodes") == SCENARIO["nodes"]
+        # The node summaries' stream may have had its leader on the killed node too: the view is
+        # whole again once its consumer is recreated on the new leader.
+        wait_for(lambda: value(scrape(acts[survivor_act]), "gpuvigil_act_cluster_nodes") == SCENARIO["nodes"], 60, 1.0,
+                 "the new act leader's cluster view of every node")
         m_detect = scrape(detects[survivor_detect])
         assert value(m_detect, "gpuvigil_detect_partitions_held") == PARTITIONS
+        # The NATS node leading the leases bucket died: the survivors lost no lease over it (the
+        # detect replica kept its own partitions, the new act leader stayed leader).
+        assert value(m_detect, "gpuvigil_detect_partitions_lost_total") == lost_before, (tmp_path / f"{survivor_detect}.log").read_text()[-3000:]
+        assert value(m_act, "gpuvigil_act_leader_terms_total") == terms_before + 1  # the one term it took over in
+        assert value(m_detect, "gpuvigil_detect_clock_future_messages_total", message="clock") == 2
+        assert value(m_detect, "gpuvigil_detect_clock_future_messages_total", message="rows") >= 1
         assert value(m_detect, "gpuvigil_detect_partitions_taken_total") >= PARTITIONS
 
         # Fault → page, failovers included, within the level's target plus the lease time.

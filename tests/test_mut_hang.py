@@ -320,3 +320,37 @@ def test_healthy_jobs_are_those_whose_fresh_reports_show_no_stall():
     w.seal(20.0)
     det.detect(w)
     assert det.healthy_jobs == set()
+
+
+def test_a_stall_rebuilt_from_many_reports_in_one_tick_keeps_its_start():
+    """A replica that takes a job over reads the last minutes of reports in one tick: the job runs
+    (ranks waiting in collectives) until t=20, sits outside any collective (a checkpoint) from 20
+    to 29, then rank 2 never joins #11 while the others wait. The stall is timed from t=29 (the
+    last report with nobody waiting), as a detector that saw every report as its own tick times
+    it, not from the latest report (which would page a 140 s hang as a few seconds old)."""
+    moving = [rank_rows(float(t), [t // 2 + 1] * 8, [t // 2] * 8) for t in range(0, 20)]
+    idle = [rank_rows(float(t), [10] * 8, [10] * 8) for t in range(20, 30)]
+    stalled = [stuck()(float(t)) for t in range(30, 170)]
+    w = Window(1e9)
+    w.add("rank_progress", pl.concat([*moving, *idle, *stalled]))
+    w.seal(170.0)
+    [f] = HangDetector().detect(w)
+    assert f.evidence["stalled_seconds"] == 170.0 - 29.0 and f.culprit_ranks == [2]
+    # Every report its own tick: the same finding.
+    det, w = HangDetector(), Window(1e9)
+    for frame in [*moving, *idle, *stalled]:
+        w.add("rank_progress", frame)
+        w.seal(float(frame["ts"][0]))
+        det.detect(w)
+    w.add("rank_progress", stuck()(170.0))
+    w.seal(170.0)
+    [g] = det.detect(w)
+    assert g.evidence == f.evidence and g.summary == f.summary
+    # Reports of one job that never line up in time (each rank its own clock) say nothing about
+    # when nobody waited: no idle time is guessed from them.
+    skewed = [rank_rows(20.0 + r / 10, [10] * 8, [10] * 8).filter(pl.col("rank") == r) for r in range(8)]
+    w = Window(1e9)
+    w.add("rank_progress", pl.concat([*moving, *skewed, *stalled]))
+    w.seal(170.0)
+    [h] = HangDetector().detect(w)
+    assert h.evidence["stalled_seconds"] == 149.3  # from the last completion (rank 7 at 20.7 s)

@@ -29,6 +29,11 @@ SHARD_RULES_FILE = "gpuvigil-rules-shard.yml"
 SHARD_RULES_TEST_FILE = "gpuvigil-rules-shard.test.yml"
 GLOBAL_RULES_FILE = "gpuvigil-rules-global.yml"
 SCRAPE_JOB = "gpuvigil-agents"
+CONTROL_FILE = "prometheus-control.yml"
+# The fleet's control plane: `gpuvigil detect` and `act` (--metrics-port) and the NATS servers
+# (prometheus-nats-exporter in front of each one's monitoring port). The fleet-health rules use
+# these job names.
+FLEET_JOBS = {"detect": "gpuvigil-detect", "act": "gpuvigil-act", "nats": "gpuvigil-nats"}
 HASH_LABEL = "__tmp_gpuvigil_shard"
 
 
@@ -218,4 +223,34 @@ def shard_config(
     if alertmanagers:
         doc["alerting"] = {"alertmanagers": alerting_section(alertmanagers)}
     doc["scrape_configs"] = [job]
+    return doc
+
+
+def control_config(
+    *,
+    detect: list[str],
+    act: list[str],
+    nats: list[str],
+    alertmanagers: list[str],
+    cluster: str,
+    scrape_interval: str = "15s",
+    evaluation_interval: str = "15s",
+) -> dict[str, Any]:
+    """The Prometheus of the fleet's control plane: scrapes detect, act and NATS (few targets, so
+    one server, not sharded) and evaluates both rule files: the shard-safe ones fire on its own
+    targets (clock lag, consumer lag, replays, a NATS server down), and the global ones need
+    every detect and act replica together (partitions judged by nobody, no act leader)."""
+    jobs = []
+    for role, targets in (("detect", detect), ("act", act), ("nats", nats)):
+        if targets:
+            jobs.append({"job_name": FLEET_JOBS[role], "static_configs": [{"targets": list(targets)}],
+                         "relabel_configs": [{"target_label": "cluster", "replacement": cluster}]})
+    doc: dict[str, Any] = {
+        "global": {"scrape_interval": scrape_interval, "evaluation_interval": evaluation_interval,
+                   "external_labels": {"cluster": cluster, "shard": "control"}},
+        "rule_files": [SHARD_RULES_FILE, GLOBAL_RULES_FILE],
+    }
+    if alertmanagers:
+        doc["alerting"] = {"alertmanagers": alerting_section(alertmanagers)}
+    doc["scrape_configs"] = jobs
     return doc

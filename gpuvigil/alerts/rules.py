@@ -85,6 +85,7 @@ def rules(s: AlertSettings) -> list[Rule]:
     def ib_port(name: str, device: str = "mlx5_0") -> str:
         return f'{name}{{node="n1",device="{device}",port="1",link_layer="InfiniBand"}}'
 
+    lag_min = _minutes(t.fleet_clock_lag_for)
     queue_or = " or ".join(
         f'gpuvigil_scheduler_queue_oldest_wait_seconds{{priority="{p}"}} > {_num(v)}' for p, v in sorted(t.queue_wait_seconds.items())
     )
@@ -299,6 +300,88 @@ def rules(s: AlertSettings) -> list[Rule]:
             "Alerts wait in gpuvigil's outbox (nothing is lost; they are retried with backoff). Check that Alertmanager is up and reachable.",
             for_="10m",
             example=Example({"gpuvigil_alert_outbox_pending": "3x20"}, "11m", [{}], quiet_at="5m"),
+        ),
+        Rule(
+            "GpuvigilFleetClockLag", "gpuvigil-self",
+            f"max by (instance, replica) ({{__name__=~\"gpuvigil_(detect|act)_clock_lag_seconds\"}}) > {_num(t.fleet_clock_lag_seconds)}",
+            "page", "platform", "cluster",
+            "The fleet's data clock trails {{ $labels.replica }}'s own clock",
+            "The data time detect or act ticks on is far behind the replica's own clock: no agent's announcement or rows reach it, or their "
+            "stamps are refused as too far ahead of it, so nothing new is judged. Check the agents, NATS, and the replica's clock skew.",
+            for_=t.fleet_clock_lag_for,
+            example=Example({'gpuvigil_detect_clock_lag_seconds{instance="d1:9500",replica="d1"}': f"1x2 {_num(t.fleet_clock_lag_seconds * 3)}x{lag_min + 5}"},
+                            f"{lag_min + 4}m", [{"instance": "d1:9500", "replica": "d1"}], quiet_at="1m"),
+        ),
+        Rule(
+            "GpuvigilFleetClockSkew", "gpuvigil-self",
+            f"(max by (instance, replica) (abs({{__name__=~\"gpuvigil_(detect|act)_clock_skew_seconds\"}})) > {_num(t.fleet_clock_skew_seconds)}) or "
+            "(sum by (instance, replica) (increase({__name__=~\"gpuvigil_(detect|act)_clock_future_messages_total\"}[10m])) > 0)",
+            "ticket", "platform", "cluster",
+            "Times far from {{ $labels.replica }}'s clock on the fleet bus",
+            "A host stamps its clock announcements, rows or findings far from this replica's clock: ahead of the bound, they are ignored "
+            "(gpuvigil_*_clock_future_messages_total, the log names the subject). Fix the host's NTP, or find the client that forges stamps.",
+            example=Example({'gpuvigil_act_clock_future_messages_total{instance="a1:9501",replica="a1",message="clock"}': "0 0 0 1 1"},
+                            "3m", [{"instance": "a1:9501", "replica": "a1"}], quiet_at="1m"),
+        ),
+        # Fleet health (gpuvigil detect / act / NATS): the control plane's Prometheus scrapes them
+        # (`gpuvigil deploy prometheus --detect-target/--act-target/--nats-target`).
+        Rule(
+            "GpuvigilFleetPartitionsUnjudged", "gpuvigil-self",
+            "max by (cluster) (gpuvigil_detect_partitions) - (sum by (cluster) (gpuvigil_detect_partitions_caught_up) or max by (cluster) (gpuvigil_detect_partitions) * 0) > 0",
+            "page", "platform", "cluster",
+            "Job partitions of cluster {{ $labels.cluster }} are judged by no detect replica",
+            "Some job partitions have no detect replica that holds their lease and has caught up on their rows: hangs, stragglers and "
+            "cross-rank OOMs of those jobs are not detected. Check that detect replicas run, reach NATS, and hold their leases "
+            "(gpuvigil_detect_partitions_held, gpuvigil_detect_member_lease_held).",
+            for_=t.fleet_partitions_unjudged_for,
+            example=Example({'gpuvigil_detect_partitions{cluster="c1",replica="d1"}': f"4x{_minutes(t.fleet_partitions_unjudged_for) + 6}",
+                             'gpuvigil_detect_partitions_caught_up{cluster="c1",replica="d1"}': f"4x2 2x{_minutes(t.fleet_partitions_unjudged_for) + 4}"},
+                            f"{_minutes(t.fleet_partitions_unjudged_for) + 4}m", [{"cluster": "c1"}], quiet_at="1m"),
+        ),
+        Rule(
+            "GpuvigilFleetNoActLeader", "gpuvigil-self",
+            "(sum by (cluster) (gpuvigil_act_leader) or max by (cluster) (gpuvigil_detect_partitions) * 0) < 1",
+            "page", "platform", "cluster",
+            "No gpuvigil act leader: findings are neither paged nor acted on",
+            "No act replica holds the leader lease, so findings reach no Alertmanager and no hint is issued. Check the act replicas "
+            "(running, reaching NATS) and gpuvigil_act_lease_held.",
+            for_="1m",
+            example=Example({'gpuvigil_act_leader{cluster="c1",replica="a1"}': "1x2 0x6", 'gpuvigil_detect_partitions{cluster="c1",replica="d1"}': "4x8"},
+                            "5m", [{"cluster": "c1"}], quiet_at="1m"),
+        ),
+        Rule(
+            "GpuvigilFleetConsumerLag", "gpuvigil-self",
+            f"max by (instance, replica) ({{__name__=~\"gpuvigil_(detect|act)_consumer_pending_messages\"}}) > {_num(t.fleet_consumer_pending_messages)}",
+            "ticket", "platform", "cluster",
+            "{{ $labels.replica }} is far behind on its NATS stream",
+            "A detect or act replica reads its stream slower than it fills: its findings come later and later. Give detect more "
+            "replicas (partitions spread over them) or CPU, or spread the rows over more streams (fleet.rows_streams).",
+            for_=t.fleet_consumer_pending_for,
+            example=Example({'gpuvigil_detect_consumer_pending_messages{instance="d1:9500",replica="d1",partition="3",stream="GV_ROWS"}':
+                             f"0x2 {_num(t.fleet_consumer_pending_messages * 2)}x{_minutes(t.fleet_consumer_pending_for) + 6}"},
+                            f"{_minutes(t.fleet_consumer_pending_for) + 4}m", [{"instance": "d1:9500", "replica": "d1"}], quiet_at="1m"),
+        ),
+        Rule(
+            "GpuvigilFleetReplays", "gpuvigil-self",
+            f"sum by (instance, replica) (increase({{__name__=~\"gpuvigil_detect_partitions_(taken|lost)_total\"}}[10m])) > {_num(t.fleet_replays_per_10m)}",
+            "ticket", "platform", "cluster",
+            "{{ $labels.replica }} keeps taking and losing partitions",
+            "Partition leases move again and again: each takeover replays the partition from the stream and its findings may flap. "
+            "Usually the replica misses lease renewals (NATS slow or failing over, the replica starved of CPU, fleet.lease_ttl_seconds "
+            "too short for them).",
+            example=Example({'gpuvigil_detect_partitions_taken_total{instance="d1:9500",replica="d1"}': f"0x2 0+{_num(t.fleet_replays_per_10m)}x4"},
+                            "6m", [{"instance": "d1:9500", "replica": "d1"}], quiet_at="1m"),
+        ),
+        Rule(
+            "GpuvigilNatsServerDown", "gpuvigil-self",
+            # Aggregated so the alert carries no `job` label (alerts route a `job` as a training job's).
+            'max by (instance) (up{job="gpuvigil-nats"}) == 0',
+            "ticket", "platform", "cluster",
+            "NATS server {{ $labels.instance }} of the fleet is down",
+            "One NATS server of the fleet's JetStream cluster does not answer its monitoring scrape. Three servers survive the loss "
+            "of one; a second loss stops the fleet's streams (no quorum). Restart it or replace its node.",
+            for_="2m",
+            example=Example({'up{job="gpuvigil-nats",instance="nats-1:7777"}': "1x2 0x6"}, "5m", [{"instance": "nats-1:7777"}], quiet_at="1m"),
         ),
     ]
 

@@ -44,8 +44,16 @@ class RuleThresholds(BaseModel):
     ib_degraded_for: str = "10m"
     fabric_not_ready_for: str = "5m"
 
+    fleet_clock_lag_seconds: float = Field(120, gt=0)
+    fleet_clock_lag_for: str = "2m"
+    fleet_clock_skew_seconds: float = Field(10, gt=0)
+    fleet_partitions_unjudged_for: str = "2m"
+    fleet_consumer_pending_messages: float = Field(10000, gt=0)
+    fleet_consumer_pending_for: str = "5m"
+    fleet_replays_per_10m: float = Field(8, gt=0)
+
     @field_validator("gpu_temperature_for", "memory_headroom_for", "collective_stall_for", "fragmentation_for", "pipeline_stall_for", "collector_down_for", "ib_degraded_for",
-                     "fabric_not_ready_for")
+                     "fabric_not_ready_for", "fleet_clock_lag_for", "fleet_partitions_unjudged_for", "fleet_consumer_pending_for")
     @classmethod
     def _duration(cls, v: str) -> str:
         return _check_duration(v)

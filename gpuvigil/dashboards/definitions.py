@@ -322,6 +322,42 @@ def dcgm_node() -> Dashboard:
     )
 
 
+def fleet() -> Dashboard:
+    by_replica = "{{replica}}"
+    nats_up = q("up", 'job="gpuvigil-nats"')  # the control plane's scrape of prometheus-nats-exporter
+    return dashboard(
+        "gpuvigil-fleet", "gpuvigil / Fleet health",
+        "The fleet's control plane on NATS JetStream: detect partitions judged, the act leader, consumer and clock lag, "
+        "partition takeovers (each replays the partition), alert delivery, and the NATS servers.",
+        [cluster_var("gpuvigil_detect_partitions")],
+        [
+            ("Fleet health", [
+                stat("Partitions judged", (f"sum({q('gpuvigil_detect_partitions_caught_up')}) / max({q('gpuvigil_detect_partitions')})", "judged"),
+                     unit="percentunit", description="Share of job partitions a detect replica holds and has caught up on (GpuvigilFleetPartitionsUnjudged)."),
+                stat("Act leaders", (f"sum({q('gpuvigil_act_leader')})", "leaders"), description="1 in a healthy fleet (GpuvigilFleetNoActLeader)."),
+                stat("NATS servers up", (f"sum({nats_up})", "up"), description="Of 3: one may be lost (GpuvigilNatsServerDown)."),
+                ts("Partitions held by replica", (f"sum by (replica) ({q('gpuvigil_detect_partitions_held')})", by_replica), stacking=True),
+                ts("Consumer lag (messages)", (f"max by (replica) ({q('gpuvigil_detect_consumer_pending_messages')})", "detect " + by_replica),
+                   (f"max by (replica) ({q('gpuvigil_act_consumer_pending_messages')})", "act " + by_replica),
+                   description="Messages of the streams not read yet (GpuvigilFleetConsumerLag)."),
+                ts("Data clock lag", (f"max by (replica) ({q('gpuvigil_detect_clock_lag_seconds')})", "detect " + by_replica),
+                   (f"max by (replica) ({q('gpuvigil_act_clock_lag_seconds')})", "act " + by_replica), unit="s",
+                   description="The fleet's data clock behind the replica's own (GpuvigilFleetClockLag)."),
+                ts("Partition takeovers (replays)", (f"sum by (replica) (increase({q('gpuvigil_detect_partitions_taken_total')}[{RATE}]))", "taken " + by_replica),
+                   (f"sum by (replica) (increase({q('gpuvigil_detect_partitions_lost_total')}[{RATE}]))", "lost " + by_replica),
+                   description="Each takeover replays the partition from the stream (GpuvigilFleetReplays)."),
+                ts("Alerts pending delivery", (f"max by (replica) ({q('gpuvigil_act_alerts_pending')})", by_replica),
+                   description="The act leader's outbox to Alertmanager."),
+                ts("Pages sent by act", (f"sum by (replica) (increase({q('gpuvigil_act_pages_total')}[{RATE}]))", by_replica)),
+                ts("Acting circuit breaker", (f"max by (replica) ({q('gpuvigil_breaker_open')})", "open " + by_replica),
+                   (f"max by (replica) ({q('gpuvigil_breaker_taken_nodes')})", "nodes taken " + by_replica),
+                   description="The act leader's breaker (act: on): open, nothing more is drained until a person closes it (GpuvigilBreakerOpen)."),
+            ]),
+        ],
+        ["fleet"],
+    )
+
+
 DASHBOARDS: dict[str, Callable[[], Dashboard]] = {
     "gpuvigil-cluster": cluster_overview,
     "gpuvigil-node": node,
@@ -329,4 +365,5 @@ DASHBOARDS: dict[str, Callable[[], Dashboard]] = {
     "gpuvigil-detectors": detectors,
     "gpuvigil-scheduler": scheduler,
     "gpuvigil-dcgm-node": dcgm_node,
+    "gpuvigil-fleet": fleet,
 }

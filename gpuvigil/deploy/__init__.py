@@ -6,7 +6,9 @@ shard evaluates (the shard-safe gpuvigil rules) with its `promtool test rules` c
 file of the rules that need the whole fleet (for a global ruler). Targets come from a static list
 (`--target`, repeatable) and/or file_sd files (`--targets-file`, repeatable; Prometheus re-reads
 them, so agents can come and go without regenerating anything). Alerts go to the config's
-`alerts.alertmanagers` peers.
+`alerts.alertmanagers` peers. With `--detect-target`, `--act-target` and/or `--nats-target` it also
+writes `prometheus-control.yml`: the Prometheus of the fleet's control plane, which scrapes those
+and evaluates the fleet-health rules.
 """
 
 from __future__ import annotations
@@ -32,9 +34,11 @@ def _prometheus_files(args: argparse.Namespace) -> dict[str, str]:
         raise UserError(f"--shards {args.shards}: must be >= 1")
     if not args.target and not args.targets_file:
         raise UserError("no agent targets: give --target HOST:PORT (repeatable) and/or --targets-file FILE (file_sd, repeatable)")
-    for target in args.target:
-        if not _HOST_PORT.match(target):
-            raise UserError(f"--target {target!r}: expected HOST:PORT, e.g. node-001:9400")
+    for flag, targets in (("--target", args.target), ("--detect-target", args.detect_target), ("--act-target", args.act_target),
+                          ("--nats-target", args.nats_target)):
+        for target in targets:
+            if not _HOST_PORT.match(target):
+                raise UserError(f"{flag} {target!r}: expected HOST:PORT, e.g. node-001:9400")
     for interval in (args.scrape_interval, args.evaluation_interval):
         if not _DURATION.match(interval):
             raise UserError(f"{interval!r} is not a Prometheus duration like 15s, 1m")
@@ -55,6 +59,13 @@ def _prometheus_files(args: argparse.Namespace) -> dict[str, str]:
         files[ps.config_file(shard)] = dump_yaml(
             doc, f"Prometheus shard {shard} of {args.shards}: scrapes the gpuvigil agents whose address hashes to {shard} "
                  f"(hashmod {args.shards}).\n{gen}",
+        )
+    if args.detect_target or args.act_target or args.nats_target:
+        doc = ps.control_config(detect=args.detect_target, act=args.act_target, nats=args.nats_target, alertmanagers=settings.alertmanagers,
+                                cluster=args.cluster, scrape_interval=args.scrape_interval, evaluation_interval=args.evaluation_interval)
+        files[ps.CONTROL_FILE] = dump_yaml(
+            doc, "Prometheus of the fleet's control plane: gpuvigil detect and act replicas and the NATS servers' exporters, with the\n"
+                 f"fleet-health rules (docs/scale.md).\n{gen}",
         )
     _, unsafe = ps.split_rules(settings)
     files[ps.SHARD_RULES_FILE] = dump_yaml(
@@ -89,6 +100,10 @@ def add_parser(sub) -> None:
     pr.add_argument("--target", action="append", default=[], metavar="HOST:PORT", help="an agent's /metrics address (repeatable)")
     pr.add_argument("--targets-file", action="append", default=[], metavar="FILE",
                     help="file_sd file (JSON/YAML, globs allowed) listing agent targets, as Prometheus reads it (repeatable)")
+    pr.add_argument("--detect-target", action="append", default=[], metavar="HOST:PORT", help="a `gpuvigil detect` replica's --metrics-port (repeatable; writes prometheus-control.yml)")
+    pr.add_argument("--act-target", action="append", default=[], metavar="HOST:PORT", help="a `gpuvigil act` replica's --metrics-port (repeatable)")
+    pr.add_argument("--nats-target", action="append", default=[], metavar="HOST:PORT",
+                    help="a NATS server's prometheus-nats-exporter (repeatable; e.g. nats-0:7777)")
     pr.add_argument("--cluster", default="default", help="value of the `cluster` label on every series (default: default)")
     pr.add_argument("--scrape-interval", default="15s", help="Prometheus scrape_interval (default 15s)")
     pr.add_argument("--evaluation-interval", default="15s", help="Prometheus evaluation_interval (default 15s)")

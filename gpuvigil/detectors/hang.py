@@ -75,17 +75,31 @@ class HangDetector(Declared):
         """
         fresh = window.fresh("rank_progress")
         if fresh.height:
+            # A tick may carry many reports of a rank (a slow tick over a fast sampler, or a
+            # replica rebuilding a partition from the stream in one go): its counter last moved
+            # at the first of them that shows the latest completed collective, not at the latest
+            # report, so the stall is timed exactly as if every report had been its own tick.
+            fresh = fresh.sort("ts")
+            last = fresh.group_by(["job", "rank"], maintain_order=True).last()
+            moved = (
+                fresh.join(last.select("job", "rank", pl.col("last_completed_seq").alias("_final")), on=["job", "rank"])
+                .filter(pl.col("last_completed_seq").eq_missing(pl.col("_final")))
+                .group_by(["job", "rank"])
+                .agg(pl.col("ts").min().alias("_moved"))
+            )
             # in the stream's column order, as a state begun from an empty tick has it
-            fresh = fresh.sort("ts").group_by(["job", "rank"], maintain_order=True).last().select(fresh.columns)
+            fresh = last.join(moved, on=["job", "rank"], how="left").select(*fresh.columns, "_moved")
+        else:
+            fresh = fresh.with_columns(pl.col("ts").alias("_moved"))
         if self._state is None:
-            state = fresh.with_columns(pl.col("ts").alias("since"))
+            state = fresh.rename({"_moved": "since"})
         elif fresh.height == 0:
             state = self._state
         else:
             prev = self._state.select("job", "rank", pl.col("last_completed_seq").alias("_prev_comp"), pl.col("since").alias("_prev_since"))
             updated = fresh.join(prev, on=["job", "rank"], how="left").with_columns(
-                pl.when(pl.col("_prev_comp") == pl.col("last_completed_seq")).then(pl.col("_prev_since")).otherwise(pl.col("ts")).alias("since")
-            ).drop("_prev_comp", "_prev_since")
+                pl.when(pl.col("_prev_comp") == pl.col("last_completed_seq")).then(pl.col("_prev_since")).otherwise(pl.col("_moved")).alias("since")
+            ).drop("_prev_comp", "_prev_since", "_moved")
             kept = self._state.join(fresh.select("job", "rank"), on=["job", "rank"], how="anti")
             state = pl.concat([kept, updated], how="vertical_relaxed")
         jobs = window.get("jobs")
@@ -95,6 +109,24 @@ class HangDetector(Declared):
             state = state.join(running, on="job", how="inner").filter(pl.col("ts") >= pl.col("_start")).drop("_start")
         self._state = state.filter(pl.col("ts") >= window.now - self.config.forget_after_seconds)
         return self._state
+
+    def _idle_in_batch(self, window: Window) -> pl.DataFrame:
+        """(job, idle_ts): the latest report time, among this tick's several reports of a job,
+        at which every rank of it reported and nobody waited in a collective. What a detector
+        ticking on every report would have kept in `_idle`; counted only for report times at
+        which all the job's ranks in the batch reported together (else unknown: not guessed)."""
+        fresh = window.fresh("rank_progress")
+        if fresh.height == 0 or fresh["ts"].n_unique() < 2:
+            return pl.DataFrame(schema={"job": pl.Utf8, "idle_ts": pl.Float64})
+        ranks = fresh.group_by("job").agg(pl.col("rank").n_unique().alias("_n"))
+        return (
+            fresh.group_by(["job", "ts"])
+            .agg(pl.col("last_enqueued_seq").max().alias("_enq"), pl.col("last_completed_seq").min().alias("_comp"), pl.col("rank").n_unique().alias("_k"))
+            .join(ranks, on="job")
+            .filter((pl.col("_k") == pl.col("_n")) & (pl.col("_enq") <= pl.col("_comp")))
+            .group_by("job")
+            .agg(pl.col("ts").max().alias("idle_ts"))
+        )
 
     def detect(self, window: Window) -> list[Finding]:
         c = self.config
@@ -117,6 +149,9 @@ class HangDetector(Declared):
                 pl.col("last_started_seq").max().alias("max_started"),
             )
         )
+        idle_before = self._idle_in_batch(window)
+        if idle_before.height:
+            self._idle = pl.concat([self._idle, idle_before]).group_by("job", maintain_order=True).agg(pl.col("idle_ts").max())
         idle_now = per_job.filter(pl.col("max_enq") <= pl.col("min_comp")).select("job", pl.lit(now).alias("idle_ts"))
         self._idle = pl.concat([self._idle.join(per_job.select("job"), on="job", how="semi").join(idle_now, on="job", how="anti"), idle_now])
         per_job = per_job.join(self._idle, on="job", how="left").with_columns(

@@ -11,10 +11,12 @@ read from `gv.cluster.>`), so its findings take that path too. `--metrics-port` 
 A finding processed twice never pages or acts twice:
 - alerts: the pusher re-sends firing alerts with the same labels, which Alertmanager merges into
   the alert it already notified (a new leader re-sends what the old one sent: no new page);
-- hints: a hint is stored and applied only by the leader that claims it in the ledger bucket
-  (`create` of `hint.<id>` succeeds once), so a new leader, or the same finding read twice, never
-  issues it again. The ledger also records each finding's episode (`finding.<id>`: firing or
-  resolved) for the record of who paged what.
+- hints: a hint is issued by the leader that claims it in the ledger bucket (`create` of
+  `hint.<id>` succeeds once), after it recorded the hint in the fleet's one hint store (the same
+  bucket, `rec.<id>`: gpuvigil.fleet.hints; `--hint-db` is the leader's working copy, loaded when
+  its term starts). What acting did is recorded there too, so a new leader applies what an earlier
+  one recorded but never applied, and repeats nothing it did. The ledger also records each
+  finding's episode (`finding.<id>`: firing or resolved) for the record of who paged what.
 """
 
 from __future__ import annotations
@@ -35,7 +37,9 @@ from gpuvigil.fleet import transport
 from gpuvigil.fleet.agent import add_common, add_metrics_args, install_signals, load
 from gpuvigil.fleet.lease import Leases
 from gpuvigil.fleet.metrics import ActStats
-from gpuvigil.fleet.transport import Clock, Subjects
+from gpuvigil.fleet.clock import from_fleet as clock_of
+from gpuvigil.fleet.fence import Fence
+from gpuvigil.fleet.transport import Subjects
 from gpuvigil.model import Finding
 
 log = logging.getLogger("gpuvigil.fleet")
@@ -45,11 +49,11 @@ LEADER_KEY = "act.leader"
 
 def add_parser(sub) -> None:
     p = sub.add_parser(NAME, help="findings → alerts and hints, one leader through a NATS KV lease")
-    add_common(p)
+    add_common(p, NAME)
     p.add_argument("--id", help="replica id (default: hostname-pid)")
     p.add_argument("--alertmanager", action="append", default=[], help="Alertmanager base URL; repeat for every peer of a cluster (default: alerts.alertmanagers)")
     p.add_argument("--outbox", default="gpuvigil-act-outbox.sqlite", help="SQLite alert outbox of this replica")
-    p.add_argument("--hint-db", help="hint store (SQLite) of the hints this replica issues as leader")
+    p.add_argument("--hint-db", help="this replica's working copy (SQLite) of the fleet's hint store, loaded from NATS when it becomes leader")
     p.add_argument("--api-port", type=int, help="while leader, also serve the scheduler feedback API over --hint-db on this port (0: a free one)")
     p.add_argument("--api-host", default="127.0.0.1", help="address of the feedback API (default 127.0.0.1)")
     p.add_argument("--api-token-file", type=Path, help="bearer token file of the feedback API (else $GPUVIGIL_API_TOKEN)")
@@ -73,6 +77,13 @@ class Relay:
         self.sources: dict[str, tuple[float, float, list[Finding]]] = {}  # subject → (data now, wall, findings)
         self.tenants: dict[str, str] = {}
         self._tenants_sent: dict[str, str] = {}
+
+    def hold(self, subject: str) -> None:
+        """A new owner claimed the source and catches up: keep its last findings meanwhile (the
+        stale clock restarts), so a takeover neither clears nor re-pages them."""
+        old = self.sources.get(subject)
+        if old is not None:
+            self.sources[subject] = (old[0], time.monotonic(), old[2])
 
     def update(self, subject: str, now: float, findings: list[Finding], tenants: dict[str, str] | None = None) -> None:
         old = self.sources.get(subject)
@@ -257,9 +268,10 @@ class Act:
         self.acting = None
         self.id = args.id or f"{socket.gethostname()}-{os.getpid()}"
         self.subjects = Subjects(self.fleet)
-        self.clock = Clock()
+        self.clock = clock_of(self.fleet)
         self.stop_event = asyncio.Event()
         self.relay = Relay(self.fleet.findings_stale_seconds)
+        self.fence = Fence()
         self.cluster = ClusterView(self.fleet.findings_stale_seconds)
         # The relay, plus the detectors of serve's set that need the whole cluster
         # (fragmentation_cluster), over the agents' node summaries.
@@ -271,6 +283,8 @@ class Act:
         self.ledger: Ledger | None = None
         self.metrics_port: int | None = None
         self.sinks: list[Any] = []
+        self.store: Any = None  # the leader's --hint-db: its working copy of the fleet's hint store
+        self.shared: Any = None  # gpuvigil.fleet.hints.SharedHints over the ledger bucket, while leader
         self.closers: list[Any] = []
         self.pusher = None
         self.api = None
@@ -294,6 +308,7 @@ class Act:
             from gpuvigil.api import HintStore
 
             store = HintStore(self.args.hint_db)
+            self.store = store
             self.sinks.append(store)
             self.closers.append(store.close)
             if self.args.api_port is not None:
@@ -336,9 +351,19 @@ class Act:
             log.warning("act: undecodable findings on %s: %s", m.subject, exc)
             self.stats.bad_messages += 1
             return
-        now = float(doc.get("now", 0.0))
-        self.relay.update(m.subject, now, found, doc.get("tenants"))
-        self.clock.now = max(self.clock.now, now)
+        now = doc.get("now")
+        if not self.clock.offer(now, m.subject, "findings"):
+            # From the future (or no time at all): taken, it would hold this source's findings
+            # over every later, true message; ignored, the source's next message counts.
+            self.stats.future_messages += 1
+            return
+        now = float(now)
+        if not self.fence.admit(m.subject, doc):
+            return  # from a replica that lost the partition's lease (paused past it)
+        if doc.get("claim"):
+            self.relay.hold(m.subject)
+        else:
+            self.relay.update(m.subject, now, found, doc.get("tenants"))
         self.stats.findings_messages += 1
         self.stats.newest_findings_now = max(self.stats.newest_findings_now, now)
 
@@ -393,20 +418,37 @@ class Act:
 
     async def _tick(self, now: float, ledger: Ledger) -> None:
         result = await asyncio.to_thread(self.pipeline.tick, now)
+        recorded = True
+        if self.shared is not None:
+            # Recorded first, in the fleet's hint store (gpuvigil.fleet.hints), then claimed and
+            # applied: a leader that dies in between leaves them to the next one, never lost.
+            self.store.on_tick(result, self.pipeline.window)
+            recorded = await self._push_hints()
         await ledger.gate(result)
         for f in result.new_findings:
             log.info("act %s: finding %s %s: %s", self.id, f.severity.value, f.kind.value, f.summary)
         self.stats.on_tick(self, result, now)
         for sink in self.sinks:
-            sink.on_tick(result, self.pipeline.window)
-        if self.acting is not None:
+            if sink is not self.store or self.shared is None:
+                sink.on_tick(result, self.pipeline.window)
+        if self.acting is not None and recorded:
             # After the store (which records the claimed hints first); scontrol / API calls run
             # off the event loop so the lease keeps being renewed.
             await asyncio.to_thread(self.acting.on_tick, result, self.pipeline.window)
+            if self.shared is not None:
+                await self._push_hints()  # what was applied or noted: the next leader does not repeat it
         self.ticks += 1
 
+    async def _push_hints(self) -> bool:
+        try:
+            await self.shared.push()  # type: ignore[union-attr]
+        except Exception as exc:  # noqa: BLE001 - NATS cannot take them now: nothing is applied until it can
+            log.warning("act %s: the fleet's hint store cannot take this tick's hints (%s); applying nothing until it can", self.id, exc)
+            return False
+        return True
+
     async def run(self) -> None:
-        nc = await transport.connect(self.fleet, f"gpuvigil-act-{self.id}")
+        nc = await transport.connect(self.fleet, f"gpuvigil-act-{self.id}", role=NAME)
         self.js = nc.jetstream(timeout=5)
         reader: asyncio.Task | None = None
         try:
@@ -433,6 +475,18 @@ class Act:
                     print(f"gpuvigil act {self.id}: leader", flush=True)
                     self.stats.leader_terms += 1
                     self._open_outputs()
+                    if self.store is not None:
+                        from gpuvigil.fleet.hints import SharedHints
+
+                        self.shared = SharedHints(ledger.kv, self.store, self.stats.hint_store)
+                        loaded = False
+                        while not loaded and leases.valid(LEADER_KEY) and not self.stop_event.is_set():
+                            try:  # every earlier leader's hints, before this one ticks or serves
+                                await self.shared.load()
+                                loaded = True
+                            except Exception as exc:  # noqa: BLE001 - NATS failing over: retried
+                                log.warning("act %s: cannot load the fleet's hint store yet: %s", self.id, exc)
+                                await asyncio.sleep(0.5)
                     reader = asyncio.gather(
                         self._read(self.subjects.findings_stream, f"{self.subjects.prefix}.findings.>", self._on_findings, "findings"),
                         self._read(self.subjects.cluster_stream, f"{self.subjects.prefix}.cluster.>", self._on_cluster, "cluster"),
@@ -448,6 +502,7 @@ class Act:
                     self.sinks = []
                     self.acting = None
                     self.pusher = None
+                    self.store = self.shared = None
                 if self.leader_since is not None and leases.valid(LEADER_KEY):
                     now = self.clock.now
                     if math.isfinite(now) and now - self.last_tick >= self.pipeline.config.tick_seconds:
@@ -461,15 +516,14 @@ class Act:
                 except TimeoutError:
                     pass
             lease_task.cancel()
-            if LEADER_KEY in leases.revision:
-                await leases.release(LEADER_KEY)
+            if reader is not None:
+                reader.cancel()
+            # The lease released at once hands over to a standby (bounded: SIGTERM exits within 5 s).
+            await transport.shutdown(nc, *([leases.release(LEADER_KEY)] if LEADER_KEY in leases.revision else []))
         finally:
             if reader is not None:
                 reader.cancel()
-            try:
-                await nc.drain()
-            except Exception:  # noqa: BLE001
-                pass
+            await transport.shutdown(nc)
 
 
 def run(args: argparse.Namespace) -> int:

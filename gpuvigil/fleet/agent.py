@@ -21,6 +21,7 @@ import argparse
 import asyncio
 import json
 import logging
+import os
 import signal
 import threading
 import time
@@ -28,11 +29,13 @@ from collections.abc import Mapping
 from typing import Any
 
 import polars as pl
+from pydantic import ValidationError
 
 from gpuvigil import config, schemas
 from gpuvigil.deployconfig import Fleet, fleet_from_config
 from gpuvigil.errors import UserError
 from gpuvigil.fleet import transport
+from gpuvigil.fleet.spool import Spool
 from gpuvigil.fleet.transport import ROW_STREAMS, Subjects
 from gpuvigil.recentlog import RecentLog
 
@@ -40,9 +43,18 @@ log = logging.getLogger("gpuvigil.fleet")
 NAME = "agent"
 
 
-def add_common(p: argparse.ArgumentParser) -> None:
+def add_common(p: argparse.ArgumentParser, role: str = NAME) -> None:
+    p.set_defaults(fleet_role=role)
     p.add_argument("--config", help="config file with the `fleet:` section (see deploy/fleet.yaml)")
     p.add_argument("--nats", action="append", default=[], metavar="URL", help="NATS server URL (repeatable; overrides fleet.servers)")
+    g = p.add_argument_group(f"NATS security (override fleet.tls and fleet.credentials.{role}; docs/security.md)")
+    g.add_argument("--nats-ca", metavar="PEM", help="CA of the NATS servers' certificates")
+    g.add_argument("--nats-cert", metavar="PEM", help="client certificate (with --nats-key)")
+    g.add_argument("--nats-key", metavar="PEM", help="client certificate's key")
+    g.add_argument("--nats-creds", metavar="FILE", help=f"{role}'s .creds file")
+    g.add_argument("--nats-nkey-seed", metavar="FILE", help=f"{role}'s nkey seed file")
+    g.add_argument("--nats-user", help=f"{role}'s NATS user (with --nats-password-file)")
+    g.add_argument("--nats-password-file", metavar="FILE", help="file holding the NATS user's password")
     p.add_argument("--duration", type=float, default=0.0, help="stop after this many wall seconds (default: until SIGTERM)")
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
 
@@ -62,7 +74,10 @@ def add_parser(sub) -> None:
     p.add_argument("--speed", type=float, default=1.0, help="simulated seconds per wall second")
     p.add_argument("--host", default="127.0.0.1", help="address for /metrics")
     p.add_argument("--port", type=int, default=9400, help="port for /metrics (0: a free one; -1: none)")
+    p.add_argument("--spool", metavar="DIR", help="keep what NATS cannot take on disk here (at most fleet.spool_max_bytes) and replay it in order when NATS is back")
     p.add_argument("--print-nats-mapping", action="store_true", help="print the nats-server subject mapping for this config and exit")
+    p.add_argument("--print-nats-config", action="store_true",
+                   help="print a nats-server config for this fleet (TLS, 3-node JetStream cluster, one user per role with its permissions) and exit")
     p.set_defaults(func=run)
 
 
@@ -72,9 +87,23 @@ def load(args: argparse.Namespace) -> tuple[dict[str, Any], Fleet]:
     except config.ConfigError as exc:
         raise UserError(str(exc)) from exc
     fleet = fleet_from_config(cfg, args.config or "config")
+    update: dict[str, Any] = {}
     if args.nats:
-        fleet = fleet.model_copy(update={"servers": list(args.nats)})
-        Fleet.model_validate(fleet.model_dump())
+        update["servers"] = list(args.nats)
+    tls = {k: v for k, v in (("ca", getattr(args, "nats_ca", None)), ("cert", getattr(args, "nats_cert", None)), ("key", getattr(args, "nats_key", None))) if v}
+    if tls:
+        update["tls"] = {**(fleet.tls.model_dump() if fleet.tls else {}), **tls}
+    cred = {k: v for k, v in (("creds", getattr(args, "nats_creds", None)), ("nkey_seed", getattr(args, "nats_nkey_seed", None)),
+                              ("user", getattr(args, "nats_user", None)), ("password_file", getattr(args, "nats_password_file", None))) if v}
+    role = getattr(args, "fleet_role", NAME)
+    if cred:
+        update["credentials"] = {**fleet.model_dump()["credentials"], role: cred}
+    if update:
+        try:
+            fleet = Fleet.model_validate({**fleet.model_dump(), **update})
+        except ValidationError as exc:
+            err = exc.errors()[0]
+            raise UserError(f"--nats*: {'.'.join(str(p) for p in err['loc'])}: {err['msg'].removeprefix('Value error, ')}") from None
     return cfg, fleet
 
 
@@ -351,6 +380,14 @@ class Agent:
         self.tick_cpu_seconds = 0.0
         self.messages = 0
         self.bytes = 0
+        self.msg_id_base = f"{self.agents[0].node}-{os.getpid()}-{int(time.time() * 1000)}"
+        self._msg_seq = 0
+        self.spool: Spool | None = None
+        if getattr(args, "spool", None):
+            self.spool = Spool(args.spool, self.fleet.spool_max_bytes)
+            self.closers.append(self.spool.close)
+            if self.spool.count:
+                log.warning("agent: %d messages (%d bytes) left in the spool by the last run; replaying them first", self.spool.count, self.spool.bytes)
 
     def _build_real(self) -> None:
         from gpuvigil import deploysources
@@ -415,19 +452,28 @@ class Agent:
         return msgs
 
     async def run(self) -> None:
-        nc = await transport.connect(self.fleet, f"gpuvigil-agent-{self.agents[0].node}")
+        nc = await transport.connect(self.fleet, f"gpuvigil-agent-{self.agents[0].node}", role=NAME)
         js = nc.jetstream(timeout=5)
         subjects = Subjects(self.fleet)
         try:
-            await transport.ensure(js, self.fleet)
+            if self.fleet.credential(NAME) is None:
+                # With a credential the agent may not manage streams (fleet.security): detect
+                # and act create them, and what is published before is retried.
+                await transport.ensure(js, self.fleet)
             period = self.tick_seconds / (self.args.speed if self.simulated else 1.0)
             deadline = time.monotonic() + self.args.duration if self.args.duration else None
             next_tick = time.monotonic()
+            if self.spool is not None:
+                replay = asyncio.create_task(self._replay(js))
+                self.closers.append(replay.cancel)
             while not self.stop_event.is_set():
                 msgs = await asyncio.to_thread(self.tick)
                 await self._publish(js, msgs)
                 for a in self.agents:
-                    await nc.publish(subjects.clock(a.node), b'{"now": %r}' % self.now)
+                    try:
+                        await nc.publish(subjects.clock(a.node), b'{"now": %r}' % self.now)
+                    except Exception as exc:  # noqa: BLE001 - NATS away long enough to fill the client's buffer
+                        log.debug("agent: clock not sent: %s", exc)
                 next_tick += period
                 if deadline is not None and time.monotonic() >= deadline:
                     break
@@ -439,30 +485,78 @@ class Agent:
                 except TimeoutError:
                     pass
         finally:
-            try:
-                await nc.drain()
-            except Exception:  # noqa: BLE001 - closing anyway
-                pass
+            await transport.shutdown(nc)
 
     async def _publish(self, js: Any, msgs: list[tuple[str, bytes, dict[str, str]]]) -> None:
-        """JetStream publishes with acks; a message NATS cannot take now (a node died, a leader
-        is being elected) is retried until it is stored or 10 s have passed, then dropped and
-        logged: the rows of one tick are worth less than the agent keeping its clock."""
-        async def one(subject: str, body: bytes, headers: dict[str, str]) -> None:
-            give_up = time.monotonic() + 10.0
-            while True:
-                try:
-                    await js.publish(subject, body, headers=headers or None)
-                    return
-                except Exception as exc:  # noqa: BLE001 - timeout / no responders during failover
-                    if time.monotonic() > give_up or self.stop_event.is_set():
-                        log.warning("agent: dropped a message to %s: %s", subject, exc)
-                        return
-                    await asyncio.sleep(0.2)
-
-        await asyncio.gather(*(one(*m) for m in msgs))
+        """JetStream publishes with acks. Each message carries a `Nats-Msg-Id`, so one resent
+        after a lost ack is stored once. A message NATS cannot take now (a node died, a leader is
+        being elected) is retried briefly; then, with a spool (`--spool`), it goes to disk and
+        everything after it goes behind it until the spool is replayed (`_replay`), so detect
+        reads each job's rows in order. Without a spool it is retried for 10 s, then dropped
+        and logged: the rows of one tick are worth less than the agent keeping its clock."""
+        msgs = [(s, b, {**h, "Nats-Msg-Id": f"{self.msg_id_base}-{self._next_id()}"}) for s, b, h in msgs]
         self.messages += len(msgs)
         self.bytes += sum(len(m[1]) for m in msgs)
+        if self.spool is not None and self.spool.count:
+            await asyncio.to_thread(self.spool.put, msgs)
+            return
+        patience = 1.0 if self.spool is not None else 10.0
+
+        async def one(subject: str, body: bytes, headers: dict[str, str]) -> bool:
+            give_up = time.monotonic() + patience
+            while True:
+                try:
+                    await js.publish(subject, body, headers=headers, timeout=min(5.0, 2 * patience))
+                    return True
+                except Exception as exc:  # noqa: BLE001 - timeout / no responders during failover
+                    if time.monotonic() > give_up or self.stop_event.is_set():
+                        if self.spool is None:
+                            log.warning("agent: dropped a message to %s: %s", subject, exc)
+                        return False
+                    await asyncio.sleep(0.2)
+
+        ok = await asyncio.gather(*(one(*m) for m in msgs))
+        failed = [m for m, stored in zip(msgs, ok, strict=True) if not stored]
+        if failed and self.spool is not None:
+            if not self.spool.count:
+                log.warning("agent: NATS does not take messages; spooling to %s (at most %d bytes)", self.spool.path, self.spool.max_bytes)
+            await asyncio.to_thread(self.spool.put, failed)
+
+    def _next_id(self) -> int:
+        self._msg_seq += 1
+        return self._msg_seq
+
+    async def _replay(self, js: Any) -> None:
+        """Publish the spool oldest first, each message forgotten once NATS stored it."""
+        from nats.js.errors import APIError
+
+        while True:
+            batch = await asyncio.to_thread(self.spool.peek, 64) if self.spool.count else []
+            if not batch:
+                await asyncio.sleep(0.5)
+                continue
+            for rid, (subject, body, headers) in batch:
+                try:
+                    await js.publish(subject, body, headers=headers, timeout=2.0)
+                except APIError as exc:
+                    if exc.code is not None and 400 <= exc.code < 500:
+                        # Refused for what it is (too large, a bad header): never stored,
+                        # so it must not hold back the rest.
+                        log.warning("agent: spooled message to %s refused by NATS, dropped: %s", subject, exc)
+                        self.spool.dropped += 1
+                        await asyncio.to_thread(self.spool.done, rid)
+                        self.spool.replayed -= 1
+                        continue
+                    log.debug("agent: spool replay waits: %s", exc)
+                    await asyncio.sleep(1.0)
+                    break
+                except Exception as exc:  # noqa: BLE001 - still away: try again shortly, same order
+                    log.debug("agent: spool replay waits: %s", exc)
+                    await asyncio.sleep(1.0)
+                    break
+                await asyncio.to_thread(self.spool.done, rid)
+                if not self.spool.count:
+                    log.warning("agent: spool replayed (%d messages in all, %d dropped over its bound)", self.spool.replayed, self.spool.dropped)
 
     def close(self) -> None:
         for c in reversed(self.closers):
@@ -485,6 +579,12 @@ def run(args: argparse.Namespace) -> int:
         _cfg, fleet = load(args)
         print(transport.nats_mapping(fleet))
         return 0
+    if args.print_nats_config:
+        from gpuvigil.fleet.security import server_config
+
+        _cfg, fleet = load(args)
+        print(server_config(fleet), end="")
+        return 0
     agent = Agent(args)
     agent.start_metrics()
 
@@ -499,5 +599,7 @@ def run(args: argparse.Namespace) -> int:
         asyncio.run(main())
     finally:
         agent.close()
-        print(f"gpuvigil agent: stopped after {agent.ticks} ticks; published {agent.messages} messages, {agent.bytes / 1e6:.1f} MB", flush=True)
+        spooled = (f"; spool: {agent.spool.spooled} spooled, {agent.spool.replayed} replayed, {agent.spool.dropped} dropped, {agent.spool.count} left"
+                   if agent.spool is not None else "")
+        print(f"gpuvigil agent: stopped after {agent.ticks} ticks; published {agent.messages} messages, {agent.bytes / 1e6:.1f} MB{spooled}", flush=True)
     return 0

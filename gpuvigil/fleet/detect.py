@@ -30,7 +30,8 @@ from gpuvigil import schemas
 from gpuvigil.fleet import transport
 from gpuvigil.fleet.agent import add_common, add_metrics_args, install_signals, load, split_detectors
 from gpuvigil.fleet.lease import Leases
-from gpuvigil.fleet.transport import Clock, Subjects
+from gpuvigil.fleet.clock import from_fleet as clock_of
+from gpuvigil.fleet.transport import Subjects
 
 log = logging.getLogger("gpuvigil.fleet")
 NAME = "detect"
@@ -39,7 +40,7 @@ SNAPSHOT_STALE_SECONDS = 60.0  # a job's placement not refreshed for this long (
 
 def add_parser(sub) -> None:
     p = sub.add_parser(NAME, help="job-level detectors over leased job partitions of the NATS rows stream")
-    add_common(p)
+    add_common(p, NAME)
     p.add_argument("--id", help="replica id (default: hostname-pid)")
     add_metrics_args(p)
     p.set_defaults(func=run)
@@ -54,6 +55,7 @@ class Feed:
 
     def __init__(self) -> None:
         self.errors = 0
+        self.future = 0  # messages stamped too far ahead of the clock, ignored
         self.pending: dict[str, list[pl.DataFrame]] = {}
         self.alloc: dict[tuple[str, str], tuple[float, pl.DataFrame]] = {}
         self.jobs: dict[str, tuple[float, pl.DataFrame]] = {}
@@ -106,6 +108,9 @@ class Partition:
         self.caught_up_wall: float | None = None
         self.pending = 0  # the consumer's num_pending at the last fetch (its lag in messages)
         self.newest_now = float("-inf")  # the newest data time read
+        self.epoch: int | None = None  # the lease's fencing token (Leases.epoch) stamped on what it publishes
+        self.target_seq: int | None = None  # the stream's last sequence when it was taken: the replay reads up to it at least
+        self.claimed_at = float("-inf")  # data time of the last claim published while catching up
 
 
 class Detect:
@@ -114,7 +119,7 @@ class Detect:
         self.cfg, self.fleet = load(args)
         self.id = args.id or f"{socket.gethostname()}-{os.getpid()}"
         self.subjects = Subjects(self.fleet)
-        self.clock = Clock()
+        self.clock = clock_of(self.fleet)
         self.parts: dict[int, Partition] = {}
         self.stop_event = asyncio.Event()
         self.last_tick = float("-inf")
@@ -131,6 +136,7 @@ class Detect:
         self.stream_messages: dict[str, int] = {}
         self.stream_rows: dict[str, int] = {}
         self.findings_published = 0
+        self.fenced = 0  # messages not published: the lease was no longer valid (or taken) when they were ready
         self.metrics_port: int | None = None
 
     def _pipeline(self) -> tuple[Any, Feed]:
@@ -143,6 +149,11 @@ class Detect:
     # -- leases ----------------------------------------------------------------------------------
     async def balance(self, leases: Leases) -> None:
         """Renew what we hold, then grow or shrink to the fair share."""
+        await self.renew(leases)
+        await self.rebalance(leases)
+
+    async def renew(self, leases: Leases) -> None:
+        """Renew what we hold; drop a partition only on a definite answer that another holds it."""
         me = f"member.{self.id}"
         held = list(self.parts)
         # All renewals at once: one slow KV round trip (a NATS node failing over) must not push
@@ -151,11 +162,21 @@ class Detect:
         if me not in leases.revision:
             await leases.take(me)
         for p, renewed in zip(held, ok[:-1], strict=True):
-            if not renewed:
+            key = f"part.{p}"
+            if key not in leases.revision:  # a definite answer: another replica holds it
                 log.warning("detect %s: lost the lease of partition %d", self.id, p)
                 self.partitions_lost += 1
                 await self.drop(p)
+            elif not renewed:  # NATS does not answer: keep the partition's state, publish nothing under it
+                log.info("detect %s: lease of partition %d not confirmed (NATS does not answer); holding its state", self.id, p)
+            elif p in self.parts:
+                self.parts[p].epoch = leases.epoch.get(key, self.parts[p].epoch)  # taken again after it expired: a new epoch
+
+    async def rebalance(self, leases: Leases) -> None:
+        """Grow or shrink to the fair share of the live members."""
         live = await leases.keys()
+        if live is None:
+            return  # the lease table cannot be read now: no move on a guess
         members = max(1, sum(1 for k in live if k.startswith("member.")))
         share = math.ceil(self.fleet.partitions / members)
         if len(self.parts) > share:  # a replica joined: hand back the surplus
@@ -182,6 +203,7 @@ class Detect:
     async def adopt(self, p: int) -> None:
         pipeline, feed = self._pipeline()
         part = Partition(p, pipeline, feed)
+        part.epoch = self.leases.epoch.get(f"part.{p}") if self.leases is not None else None
         self.parts[p] = part
         part.task = asyncio.create_task(self._consume(part))
 
@@ -217,6 +239,10 @@ class Detect:
         errors = idle = 0
         while True:
             try:
+                if part.target_seq is None:
+                    # Where the stream stands at takeover: the replay is complete only once the
+                    # server says nothing of this partition up to there (and since) is unread.
+                    part.target_seq = int((await self.js.stream_info(self.subjects.rows_stream_of(part.p))).state.last_seq or 0)
                 if part.sub is None:
                     # Nothing consumed yet: the replay is still owed (a resubscription from
                     # sequence 1 would read the whole stream instead of replay_seconds of it).
@@ -225,12 +251,15 @@ class Detect:
                 try:
                     msgs = await part.sub.fetch(512, timeout=1.0)
                 except TimeoutError:
-                    part.pending = 0
-                    if not part.caught_up:
-                        self._mark_caught_up(part)
                     idle += 1
-                    if idle % 3 == 0:  # quiet, or its server died with it: ask (raises if it is gone)
-                        await part.sub.consumer_info()
+                    # A fetch that times out proves nothing (a server failing over answers late):
+                    # only the consumer's own count of unread messages does. Asked on every idle
+                    # fetch while replaying, every third one after (raises if the consumer is gone).
+                    if not part.caught_up or idle % 3 == 0:
+                        info = await part.sub.consumer_info()
+                        part.pending = int(info.num_pending or 0)
+                        if not part.caught_up and part.pending == 0:
+                            self._mark_caught_up(part)
                     continue
                 errors = idle = 0
                 # Decoding (Arrow IPC) off the event loop, so lease renewals never wait on a replay.
@@ -257,7 +286,8 @@ class Detect:
     def _mark_caught_up(self, part: Partition) -> None:
         part.caught_up = True
         part.caught_up_wall = time.monotonic()
-        log.info("detect %s: partition %d rebuilt from the stream (%d messages, %.2fs)", self.id, part.p, part.messages, part.caught_up_wall - part.taken_wall)
+        log.info("detect %s: partition %d rebuilt from the stream (%d messages to seq %d, the stream at seq %s when taken; %.2fs)",
+                 self.id, part.p, part.messages, part.last_seq, part.target_seq, part.caught_up_wall - part.taken_wall)
 
     def _decode(self, part: Partition, m: Any) -> tuple[dict[str, pl.DataFrame], float] | None:
         h = m.headers or {}
@@ -276,7 +306,9 @@ class Detect:
             return
         frames, now = decoded
         if not math.isnan(now):
-            self.clock.now = max(self.clock.now, now)
+            if not self.clock.offer(now, f"{m.subject} (node {h.get('Gv-Node', '?')})", "rows"):
+                part.feed.future += 1
+                return  # from the future: its rows would sit ahead of every window
             part.newest_now = max(part.newest_now, now)
         stream = self.subjects.rows_stream_of(part.p)
         self.stream_messages[stream] = self.stream_messages.get(stream, 0) + 1
@@ -284,12 +316,19 @@ class Detect:
         part.feed.add(frames, h.get("Gv-Node", ""), h.get("Gv-Job", ""), now)
 
     # -- ticks -----------------------------------------------------------------------------------
-    def tick(self, now: float) -> list[tuple[str, bytes]]:
+    def tick(self, now: float) -> list[tuple[int, int | None, str, bytes]]:
+        """Each held partition's message: (partition, lease epoch, subject, body)."""
         c0 = time.thread_time()
         out = []
         for part in list(self.parts.values()):
             if not part.caught_up:
-                continue  # never judge a half-replayed window
+                # Never judge a half-replayed window; claim the partition meanwhile, so readers
+                # fence its previous owner off and keep its findings until ours are ready.
+                if now - part.claimed_at >= self.fleet.findings_refresh_seconds:
+                    part.claimed_at = now
+                    out.append((part.p, part.epoch, self.subjects.findings_part(part.p),
+                                transport.findings_payload("detect", now, [], partition=part.p, owner=self.id, epoch=part.epoch, claim=True)))
+                continue
             result = part.pipeline.tick(now)
             for f in result.new_findings:
                 log.info("detect %s: p%d finding %s %s: %s", self.id, part.p, f.severity.value, f.kind.value, f.summary)
@@ -300,13 +339,14 @@ class Detect:
                 jobs = part.pipeline.window.get("jobs")
                 # Tenants of the partition's jobs: act routes alerts by tenant (alerts.team_of_tenant).
                 tenants = dict(zip(jobs["job"].to_list(), jobs["tenant"].to_list(), strict=True)) if jobs.height else {}
-                out.append((self.subjects.findings_part(part.p), transport.findings_payload("detect", now, active, partition=part.p, owner=self.id, tenants=tenants)))
+                out.append((part.p, part.epoch, self.subjects.findings_part(part.p),
+                            transport.findings_payload("detect", now, active, partition=part.p, owner=self.id, epoch=part.epoch, tenants=tenants)))
         self.ticks += 1
         self.tick_cpu_seconds += time.thread_time() - c0
         return out
 
     async def run(self) -> None:
-        self.nc = nc = await transport.connect(self.fleet, f"gpuvigil-detect-{self.id}")
+        self.nc = nc = await transport.connect(self.fleet, f"gpuvigil-detect-{self.id}", role=NAME)
         self.js = nc.jetstream(timeout=5)
         try:
             await transport.ensure(self.js, self.fleet)
@@ -315,23 +355,32 @@ class Detect:
             self.leases = leases = Leases(kv, self.id, self.fleet.lease_ttl_seconds)
             renew_every = self.fleet.lease_ttl_seconds / 4
 
-            async def keep_leases() -> None:
-                # Its own task: a slow tick or a findings publish during a NATS failover never
-                # delays the renewals.
+            async def keep(step: Any, what: str) -> None:
+                # Their own tasks: a slow tick or a findings publish during a NATS failover never
+                # delays the renewals, nor does a slow read of the lease table (a consumer on the
+                # bucket, created anew after a server loss) when growing or shrinking.
                 while True:
                     try:
-                        await self.balance(leases)
+                        await step(leases)
                     except Exception as exc:  # noqa: BLE001 - retried next round; leases expire only after the TTL
-                        log.info("detect %s: lease round failed: %s", self.id, exc)
+                        log.info("detect %s: %s round failed: %s", self.id, what, exc)
                     await asyncio.sleep(renew_every)
 
-            lease_task = asyncio.create_task(keep_leases())
+            await self.renew(leases)  # the membership first, so the first share counts us
+            lease_tasks = [asyncio.create_task(keep(self.renew, "lease renewal")), asyncio.create_task(keep(self.rebalance, "rebalance"))]
             deadline = time.monotonic() + self.args.duration if self.args.duration else None
             while not self.stop_event.is_set() and (deadline is None or time.monotonic() < deadline):
                 now = self.clock.now
                 if now - self.last_tick >= self.tick_seconds and math.isfinite(now):
                     self.last_tick = now
-                    for subject, body in await asyncio.to_thread(self.tick, now):
+                    for p, epoch, subject, body in await asyncio.to_thread(self.tick, now):
+                        part = self.parts.get(p)
+                        if part is None or part.epoch != epoch or not leases.valid(f"part.{p}"):
+                            # The lease ran out while this was computed (or this process was
+                            # paused past it): another replica may own the partition now.
+                            self.fenced += 1
+                            log.warning("detect %s: partition %d: lease no longer valid, not publishing", self.id, p)
+                            continue
                         try:
                             await self.js.publish(subject, body)
                             self.findings_published += 1
@@ -341,16 +390,15 @@ class Detect:
                     await asyncio.wait_for(self.stop_event.wait(), 0.1)
                 except TimeoutError:
                     pass
-            lease_task.cancel()
-            for p in list(self.parts):  # a clean stop hands the partitions over at once
+            for t in lease_tasks:
+                t.cancel()
+            held = list(self.parts)
+            for p in held:
                 await self.drop(p)
-                await leases.release(f"part.{p}")
-            await leases.release(f"member.{self.id}")
+            # A clean stop hands the partitions over at once (bounded: SIGTERM exits within 5 s).
+            await transport.shutdown(nc, *(leases.release(f"part.{p}") for p in held), leases.release(f"member.{self.id}"))
         finally:
-            try:
-                await nc.drain()
-            except Exception:  # noqa: BLE001
-                pass
+            await transport.shutdown(nc)
 
 
 def run(args: argparse.Namespace) -> int:

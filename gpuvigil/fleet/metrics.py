@@ -85,6 +85,7 @@ class ActStats:
     def __init__(self) -> None:
         self.findings_messages = 0
         self.bad_messages = 0
+        self.future_messages = 0
         self.newest_findings_now = float("-inf")
         self.pending: dict[str, int] = {"findings": 0, "cluster": 0}
         self.leader_terms = 0
@@ -95,6 +96,7 @@ class ActStats:
         self.last_tick_now = float("-inf")
         self.base_alerts = Counter({"enqueued": 0, "delivered": 0, "failures": 0})
         self.base_acting: Counter[tuple[str, str]] = Counter()
+        self.hint_store: Counter[str] = Counter()  # the fleet's hint store (gpuvigil.fleet.hints): loaded, pushed, push_failures
 
     def on_tick(self, act: Any, result: Any, now: float) -> None:
         from gpuvigil.model import Severity
@@ -125,6 +127,37 @@ class ActStats:
         self.base_acting = self.acting(act)
 
 
+def clock_families(role: str, clock: Any, rid: dict[str, str]) -> Iterable[Any]:
+    """The bounded data clock (gpuvigil.fleet.clock) of a detect or act replica."""
+    from prometheus_client.core import CounterMetricFamily
+
+    yield _gauge(f"gpuvigil_{role}_clock_lag_seconds", "This process's own clock minus the fleet's data clock: how far the fleet's data trails it (NaN before any time).",
+                 clock.lag(), rid)
+    yield _gauge(f"gpuvigil_{role}_clock_skew_seconds", "The largest offset of a data time heard in the last one to two minutes from this process's own clock (positive: ahead).",
+                 clock.skew(), rid)
+    fam = CounterMetricFamily(f"gpuvigil_{role}_clock_future_messages", "Messages stamped further ahead of this process's clock than clock_max_skew_seconds: ignored.",
+                              labels=["replica", "message"])
+    for source, n in sorted(dict(clock.future).items()):
+        fam.add_metric([rid["replica"], source], n)
+    yield fam
+
+
+def _from_exporter(families: Iterable[Any], rid: dict[str, str]) -> Iterable[Any]:
+    """gpuvigil's own exporter families (gpuvigil.exporter.metrics.Family: gauges and counters)
+    as prometheus_client ones, each sample labelled with this replica."""
+    from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+    for fam in families:
+        if fam.type not in ("gauge", "counter"):
+            continue
+        keys = sorted({k for labels, _ in fam.samples for k, _ in labels} | set(rid))
+        out = (CounterMetricFamily if fam.type == "counter" else GaugeMetricFamily)(fam.name, fam.help, labels=keys)
+        for labels, value in fam.samples:
+            d = {**dict(labels), **rid}
+            out.add_metric([d.get(k, "") for k in keys], value)
+        yield out
+
+
 def act_families(act: Any) -> Iterable[Any]:
     from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
@@ -132,6 +165,11 @@ def act_families(act: Any) -> Iterable[Any]:
 
     s: ActStats = act.stats
     rid = {"replica": act.id}
+    # The leader's acting (what it did to the scheduler, quarantine states, the circuit breaker),
+    # as `serve` exports it: a standby acts on nothing and exports none.
+    acting = getattr(act, "acting", None)
+    if acting is not None:
+        yield from _from_exporter(acting.families(), rid)
     leader = act.leader_since is not None
     yield _gauge("gpuvigil_act_leader", "1 while this replica is the act leader (holds a valid leader lease).", 1.0 if leader else 0.0, rid)
     yield _gauge("gpuvigil_act_lease_held", "1 while this replica holds the act.leader lease and renewed it within the TTL.",
@@ -168,6 +206,13 @@ def act_families(act: Any) -> Iterable[Any]:
     yield fam
     yield _gauge("gpuvigil_act_cluster_nodes", "Nodes in the cluster view built from the agents' node summaries.", len(act.cluster.nodes))
     yield _gauge("gpuvigil_act_cluster_pending_jobs", "Pending jobs in the cluster view (the newest queue an agent reported).", len(act.cluster.queue[1]))
+    yield _counter("gpuvigil_act_fenced_messages", "Findings messages dropped: stamped with an older partition lease epoch than its newest holder's (a replica that lost the lease).",
+                   sum(act.fence.dropped.values()), rid)
+    hs = act.stats.hint_store
+    yield _counter("gpuvigil_act_hint_store_records_loaded", "Hint records loaded from the fleet's hint store into this replica's copy when it became leader.", hs["loaded"], rid)
+    yield _counter("gpuvigil_act_hint_store_records_pushed", "Hint records (new, applied, acked, expired) written to the fleet's hint store.", hs["pushed"], rid)
+    yield _counter("gpuvigil_act_hint_store_push_failures", "Ticks whose hints the fleet's hint store could not take (nothing applied on them).", hs["push_failures"], rid)
+    yield from clock_families("act", act.clock, rid)
 
 
 def detect_families(d: Any) -> Iterable[Any]:
@@ -175,6 +220,7 @@ def detect_families(d: Any) -> Iterable[Any]:
 
     rid = {"replica": d.id}
     parts = list(d.parts.values())
+    yield _gauge("gpuvigil_detect_partitions", "Job partitions of the fleet (fleet.partitions): what the replicas together must hold.", d.fleet.partitions, rid)
     yield _gauge("gpuvigil_detect_partitions_held", "Partitions this replica holds a lease on.", len(parts), rid)
     yield _gauge("gpuvigil_detect_partitions_caught_up", "Held partitions whose replay from the stream has caught up.", sum(1 for p in parts if p.caught_up), rid)
     yield _gauge("gpuvigil_detect_member_lease_held", "1 while this replica's membership lease is valid.",
@@ -203,3 +249,7 @@ def detect_families(d: Any) -> Iterable[Any]:
     yield lag
     yield active
     yield _counter("gpuvigil_detect_findings_published", "Findings messages published to the findings stream.", d.findings_published, rid)
+    yield _counter("gpuvigil_detect_fenced_messages", "Findings messages not published: the partition's lease was no longer valid when they were ready.", d.fenced, rid)
+    yield _counter("gpuvigil_detect_lease_writes_recovered", "Lease writes whose acknowledgement was lost (a NATS server died) recognised as this replica's own.",
+                   d.leases.adopted if d.leases is not None else 0, rid)
+    yield from clock_families("detect", d.clock, rid)

@@ -157,29 +157,101 @@ def parse_findings(data: bytes) -> tuple[dict[str, Any], list[Finding]]:
 
 
 # -- connection and set-up ---------------------------------------------------------------------------
-async def connect(fleet: Fleet, name: str, first_connect_seconds: float = 60.0):
-    """A connection that reconnects forever (a NATS node may die; the cluster keeps serving)."""
+async def connect(fleet: Fleet, name: str, first_connect_seconds: float = 60.0, role: str | None = None):
+    """A connection that reconnects forever (a NATS node may die; the cluster keeps serving), with
+    TLS and the credential of `role` (agent, detect, act) from `fleet` (gpuvigil.fleet.security).
+    A refused credential is an error at once: retrying it would only hide it."""
     from gpuvigil.extras import require
+    from gpuvigil.fleet.security import connect_options
 
     nats = require("nats", "gpuvigil agent/detect/act")
+    import nats.aio.client
+
+    options = connect_options(fleet, role)
+
+    refused: asyncio.Future = asyncio.get_running_loop().create_future()
 
     async def _error(exc: Exception) -> None:
         log.debug("nats %s: %s", name, exc)
+        # nats-py retries a refused connect like an unreachable server: stop it here.
+        if _refused(exc) and not refused.done():
+            refused.set_result(_refused(exc))
 
-    # The first connect is retried too (a fleet's processes may start before NATS is up).
-    last: Exception | None = None
-    for _ in range(max(1, int(first_connect_seconds / 0.5))):
+    async def _connect(nc: Any) -> Any:
+        await nc.connect(
+            servers=fleet.servers, name=name, max_reconnect_attempts=-1, reconnect_time_wait=0.5,
+            connect_timeout=2, allow_reconnect=True, error_cb=_error, ping_interval=5, max_outstanding_pings=2, **options,
+        )
+        return nc
+
+    async def _abandon(task: asyncio.Future, nc: Any) -> None:
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
         try:
-            return await nats.connect(
-                servers=fleet.servers, name=name, max_reconnect_attempts=-1, reconnect_time_wait=0.5,
-                connect_timeout=2, allow_reconnect=True, error_cb=_error, ping_interval=5, max_outstanding_pings=2,
-            )
-        except Exception as exc:  # noqa: BLE001 - no server reachable yet
-            last = exc
-            await asyncio.sleep(0.5)
+            await nc.close()
+        except Exception:  # noqa: BLE001 - never connected
+            pass
+
     from gpuvigil.errors import UserError
 
-    raise UserError(f"cannot reach NATS at {', '.join(fleet.servers)}: {last}")
+    # The first connect is retried too (a fleet's processes may start before NATS is up).
+    last: BaseException | None = None
+    deadline = asyncio.get_running_loop().time() + first_connect_seconds
+    while True:
+        client = nats.aio.client.Client()
+        task = asyncio.ensure_future(_connect(client))
+        done, _ = await asyncio.wait({task, refused}, timeout=max(0.5, deadline - asyncio.get_running_loop().time()),
+                                     return_when=asyncio.FIRST_COMPLETED)
+        if refused in done:
+            await _abandon(task, client)
+            raise UserError(f"NATS at {', '.join(fleet.servers)} refused {name}: {refused.result()}")
+        if task not in done:
+            await _abandon(task, client)
+            raise UserError(f"cannot reach NATS at {', '.join(fleet.servers)} in {first_connect_seconds:g}s: {last or 'no answer'}")
+        exc = task.exception()
+        if exc is None:
+            return task.result()
+        if _refused(exc):
+            raise UserError(f"NATS at {', '.join(fleet.servers)} refused {name}: {_refused(exc)}")
+        last = exc
+        if asyncio.get_running_loop().time() > deadline:
+            raise UserError(f"cannot reach NATS at {', '.join(fleet.servers)}: {last}")
+        await asyncio.sleep(0.5)
+
+
+async def shutdown(nc: Any, *steps: Any, seconds: float = 2.0) -> None:
+    """A stop that fits systemd's and Kubernetes' grace: the given coroutines (lease releases) at
+    once and bounded, then a bounded flush and a close. `drain` waited for every pull
+    subscription (30 s by default) and a release to an unreachable NATS took the request timeout
+    each; a lease not released expires after its TTL anyway."""
+    if steps:
+        try:
+            await asyncio.wait_for(asyncio.gather(*steps, return_exceptions=True), seconds)
+        except (TimeoutError, asyncio.TimeoutError):
+            log.info("shutdown: lease releases cut short after %gs (they expire on their own)", seconds)
+    try:
+        await nc.flush(timeout=1)
+    except Exception:  # noqa: BLE001 - NATS gone: nothing to flush to
+        pass
+    try:
+        await asyncio.wait_for(nc.close(), seconds)
+    except Exception:  # noqa: BLE001 - closing anyway
+        pass
+
+
+def _refused(exc: BaseException) -> str:
+    """The reason when `exc` (or what it wraps) is an authentication or TLS refusal, else ''."""
+    import ssl
+
+    seen: set[int] = set()
+    e: BaseException | None = exc
+    while e is not None and id(e) not in seen:
+        seen.add(id(e))
+        text = str(e).lower()
+        if isinstance(e, ssl.SSLError) or "authorization" in text or "authentication" in text or "certificate" in text:
+            return str(e) or type(e).__name__
+        e = e.__cause__ or e.__context__
+    return ""
 
 
 async def ensure(js: Any, fleet: Fleet, *, attempts: int = 60) -> None:
@@ -189,7 +261,7 @@ async def ensure(js: Any, fleet: Fleet, *, attempts: int = 60) -> None:
 
     s = Subjects(fleet)
     configs = [
-        StreamConfig(name=name, subjects=subjects, retention=RetentionPolicy.LIMITS, max_age=fleet.rows_max_age_seconds,
+        StreamConfig(name=name, subjects=subjects, retention=RetentionPolicy.LIMITS, max_age=fleet.rows_max_age_seconds, max_bytes=fleet.rows_max_bytes,
                      storage=StorageType.FILE, num_replicas=fleet.replicas, discard=DiscardPolicy.OLD, duplicate_window=min(120.0, fleet.rows_max_age_seconds))
         for name, subjects in s.rows_streams().items()
     ] + [
@@ -219,11 +291,22 @@ async def ensure(js: Any, fleet: Fleet, *, attempts: int = 60) -> None:
                                     f"delete the {s.prefix.upper()}_ROWS* streams (they hold only rows_max_age_seconds of rows) and start again")
             for cfg in configs:
                 try:
-                    await js.stream_info(cfg.name)
-                except Exception:  # noqa: BLE001 - not found (or not yet): create it
+                    info = await js.stream_info(cfg.name)
+                except NotFoundError:
                     await js.add_stream(cfg)
-            await js.create_key_value(bucket=s.leases_bucket, ttl=fleet.lease_ttl_seconds, history=1, replicas=fleet.replicas)
-            await js.create_key_value(bucket=s.ledger_bucket, history=1, replicas=fleet.replicas)
+                    continue
+                await apply_limits(js, info.config, {"max_age": cfg.max_age, "max_bytes": cfg.max_bytes or -1, "num_replicas": cfg.num_replicas},
+                                   "fleet.rows_max_age_seconds / rows_max_bytes / replicas" if cfg.name in rows else "fleet.replicas")
+            for bucket, ttl in ((s.leases_bucket, fleet.lease_ttl_seconds), (s.ledger_bucket, 0.0)):
+                try:
+                    info = await js.stream_info(f"KV_{bucket}")
+                except NotFoundError:
+                    await js.create_key_value(bucket=bucket, ttl=ttl or None, history=1, replicas=fleet.replicas)
+                    continue
+                # A bucket's TTL is its stream's max_age: a changed lease_ttl_seconds is applied
+                # to the bucket in place (create_key_value would refuse the other config).
+                await apply_limits(js, info.config, {"max_age": ttl, "num_replicas": fleet.replicas},
+                                   "fleet.lease_ttl_seconds / replicas" if ttl else "fleet.replicas")
             return
         except Exception as exc:  # noqa: BLE001 - JetStream not ready yet (no meta leader): retry
             from gpuvigil.errors import UserError
@@ -235,17 +318,34 @@ async def ensure(js: Any, fleet: Fleet, *, attempts: int = 60) -> None:
     raise RuntimeError(f"JetStream set-up failed: {last}")
 
 
-class Clock:
-    """The fleet's data clock: the newest tick time any agent announced."""
+def _differs(have: Any, want: Any) -> bool:
+    if isinstance(want, float) or isinstance(have, float):
+        return abs(float(have or 0.0) - float(want or 0.0)) > 1e-3
+    return (have if have is not None else -1) != want
 
-    def __init__(self) -> None:
-        self.now = float("-inf")
 
-    async def subscribe(self, nc: Any, subjects: Subjects) -> Any:
-        async def on(msg: Any) -> None:
-            try:
-                self.now = max(self.now, float(json.loads(msg.data)["now"]))
-            except (ValueError, KeyError, TypeError):
-                pass
+async def apply_limits(js: Any, have: Any, want: dict[str, Any], setting: str) -> None:
+    """Bring an existing stream's limits (age, bytes, replicas) to the config's, in place; a
+    server that cannot (too few nodes for the replicas, a limit over the account's) is one line
+    naming the stream and the setting."""
+    import dataclasses
 
-        return await nc.subscribe(f"{subjects.prefix}.clock.>", cb=on)
+    from nats.js.errors import APIError
+
+    from gpuvigil.errors import UserError
+
+    diffs = {k: v for k, v in want.items() if _differs(getattr(have, k), v)}
+    if not diffs:
+        return
+    was = {k: getattr(have, k) for k in diffs}
+    try:
+        await js.update_stream(dataclasses.replace(have, **diffs))
+    except APIError as exc:
+        if exc.code == 503:  # no stream or meta leader yet: the caller retries
+            raise
+        raise UserError(f"stream {have.name}: cannot apply {setting} ({_limits_text(was)} -> {_limits_text(diffs)}): {exc.description or exc}") from None
+    log.warning("stream %s: limits changed to the config's: %s -> %s", have.name, _limits_text(was), _limits_text(diffs))
+
+
+def _limits_text(limits: dict[str, Any]) -> str:
+    return ", ".join(f"{k}={v:g}" if isinstance(v, float) else f"{k}={v}" for k, v in sorted(limits.items()))
