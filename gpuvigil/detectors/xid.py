@@ -24,7 +24,7 @@ from gpuvigil import policies
 from gpuvigil import xid as xid_table
 from gpuvigil.detectors.base import FRESH, HISTORY, Declared, DetectorSpec
 from gpuvigil.detectors.common import gpu_jobs, settings
-from gpuvigil.model import Finding, FindingKind, place
+from gpuvigil.model import Finding, FindingKind, Severity, place
 from gpuvigil.pipeline.window import Window
 
 
