@@ -391,6 +391,8 @@ class Detect:
                 except TimeoutError:
                     pass
             lease_task.cancel()
+            # Collected, so a clean stop logs no "exception was never retrieved" traceback.
+            await asyncio.gather(lease_task, return_exceptions=True)
             held = list(self.parts)
             for p in held:
                 await self.drop(p)
