@@ -392,6 +392,8 @@ class Detect:
                     pass
             for t in lease_tasks:
                 t.cancel()
+            # Collected, so a clean stop logs no "exception was never retrieved" traceback.
+            await asyncio.gather(*lease_tasks, return_exceptions=True)
             held = list(self.parts)
             for p in held:
                 await self.drop(p)
