@@ -36,6 +36,7 @@ class FindingKind(StrEnum):
     OOM_FOREIGN_PROCESS = "oom_foreign_process"
     OOM_UNEXPLAINED = "oom_unexplained"  # the message's own figures say the room was free
     NCCL_TIMEOUT = "nccl_timeout"
+    NCCL_ERROR = "nccl_error"  # an NCCL call failed (torch raised its result): the job is down
     COLLECTIVE_HANG = "collective_hang"
     COLLECTIVE_MISMATCH = "collective_mismatch"
     XID = "xid"
@@ -56,6 +57,7 @@ JOB_LEVEL_KINDS = frozenset(
         FindingKind.OOM_FOREIGN_PROCESS,
         FindingKind.OOM_UNEXPLAINED,
         FindingKind.NCCL_TIMEOUT,
+        FindingKind.NCCL_ERROR,
         FindingKind.COLLECTIVE_HANG,
         FindingKind.COLLECTIVE_MISMATCH,
         FindingKind.FRAGMENTATION_CLUSTER,

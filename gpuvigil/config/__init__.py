@@ -50,6 +50,7 @@ SECTIONS: dict[str, str | dict[str, str]] = {
         "fragmentation_cluster": "gpuvigil.detectors.fragmentation_cluster:FragmentationClusterConfig",
         "xid": "gpuvigil.detectors.xid:XidConfig",
         "watchdog": "gpuvigil.detectors.watchdog:WatchdogConfig",
+        "nccl_error": "gpuvigil.detectors.watchdog:NcclErrorConfig",
         "ecc": "gpuvigil.detectors.ecc:EccConfig",
         "thermal": "gpuvigil.detectors.thermal:ThermalConfig",
         "pcie": "gpuvigil.detectors.pcie:PcieConfig",

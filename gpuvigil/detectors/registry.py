@@ -26,7 +26,7 @@ from gpuvigil.detectors.straggler import StragglerDetector
 from gpuvigil.detectors.straggler_device import DeviceStragglerDetector
 from gpuvigil.detectors.straggler_inspector import InspectorStragglerDetector
 from gpuvigil.detectors.thermal import ThermalDetector
-from gpuvigil.detectors.watchdog import WatchdogTimeoutDetector
+from gpuvigil.detectors.watchdog import NcclErrorDetector, WatchdogTimeoutDetector
 from gpuvigil.detectors.xid import XidDetector
 
 # name → (level, capability, streams) for detectors whose modules predate levels.
@@ -84,6 +84,7 @@ def default_detectors(cfg: dict[str, Any] | None = None) -> list[Detector]:
             AllocatorFragmentationDetector(cfg),
             XidDetector(cfg),
             WatchdogTimeoutDetector(cfg),
+            NcclErrorDetector(cfg),
             EccDetector(cfg),
             ThermalDetector(cfg),
             PcieReplayDetector(cfg),
