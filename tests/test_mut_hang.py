@@ -317,3 +317,19 @@ def test_healthy_jobs_are_those_whose_fresh_reports_show_no_stall():
     w.seal(20.0)
     det.detect(w)
     assert det.healthy_jobs == set()
+
+
+def test_without_start_records_an_xid_on_one_rank_s_gpu_names_it():
+    """Every rank in #11, no start records: an XID on the GPU of rank 5 (n1 GPU 1) names rank 5,
+    cause hardware; an XID on a GPU the job does not use, or on two of its GPUs, names nobody."""
+    def xid_on(node, gpus):
+        return lambda t: schemas.frame([{"ts": 1.0, "node": node, "gpu": g, "source": "kernel", "kind": "xid", "xid": 79, "message": "xid"} for g in gpus], schemas.EVENTS)
+
+    times = [float(t) for t in range(0, 11)]
+    [f] = run(in_kernel(started_known=False), times, events=xid_on("n1", [1]))[9]
+    assert (f.culprit_ranks, f.ranks, f.node, f.gpu, f.cause) == ([5], [5], "n1", 1, "hardware") and f.evidence["xids"] == [79]
+    assert "rank 5 (n1 GPU 1) is stuck under a failed kernel (XID 79 on its GPU)" in f.summary
+    [g] = run(in_kernel(started_known=False), times, events=xid_on("n1", [1, 2]))[9]
+    assert g.culprit_ranks == [] and g.cause == "hardware"
+    [h] = run(in_kernel(started_known=False), times, events=xid_on("n9", [1]))[9]
+    assert h.culprit_ranks == [] and h.cause == "software"
