@@ -208,6 +208,27 @@ def test_l2_job_oom_and_straggler_run_side_by_side_by_default(cap, lower, hook):
     tick(20.0)
     [joined] = sel.select(by[hook], [f(hook, [3])])[0]
     assert joined.source == lower and joined.evidence["joined"][hook]["level"] == "L2"
+    # While the hook's rows come often enough for its own fit, the device's finding is held back.
+    by[hook].healthy_jobs = {"j"}
+    tick(30.0)
+    kept, dropped = sel.select(by[lower], [f(lower, [3])])
+    assert kept == [] and len(dropped) == 1
+
+
+@pytest.mark.parametrize("every, covered", [(1.0, True), (5.0, True), (15.0, False)])
+def test_the_hook_s_oom_fit_covers_a_job_only_when_its_rows_come_often_enough(every, covered):
+    """min_samples (8) over the fit window (90 s): rows every 15 s (a hook publishing at a 15 s
+    pipeline tick) leave the job to the device's OOM detector beside it."""
+    from gpuvigil.detectors.oom import OomPredictor
+
+    det = OomPredictor(config.load())
+    w = window()
+    n = int(120 / every)
+    w.add("allocator_stats", schemas.frame([{"ts": 1000.0 + i * every, "job": "j", "rank": r, "allocated_bytes": 1 << 30, "reserved_bytes": 2 << 30}
+                                            for i in range(n) for r in range(4)], "allocator_stats"))
+    w.seal(1000.0 + (n - 1) * every)
+    det.detect(w)
+    assert (det.healthy_jobs == {"j"}) is covered
 
 
 # ---------------------------------------------------------------- L0 hang
