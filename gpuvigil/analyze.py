@@ -415,7 +415,7 @@ class Analyzer:
             report.findings.extend(found)
             kinds.append("kernel_log")
         if nccl_text.looks_like_training_log("".join(log_lines(head_lines, nccl_text._SNIFF))) or (
-            len(head) == SNIFF_BYTES and _grep(path, b"Watchdog caught", b"CUDA out of memory", b"HIP out of memory", b"NCCL WARN")
+            len(head) == SNIFF_BYTES and _grep(path, b"Watchdog caught", b"CUDA out of memory", b"HIP out of memory", b"NCCL WARN", b"NCCL error")
         ):
             parsed = nccl_text.parse_lines(log_lines(_text_lines(path), nccl_text._SNIFF), reference_ts=ref)
             report.findings.extend(nccl_log.findings(parsed, source_file=name, job=self.job, node=self.node, cfg=self.cfg))

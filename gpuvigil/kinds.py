@@ -36,6 +36,7 @@ class FindingKind(StrEnum):
     OOM_FOREIGN_PROCESS = "oom_foreign_process"
     OOM_UNEXPLAINED = "oom_unexplained"  # the message's own figures say the room was free
     NCCL_TIMEOUT = "nccl_timeout"
+    NCCL_ERROR = "nccl_error"  # an NCCL call failed (torch raised its result): the job is down
     COLLECTIVE_HANG = "collective_hang"
     COLLECTIVE_MISMATCH = "collective_mismatch"
     XID = "xid"
@@ -97,6 +98,7 @@ POLICIES: Mapping[FindingKind, KindPolicy] = {
     FindingKind.OOM_FOREIGN_PROCESS: KindPolicy("job", "tenant", _JOB, clear_after_seconds=600),
     FindingKind.OOM_UNEXPLAINED: KindPolicy("job", "tenant", _JOB),
     FindingKind.NCCL_TIMEOUT: KindPolicy("job", "tenant", _JOB, clear_after_seconds=600),
+    FindingKind.NCCL_ERROR: KindPolicy("job", "tenant", _JOB, clear_after_seconds=600),
     FindingKind.COLLECTIVE_HANG: KindPolicy("job", "tenant", _JOB),
     FindingKind.COLLECTIVE_MISMATCH: KindPolicy("job", "tenant", _JOB),
     FindingKind.FRAGMENTATION_ALLOCATOR: KindPolicy("job", "tenant", _JOB),

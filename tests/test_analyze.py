@@ -79,6 +79,8 @@ def test_text_output_is_golden(mixed, capsys):
     assert any(b.startswith("[PAGE] nccl_timeout") and "s6_nccl_watchdog_timeout.log:15" in b and "ALLREDUCE #6" in b for b in blocks)
     assert any("s3_fragmentation.log:2" in b and "oom_fragmentation" in b for b in blocks)
     assert any("s2_oom_ramp.log:2" in b and "oom_capacity" in b for b in blocks)
+    # the H200 capture's DistBackendError (two ranks on one GPU): NCCL's result and last error
+    assert any(b.startswith("[PAGE] nccl_error") and "s7_nccl_two_ranks.log:35" in b and "ncclInvalidUsage" in b and "Duplicate GPU" in b for b in blocks)
     check_golden("analyze_mixed.txt", out)
 
 

@@ -168,16 +168,67 @@ def test_l2_job_hang_does_not_fall_back_when_the_hook_spoke():
         assert not sel.select(by["hang_device"], [_finding("j", "hang_device")])[0]
 
 
-def test_l2_job_oom_never_falls_back():
-    """Only the hang capability of L2 has a fallback: L2's OOM figures stay the hook's own."""
+def test_l2_job_oom_never_falls_back_without_side_by_side():
+    """Without side-by-side selection, L2's OOM figures stay the hook's own: no fallback."""
     dets = default_detectors(config.defaults())
     by = {d.name: d for d in dets}
-    sel = LevelSelector(dets, **config.defaults()["levels"])
+    sel = LevelSelector(dets, **{**config.defaults()["levels"], "side_by_side": ["L2.hang"]})
     oom = lambda: Finding(kind=FindingKind.OOM_PREDICTED, severity=Severity.PAGE, ts=0.0, job="j", summary="x", source="oom_device")  # noqa: E731
     for now in (10.0, 100.0, 400.0):
         _l2_ticks(sel, [now], stream="allocator_stats")
         assert not sel.select(by["oom_device"], [oom()])[0]
     assert not sel.needed(by["oom_device"])
+
+
+@pytest.mark.parametrize("cap, lower, hook", [("oom", "oom_device", "oom"), ("straggler", "straggler_device", "straggler")])
+def test_l2_job_oom_and_straggler_run_side_by_side_by_default(cap, lower, hook):
+    """By default an L2 job's device detector runs beside the hook's: its finding goes out at
+    once (a hook publishing every few seconds, a growth over hours, a straggler that comes and
+    goes are seen by the device first) and the hook's later one joins it as one finding."""
+    dets = default_detectors(config.defaults())
+    by = {d.name: d for d in dets}
+    sel = LevelSelector(dets, **config.defaults()["levels"])
+    kind = FindingKind.OOM_PREDICTED if cap == "oom" else FindingKind.STRAGGLER
+    f = lambda src, ranks: Finding(kind=kind, severity=Severity.TICKET, ts=0.0, job="j", summary=src, source=src, culprit_ranks=ranks)  # noqa: E731
+
+    def tick(now):
+        w = window()
+        w.add("allocations", allocations("j", NODE8))
+        if cap == "oom":
+            w.add("allocator_stats", schemas.frame([{"ts": now, "job": "j", "rank": 0}], "allocator_stats"))
+        else:  # hook rows with a collective wait: the hook's straggler detector is the job's
+            w.add("rank_progress", schemas.frame([{"ts": now, "job": "j", "rank": 0, "collective_wait_seconds": 0.1}], "rank_progress"))
+        w.seal(now)
+        sel.observe(w)
+
+    tick(10.0)
+    assert sel.best(cap, "j") == "L2" and sel.needed(by[lower])
+    [first] = sel.select(by[lower], [f(lower, [3])])[0]
+    assert first.source == lower and first.evidence["level"] == "L0"
+    tick(20.0)
+    [joined] = sel.select(by[hook], [f(hook, [3])])[0]
+    assert joined.source == lower and joined.evidence["joined"][hook]["level"] == "L2"
+    # While the hook's rows come often enough for its own fit, the device's finding is held back.
+    by[hook].healthy_jobs = {"j"}
+    tick(30.0)
+    kept, dropped = sel.select(by[lower], [f(lower, [3])])
+    assert kept == [] and len(dropped) == 1
+
+
+@pytest.mark.parametrize("every, covered", [(1.0, True), (5.0, True), (15.0, False)])
+def test_the_hook_s_oom_fit_covers_a_job_only_when_its_rows_come_often_enough(every, covered):
+    """min_samples (8) over the fit window (90 s): rows every 15 s (a hook publishing at a 15 s
+    pipeline tick) leave the job to the device's OOM detector beside it."""
+    from gpuvigil.detectors.oom import OomPredictor
+
+    det = OomPredictor(config.load())
+    w = window()
+    n = int(120 / every)
+    w.add("allocator_stats", schemas.frame([{"ts": 1000.0 + i * every, "job": "j", "rank": r, "allocated_bytes": 1 << 30, "reserved_bytes": 2 << 30}
+                                            for i in range(n) for r in range(4)], "allocator_stats"))
+    w.seal(1000.0 + (n - 1) * every)
+    det.detect(w)
+    assert (det.healthy_jobs == {"j"}) is covered
 
 
 # ---------------------------------------------------------------- L0 hang

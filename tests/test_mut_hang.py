@@ -354,3 +354,19 @@ def test_a_stall_rebuilt_from_many_reports_in_one_tick_keeps_its_start():
     w.seal(170.0)
     [h] = HangDetector().detect(w)
     assert h.evidence["stalled_seconds"] == 149.3  # from the last completion (rank 7 at 20.7 s)
+
+
+def test_without_start_records_an_xid_on_one_rank_s_gpu_names_it():
+    """Every rank in #11, no start records: an XID on the GPU of rank 5 (n1 GPU 1) names rank 5,
+    cause hardware; an XID on a GPU the job does not use, or on two of its GPUs, names nobody."""
+    def xid_on(node, gpus):
+        return lambda t: schemas.frame([{"ts": 1.0, "node": node, "gpu": g, "source": "kernel", "kind": "xid", "xid": 79, "message": "xid"} for g in gpus], schemas.EVENTS)
+
+    times = [float(t) for t in range(0, 11)]
+    [f] = run(in_kernel(started_known=False), times, events=xid_on("n1", [1]))[9]
+    assert (f.culprit_ranks, f.ranks, f.node, f.gpu, f.cause) == ([5], [5], "n1", 1, "hardware") and f.evidence["xids"] == [79]
+    assert "rank 5 (n1 GPU 1) is stuck under a failed kernel (XID 79 on its GPU)" in f.summary
+    [g] = run(in_kernel(started_known=False), times, events=xid_on("n1", [1, 2]))[9]
+    assert g.culprit_ranks == [] and g.cause == "hardware"
+    [h] = run(in_kernel(started_known=False), times, events=xid_on("n9", [1]))[9]
+    assert h.culprit_ranks == [] and h.cause == "software"

@@ -124,8 +124,9 @@ _DETS = ["hang_device", "hang_fr", "hang", "oom_device", "oom", "straggler_devic
         # The hook's progress: hang at L2, its L0 and L1 detectors beside it (side by side).
         # Rows without a collective wait (as the real hook sends them) leave stragglers to L0.
         (("rank_progress",), {"hang_device", "hang_fr", "hang", "oom_device", "straggler_device"}),
-        # The hook's allocator stats: OOM at L2 without fallback; hang and straggler stay at L0.
-        (("allocator_stats",), {"hang_device", "oom", "straggler_device"}),
+        # The hook's allocator stats: OOM at L2 with the device's OOM detector beside it (side
+        # by side); hang and straggler stay at L0.
+        (("allocator_stats",), {"hang_device", "oom", "oom_device", "straggler_device"}),
     ],
     ids=["L0", "L1-fr", "L1-inspector", "L2-progress", "L2-allocator"],
 )
@@ -157,7 +158,13 @@ def test_l2_straggler_detector_serves_only_jobs_whose_hook_sends_a_collective_wa
     assert sel.needed(by["straggler"]) and sel.needed(by["straggler_device"])
     l0 = Finding(kind=FindingKind.STRAGGLER, severity=Severity.TICKET, ts=10.0, job="b", summary="x", source="straggler_device")
     l0_a = Finding(kind=FindingKind.STRAGGLER, severity=Severity.TICKET, ts=10.0, job="a", summary="x", source="straggler_device")
+    # side by side (the default): the device's finding for the hooked job goes out too
     kept, dropped = sel.select(by["straggler_device"], [l0, l0_a])
+    assert kept == [l0, l0_a] and dropped == []
+    # without it, the hook's detector alone serves the job that sends a wait
+    only = LevelSelector(dets, **{**config.defaults()["levels"], "side_by_side": ["L2.hang"]})
+    only.observe(w)
+    kept, dropped = only.select(by["straggler_device"], [l0, l0_a])
     assert kept == [l0] and dropped == [l0_a]
 
 

@@ -247,3 +247,46 @@ SPIN = {"util_ratio": 1.0, "power_w": 200.0}  # NCCL spin: util pinned, power 20
 )
 def test_a_job_whose_gpus_wait_together_is_skipped(case, recent, pinned, flagged):
     assert _hang(recent, pinned=pinned) is flagged, case
+
+
+def _dcgm_ticks(culprit: dict, peers: dict, *, seconds: int = 900, every: int = 30, tick: int = 5, onset: int = 0):
+    """A pipeline ticking every `tick` s over GPUs sampled every `every` s (dcgm-exporter's 30 s
+    default): GPU 2 behaves as `culprit` from `onset`, as its peers before."""
+    from test_levels import NODE8
+
+    alloc = allocations("job", NODE8)
+    for t in range(tick, seconds + 1, tick):
+        frames = {"allocations": alloc}
+        if t % every == 0:
+            rows = [{"node": n, "gpu": g, **(culprit if g == 2 and t >= onset else peers)} for n, g in NODE8]
+            frames["gpu_samples"] = gpu_rows(float(t), rows)
+        yield float(t), frames
+
+
+HOST_SLOW = {"util_ratio": 0.74, "power_w": 430.0, "sm_clock_mhz": 1950.0}  # waits on its host a quarter of each step
+SPINNING = {"util_ratio": 0.95, "power_w": 460.0, "sm_clock_mhz": 1950.0}  # its peers, spinning while they wait on it
+
+
+def test_at_dcgm_s_30_s_the_look_back_grows_and_a_straggler_is_found_within_minutes():
+    """Three samples in 90 s never reached min_samples: the look-back grows to min_samples
+    intervals (up to max_window_seconds, 240 s) and a GPU is judged on what that holds."""
+    per_tick = list(play_per_tick(DeviceStragglerDetector(), _dcgm_ticks(HOST_SLOW, SPINNING, onset=300)))
+    first = next(i for i, found in enumerate(per_tick) if found)
+    f = per_tick[first][0]
+    assert (f.culprit_ranks, f.cause, f.evidence["window_seconds"]) == ([2], "host", 240.0)
+    found_at = 5.0 * (first + 1)
+    assert 300.0 < found_at <= 300.0 + 240.0
+    # the same data with the look-back held at 90 s: never enough samples
+    assert play(DeviceStragglerDetector(cfg_with("straggler_device", max_window_seconds=90.0)), _dcgm_ticks(HOST_SLOW, SPINNING, onset=300)) == []
+
+
+def test_at_dcgm_s_30_s_healthy_spread_and_a_job_slow_alike_are_no_straggler():
+    healthy = play(DeviceStragglerDetector(), _dcgm_ticks({"util_ratio": 0.93, "power_w": 610.0, "sm_clock_mhz": 1950.0}, {"util_ratio": 1.0, "power_w": 680.0, "sm_clock_mhz": 1980.0}))
+    assert healthy == []
+    assert play(DeviceStragglerDetector(), _dcgm_ticks(HOST_SLOW, HOST_SLOW)) == []
+
+
+def test_at_1_s_the_look_back_and_the_samples_needed_are_unchanged():
+    det = DeviceStragglerDetector()
+    play(det, _straggler_ticks(SPINNING, SPINNING, seconds=60))
+    assert det._interval == pytest.approx(1.0) and det._window() == 90.0 and det._needed_samples() == 20

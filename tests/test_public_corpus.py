@@ -41,7 +41,7 @@ def test_corpus_is_broad_and_sourced():
         assert (PUBLIC / r["file"]).is_file(), r["file"]
         assert r["source"].startswith("https://"), r["file"]
     cats = {r["category"] for r in LABELS}
-    assert {"oom", "xid", "watchdog", "nccl_warn", "nvidia_smi_q", "dcgm_scrape"} <= cats
+    assert {"oom", "xid", "watchdog", "nccl_warn", "nccl_error", "nvidia_smi_q", "dcgm_scrape"} <= cats
     # every OOM cause the rule can give, and XIDs of many codes
     assert {e for r in _by("oom") for e in r["expect"]} >= {"oom_capacity", "oom_fragmentation", "oom_unexplained", "oom_foreign_process"}
     # every generation's wording, typos included: torch ≤1.3 "cached", 1.4-2.0 "reserved in total
@@ -69,7 +69,7 @@ def test_xid_attribution_matches_label(row):
     assert _diagnoses(found) == set(row["expect"]), [f.summary for f in found]
 
 
-@pytest.mark.parametrize("row", _by("watchdog") + _by("nccl_warn"), ids=lambda r: Path(r["file"]).stem)
+@pytest.mark.parametrize("row", _by("watchdog") + _by("nccl_warn") + _by("nccl_error"), ids=lambda r: Path(r["file"]).stem)
 def test_watchdog_and_warn_match_label(row):
     found = nccl_log.analyze_text((PUBLIC / row["file"]).read_text(), reference_ts=REFERENCE_TS)
     assert _diagnoses(found) == set(row["expect"]), [f.summary for f in found]

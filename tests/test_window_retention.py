@@ -211,7 +211,7 @@ def test_jobs_selecting_names_the_jobs_an_l0_detector_is_or_will_be_selected_for
     """An L2 job (allocator rows seen) is not the L0 OOM detector's until its rows age out of
     memory_seconds (900 s); within the detector's look-back of that it is again."""
     oom_l0, oom_l2 = DeviceOomPredictor(config.defaults()), OomPredictor(config.defaults())
-    levels = LevelSelector([oom_l0, oom_l2], memory_seconds=900.0)
+    levels = LevelSelector([oom_l0, oom_l2], memory_seconds=900.0, side_by_side=("L2.hang",))
     w = Window(600.0)
     w.add("allocator_stats", schemas.conform(pl.DataFrame({"ts": [1000.0], "job": ["hooked"], "rank": [0]}), schemas.ALLOCATOR_STATS, stream="allocator_stats"))
     w.add("allocations", schemas.frame([{"job": j, "rank": 0, "node": "n1", "gpu": g} for g, j in enumerate(("hooked", "plain"))], schemas.ALLOCATIONS))
@@ -283,7 +283,10 @@ def _device_ticks(seconds=200):
 
 def _device_pipeline(recent):
     cfg = config.defaults()
-    cfg = {**cfg, "detectors": {**cfg["detectors"], "oom_device": {**cfg["detectors"]["oom_device"], "history_recent_seconds": recent}}}
+    # The hook's OOM findings alone for a hooked job (no side-by-side OOM): the device detector's
+    # history is thinned to the jobs whose OOM findings it gives.
+    cfg = {**cfg, "detectors": {**cfg["detectors"], "oom_device": {**cfg["detectors"]["oom_device"], "history_recent_seconds": recent}},
+           "levels": {**cfg["levels"], "side_by_side": ["L2.hang"]}}
     ticks = _device_ticks()
 
     class Feed:
@@ -394,7 +397,7 @@ def test_a_thinned_window_is_the_whole_window_less_the_old_rows_of_other_keys(ti
 def _selector_with(detectors, fallback=None):
     """A LevelSelector over `detectors` after one tick at t=1000 in which job `hooked` sent an
     allocator row (L2) and jobs `hooked` and `plain` were allocated a GPU each."""
-    levels = LevelSelector(detectors, memory_seconds=900.0, fallback_seconds=fallback)
+    levels = LevelSelector(detectors, memory_seconds=900.0, fallback_seconds=fallback, side_by_side=("L2.hang",))
     w = Window(600.0)
     w.add("allocator_stats", schemas.conform(pl.DataFrame({"ts": [1000.0], "job": ["hooked"], "rank": [0]}), schemas.ALLOCATOR_STATS, stream="allocator_stats"))
     w.add("allocations", schemas.frame([{"job": j, "rank": 0, "node": "n1", "gpu": g} for g, j in enumerate(("hooked", "plain"))], schemas.ALLOCATIONS))

@@ -11,7 +11,16 @@ Recognised (with or without torchrun's `[rankN]:` prefix and glog `[E1129 23:07:
   6, last completed work: 5`, `Exception (either an error or timeout) detected by watchdog at
   work: 1580, last enqueued NCCL work: 1582, last completed NCCL work: 1579.`, `Timeout at NCCL
   work: ...`, `Last enqueued NCCL work: 6, last completed NCCL work: 5.`;
-- `Some NCCL operations have failed or timed out.` (a timeout without the WorkNCCL line);
+- `Some NCCL operations have failed or timed out.` (a timeout without the WorkNCCL line, unless
+  an NCCL error in the same log says what failed);
+- NCCL errors torch raised: `torch.distributed.DistBackendError: NCCL error in:
+  ../torch/csrc/distributed/c10d/ProcessGroupNCCL.cpp:1970, unhandled cuda error (run with
+  NCCL_DEBUG=INFO for details), NCCL version 2.21.5` (torch 2.x; 1.x raised `RuntimeError`, with
+  `torch/lib/c10d/` paths), the watchdog's `Process group watchdog thread terminated with
+  exception: NCCL error: remote process exited or there was a network error, NCCL version ...`,
+  `NCCL Error 2: unhandled system error`; with the lines after them, `ncclRemoteError: ...`,
+  `Last error:` and NCCL's own message, with torchrun's `[rankN]:` or a launcher's `host:`
+  prefix;
 - `host:pid:tid [dev] file.cc:NN NCCL WARN ...` network and other warnings;
 - CUDA OOM, three generations: `CUDA out of memory. Tried to allocate X (GPU 0; Y total capacity;
   Z already allocated; W free; V reserved in total by PyTorch)`; `... GPU 0 has a total capacty
@@ -42,7 +51,7 @@ from gpuvigil.collectors.tail import FileTail, TailingLogCollector  # one tail i
 from gpuvigil.model import Finding, FindingKind, Severity, log_source
 
 # The text parsing is shared with `analyze` and the OOM detector; these names stay importable here.
-from gpuvigil.parsers.nccl import ParsedLog, Progress, WatchdogTimeout, looks_like_training_log, parse_lines  # noqa: F401
+from gpuvigil.parsers.nccl import ParsedLog, Progress, WatchdogTimeout, describe_error, error_cause, looks_like_training_log, parse_lines  # noqa: F401
 from gpuvigil.parsers.oom import OomReport, load_oom_config, parse_oom  # noqa: F401
 
 
@@ -160,8 +169,12 @@ def findings(
                 cause="network" if network_warnings else None,
             )
         )
-    if not parsed.timeouts and (parsed.some_failed or parsed.timeout_at):
-        line, ts, rank = min(parsed.some_failed + parsed.timeout_at)
+    out.extend(_error_findings(parsed, job=job, node=node, src=src, network_warnings=bool(network_warnings)))
+    # "Some NCCL operations have failed or timed out" is how torch announces an NCCL error too:
+    # with the error in the log, the error finding says what failed.
+    some_failed = [] if parsed.errors else parsed.some_failed
+    if not parsed.timeouts and (some_failed or parsed.timeout_at):
+        line, ts, rank = min(some_failed + parsed.timeout_at)
         out.append(
             Finding(
                 kind=FindingKind.NCCL_TIMEOUT,
@@ -226,6 +239,50 @@ def findings(
     return out
 
 
+def _error_findings(parsed: ParsedLog, *, job: str | None, node: str | None, src: Any, network_warnings: bool) -> list[Finding]:
+    """One `nccl_error` finding per distinct NCCL error (the same one printed by several ranks,
+    or again in a launcher's summary, is one), naming the ranks and hosts that printed it."""
+    groups: dict[tuple, list] = {}
+    for e in parsed.errors:
+        groups.setdefault((e.code or e.reason, e.where), []).append(e)
+    out: list[Finding] = []
+    for errs in groups.values():
+        first = min(errs, key=lambda e: (e.ts, e.line))
+        # The fullest copy: the one that carries NCCL's last error, else the first.
+        best = next((e for e in errs if e.last_error), first)
+        ranks = sorted({e.rank for e in errs if e.rank is not None})
+        hosts = sorted({e.host for e in errs if e.host})
+        where_node = hosts[0] if len(hosts) == 1 else node
+        cause = error_cause(best, network_warnings=network_warnings)
+        who = f"ranks {', '.join(map(str, ranks))}" if len(ranks) > 1 else (f"rank {ranks[0]}" if ranks else "rank unknown")
+        at = f", {', '.join(hosts)}" if hosts else (f", {where_node}" if where_node else "")
+        out.append(
+            Finding(
+                kind=FindingKind.NCCL_ERROR,
+                severity=Severity.PAGE,
+                ts=first.ts,
+                job=job,
+                ranks=ranks,
+                node=where_node,
+                cause=cause,
+                evidence={
+                    "code": best.code,
+                    "reason": best.reason,
+                    "where": best.where,
+                    "nccl_version": best.nccl_version,
+                    "last_error": best.last_error,
+                    "ranks_reporting": len(ranks),
+                    "hosts": hosts,
+                    "lines": len(errs),
+                    "network_warnings": len([w for w in parsed.warnings if w.network]),
+                },
+                summary=f"NCCL error ({who}{at}): {describe_error(best)}",
+                source=src(first.line),
+            )
+        )
+    return out
+
+
 def events(parsed: ParsedLog, *, node: str | None = None, job: str | None = None, file: str | None = None) -> pl.DataFrame:
     """The `events` stream: one row per timeout, OOM, progress failure and NCCL warning. Rows read
     from a log file carry it in `source` (`torch:<file>`, model.log_source): a line of no known
@@ -241,6 +298,8 @@ def events(parsed: ParsedLog, *, node: str | None = None, job: str | None = None
         rows.append({"ts": ts, "node": node, "source": torch, "kind": "nccl_timeout", "job": job, "rank": rank, "message": "Timeout at NCCL work"})
     for o in parsed.ooms:
         rows.append({"ts": o.ts, "node": node, "gpu": o.gpu, "source": torch, "kind": "oom", "job": job, "rank": o.rank, "message": o.text})
+    for e in parsed.errors:
+        rows.append({"ts": e.ts, "node": e.host or node, "source": torch, "kind": "nccl_error", "job": job, "rank": e.rank, "message": e.message()})
     for w in parsed.warnings:
         rows.append({"ts": w.ts, "node": w.host or node, "gpu": w.device, "source": nccl, "kind": "nccl_warn", "job": job, "rank": w.rank, "message": w.message})
     return schemas.frame(sorted(rows, key=lambda r: r["ts"]), schemas.EVENTS)

@@ -81,3 +81,20 @@ def node_names(nodes: pl.Series) -> list[str]:
     """The distinct node names of culprit rows, sorted; rows naming no node (a hook row without
     one, a rank not placed yet) add none, so a page never fails on ordering None with names."""
     return nodes.drop_nulls().unique().sort().to_list()
+
+
+def covered_jobs(rows: pl.DataFrame, now: float, span: float, need: float, *, column: str | None = None) -> set[str]:
+    """Jobs whose rows (one series per rank) came densely enough over the last `span` seconds
+    for a detector's own fit: at least `need` rows per rank, on the median rank (with `column`:
+    rows where it is filled). Side-by-side level selection holds a lower detector's findings back
+    for these jobs (detectors/levels.py: healthy_jobs); a job whose hook publishes too seldom for
+    the fit is left to the device's detectors."""
+    if rows.height == 0 or "job" not in rows.columns or "rank" not in rows.columns:
+        return set()
+    recent = rows.filter(pl.col("ts") > now - span)
+    if column is not None and column in recent.columns:
+        recent = recent.filter(pl.col(column).is_not_null())
+    if recent.height == 0:
+        return set()
+    per = recent.group_by("job", "rank").agg(pl.len().alias("n")).group_by("job").agg(pl.col("n").median().alias("n"))
+    return set(per.filter(pl.col("n") >= need)["job"].drop_nulls().to_list())

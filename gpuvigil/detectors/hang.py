@@ -9,9 +9,10 @@ Signals, all from `rank_progress` (the in-process hook's Flight Recorder `pg_sta
   where the Flight Recorder records kernel starts (NCCL with TORCH_NCCL_ENABLE_TIMING=1), ranks
   that enqueued it but never started it while their peers did: stuck in a kernel before it.
   Without start records such a rank looks like its peers: when every rank has entered the
-  pending collective and none completes it for longer (`all_entered_*`), the job is paged hung
-  with no culprit named; the L0/L1 detectors, which run beside this one for hooked jobs
-  (detectors/levels.py), join it with theirs.
+  pending collective and none completes it for longer (`all_entered_*`), the job is paged hung;
+  an XID or ECC event on the GPU of exactly one of its ranks names that rank (a GPU that failed
+  under its kernel), else no culprit is named and the L0/L1 detectors, which run beside this one
+  for hooked jobs (detectors/levels.py), join it with theirs.
 A checkpoint save or a data-loader stall pauses all ranks *outside* collectives (enqueued ==
 completed everywhere), so it is never a hang. XID/ECC events on a culprit's node say hardware.
 """
@@ -248,12 +249,20 @@ class HangDetector(Declared):
         hw = events.filter(pl.col("node").is_in(nodes))
         xids = sorted({int(x) for x in hw["xid"].drop_nulls().to_list()})
         seq = int(first["min_comp"]) + 1
+        # A hardware error on one GPU of the job: the rank on it is stuck under a failed kernel.
+        bad = hw.select(pl.col("node").cast(pl.Utf8), pl.col("gpu").cast(pl.Int64)).drop_nulls().unique()
+        on_bad = job_rows.with_columns(pl.col("node").cast(pl.Utf8), pl.col("gpu").cast(pl.Int64)).join(bad, on=["node", "gpu"], how="semi")
+        culprits = [int(on_bad["rank"][0])] if bad.height == 1 and on_bad.height == 1 else []
+        where = rank_at(culprits[0], on_bad["node"][0], on_bad["gpu"][0]) if culprits else None
         return Finding(
             kind=FindingKind.COLLECTIVE_HANG,
             severity=Severity.PAGE,
             ts=now,
             job=job,
-            node=nodes[0] if len(nodes) == 1 else None,
+            ranks=culprits,
+            culprit_ranks=culprits,
+            gpu=int(on_bad["gpu"][0]) if culprits else None,
+            node=str(on_bad["node"][0]) if culprits else (nodes[0] if len(nodes) == 1 else None),
             cause="hardware" if hw.height else "software",
             source=self.name,
             evidence={
@@ -269,7 +278,14 @@ class HangDetector(Declared):
             },
             summary=(
                 f"{job} is hung in collective #{seq}: all {job_rows.height} ranks entered it and none has completed it for "
-                f"{first['stalled_seconds']:.0f} s; a rank is stuck inside a kernel or the network (the hook names it only where "
-                "the Flight Recorder records kernel starts: TORCH_NCCL_ENABLE_TIMING=1)."
+                f"{first['stalled_seconds']:.0f} s; "
+                + (
+                    f"{where} is stuck under a failed kernel (XID {', '.join(map(str, xids))} on its GPU)."
+                    if culprits and xids
+                    else f"{where} is stuck under a failed kernel (a hardware error on its GPU)."
+                    if culprits
+                    else "a rank is stuck inside a kernel or the network (the hook names it only where "
+                    "the Flight Recorder records kernel starts: TORCH_NCCL_ENABLE_TIMING=1)."
+                )
             ),
         )

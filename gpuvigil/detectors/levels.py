@@ -15,16 +15,20 @@ a broken pipe must not cost the page. A key `LEVEL.capability` (e.g. `L2.hang`) 
 capability of a level: the hook's progress counters cannot see a hang whose culprit entered the
 collective and is stuck inside a kernel (every rank has enqueued it, nobody is missing), while
 the device telemetry sees the whole job stop; so an L2 job's hang falls back to the L0/L1
-finding. L2's OOM and straggler findings never fall back (their figures stay their own).
+finding.
 
-For a key in `side_by_side` (default `L2.hang`) no finding waits for a fallback: a job at that
+For a key in `side_by_side` (default `L2.hang`, `L2.oom`, `L2.straggler`) no finding waits for a
+fallback: a job at that
 level has the lower detectors its data allows run beside the selected one, and the first
 finding of the capability pages. Later findings from the other detectors *join* it: they go out
 as the same finding (one id per job and kind, so no second page), with their level, time and
 culprits under `evidence.joined`; a page that named no culprit takes the first one a joining
 detector names. A lower detector's finding is held back while a detector of the job's level
 vouches for the job (`healthy_jobs`: the hook sees its collectives completing, or nobody in
-one): the device view is the weaker evidence.
+one): the device view is the weaker evidence. The hook's OOM and straggler fits need its rows a
+second or so apart; a hook that publishes more slowly, a growth over hours or a straggler that
+comes and goes for minutes is seen by the device's detectors (which adapt to dcgm-exporter's 30 s)
+first, and the hook's finding joins theirs.
 
 A detector reads a per-job stream only where the rows carry what it needs: `DERIVED` streams
 are seen for a job when its rows of the source stream have the column filled. The L2 straggler
@@ -65,7 +69,7 @@ class LevelsConfig(BaseModel):
     fallback_seconds: dict[str, float] = Field(default_factory=lambda: {"L1": 60.0, "L2.hang": 30.0})
     # "LEVEL.capability" keys whose lower detectors run beside the selected one: first finding
     # pages, the others join it (a key here makes its fallback_seconds unused).
-    side_by_side: list[str] = Field(default_factory=lambda: ["L2.hang"])
+    side_by_side: list[str] = Field(default_factory=lambda: ["L2.hang", "L2.oom", "L2.straggler"])
     # A joined finding belongs to the same incident while some detector kept reporting it
     # within this many seconds.
     join_seconds: float = Field(60.0, gt=0)
@@ -85,7 +89,7 @@ class LevelSelector:
         self.detectors = list(detectors)
         self.memory_seconds = memory_seconds
         self.fallback_seconds = {"L1": 60.0, "L2.hang": 30.0} if fallback_seconds is None else dict(fallback_seconds)
-        self.side_by_side = {"L2.hang"} if side_by_side is None else set(side_by_side)
+        self.side_by_side = {"L2.hang", "L2.oom", "L2.straggler"} if side_by_side is None else set(side_by_side)
         self.join_seconds = join_seconds
         self._incidents: dict[tuple[str, str], dict[str, Any]] = {}  # (capability, job) → the paged finding and who joined
         self._seen: dict[tuple[str, str], float] = {}  # (job, stream) → last ts seen

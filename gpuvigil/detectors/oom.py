@@ -37,8 +37,12 @@ import numpy as np
 import polars as pl
 from pydantic import BaseModel, Field, model_validator
 
+<<<<<<< HEAD
 from gpuvigil.detectors.base import HISTORY, Declared, DetectorSpec
 from gpuvigil.detectors.common import rank_at, settings
+=======
+from gpuvigil.detectors.common import covered_jobs, rank_at, settings
+>>>>>>> h-det32
 from gpuvigil.detectors.incremental import KeyIndex, SlidingRows
 from gpuvigil.model import Finding, FindingKind, Severity
 from gpuvigil.pipeline.window import Window
@@ -600,6 +604,9 @@ class OomPredictor(Declared):
     def detect(self, window: Window) -> list[Finding]:
         c = self.config
         now = window.now
+        # Jobs whose hook rows come often enough for this fit (min_samples over the fit window):
+        # the device's OOM detector, running beside this one, is held back for them.
+        self.healthy_jobs = covered_jobs(window.get("allocator_stats"), now, c.fit_window_seconds / 2, (c.min_samples + 1) / 2)
         self.ingest(window)
         n_keys = self._keys.n
         keys = np.flatnonzero(self._live[:n_keys])

@@ -22,8 +22,12 @@ import numpy as np
 import polars as pl
 from pydantic import BaseModel, Field
 
+<<<<<<< HEAD
 from gpuvigil.detectors.base import HISTORY, Declared, DetectorSpec
 from gpuvigil.detectors.common import current_run, rank_at, settings
+=======
+from gpuvigil.detectors.common import covered_jobs, current_run, rank_at, settings
+>>>>>>> h-det32
 from gpuvigil.detectors.incremental import KeyRing, SlidingRows, TickCursor, masked_median
 from gpuvigil.model import Finding, FindingKind, Severity
 from gpuvigil.pipeline.window import Window
@@ -162,9 +166,12 @@ class StragglerDetector(Declared):
 
     # -- evaluation ------------------------------------------------------------------------------
     def detect(self, window: Window) -> list[Finding]:
-        self.ingest(window)
         c = self.config
         now = window.now
+        # Jobs whose hook rows carry a wait often enough for this detector (min_samples over its
+        # window): the device's straggler detector, running beside this one, is held back for them.
+        self.healthy_jobs = covered_jobs(window.get(STREAM), now, c.window_seconds / 2, (c.min_samples + 1) / 2, column="collective_wait_seconds")
+        self.ingest(window)
         fast, look, horizon = self._spans(window)
         if not self._seconds:
             return []

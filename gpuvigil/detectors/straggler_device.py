@@ -9,6 +9,9 @@ Two signatures (docs/detectors.md):
 Healthy spread in real jobs is wide (Megatron/savanna logs: ±13 °C, ±60 MHz, one rank at 45%
 util in a snapshot): the thresholds are relative to the job's median and must hold over a
 window and on consecutive evaluations. A job whose GPUs wait together (a hang) is skipped.
+The window is `window_seconds` at NVML's 1 s; GPUs sampled more slowly (dcgm-exporter's 30 s)
+get a look-back of `min_samples` intervals, up to `max_window_seconds` (240 s: eight samples), so
+that a straggler that comes and goes for minutes is found within its episode.
 
 Cost at scale (100,000 GPUs): O(new rows) per tick, not O(window). Each allocated GPU (each row of
 `allocations`) has a ring of its samples' ts, util, SM clock and power over the last
@@ -65,6 +68,11 @@ from gpuvigil.pipeline.window import Window
 class StragglerDeviceConfig(BaseModel):
     window_seconds: float = 90.0
     min_samples: int = 20
+    # Slowly sampled GPUs (dcgm-exporter's 30 s default): the look-back grows to hold min_samples
+    # intervals, up to max_window_seconds, and a GPU is judged on as many samples as that holds
+    # (three quarters of them, at least min_window_samples). At 1 s nothing changes.
+    max_window_seconds: float = Field(240.0, gt=0)
+    min_window_samples: int = Field(6, ge=2)
     min_gpus: int = 4
     min_util_lag: float = 0.15  # host-side: util below the peers' median by this much ...
     min_peer_util: float = 0.8  # ... while the peers are busy or spinning
@@ -102,7 +110,39 @@ class DeviceStragglerDetector(Declared):
         self.config = settings("straggler_device", StragglerDeviceConfig, cfg)
         self._persistence = Persistence()
         self._cursor = TickCursor()
+        self._interval = 0.0  # the GPUs' median sample interval (s), from the rings
         self._reset()
+
+    def _window(self) -> float:
+        """The look-back: window_seconds, or min_samples sample intervals up to max_window_seconds."""
+        c = self.config
+        return max(c.window_seconds, min(c.min_samples * self._interval, c.max_window_seconds))
+
+    def _recent_seconds(self) -> float:
+        """The recent past the hang check reads: at least one and a half sample intervals."""
+        return max(self.config.recent_seconds, 1.5 * self._interval)
+
+    def _needed_samples(self) -> int:
+        c = self.config
+        if self._interval <= 0 or self._window() >= c.min_samples * self._interval:
+            return c.min_samples
+        return min(c.min_samples, max(c.min_window_samples, int(0.75 * self._window() / self._interval)))
+
+    def _measure_interval(self) -> None:
+        """The median, over GPUs with two samples or more in their ring, of their mean interval."""
+        ring = self._ring
+        n = ring.n
+        if n == 0:
+            return
+        ts = ring.ts[:n]
+        ok = ~np.isnan(ts)
+        cnt = np.count_nonzero(ok, axis=1)
+        have = cnt >= 2
+        if not have.any():
+            return
+        with np.errstate(invalid="ignore"):
+            span = np.nanmax(np.where(ok, ts, np.nan)[have], axis=1) - np.nanmin(np.where(ok, ts, np.nan)[have], axis=1)
+        self._interval = float(np.median(span / (cnt[have] - 1)))
 
     def lookback_seconds(self) -> dict[str, float]:
         """History read from the window (pipeline/core.py: declared_horizons, declared_columns):
@@ -142,7 +182,8 @@ class DeviceStragglerDetector(Declared):
             self._reset()
         self._sync_allocations(window.get("allocations"))
         c = self.config
-        self._add(window.fresh("gpu_samples") if stepping else window.get("gpu_samples"), now - c.window_seconds, now - c.recent_seconds)
+        self._add(window.fresh("gpu_samples") if stepping else window.get("gpu_samples"), now - self._window(), now - self._recent_seconds())
+        self._measure_interval()
         if self._keys.height == 0:
             # No allocation to keep rows for (none yet, or an empty snapshot): the next call
             # rebuilds from the window, as the refit joined its rows to the allocations then.
@@ -228,7 +269,7 @@ class DeviceStragglerDetector(Declared):
         # Per ring row, the oldest ts read: the look-back, and the job's warm-up where it has a start.
         lo = np.full(rows_n, np.inf)
         jobs = window.get("jobs")
-        look = now - c.window_seconds
+        look = now - self._window()
         if keys.height:
             kk = keys["_k"].to_numpy()
             if jobs.height:
@@ -261,7 +302,7 @@ class DeviceStragglerDetector(Declared):
         rr = self._recent
         r_ts, r_power, r_util = rr.ts[:rows_n], rr.f["power"][:rows_n], rr.f["util"][:rows_n]
         recent = r_ts >= lo[:, None]
-        recent &= r_ts >= now - c.recent_seconds
+        recent &= r_ts >= now - self._recent_seconds()
         p_recent, npr = _sorted_median(r_power, recent & ~np.isnan(r_power))
         u_recent, _ = _sorted_median(r_util, recent & ~np.isnan(r_util))
         with np.errstate(invalid="ignore", divide="ignore"):
@@ -298,7 +339,7 @@ class DeviceStragglerDetector(Declared):
         )
         flagged = scored.filter(
             (pl.col("gpus") >= c.min_gpus)
-            & (pl.col("min_n") >= c.min_samples)
+            & (pl.col("min_n") >= self._needed_samples())
             & (pl.col("pinned_share") < 0.5)  # most GPUs pinned for the whole recent past: a hang, not a straggler
             & (pl.col("idle_share") <= c.max_idle_share)
             & (
@@ -314,7 +355,7 @@ class DeviceStragglerDetector(Declared):
         now = window.now
         # The refit's early return (no sample of any GPU in the look-back, or no allocation) leaves
         # the persistence streaks as they were.
-        if not self._max_ts >= now - c.window_seconds or window.get("allocations").height == 0:
+        if not self._max_ts >= now - self._window() or window.get("allocations").height == 0:
             return []
         per, lo = self._per_gpu(window)
         scored, flagged = self._judge(per)
@@ -366,7 +407,7 @@ class DeviceStragglerDetector(Declared):
                         "clock_mhz": None if w["clock"] is None else round(float(w["clock"])),
                         "peer_clock_mhz": None if w["peer_clock"] is None else round(float(w["peer_clock"])),
                         "gpus_in_job": int(w["gpus"]),
-                        "window_seconds": c.window_seconds,
+                        "window_seconds": self._window(),
                     },
                     summary=f"{w['job']} {rank_at(w['rank'], w['node'], w['gpu'])} is a straggler (L0): {why}.",
                 )
