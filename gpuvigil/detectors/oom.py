@@ -37,12 +37,8 @@ import numpy as np
 import polars as pl
 from pydantic import BaseModel, Field, model_validator
 
-<<<<<<< HEAD
 from gpuvigil.detectors.base import HISTORY, Declared, DetectorSpec
-from gpuvigil.detectors.common import rank_at, settings
-=======
 from gpuvigil.detectors.common import covered_jobs, rank_at, settings
->>>>>>> h-det32
 from gpuvigil.detectors.incremental import KeyIndex, SlidingRows
 from gpuvigil.model import Finding, FindingKind, Severity
 from gpuvigil.pipeline.window import Window

@@ -22,12 +22,8 @@ import numpy as np
 import polars as pl
 from pydantic import BaseModel, Field
 
-<<<<<<< HEAD
 from gpuvigil.detectors.base import HISTORY, Declared, DetectorSpec
-from gpuvigil.detectors.common import current_run, rank_at, settings
-=======
 from gpuvigil.detectors.common import covered_jobs, current_run, rank_at, settings
->>>>>>> h-det32
 from gpuvigil.detectors.incremental import KeyRing, SlidingRows, TickCursor, masked_median
 from gpuvigil.model import Finding, FindingKind, Severity
 from gpuvigil.pipeline.window import Window
