@@ -26,18 +26,24 @@ def _dump(value: Any) -> Any:
     return value
 
 
-def disagreements(model: type[BaseModel], data: dict[str, Any], where: str) -> list[str]:
-    """Keys of `data` (a YAML block) whose validated value differs from the model's default."""
+def disagreements(model: type[BaseModel], data: dict[str, Any], where: str, default_of: BaseModel | None = None) -> list[str]:
+    """Keys of `data` (a YAML block) whose validated value differs from the model's default; in a
+    nested block, from the default the enclosing field gives (`default_of`), if it gives one."""
     validated = model.model_validate(data)
     out = []
     for key in data:
         field = model.model_fields[key]
-        if field.is_required() or f"{where}.{key}" in config.SECTIONS or f"{where}.{key}" in SITE_SPECIFIC:
+        if f"{where}.{key}" in config.SECTIONS or f"{where}.{key}" in SITE_SPECIFIC:
             continue
-        default = field.get_default(call_default_factory=True)
+        if default_of is not None:
+            default = getattr(default_of, key)
+        elif field.is_required():
+            continue
+        else:
+            default = field.get_default(call_default_factory=True)
         value = getattr(validated, key)
         if isinstance(value, BaseModel) and isinstance(data[key], dict):
-            out += disagreements(type(value), data[key], f"{where}.{key}")
+            out += disagreements(type(value), data[key], f"{where}.{key}", default if isinstance(default, BaseModel) else None)
         elif _dump(value) != _dump(default):
             out.append(f"{where}.{key}: YAML {_dump(value)!r}, model default {_dump(default)!r}")
     return out
@@ -74,3 +80,10 @@ def test_the_check_catches_a_disagreement():
 def test_a_page_sooner_than_the_horizon_is_required(block):
     with pytest.raises(config.ConfigError, match="page_within_seconds must not exceed predict_horizon_seconds"):
         config.load(overrides={"detectors": {block: {"predict_horizon_seconds": 600, "page_within_seconds": 900}}})
+
+
+def test_the_check_reads_a_nested_default_from_its_enclosing_field():
+    from gpuvigil.remediation import RemediationConfig
+
+    assert disagreements(RemediationConfig, {"verify": {"timeout_seconds": 900.0}}, "remediation") == []
+    assert disagreements(RemediationConfig, {"verify": {"timeout_seconds": 5.0}}, "remediation") == ["remediation.verify.timeout_seconds: YAML 5.0, model default 900.0"]

@@ -46,7 +46,7 @@ class FaultRule(BaseModel):
 
 class HintConfig(BaseModel):
     rules: list[HintRule]
-    faults: list[FaultRule] = Field(default_factory=list)
+    faults: list[FaultRule]
 
 
 class HintPolicy:
