@@ -61,7 +61,7 @@ def _world(nodes: int, workdir: Path, cfg: dict[str, Any]):
 
 def agent_cost(nodes: int, ticks: int, workdir: Path) -> dict[str, Any]:
     from gpuvigil import config
-    from gpuvigil.deployconfig import Fleet
+    from gpuvigil.config.deploy import Fleet
     from gpuvigil.fleet.agent import NodeAgent, NodeView, split_detectors
     from gpuvigil.pipeline.core import Pipeline
 
@@ -97,7 +97,7 @@ def agent_cost(nodes: int, ticks: int, workdir: Path) -> dict[str, Any]:
 def encoded_messages(nodes: int, ticks: int, workdir: Path) -> tuple[list[tuple[str, bytes, dict[str, str]]], int]:
     """The rows messages a simulated cluster's agents send over `ticks` seconds."""
     from gpuvigil import config
-    from gpuvigil.deployconfig import Fleet
+    from gpuvigil.config.deploy import Fleet
     from gpuvigil.fleet.agent import NodeAgent, NodeView, split_detectors
     from gpuvigil.pipeline.core import Pipeline
 
@@ -120,7 +120,7 @@ def detect_cost(msgs: list[tuple[str, bytes, dict[str, str]]], rows: int, partit
     from types import SimpleNamespace
 
     from gpuvigil import config
-    from gpuvigil.deployconfig import Fleet
+    from gpuvigil.config.deploy import Fleet
     from gpuvigil.fleet import transport
     from gpuvigil.fleet.agent import split_detectors
     from gpuvigil.fleet.detect import Feed
@@ -160,7 +160,7 @@ def _nats(workdir: Path, mapping: str, name: str = "n") -> tuple[subprocess.Pope
 def nats_cost(msgs: list[tuple[str, bytes, dict[str, str]]], workdir: Path) -> dict[str, Any]:
     """Publish the messages to a real nats-server (acked JetStream publishes, 64 in flight), then
     fetch them with detect's pull consumer: messages/s and client CPU of each side."""
-    from gpuvigil.deployconfig import Fleet
+    from gpuvigil.config.deploy import Fleet
     from gpuvigil.fleet import transport
 
     fleet = Fleet(partitions=1)
@@ -205,7 +205,7 @@ def fleet_run(workdir: Path, nodes: int, speed: float, seconds: float, log=print
     """The real fleet as subprocesses: latency tick → findings at act, detect and act failover."""
     import yaml
 
-    from gpuvigil.deployconfig import Fleet
+    from gpuvigil.config.deploy import Fleet
     from gpuvigil.fleet import transport
 
     ttl = 5.0

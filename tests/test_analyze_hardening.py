@@ -21,9 +21,9 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from gpuvigil import analyze
+from gpuvigil.offline import analyze
 from gpuvigil.collectors.safe_pickle import PickleReadError, check_items, safe_load, scan
-from gpuvigil.textsafe import printable
+from gpuvigil.util.textsafe import printable
 
 REPO = Path(__file__).resolve().parents[1]
 DATA = REPO / "tests" / "data"

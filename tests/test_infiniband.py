@@ -22,7 +22,7 @@ from hypothesis import strategies as st
 from gpuvigil import config, schemas
 from gpuvigil.collectors.infiniband import InfinibandCollector, normalize_bdf, parse_counter, parse_rate, parse_state
 from gpuvigil.detectors.infiniband import InfinibandDetector
-from gpuvigil.pipeline.window import Window
+from gpuvigil.window import Window
 
 TREE = Path(__file__).parent / "data" / "sysfs" / "two_gpu_ndr"
 GPUS = {"00000000:18:00.0": 0, "00000000:9D:00.0": 1}  # NVML's PCI bus ids of the tree's GPUs

@@ -49,7 +49,7 @@ from gpuvigil.detectors.base import HISTORY, Declared, DetectorSpec
 from gpuvigil.detectors.common import rank_at, settings
 from gpuvigil.detectors.incremental import KEYS, SlidingRows, edges_from_rows
 from gpuvigil.model import Finding, FindingKind, Severity
-from gpuvigil.pipeline.window import Window
+from gpuvigil.window import Window
 
 GIB = float(1 << 30)
 STREAM = "allocator_stats"

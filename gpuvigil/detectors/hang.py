@@ -11,7 +11,7 @@ Signals, all from `rank_progress` (the in-process hook's Flight Recorder `pg_sta
   Without start records such a rank looks like its peers: when every rank has entered the
   pending collective and none completes it for longer (`all_entered_*`), the job is paged hung
   with no culprit named; the L0/L1 detectors, which run beside this one for hooked jobs
-  (detectors/levels.py), join it with theirs.
+  (pipeline/levels.py), join it with theirs.
 A checkpoint save or a data-loader stall pauses all ranks *outside* collectives (enqueued ==
 completed everywhere), so it is never a hang. XID/ECC events on a culprit's node say hardware.
 """
@@ -26,7 +26,7 @@ from pydantic import BaseModel
 from gpuvigil.detectors.base import FRESH, HISTORY, Declared, DetectorSpec
 from gpuvigil.detectors.common import node_names, rank_at, settings
 from gpuvigil.model import Finding, FindingKind, Severity
-from gpuvigil.pipeline.window import Window
+from gpuvigil.window import Window
 
 
 class HangConfig(BaseModel):

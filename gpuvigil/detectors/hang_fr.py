@@ -19,8 +19,8 @@ from pydantic import BaseModel
 from gpuvigil.detectors.base import HISTORY, Declared, DetectorSpec
 from gpuvigil.detectors.common import node_names, settings
 from gpuvigil.model import Finding, FindingKind, Severity
-from gpuvigil.progress import CollectiveClock
-from gpuvigil.pipeline.window import Window
+from gpuvigil.util.progress import CollectiveClock
+from gpuvigil.window import Window
 
 
 class HangFrConfig(BaseModel):

@@ -41,7 +41,7 @@ from gpuvigil.detectors.base import HISTORY, Declared, DetectorSpec
 from gpuvigil.detectors.common import rank_at, settings
 from gpuvigil.detectors.incremental import KeyIndex, SlidingRows
 from gpuvigil.model import Finding, FindingKind, Severity
-from gpuvigil.pipeline.window import Window
+from gpuvigil.window import Window
 
 GIB = float(1 << 30)
 

@@ -31,7 +31,7 @@ from typing import Any
 import polars as pl
 
 from gpuvigil import schemas
-from gpuvigil.deployconfig import Fleet
+from gpuvigil.config.deploy import Fleet
 from gpuvigil.model import Finding
 
 log = logging.getLogger("gpuvigil.fleet")
@@ -159,7 +159,7 @@ def parse_findings(data: bytes) -> tuple[dict[str, Any], list[Finding]]:
 # -- connection and set-up ---------------------------------------------------------------------------
 async def connect(fleet: Fleet, name: str, first_connect_seconds: float = 60.0):
     """A connection that reconnects forever (a NATS node may die; the cluster keeps serving)."""
-    from gpuvigil.extras import require
+    from gpuvigil.util.extras import require
 
     nats = require("nats", "gpuvigil agent/detect/act")
 

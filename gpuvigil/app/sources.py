@@ -1,4 +1,4 @@
-"""Start what a `sources:` section (gpuvigil.deployconfig.Sources) names: one collector per source.
+"""Start what a `sources:` section (gpuvigil.config.deploy.Sources) names: one collector per source.
 The pipeline contains a collector that fails and tracks its health (`pipeline/health.py`); a
 source's `up` is read from there, so there is one account of what is down.
 
@@ -21,11 +21,11 @@ from typing import Any
 import polars as pl
 
 from gpuvigil import schemas
-from gpuvigil.deployconfig import Sources, pattern_glob, pattern_regex, pattern_root, split_address
+from gpuvigil.config.deploy import Sources, pattern_glob, pattern_regex, pattern_root, split_address
 from gpuvigil.errors import UserError
 from gpuvigil.pipeline.health import HealthTracker
 
-log = logging.getLogger("gpuvigil.serve")
+log = logging.getLogger("gpuvigil.app.serve")
 
 
 class Every:
