@@ -33,14 +33,13 @@ from typing import Any
 from gpuvigil.errors import UserError
 from gpuvigil.fleet import transport
 from gpuvigil.fleet.agent import add_common, add_metrics_args, install_signals, load
-from gpuvigil.fleet.lease import Leases
+from gpuvigil.fleet.lease import LEADER_KEY, Leases
 from gpuvigil.fleet.metrics import ActStats
 from gpuvigil.fleet.transport import Clock, Subjects
 from gpuvigil.model import Finding
 
 log = logging.getLogger("gpuvigil.fleet")
 NAME = "act"
-LEADER_KEY = "act.leader"
 
 
 def add_parser(sub) -> None:

@@ -128,7 +128,7 @@ class ActStats:
 def act_families(act: Any) -> Iterable[Any]:
     from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
-    from gpuvigil.fleet.act import LEADER_KEY
+    from gpuvigil.fleet.lease import LEADER_KEY
 
     s: ActStats = act.stats
     rid = {"replica": act.id}
