@@ -273,7 +273,7 @@ def _device_lines() -> list[str]:
         hook = dev["hook"]
         bench = dev.get("bench_hook") or {}
         cuda_publish = (bench.get("publish_pg_status_cuda") or {}).get("p50_us")
-        when = datetime.datetime.fromtimestamp(float(dev["t0"]), datetime.timezone.utc).strftime("%Y-%m-%d")
+        when = datetime.datetime.fromtimestamp(float(dev["t0"]), datetime.UTC).strftime("%Y-%m-%d")
     except (OSError, ValueError, KeyError, TypeError):
         return []
     out = [

@@ -341,7 +341,6 @@ def _steady(row: dict[str, Any]) -> bool:
     """Whether every per-key stream's history was at its full horizon when the run ended."""
     horizon = row.get("window_horizon_seconds", {})
     return row.get("covered_seconds", 0.0) >= max([0.0, *(horizon.get(s, 0.0) for s in ("gpu_samples", "allocator_stats", "rank_progress"))])
-    return out
 
 
 def markdown(rows: list[dict[str, Any]], cmd: str | None = None) -> str:

@@ -175,7 +175,6 @@ def run(gpus: int = TARGET_GPUS, hours: float = 2.0, step: float = 30.0, repeats
 
 
 def markdown(res: dict[str, Any], cmd: str | None = None) -> str:
-    e = res["month_estimate_s"]
     month_ticks = MONTH_SECONDS / res["step_s"]
     per_month = TARGET_GPUS / res["gpus"] * month_ticks / res["ticks"]  # slice -> month factor
     month_samples = res["samples"] * per_month

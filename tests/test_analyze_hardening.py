@@ -9,7 +9,6 @@ Subprocess runs measure the child's peak RSS (a bound the code must respect, not
 from __future__ import annotations
 
 import json
-import os
 import pickle
 import shutil
 import subprocess

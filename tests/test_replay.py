@@ -510,5 +510,5 @@ def test_replay_json_findings_carry_exactly_analyzes_fields(capsys):
     assert analyzed and len(replayed) == len(analyzed)
     # Replay places every finding in an incident (pipeline/incidents.py), logs and dumps included.
     assert all(r["incident"] and r["incident_role"] in ("opened", "update", "evidence") for r in replayed)
-    stripped = sorted((json.dumps({k: v for k, v in r.items() if k not in ("record", "fired_at", "incident", "incident_role")}, sort_keys=True) for r in replayed))
+    stripped = sorted(json.dumps({k: v for k, v in r.items() if k not in ("record", "fired_at", "incident", "incident_role")}, sort_keys=True) for r in replayed)
     assert stripped == sorted(json.dumps(r, sort_keys=True) for r in analyzed)

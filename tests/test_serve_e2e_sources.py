@@ -443,7 +443,7 @@ def test_serve_process_pages_a_watchdog_timeout_from_a_log_whose_path_names_no_j
         serve.terminate()
         serve.wait(60)
     said = err.read_text()
-    assert f"(no {{job}} in the pattern: its events carry no job; a timeout pages naming the node and file): waiting for its first read" in said, said
+    assert "(no {job} in the pattern: its events carry no job; a timeout pages naming the node and file): waiting for its first read" in said, said
     found = [line for line in said.splitlines() if "finding page nccl_timeout:" in line]
     assert len(found) == 1, said
     assert found[0].endswith(f"finding page nccl_timeout: Job unknown (log gvx:{log}): the NCCL watchdog timed out collective #6 (ALLREDUCE) "

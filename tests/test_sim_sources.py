@@ -9,7 +9,6 @@ import json
 import subprocess
 import sys
 
-import numpy as np
 import polars as pl
 import pytest
 

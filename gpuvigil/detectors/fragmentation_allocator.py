@@ -38,7 +38,6 @@ those rules say it was shown (tests/incremental_oracles.py: Shown).
 
 from __future__ import annotations
 
-import math
 from typing import Any
 
 import numpy as np

@@ -55,7 +55,7 @@ class FlightRecorderHangDetector(Declared):
         an = window.get("fr_analysis")
         if an.height == 0:
             return []
-        an = an.filter((pl.col("ts") >= now - c.max_age_seconds))
+        an = an.filter(pl.col("ts") >= now - c.max_age_seconds)
         jobs = window.get("jobs")
         if jobs.height:
             an = an.join(jobs.select("job", pl.col("start_ts").alias("_s")), on="job", how="left").filter(pl.col("_s").is_null() | (pl.col("dump_ts") >= pl.col("_s")) | (pl.col("ts") >= pl.col("_s")))

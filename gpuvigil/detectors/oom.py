@@ -432,7 +432,7 @@ class OomPredictor(Declared):
         self._compact()
 
     def _step(self, window: Window, now: float, prev_now: float) -> None:
-        c, half, rows = self.config, self._half, self._rows
+        rows = self._rows
         d = now - prev_now
         S = self._S
         n, st, ne, ste = S[N], S[ST], S[NE], S[STE]

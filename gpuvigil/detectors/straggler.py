@@ -163,7 +163,6 @@ class StragglerDetector(Declared):
     # -- evaluation ------------------------------------------------------------------------------
     def detect(self, window: Window) -> list[Finding]:
         self.ingest(window)
-        c = self.config
         now = window.now
         fast, look, horizon = self._spans(window)
         if not self._seconds:
