@@ -7,7 +7,7 @@ PY ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
 
-.PHONY: demo test test-deep test-lowest mutate install install-dev system-deps clean report-screenshot
+.PHONY: demo lint test test-deep test-lowest mutate install install-dev system-deps clean report-screenshot
 
 $(BIN)/python:
 	$(PY) -m venv $(VENV)
@@ -36,7 +36,11 @@ demo: install
 # The suite runs on every core (pytest-xdist, a file per worker so module fixtures run once);
 # the hypothesis equivalence tests draw a quarter of their examples (tests/hyp.py).
 TEST_JOBS ?= auto
-test: system-deps install-dev
+# ruff's rules are in pyproject.toml [tool.ruff]; the code is linted, not reformatted.
+lint: install-dev
+	$(BIN)/ruff check .
+
+test: system-deps install-dev lint
 	$(BIN)/python -m pytest -q -ra -n $(TEST_JOBS) --dist loadfile
 	$(MAKE) test-lowest
 

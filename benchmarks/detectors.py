@@ -320,7 +320,7 @@ class ResolutionShadows:
 
     def __init__(self, shadows: Any, cfg: dict[str, Any], resolutions: tuple[float, ...], tick: float, seed: int = 0):
         from benchmarks.levels import L0_STREAMS, Replay
-        from gpuvigil.detectors.levels import RANK
+        from gpuvigil.pipeline.levels import RANK
         from gpuvigil.detectors.registry import default_detectors
         from gpuvigil.pipeline.core import Pipeline
         from gpuvigil.sim.sources import DeviceSampler
@@ -371,7 +371,7 @@ class _Sampled:
 def run_case(case: Case) -> RunResult:
     from gpuvigil import config
     from gpuvigil.sim.scenario import Scenario
-    from gpuvigil.runtime import build_simulated
+    from gpuvigil.app.runtime import build_simulated
 
     t0 = time.perf_counter()
     c0 = time.process_time()
@@ -665,7 +665,7 @@ def measure_cost(n_gpus: int = 100_000, history_seconds: float = 60.0, repeats: 
     from gpuvigil.sim.cluster import SimulatedCluster, node_specs
     from gpuvigil.detectors.registry import default_detectors
     from gpuvigil.pipeline.core import PipelineConfig
-    from gpuvigil.pipeline.window import Window
+    from gpuvigil.window import Window
     from gpuvigil.scheduler.core import Scheduler, SchedulerStateCollector
 
     nodes = n_gpus // 8
@@ -722,10 +722,10 @@ def measure_cost(n_gpus: int = 100_000, history_seconds: float = 60.0, repeats: 
             times.append(time.perf_counter() - t0)
         per[d.name] = min(times)
     # Every job here runs the hook (L2): the pipeline skips the L0/L1 OOM and straggler detectors
-    # for it (gpuvigil.detectors.levels), but runs the L0/L1 hang ones beside the hook's
+    # for it (gpuvigil.pipeline.levels), but runs the L0/L1 hang ones beside the hook's
     # (`levels.side_by_side`, key `L2.hang`); the L0 figures are what a cluster observed at L0
     # pays instead.
-    from gpuvigil.detectors.levels import LevelSelector, LevelsConfig
+    from gpuvigil.pipeline.levels import LevelSelector, LevelsConfig
 
     sel = LevelSelector(dets, **config.section("levels", LevelsConfig, cfg).model_dump())
     level_of = {d.name: (d.level, d.capability) for d in dets}

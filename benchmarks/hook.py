@@ -1,4 +1,4 @@
-"""`gpuvigil bench hook`: overhead of the in-process hook (gpuvigil.instrument) on a training step.
+"""`gpuvigil bench hook`: overhead of the in-process hook (gpuvigil.hook.instrument) on a training step.
 
 Measured on this machine's CPU:
 
@@ -9,7 +9,7 @@ Measured on this machine's CPU:
 3. End to end: N steps of exactly 100 ms of busy work (a spin, so that the hook's cost cannot hide
    in a sleep), with and without the hook publishing every second; overhead = extra wall time.
 
-4. Import cost: `import gpuvigil.instrument` in fresh interpreters (median wall time and RSS
+4. Import cost: `import gpuvigil.hook.instrument` in fresh interpreters (median wall time and RSS
    added), and which heavy modules it loaded (none may be: the hook is stdlib-only).
 
 The targets are < 1% of a 100 ms step, and < 50 ms and < 5 MB RSS for the import.
@@ -29,7 +29,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-import gpuvigil.instrument as gv
+import gpuvigil.hook.instrument as gv
 
 STEP_SECONDS = 0.100
 # What scripts/device_check.py measured on a real GPU, quoted in the report when present.
@@ -56,7 +56,7 @@ print(json.dumps({"seconds": t, "cpu_seconds": c, "rss_added_bytes": rss() - r0,
 """
 
 
-def bench_import(module: str = "gpuvigil.instrument", runs: int = 7) -> dict[str, Any]:
+def bench_import(module: str = "gpuvigil.hook.instrument", runs: int = 7) -> dict[str, Any]:
     """Median wall time and RSS added by importing `module` in `runs` fresh interpreters."""
     samples = []
     for _ in range(runs):
@@ -210,13 +210,13 @@ def targets(res: dict[str, Any]) -> list[tuple[str, str, str, bool | None]]:
     imp = res.get("import")
     if imp:
         rows += [
-            ("`import gpuvigil.instrument`, wall (median)", f"< {IMPORT_TARGET_MS:.0f} ms", f"{imp['median_ms']:.1f} ms", imp["median_ms"] < IMPORT_TARGET_MS),
-            ("`import gpuvigil.instrument`, RSS added (median)", f"< {IMPORT_TARGET_MB:.0f} MB", f"{imp['median_rss_added_mb']:.1f} MB", imp["median_rss_added_mb"] < IMPORT_TARGET_MB),
+            ("`import gpuvigil.hook.instrument`, wall (median)", f"< {IMPORT_TARGET_MS:.0f} ms", f"{imp['median_ms']:.1f} ms", imp["median_ms"] < IMPORT_TARGET_MS),
+            ("`import gpuvigil.hook.instrument`, RSS added (median)", f"< {IMPORT_TARGET_MB:.0f} MB", f"{imp['median_rss_added_mb']:.1f} MB", imp["median_rss_added_mb"] < IMPORT_TARGET_MB),
             ("heavy modules loaded by the import", "none", ", ".join(imp["heavy_modules_loaded"]) or "none", not imp["heavy_modules_loaded"]),
         ]
     else:
-        rows += [("`import gpuvigil.instrument`, wall (median)", f"< {IMPORT_TARGET_MS:.0f} ms", "–", None),
-                 ("`import gpuvigil.instrument`, RSS added (median)", f"< {IMPORT_TARGET_MB:.0f} MB", "–", None)]
+        rows += [("`import gpuvigil.hook.instrument`, wall (median)", f"< {IMPORT_TARGET_MS:.0f} ms", "–", None),
+                 ("`import gpuvigil.hook.instrument`, RSS added (median)", f"< {IMPORT_TARGET_MB:.0f} MB", "–", None)]
     return rows
 
 
@@ -273,7 +273,7 @@ def _device_lines() -> list[str]:
         hook = dev["hook"]
         bench = dev.get("bench_hook") or {}
         cuda_publish = (bench.get("publish_pg_status_cuda") or {}).get("p50_us")
-        when = datetime.datetime.fromtimestamp(float(dev["t0"]), datetime.timezone.utc).strftime("%Y-%m-%d")
+        when = datetime.datetime.fromtimestamp(float(dev["t0"]), datetime.UTC).strftime("%Y-%m-%d")
     except (OSError, ValueError, KeyError, TypeError):
         return []
     out = [
@@ -291,7 +291,7 @@ def _device_lines() -> list[str]:
 
 
 def add_parser(sub) -> None:
-    p = sub.add_parser("hook", help="per-step overhead of the in-process hook (gpuvigil.instrument)")
+    p = sub.add_parser("hook", help="per-step overhead of the in-process hook (gpuvigil.hook.instrument)")
     p.add_argument("--quick", action="store_true", help="fewer iterations (a few seconds), for CI")
     p.add_argument("--json", action="store_true", help="print the figures as one JSON object")
     p.add_argument("--no-write", action="store_true", help="do not write docs/benchmarks.md")

@@ -22,7 +22,7 @@ COMMAND = "gpuvigil bench incidents"
 def measure(res: Any) -> dict[str, Any]:
     """One scenario's figures from its demo result."""
     from gpuvigil.alerts.settings import load_settings
-    from gpuvigil.demo import oncall_messages
+    from gpuvigil.app.demo import oncall_messages
 
     pushed = set(load_settings().push_severities)
     m = oncall_messages(res)
@@ -78,7 +78,7 @@ def markdown(rows: list[dict[str, Any]], seconds: float) -> str:
 
 
 def run(names: list[str], jobs: int) -> list[dict[str, Any]]:
-    from gpuvigil.demo import run_scenario
+    from gpuvigil.app.demo import run_scenario
 
     if jobs <= 1:
         return [measure(run_scenario(n)) for n in names]

@@ -16,7 +16,7 @@ from typing import Any
 
 import polars as pl
 
-from gpuvigil.detectors.levels import RANK
+from gpuvigil.pipeline.levels import RANK
 
 L0_STREAMS = frozenset({"gpu_samples", "gpu_processes", "events", "jobs", "nodes", "allocations"})
 L1_STREAMS = L0_STREAMS | {"collective_progress", "fr_pipes"}

@@ -73,7 +73,7 @@ def _scenario(gpus: int):
 def steady_warmup_ticks(window, tick_seconds: float) -> int:
     """Ticks until the longest history among the per-key streams is full (at least the OOM fit's
     90 s look-back)."""
-    from gpuvigil.pipeline.window import LATEST_KEYS
+    from gpuvigil.window import LATEST_KEYS
 
     longest = max([WARMUP_SECONDS, *(window.horizon(s) for s in LATEST_KEYS)])
     return int(math.ceil(longest / tick_seconds))
@@ -104,7 +104,7 @@ def measure(gpus: int, ticks: int, warmup_ticks: int | None = None, hook: bool =
     import polars as pl
 
     from gpuvigil import schemas
-    from gpuvigil.runtime import build_simulated
+    from gpuvigil.app.runtime import build_simulated
 
     t_build = time.perf_counter()
     rss_start = _rss_bytes()
@@ -341,7 +341,6 @@ def _steady(row: dict[str, Any]) -> bool:
     """Whether every per-key stream's history was at its full horizon when the run ended."""
     horizon = row.get("window_horizon_seconds", {})
     return row.get("covered_seconds", 0.0) >= max([0.0, *(horizon.get(s, 0.0) for s in ("gpu_samples", "allocator_stats", "rank_progress"))])
-    return out
 
 
 def markdown(rows: list[dict[str, Any]], cmd: str | None = None) -> str:

@@ -33,7 +33,7 @@ TARGETS = {
 
 def run_one(name: str, seed: int = 0, sample_interval: float | None = None) -> dict[str, Any]:
     from gpuvigil import config
-    from gpuvigil.runtime import build_simulated
+    from gpuvigil.app.runtime import build_simulated
     from gpuvigil.sim import scenario as scenario_mod
 
     t0, c0 = time.perf_counter(), time.process_time()

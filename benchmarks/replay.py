@@ -30,7 +30,7 @@ MONTH_SECONDS = 30 * 86400
 
 def long_samples(gpus: int, seconds: float, step: float, t0: float = 1_764_000_000.0, faults: int = 5) -> pl.DataFrame:
     """LONG rows (replay's schema) for `gpus` GPUs, 8 a node, with a few XID/thermal/ECC faults."""
-    from gpuvigil.replay import LONG
+    from gpuvigil.offline.replay import LONG
 
     n = int(seconds // step) + 1
     ts = t0 + np.arange(n) * step
@@ -76,7 +76,7 @@ def query_range_decode(gpus: int = 64, seconds: float = 6 * 3600, step: float = 
     (`long_from_query_body`: polars' JSON reader). The server's own time and the transfer are
     not in it."""
     from benchmarks.replay_series import FIELDS
-    from gpuvigil.replay import long_from_query_body
+    from gpuvigil.offline.replay import long_from_query_body
 
     n = int(seconds // step) + 1
     t0 = 1_764_000_000.0
@@ -106,7 +106,7 @@ def _best(repeats: int, fn: Any) -> tuple[float, float]:
 
 def run(gpus: int = TARGET_GPUS, hours: float = 2.0, step: float = 30.0, repeats: int = 3) -> dict[str, Any]:
     from benchmarks.replay_series import Fault, Fleet, write_openmetrics
-    from gpuvigil.replay import Recorded, read_exposition_file, run_replay, streams_from_long
+    from gpuvigil.offline.replay import Recorded, read_exposition_file, run_replay, streams_from_long
 
     # read: a smaller OpenMetrics file (the reader is linear in lines; ~280k lines, so the
     # fixed cost per file does not dominate as it did on a 70k-line file)
@@ -126,7 +126,7 @@ def run(gpus: int = TARGET_GPUS, hours: float = 2.0, step: float = 30.0, repeats
     # One-off start-up (the detector modules' imports, the XID table's YAML: ~0.5 s) is paid
     # once per process, not per tick: done before the clock starts, so that it is not
     # extrapolated to a month.
-    from gpuvigil import xid
+    from gpuvigil.gpu import xid
     from gpuvigil.detectors.registry import default_detectors
     from gpuvigil.pipeline import core  # noqa: F401
 
@@ -175,7 +175,6 @@ def run(gpus: int = TARGET_GPUS, hours: float = 2.0, step: float = 30.0, repeats
 
 
 def markdown(res: dict[str, Any], cmd: str | None = None) -> str:
-    e = res["month_estimate_s"]
     month_ticks = MONTH_SECONDS / res["step_s"]
     per_month = TARGET_GPUS / res["gpus"] * month_ticks / res["ticks"]  # slice -> month factor
     month_samples = res["samples"] * per_month

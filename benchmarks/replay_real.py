@@ -26,7 +26,6 @@ L0 detectors' pages per GPU-day on the healthy pods.
 from __future__ import annotations
 
 import argparse
-import gzip
 import json
 import math
 import os

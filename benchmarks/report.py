@@ -36,10 +36,10 @@ def write_section(name: str, markdown: str, doc: Path | None = None) -> Path:
 
 def command(kind: str, argv: Sequence[str] | None = None) -> str:
     """The `gpuvigil bench KIND ...` command line that is running, from the arguments the CLI was
-    given (`gpuvigil.subcommands.CURRENT_ARGV`), without the output-only flags; just
+    given (`gpuvigil.cli.subcommands.CURRENT_ARGV`), without the output-only flags; just
     `gpuvigil bench KIND` when the benchmark was called from Python rather than the CLI."""
     if argv is None:
-        from gpuvigil.subcommands import CURRENT_ARGV
+        from gpuvigil.cli.subcommands import CURRENT_ARGV
 
         argv = CURRENT_ARGV
     args = list(argv)

@@ -1,5 +1,5 @@
 import sys
 
-from gpuvigil.cli import main
+from gpuvigil.cli.main import main
 
 sys.exit(main())

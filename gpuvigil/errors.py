@@ -2,7 +2,7 @@
 and exits 2, without a traceback.
 
 This sits below every package so that command modules (alerts, dashboards, bench, api...) raise
-and build their parsers without importing `gpuvigil.cli`; only `cli.main` formats."""
+and build their parsers without importing `gpuvigil.cli.main`; only `cli.main` formats."""
 
 from __future__ import annotations
 

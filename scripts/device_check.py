@@ -77,7 +77,7 @@ def training_loop(results: dict, out: Path, blocks: int, steps_per_block: int) -
     import torch
     import torch.distributed as dist
 
-    import gpuvigil.instrument as gv
+    import gpuvigil.hook.instrument as gv
 
     cuda = torch.cuda.is_available()
     device = "cuda" if cuda else "cpu"

@@ -17,7 +17,7 @@ STABLE_EVIDENCE = ("xid", "xids", "fatal", "silent_ranks", "culprit_nodes", "mos
 def run(name: str, tick_seconds: float = 1.0, seed: int = 0) -> dict[str, Any]:
     from gpuvigil import config
     from gpuvigil.sim import scenario as scenario_mod
-    from gpuvigil.runtime import build_simulated
+    from gpuvigil.app.runtime import build_simulated
 
     sc = scenario_mod.load(DATA / f"{name}.yaml")
     cfg = config.load(overrides={"pipeline": {"tick_seconds": tick_seconds}, "hints": {"rules": []}})

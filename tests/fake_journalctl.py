@@ -32,7 +32,7 @@ def main() -> int:
     if cursor is not None:
         cursors = [e.get("__CURSOR") for e in entries]
         if cursor not in cursors:
-            print(f"Failed to seek to cursor: Invalid argument", file=sys.stderr)
+            print("Failed to seek to cursor: Invalid argument", file=sys.stderr)
             return 1
         entries = entries[cursors.index(cursor) + 1 :]
     elif lines_arg == "0":

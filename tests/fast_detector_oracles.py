@@ -12,8 +12,8 @@ from typing import Any
 
 import polars as pl
 
-from gpuvigil import throttle
-from gpuvigil import xid as xid_table
+from gpuvigil.gpu import throttle
+from gpuvigil.gpu import xid as xid_table
 # `settings` reads the shipped configuration and `rank_at` words a summary: shared so that the
 # comparison is about what is found. The joins and number handling below are the oracle's own.
 from gpuvigil.detectors.common import rank_at, settings
@@ -22,7 +22,7 @@ from gpuvigil.detectors.hang_device import HangDeviceConfig
 from gpuvigil.detectors.pcie import PcieConfig
 from gpuvigil.detectors.thermal import ThermalConfig
 from gpuvigil.model import Finding, FindingKind, Severity
-from gpuvigil.pipeline.window import Window
+from gpuvigil.window import Window
 
 def gpu_jobs(window: Window) -> pl.DataFrame:
     """(node, gpu) → job, rank of the scheduler's allocation snapshot."""

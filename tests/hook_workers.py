@@ -21,7 +21,7 @@ def rank_main(rank: int, out: Path) -> None:
     import torch
     import torch.distributed as dist
 
-    import gpuvigil.instrument as gv
+    import gpuvigil.hook.instrument as gv
 
     dist.init_process_group("gloo", init_method=f"file://{out / 'store'}", rank=rank, world_size=2, timeout=datetime.timedelta(seconds=20))
     hook = gv.start(job="hook-test", sink=gv.FileSink(out / "hook"), rank=rank, node=f"node{rank}", gpu=rank, interval=0.2)

@@ -23,7 +23,7 @@ from gpuvigil.detectors.fragmentation_allocator import FragmentationAllocatorCon
 from gpuvigil.detectors.oom import OomConfig
 from gpuvigil.detectors.straggler import StragglerConfig
 from gpuvigil.model import Finding, FindingKind, Severity
-from gpuvigil.pipeline.window import Window
+from gpuvigil.window import Window
 
 GIB = float(1 << 30)
 

@@ -9,7 +9,7 @@ import polars as pl
 
 from gpuvigil import config, schemas
 from gpuvigil.pipeline.core import PipelineConfig
-from gpuvigil.pipeline.window import Window
+from gpuvigil.window import Window
 
 H200 = Path(__file__).parent / "data" / "h200"
 

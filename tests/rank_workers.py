@@ -1,5 +1,5 @@
 """Test-only: real multi-rank training loops on CPU (torch + gloo) with the in-process hook
-(`gpuvigil.instrument`, FileSink) publishing from its background thread, and each rank's Flight
+(`gpuvigil.hook.instrument`, FileSink) publishing from its background thread, and each rank's Flight
 Recorder dump written at the end. Three faults, each a real run of real processes:
 
 - `hang`: after the healthy steps, rank `culprit` stops calling collectives (stuck in its own
@@ -45,7 +45,7 @@ def _rank_main(w: World, rank: int, out: Path) -> None:
     import torch.distributed as dist
     from torch._C._distributed_c10d import _dump_fr_trace
 
-    import gpuvigil.instrument as gv
+    import gpuvigil.hook.instrument as gv
 
     dist.init_process_group("gloo", init_method=f"file://{out / 'store'}", rank=rank, world_size=w.world, timeout=datetime.timedelta(seconds=30))
     hook = gv.start(job=f"real-{w.scenario}", sink=gv.FileSink(out / "hook"), rank=rank, node=f"node{rank // 2}", gpu=rank % 2, interval=w.interval)

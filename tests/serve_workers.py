@@ -33,7 +33,7 @@ def rank_main(rank: int, hook_url: str, logdir: Path, store: Path) -> None:
     import torch
     import torch.distributed as dist
 
-    import gpuvigil.instrument as gv
+    import gpuvigil.hook.instrument as gv
 
     print(f"rank {rank} of job {job} on {node} (restart {os.environ.get('SLURM_RESTART_COUNT', '0')})", flush=True)
     dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=2, timeout=datetime.timedelta(seconds=HANG_SECONDS))

@@ -1,4 +1,4 @@
-"""Production's apply loop (`gpuvigil.acting.Acting`) with its guards, against a REAL Slurm
+"""Production's apply loop (`gpuvigil.app.acting.Acting`) with its guards, against a REAL Slurm
 cluster (munged + slurmctld + four slurmd, tests/slurm_cluster.py; 8 gres GPUs per node):
 
 - a storm of fatal XIDs on more nodes than the circuit breaker's cap drains exactly the cap,
@@ -19,11 +19,11 @@ import os
 
 import pytest
 
-from gpuvigil.acting import Acting
+from gpuvigil.app.acting import Acting
 from gpuvigil.api.store import HintState, HintStore
-from gpuvigil.cli import main
+from gpuvigil.cli.main import main
 from gpuvigil.model import Finding, FindingKind, Severity
-from gpuvigil.quarantine import ActingConfig, BreakerConfig, QuarantineStore, State, store_beside
+from gpuvigil.scheduler.quarantine import ActingConfig, BreakerConfig, QuarantineStore, State, store_beside
 from gpuvigil.scheduler.slurm import Slurm, SlurmAdapter
 from h_api_helpers import pipeline_into
 from slurm_cluster import SlurmCluster, missing_binaries

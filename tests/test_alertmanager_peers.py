@@ -282,8 +282,8 @@ def test_an_outbox_written_before_peers_is_delivered_to_every_peer(tmp_path):
 
 
 def _serve(*argv: str):
-    from gpuvigil.cli import build_parser
-    from gpuvigil.serve import Server
+    from gpuvigil.cli.main import build_parser
+    from gpuvigil.app.serve import Server
 
     full = ["serve", "--port", "0", *argv]
     server = Server(build_parser(full).parse_args(full))

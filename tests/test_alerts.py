@@ -14,7 +14,7 @@ from gpuvigil import config
 from gpuvigil.alerts import alertmanager_config, build, rules
 from gpuvigil.alerts.pusher import alert_name
 from gpuvigil.alerts.settings import load_settings
-from gpuvigil.cli import main
+from gpuvigil.cli.main import main
 from gpuvigil.model import FindingKind
 from services import AMTOOL, PROMTOOL, binary
 

@@ -4,7 +4,6 @@ expandable segments (no OOM), s2 a real capacity OOM."""
 
 from __future__ import annotations
 
-import json
 import pickle
 from pathlib import Path
 

@@ -19,7 +19,7 @@ from h_logs_helpers import DATA, H200, PUBLIC, REFERENCE_TS, check_golden
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from gpuvigil import analyze
+from gpuvigil.offline import analyze
 from gpuvigil.errors import UserError
 
 JSON_KEYS = ["kind", "severity", "ts", "job", "ranks", "culprit_ranks", "node", "gpu", "xid", "action", "cause", "evidence", "summary", "source", "id"]
@@ -39,7 +39,7 @@ MIXED = [
 
 
 def run(argv: list[str]) -> int:
-    """The analyze command through its own add_parser, as gpuvigil.cli wires it."""
+    """The analyze command through its own add_parser, as gpuvigil.cli.main wires it."""
     parser = argparse.ArgumentParser(prog="gpuvigil")
     sub = parser.add_subparsers()
     analyze.add_parser(sub)
@@ -276,6 +276,6 @@ def test_truncated_real_files_never_crash(tmp_path, src, cut):
 
 
 def test_cli_wiring():
-    from gpuvigil import cli
+    import gpuvigil.cli.main as cli
 
     assert cli.main(["analyze", str(H200 / "s2_oom_ramp.log"), "--format", "json"]) == 0

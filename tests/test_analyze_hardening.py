@@ -9,7 +9,6 @@ Subprocess runs measure the child's peak RSS (a bound the code must respect, not
 from __future__ import annotations
 
 import json
-import os
 import pickle
 import shutil
 import subprocess
@@ -21,9 +20,9 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from gpuvigil import analyze
+from gpuvigil.offline import analyze
 from gpuvigil.collectors.safe_pickle import PickleReadError, check_items, safe_load, scan
-from gpuvigil.textsafe import printable
+from gpuvigil.util.textsafe import printable
 
 REPO = Path(__file__).resolve().parents[1]
 DATA = REPO / "tests" / "data"

@@ -189,7 +189,7 @@ def test_known_node_and_job_without_findings_are_healthy(tmp_path):
     """The pipeline's node and job snapshots make a name known, findings or not."""
     import polars as pl
 
-    from gpuvigil.pipeline.window import Window
+    from gpuvigil.window import Window
 
     with HintStore(tmp_path / "h.db") as store, TestClient(create_app(store, TOKEN)) as c:
         window = Window()
@@ -408,7 +408,7 @@ def _cli(args, env_extra=None, **kw):
     ],
 )
 def test_cli_refuses_to_start(tmp_path, monkeypatch, capsys, args, env, message):
-    from gpuvigil.cli import main
+    from gpuvigil.cli.main import main
 
     monkeypatch.delenv("GPUVIGIL_API_TOKEN", raising=False)
     for key, value in env.items():

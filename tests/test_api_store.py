@@ -345,7 +345,7 @@ def test_retry_backoff_after_failed_applies(attempts, last_error, full_wait):
 
     from gpuvigil.scheduler.apply import due_for_retry
 
-    # Jittered (gpuvigil.backoff): the wait is within [full/2, full], fixed per hint and attempt.
+    # Jittered (gpuvigil.util.backoff): the wait is within [full/2, full], fixed per hint and attempt.
     waits = []
     for hint_id in ("h1", "h2", "h3", "h4"):
         record = SimpleNamespace(id=hint_id, attempts=attempts, last_error=last_error, updated_wall=1000.0)

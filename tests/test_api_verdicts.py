@@ -14,7 +14,7 @@ import sqlite3
 import httpx
 import pytest
 
-from gpuvigil import sqlitedb
+from gpuvigil.util import sqlitedb
 from gpuvigil.api.app import create_app, serve_api_in_thread
 from gpuvigil.api.store import MIGRATIONS, HintState, HintStore
 from gpuvigil.model import Finding, FindingKind, Hint, HintAction, Severity

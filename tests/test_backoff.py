@@ -1,4 +1,4 @@
-"""gpuvigil.backoff: the one backoff formula (exponential, capped, jittered)."""
+"""gpuvigil.util.backoff: the one backoff formula (exponential, capped, jittered)."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from gpuvigil.backoff import backoff_seconds
+from gpuvigil.util.backoff import backoff_seconds
 
 
 @pytest.mark.parametrize(

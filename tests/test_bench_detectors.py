@@ -303,7 +303,7 @@ def test_resolutions_do_not_need_the_l0_shadow():
     from benchmarks.detectors import ResolutionShadows
     from benchmarks.levels import LevelShadows
     from gpuvigil import config
-    from gpuvigil.runtime import build_simulated
+    from gpuvigil.app.runtime import build_simulated
     from gpuvigil.sim.scenario import Scenario
 
     case = make_case(CASE_TYPES.index("ecc_dbe"), seed=0, max_gpus=16, quick=True)

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from benchmarks.report import HEADER
-from gpuvigil.benchcli import BENCHMARKS
+from gpuvigil.cli.bench import BENCHMARKS
 
 DOC = Path(__file__).resolve().parent.parent / "docs" / "benchmarks.md"
 SECTION = re.compile(r"<!-- bench:([\w.-]+):start -->\n(.*?)\n<!-- bench:\1:end -->", re.S)

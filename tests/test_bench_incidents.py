@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from benchmarks.incidents import markdown, measure, met
-from gpuvigil.demo import ScenarioResult
+from gpuvigil.app.demo import ScenarioResult
 
 
 def result(injected: int, alerts: list[tuple[str, str, bool]], findings: list[tuple[str, str, str]]) -> ScenarioResult:

@@ -12,7 +12,7 @@ import pytest
 
 import benchmarks.report
 import benchmarks.scheduler as bench
-from gpuvigil.cli import main
+from gpuvigil.cli.main import main
 
 DATA = Path(__file__).parent / "data" / "traces"
 

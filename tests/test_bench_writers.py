@@ -57,7 +57,7 @@ def test_hook_judges_the_p99_model_and_the_import(p99_pct, import_ms, p99_verdic
     v = verdicts(hook.targets(res))
     assert v["modelled overhead per 100 ms step, p50 publish"] == "met"
     assert v["modelled overhead per 100 ms step, p99 publish"] == p99_verdict
-    assert v["`import gpuvigil.instrument`, wall (median)"] == import_verdict
+    assert v["`import gpuvigil.hook.instrument`, wall (median)"] == import_verdict
     text = hook.markdown(res, "gpuvigil bench hook --quick")
     assert "Written by `gpuvigil bench hook --quick`." in text
     assert f"| modelled overhead per 100 ms step, p99 publish | < 1% | {p99_pct:.4f}% | {p99_verdict} |" in text

@@ -29,7 +29,7 @@ from hyp import examples
 from gpuvigil import config, schemas
 from gpuvigil.detectors.fragmentation_allocator import AllocatorFragmentationDetector
 from gpuvigil.detectors.oom import OomPredictor
-from gpuvigil.pipeline.window import Window
+from gpuvigil.window import Window
 
 sys.path.insert(0, str(Path(__file__).parent))
 from incremental_oracles import RefitFragmentationAllocator, RefitOom  # noqa: E402

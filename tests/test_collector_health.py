@@ -18,7 +18,8 @@ from pathlib import Path
 
 import pytest
 
-from gpuvigil import config, runtime
+from gpuvigil import config
+from gpuvigil.app import runtime
 from gpuvigil.alerts.pusher import AlertPusher
 from gpuvigil.alerts.settings import load_settings
 from gpuvigil.collectors.dcgm import DcgmCollector

@@ -16,7 +16,7 @@ from gpuvigil import config
 from gpuvigil.model import Finding, FindingKind, HintAction, Severity
 from gpuvigil.pipeline.components import ComponentCorrelator, ComponentsConfig, binomial_tail
 from gpuvigil.pipeline.core import Pipeline
-from gpuvigil.topology import Topology, TopologyError
+from gpuvigil.pipeline.topology import Topology, TopologyError
 
 DATA = Path(__file__).parent / "data" / "topology"
 

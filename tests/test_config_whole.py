@@ -13,7 +13,7 @@ import pytest
 import yaml
 
 from gpuvigil import config
-from gpuvigil.cli import main
+from gpuvigil.cli.main import main
 
 DATA = Path(__file__).parent / "data"
 

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from gpuvigil.cli import main
+from gpuvigil.cli.main import main
 from gpuvigil.dashboards.build import artefacts, dashboard_json, panel_queries
 from gpuvigil.dashboards.definitions import DASHBOARDS
 from gpuvigil.exporter.metrics import Snapshot, TickStats

@@ -22,7 +22,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from gpuvigil import schemas
 from gpuvigil.collectors import dcgm
-from gpuvigil.replay import Recorded, ReplayCollector, load_files, long_from_query_body, read_exposition_file, streams_from_long
+from gpuvigil.offline.replay import Recorded, ReplayCollector, load_files, long_from_query_body, read_exposition_file, streams_from_long
 
 DATA = Path(__file__).parent / "data"
 TS = 1_796_000_000.0
@@ -291,8 +291,8 @@ def _hook_record(tmp_path: Path) -> Path:
     ],
 )
 def test_replay_and_the_report_recognise_and_read_saved_series_alike(name, kind, stream, tmp_path):
-    from gpuvigil.replay import read_series_file, series_kind
-    from gpuvigil.report import _series_from_inputs
+    from gpuvigil.offline.replay import read_series_file, series_kind
+    from gpuvigil.offline.report import _series_from_inputs
 
     text = CASES["hpc_job"]
     paths = {

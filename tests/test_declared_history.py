@@ -23,8 +23,8 @@ import pytest
 from gpuvigil import config
 from gpuvigil.detectors.registry import default_detectors
 from gpuvigil.pipeline.core import Pipeline
-from gpuvigil.pipeline.window import Window
-from gpuvigil.runtime import build_simulated
+from gpuvigil.window import Window
+from gpuvigil.app.runtime import build_simulated
 from gpuvigil.sim import scenario as scenario_mod
 
 SCENARIOS = Path(__file__).parent / "data" / "detectors" / "scenarios"

@@ -16,7 +16,7 @@ from concurrent.futures import ProcessPoolExecutor
 import pytest
 
 from gpuvigil.sim.scenario import builtin_names
-from gpuvigil.demo import ScenarioResult, run_scenario
+from gpuvigil.app.demo import ScenarioResult, run_scenario
 
 # scenario → (expected finding kind or None, extra finding fields, scheduler action taken on its hint, job resumes)
 EXPECTED = {

@@ -49,8 +49,8 @@ def test_pod_env_snippet_sets_the_same_switches():
 def test_serve_sources_build_the_l1_collectors(tmp_path):
     """`sources.flight_recorder` and `sources.nccl_inspector` start the L1 watchers."""
     from gpuvigil import config
-    from gpuvigil.deployconfig import parse
-    from gpuvigil.deploysources import build as build_sources
+    from gpuvigil.config.deploy import parse
+    from gpuvigil.app.sources import build as build_sources
 
     (tmp_path / "insp" / "job-1").mkdir(parents=True)
     sources = parse({"flight_recorder": str(tmp_path / "fr"), "nccl_inspector": str(tmp_path / "insp"), "node": "n0"}, "test")

@@ -22,8 +22,9 @@ from pathlib import Path
 import pytest
 import yaml
 
-from gpuvigil import config, deployconfig
-from gpuvigil.cli import build_parser
+from gpuvigil import config
+from gpuvigil.config import deploy as deployconfig
+from gpuvigil.cli.main import build_parser
 
 REPO = Path(__file__).resolve().parents[1]
 DEPLOY = REPO / "deploy"

@@ -25,7 +25,7 @@ import golden
 from gpuvigil.alerts import prometheus_shards as ps
 from gpuvigil.alerts import rules
 from gpuvigil.alerts.settings import load_settings
-from gpuvigil.cli import main
+from gpuvigil.cli.main import main
 from services import StaticPage, binary, free_port, wait_for, wait_ready
 
 GOLDEN = Path(__file__).parent / "data" / "golden" / "deploy_prometheus"

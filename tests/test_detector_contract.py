@@ -24,7 +24,7 @@ import pytest
 from gpuvigil import config, kinds, schemas
 from gpuvigil.detectors import registry
 from gpuvigil.model import Finding
-from gpuvigil.pipeline.window import Window
+from gpuvigil.window import Window
 
 SPECS = registry.specs()
 
@@ -57,7 +57,7 @@ class _Tape:
 
 @pytest.fixture(scope="module")
 def tape() -> list[tuple[float, dict[str, pl.DataFrame]]]:
-    from gpuvigil.runtime import build_simulated
+    from gpuvigil.app.runtime import build_simulated
     from gpuvigil.sim import scenario as scenario_mod
 
     sc = scenario_mod.load("node_xid79").model_copy(update={"duration_seconds": 130.0})

@@ -17,7 +17,7 @@ from gpuvigil import schemas
 from gpuvigil.detectors.ecc import EccDetector
 from gpuvigil.detectors.pcie import PcieReplayDetector
 from gpuvigil.detectors.thermal import ThermalDetector
-from gpuvigil.pipeline.window import Window
+from gpuvigil.window import Window
 
 GPUS = [("n0", 0), ("n0", 1), ("n1", 0), ("n1", 3)]
 

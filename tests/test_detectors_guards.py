@@ -24,7 +24,7 @@ from gpuvigil.detectors.pcie import PcieReplayDetector
 from gpuvigil.detectors.straggler import StragglerDetector
 from gpuvigil.detectors.thermal import ThermalDetector
 from gpuvigil.detectors.xid import XidDetector
-from gpuvigil.pipeline.window import Window
+from gpuvigil.window import Window
 
 GIB = 1 << 30
 MIB = 1 << 20

@@ -35,7 +35,7 @@ def test_high_memory_really_sits_above_the_static_rule():
     """The 97% sawtooth is a real hard negative: NVML memory stays above 95% of the GPU."""
     from gpuvigil import config
     from gpuvigil.sim import scenario as scenario_mod
-    from gpuvigil.runtime import build_simulated
+    from gpuvigil.app.runtime import build_simulated
     from tests.detectors_helpers import DATA
 
     sc = scenario_mod.load(DATA / "high_memory.yaml")

@@ -36,7 +36,7 @@ from gpuvigil.detectors.oom_events import OomEventClassifier
 from gpuvigil.detectors.straggler import StragglerDetector
 from gpuvigil.detectors.thermal import ThermalDetector
 from gpuvigil.detectors.xid import XidDetector
-from gpuvigil.pipeline.window import Window
+from gpuvigil.window import Window
 
 DATA = Path(__file__).parent / "data"
 H200 = DATA / "h200"
@@ -412,7 +412,7 @@ def test_real_hook_rows_of_a_slow_rank_leave_its_stragglers_to_the_device_detect
     detector, which needs the wait, is not the one the level selection runs for this L2 job:
     its stragglers are left to the L1/L0 detectors (on GPUs, straggler_device reads the slow
     rank's clock; these CPU ranks have no device telemetry)."""
-    from gpuvigil.detectors.levels import LevelSelector
+    from gpuvigil.pipeline.levels import LevelSelector
     from gpuvigil.detectors.registry import default_detectors
 
     rows = _hook_rows(gloo["slow"])

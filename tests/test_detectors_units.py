@@ -17,7 +17,7 @@ from gpuvigil.detectors.anomaly import PeerEnvelope
 from gpuvigil.detectors.fragmentation_cluster import plan_compaction, unusable_share
 from gpuvigil.detectors.hang import HangDetector
 from gpuvigil.detectors.oom_events import OomEventClassifier
-from gpuvigil.pipeline.window import Window
+from gpuvigil.window import Window
 
 GIB = 1 << 30
 H200 = 139.8 * GIB

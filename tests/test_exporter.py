@@ -101,7 +101,7 @@ def test_promtool_check_metrics_reports_nothing(tiny):
 
 def test_promtool_check_metrics_on_simulated_cluster():
     """The full simulator (all detectors, the real scheduler) scrapes lint-clean too."""
-    from gpuvigil.runtime import build_simulated
+    from gpuvigil.app.runtime import build_simulated
 
     stats = TickStats()
     rt = build_simulated("node_xid79", sinks=[stats])
@@ -239,7 +239,7 @@ def test_fast_exposition_is_byte_identical_to_prometheus_client_s():
     """/metrics writes the per-GPU series straight from the frame (gpuvigil_gpu_* are ~240k lines
     at 10k GPUs); it must be the exposition prometheus_client renders from the same families,
     with throttling, XIDs (fatal and not), ECC and a remap failure in it."""
-    from gpuvigil import runtime as runtime_mod
+    from gpuvigil.app import runtime as runtime_mod
     from gpuvigil.exporter.prometheus import fast_exposition
 
     stats = TickStats()

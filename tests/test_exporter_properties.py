@@ -11,8 +11,8 @@ from prometheus_client.parser import text_string_to_metric_families
 from gpuvigil import schemas
 from gpuvigil.exporter.metrics import Snapshot, TickStats
 from gpuvigil.exporter.prometheus import exposition
-from gpuvigil.pipeline.window import Window
-from gpuvigil.recentlog import RecentLog
+from gpuvigil.window import Window
+from gpuvigil.util.recentlog import RecentLog
 
 label_text = st.text(st.characters(blacklist_categories=("Cs",)), min_size=1, max_size=40)
 

@@ -11,8 +11,8 @@ import sys
 
 import pytest
 
-from gpuvigil.cli import main
-from gpuvigil.extras import MissingExtra
+from gpuvigil.cli.main import main
+from gpuvigil.util.extras import MissingExtra
 
 OPTIONAL = ("kubernetes", "grafanalib", "sklearn")
 
@@ -46,8 +46,8 @@ def test_the_base_package_runs_without_any_extra():
         f"for m in {OPTIONAL!r}: sys.modules[m] = None\n"
         "from gpuvigil import config\n"
         "config.validate_all(config.defaults())\n"  # imports every section's model
-        "import gpuvigil.serve, gpuvigil.api.app, gpuvigil.analyze, gpuvigil.alerts.build, gpuvigil.scheduler.slurm, gpuvigil.scheduler.kubernetes\n"
-        "from gpuvigil.runtime import build_simulated\n"
+        "import gpuvigil.app.serve, gpuvigil.api.app, gpuvigil.offline.analyze, gpuvigil.alerts.build, gpuvigil.scheduler.slurm, gpuvigil.scheduler.kubernetes\n"
+        "from gpuvigil.app.runtime import build_simulated\n"
         "rt = build_simulated('healthy', nodes=2)\n"
         "rt.run(15)\n"
         "print(rt.pipeline.ticks)\n"

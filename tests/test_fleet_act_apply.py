@@ -1,4 +1,4 @@
-"""`gpuvigil act` applies hints through `serve`'s acting code (`gpuvigil.acting.make_acting`),
+"""`gpuvigil act` applies hints through `serve`'s acting code (`gpuvigil.app.acting.make_acting`),
 configured by the same keys (`sources.scheduler`, `sources.act`) or flags (`--scheduler`, `--act`):
 only the leader builds it, and a hint is described/applied once, by the one leader that claims it
 in the ledger, however often the finding is read. The ledger is driven through its own code
@@ -67,7 +67,7 @@ def tick(a: act_mod.Act, now: float, ledger: act_mod.Ledger) -> None:
 
 @pytest.mark.parametrize("with_store", [True, False], ids=["hint-db", "no-hint-db"])
 def test_leader_dry_run_describes_each_hint_once(tmp_path, caplog, with_store):
-    caplog.set_level(logging.INFO, logger="gpuvigil.serve")
+    caplog.set_level(logging.INFO, logger="gpuvigil.app.serve")
     kv = MemoryKV()
     argv = ["--scheduler", "slurm", "--act", "dry-run", "--outbox", str(tmp_path / "outbox.sqlite")]
     first = act_mod.Act(parse([*argv, "--id", "a1", *(["--hint-db", str(tmp_path / "a1.sqlite")] if with_store else [])]))
@@ -152,7 +152,7 @@ def test_act_reads_serves_keys_and_flags_override(tmp_path):
 
 def test_act_on_kubernetes_without_credentials_fails_at_start(tmp_path, monkeypatch, capsys):
     """As `serve --scheduler kubernetes --act on`: a one-line error at start, not on takeover."""
-    from gpuvigil.cli import main
+    from gpuvigil.cli.main import main
 
     monkeypatch.setenv("KUBECONFIG", str(tmp_path / "missing-kubeconfig"))
     monkeypatch.delenv("KUBERNETES_SERVICE_HOST", raising=False)

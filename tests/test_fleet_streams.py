@@ -30,7 +30,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from fleet_helpers import GvProc as Proc, Probe, nats_binary
 from services import free_port, wait_for
 
-from gpuvigil.deployconfig import Fleet
+from gpuvigil.config.deploy import Fleet
 from gpuvigil.fleet.transport import Subjects, nats_mapping, partition_of
 
 pytestmark = [pytest.mark.services, pytest.mark.timeout(300)]
@@ -185,7 +185,7 @@ def _healthy(http_port: int) -> bool:
 def test_rows_streams_config_and_subject_sets():
     """Partition p → stream p % N, every partition in exactly one stream; N=1 keeps the one
     `GV_ROWS` stream of earlier deployments; N > partitions is refused."""
-    from gpuvigil.deployconfig import fleet_from_config
+    from gpuvigil.config.deploy import fleet_from_config
     from gpuvigil.errors import UserError
 
     one = Subjects(Fleet(partitions=8))

@@ -11,13 +11,13 @@ import polars as pl
 import pytest
 
 from gpuvigil import config
-from gpuvigil.deployconfig import Fleet, fleet_from_config
+from gpuvigil.config.deploy import Fleet, fleet_from_config
 from gpuvigil.errors import UserError
 from gpuvigil.fleet import transport
 from gpuvigil.fleet.agent import NodeView, SimWorld, cluster_detectors, job_rows, node_summary, split_detectors
 from gpuvigil.fleet.detect import Feed
 from gpuvigil.pipeline.core import Pipeline
-from gpuvigil.runtime import build_simulated
+from gpuvigil.app.runtime import build_simulated
 
 
 def test_config_section_is_strict():
@@ -195,7 +195,7 @@ def test_act_relay_runs_serves_lifecycle_and_routes_by_tenant(tmp_path):
 
 @pytest.mark.parametrize("command", ["agent", "detect", "act"])
 def test_fleet_commands_reject_a_bad_config_in_one_line(tmp_path, capsys, command):
-    from gpuvigil.cli import main
+    from gpuvigil.cli.main import main
 
     cfg = tmp_path / "c.yaml"
     cfg.write_text("fleet:\n  partiton: 4\n")
@@ -205,7 +205,7 @@ def test_fleet_commands_reject_a_bad_config_in_one_line(tmp_path, capsys, comman
 
 
 def test_act_api_needs_a_store_and_a_token(tmp_path, capsys, monkeypatch):
-    from gpuvigil.cli import main
+    from gpuvigil.cli.main import main
 
     monkeypatch.delenv("GPUVIGIL_API_TOKEN", raising=False)
     assert main(["act", "--api-port", "0"]) == 2

@@ -14,7 +14,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from gpuvigil.cli import main as cli_main
+from gpuvigil.cli.main import main as cli_main
 from gpuvigil.collectors import flight_recorder as fr
 from gpuvigil.errors import UserError
 from gpuvigil.model import FindingKind, Severity

@@ -20,7 +20,7 @@ from hyp import examples
 
 from gpuvigil import config, schemas
 from gpuvigil.detectors.fragmentation_allocator import AllocatorFragmentationDetector
-from gpuvigil.pipeline.window import Window
+from gpuvigil.window import Window
 
 sys.path.insert(0, str(Path(__file__).parent))
 from incremental_oracles import refit_fragmentation_allocator  # noqa: E402

@@ -171,7 +171,7 @@ def test_a_finding_no_pipeline_placed_is_an_incident_of_its_own(tmp_path):
 def test_replay_counts_only_the_pages_on_call_received():
     """A page that joined an incident as evidence was never sent: replay's summary (and the
     report's rate of pages per GPU-day) does not count it."""
-    from gpuvigil.replay import Fired, ReplayResult
+    from gpuvigil.offline.replay import Fired, ReplayResult
 
     def page(kind: FindingKind, role: str | None, **over) -> Finding:
         f = Finding(kind=kind, severity=Severity.PAGE, ts=100.0, job="j", node="n1", gpu=2, summary="s", **over)

@@ -15,7 +15,7 @@ import pytest
 
 from gpuvigil.alerts.alertmanager_config import alertmanager_document
 from gpuvigil.alerts.pusher import AlertPusher
-from gpuvigil.demo import oncall_messages, render_timelines, run_scenario
+from gpuvigil.app.demo import oncall_messages, render_timelines, run_scenario
 from obs_helpers import alert_settings_for_tests
 from services import WebhookSink, alertmanager_server, binary, wait_for
 
@@ -72,7 +72,7 @@ def test_an_update_lands_in_the_notification_group_of_the_first_message(tmp_path
     anomaly ticket (notified), then re-titled by thermal_throttle: the update is notified in the
     same group (same groupKey, same receiver), and the evidence (straggler) never reaches it."""
     binary("prometheus-alertmanager", "alertmanager")
-    from gpuvigil.runtime import build_simulated
+    from gpuvigil.app.runtime import build_simulated
 
     with WebhookSink() as webhook:
         settings = alert_settings_for_tests(webhook.url)

@@ -22,7 +22,7 @@ from hypothesis import strategies as st
 from gpuvigil import config, schemas
 from gpuvigil.collectors.infiniband import InfinibandCollector, normalize_bdf, parse_counter, parse_rate, parse_state
 from gpuvigil.detectors.infiniband import InfinibandDetector
-from gpuvigil.pipeline.window import Window
+from gpuvigil.window import Window
 
 import sysfs_trees
 

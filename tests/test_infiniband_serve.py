@@ -81,8 +81,8 @@ def test_serve_reads_a_sysfs_copy_and_reports_its_ports(tmp_path):
 
 
 def test_sysfs_root_flag_turns_the_source_on():
-    from gpuvigil.cli import build_parser
-    from gpuvigil.deployconfig import from_config
+    from gpuvigil.cli.main import build_parser
+    from gpuvigil.config.deploy import from_config
 
     def sources(*argv: str, cfg: dict | None = None):
         full = ["serve", *argv]

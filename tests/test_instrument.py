@@ -1,4 +1,4 @@
-"""The in-process hook (gpuvigil.instrument) and its collector (gpuvigil.collectors.hook): real
+"""The in-process hook (gpuvigil.hook.instrument) and its collector (gpuvigil.collectors.hook): real
 files tailed, a real HTTP receiver on 127.0.0.1, and real gloo ranks whose hung collective shows
 in the published pg_status."""
 
@@ -14,7 +14,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-import gpuvigil.instrument as gv
+import gpuvigil.hook.instrument as gv
 from gpuvigil import schemas
 from gpuvigil.collectors.base import Collector
 from gpuvigil.collectors.hook import HookCollector, HookReceiver, rows_from_record
@@ -195,7 +195,7 @@ def test_random_bytes_in_the_tailed_files_never_raise(tmp_path, chunks):
 def test_the_package_does_not_need_torch(tmp_path):
     code = (
         "import sys; sys.modules['torch'] = None\n"  # make `import torch` fail, as where it is not installed
-        "import gpuvigil.instrument as gv\n"
+        "import gpuvigil.hook.instrument as gv\n"
         f"h = gv.start(job='j', sink={str(tmp_path)!r}, rank=0, interval=0.01)\n"
         "import time\n"
         "for _ in range(5): time.sleep(0.01); h.step()\n"

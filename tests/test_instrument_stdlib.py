@@ -37,7 +37,7 @@ if mode != "no-torch":
     sys.modules["torch"] = torch
 else:
     sys.modules["torch"] = None
-import gpuvigil.instrument as gv
+import gpuvigil.hook.instrument as gv
 clock = iter(range(1000)).__next__
 hook = gv.Hook("job", gv.FileSink(out_dir), rank=0, node="n0", gpu=0, interval=1.0, clock=lambda: float(clock()))
 hook.step(); hook.publish(); hook.publish(); hook.stop()
@@ -90,10 +90,10 @@ def test_bench_hook_measures_the_import():
     from benchmarks import hook as bench
 
     res = bench.bench_import(runs=1)
-    assert res["module"] == "gpuvigil.instrument" and res["heavy_modules_loaded"] == []
+    assert res["module"] == "gpuvigil.hook.instrument" and res["heavy_modules_loaded"] == []
     assert res["median_ms"] > 0 and res["median_rss_added_mb"] >= 0
     text = bench.markdown({"python": "3", "torch": None, "step_call_ns": 100.0, "import": res, "end_to_end": {"steps": 1, "without_s": 1.0, "with_s": 1.0, "publishes": 0, "overhead_pct": 0.0},
                            "modelled_overhead_pct_p50": 0.01, "modelled_overhead_pct_p99": 0.1})
     # The targets table judges the import: its wall time, memory, and the heavy modules (none).
-    assert "| `import gpuvigil.instrument`, wall (median) | < 50 ms |" in text
+    assert "| `import gpuvigil.hook.instrument`, wall (median) | < 50 ms |" in text
     assert "| heavy modules loaded by the import | none | none | met |" in text

@@ -34,7 +34,7 @@ from gpuvigil.dashboards.build import dashboard_json, panel_queries
 from gpuvigil.dashboards.definitions import DASHBOARDS
 from gpuvigil.model import Finding, FindingKind, Severity
 from gpuvigil.pipeline.core import TickResult
-from gpuvigil.pipeline.window import Window
+from gpuvigil.window import Window
 from obs_helpers import alert_settings_for_tests
 from services import StaticPage, WebhookSink, binary, free_port, start_alertmanager, start_prometheus, wait_for
 

@@ -27,7 +27,6 @@ from hypothesis import strategies as st
 from gpuvigil import schemas
 from gpuvigil.collectors import kernel_log
 from gpuvigil.collectors.kernel_log import (
-    JournaldSource,
     KernelLogCollector,
     KernelLogUnavailable,
     KmsgSource,

@@ -23,7 +23,7 @@ import urllib3
 import yaml
 from kubernetes import client
 
-from gpuvigil.acting import Acting
+from gpuvigil.app.acting import Acting
 from gpuvigil.api.store import HintState, HintStore
 from gpuvigil.model import Finding, FindingKind, Hint, HintAction, Severity
 from gpuvigil.scheduler.kubernetes import KubernetesAdapter, KubernetesError
@@ -358,7 +358,7 @@ def test_acting_on_kubernetes_stops_at_the_breaker_and_leaves_an_operators_cordo
     real client): a storm of fatal XIDs on 3 of 4 nodes cordons one (25% of the fleet), opens the
     breaker with one page and patches nothing more; a node an operator cordoned is recorded as
     operator_held and its cordon is never lifted."""
-    from gpuvigil.quarantine import QuarantineStore, State
+    from gpuvigil.scheduler.quarantine import QuarantineStore, State
 
     fake = FakeApiServer()
     api_client = client.ApiClient(client.Configuration(host="https://k8s.invalid:6443"))

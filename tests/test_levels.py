@@ -7,7 +7,7 @@ import pytest
 
 from gpuvigil import config, schemas
 from gpuvigil.detectors.hang_device import DeviceHangDetector
-from gpuvigil.detectors.levels import LevelSelector
+from gpuvigil.pipeline.levels import LevelSelector
 from gpuvigil.detectors.oom_device import DeviceOomPredictor
 from gpuvigil.detectors.registry import default_detectors
 from gpuvigil.detectors.straggler_device import DeviceStragglerDetector
@@ -369,7 +369,7 @@ def test_healthy_spread_is_not_a_straggler():
 
 
 def test_findings_of_a_pipeline_carry_their_level():
-    from gpuvigil.runtime import build_simulated
+    from gpuvigil.app.runtime import build_simulated
 
     cfg = config.load(overrides={"hints": {"rules": []}})
     rt = build_simulated("nccl_hang", cfg=cfg)
@@ -383,8 +383,8 @@ def test_metrics_export_each_jobs_observation_level_and_serve_logs_it(caplog):
     import logging
 
     from gpuvigil.exporter.metrics import Snapshot
-    from gpuvigil.runtime import build_simulated
-    from gpuvigil.serve import Server
+    from gpuvigil.app.runtime import build_simulated
+    from gpuvigil.app.serve import Server
 
     rt = build_simulated("healthy", cfg=config.load(overrides={"hints": {"rules": []}}))
     rt.run(5.0)
@@ -392,7 +392,7 @@ def test_metrics_export_each_jobs_observation_level_and_serve_logs_it(caplog):
     got = {dict(labels)["job"]: v for labels, v in fam.samples}
     assert got and all(v == 2.0 for v in got.values())
     server = Server.__new__(Server)  # only the level log: no sockets
-    with caplog.at_level(logging.INFO, logger="gpuvigil.serve"):
+    with caplog.at_level(logging.INFO, logger="gpuvigil.app.serve"):
         server._log_levels(rt.last_result)
         server._log_levels(rt.last_result)  # unchanged: logged once
     lines = [r.getMessage() for r in caplog.records if "observation level" in r.getMessage()]

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from gpuvigil import config, schemas
 from gpuvigil.detectors.anomaly import AnomalyDetector
-from gpuvigil.pipeline.window import Window
+from gpuvigil.window import Window
 
 ALLOC = schemas.frame([{"job": "j", "rank": g, "node": "n0", "gpu": g} for g in range(4)], schemas.ALLOCATIONS)
 

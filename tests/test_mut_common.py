@@ -13,7 +13,7 @@ import pytest
 
 from gpuvigil import schemas
 from gpuvigil.detectors.common import Persistence, current_run, rank_at
-from gpuvigil.pipeline.window import Window
+from gpuvigil.window import Window
 
 
 def _rows(job: str, times: list[float]) -> list[dict]:

@@ -20,7 +20,7 @@ from test_detectors_real import _kernel_events, _window_of
 
 from gpuvigil import config, schemas
 from gpuvigil.detectors.ecc import EccDetector
-from gpuvigil.pipeline.window import Window
+from gpuvigil.window import Window
 
 DRAIN = ": drain the node and reset the GPU before it runs anything again."
 

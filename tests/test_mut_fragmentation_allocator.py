@@ -18,7 +18,7 @@ import polars as pl
 
 from gpuvigil import config, schemas
 from gpuvigil.detectors.fragmentation_allocator import AllocatorFragmentationDetector
-from gpuvigil.pipeline.window import Window
+from gpuvigil.window import Window
 
 GIB = 1 << 30
 MIB = 1 << 20

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from gpuvigil import schemas
 from gpuvigil.detectors.fragmentation_cluster import ClusterFragmentationDetector, plan_compaction
-from gpuvigil.pipeline.window import Window
+from gpuvigil.window import Window
 
 NOW = 1000.0
 

@@ -15,7 +15,7 @@ import pytest
 
 from gpuvigil import config, schemas
 from gpuvigil.detectors.hang import HangDetector
-from gpuvigil.pipeline.window import Window
+from gpuvigil.window import Window
 
 
 def rank_rows(t, enq, comp, *, step_time=0.5, job="j", skip=(), per_node=4):

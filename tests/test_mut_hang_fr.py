@@ -11,7 +11,6 @@ allocations and XID events beside it are constructed.
 from __future__ import annotations
 
 import shutil
-from pathlib import Path
 
 import polars as pl
 import pytest

@@ -30,7 +30,7 @@ import pytest
 from gpuvigil import schemas
 from gpuvigil.detectors.fragmentation_allocator import AllocatorFragmentationDetector
 from gpuvigil.detectors.incremental import KeyRing, SlidingRows, masked_median
-from gpuvigil.pipeline.window import Window
+from gpuvigil.window import Window
 
 H200 = Path(__file__).parent / "data" / "h200"
 RAMP = json.loads((H200 / "s2_memory_stats.json").read_text())["stats_before"]

@@ -1,4 +1,4 @@
-"""Level selector (gpuvigil/detectors/levels.py): behaviour that mutation testing (`make mutate`,
+"""Level selector (gpuvigil/pipeline/levels.py): behaviour that mutation testing (`make mutate`,
 docs/testing.md) showed no other test pinned down: the built-in fallback times (60 s for L1,
 30 s for an L2 hang) exactly at their edge, which lower-level detector must keep running, a
 selector asked before its first tick, and the memory of streams when many jobs report.
@@ -13,7 +13,7 @@ from levels_helpers import allocations, window
 from test_levels import NODE8, _finding
 
 from gpuvigil import config, schemas
-from gpuvigil.detectors.levels import LevelSelector
+from gpuvigil.pipeline.levels import LevelSelector
 from gpuvigil.detectors.registry import default_detectors
 
 
@@ -107,7 +107,7 @@ def test_a_stream_is_remembered_for_exactly_900_s_by_default():
 import polars as pl  # noqa: E402
 import pytest  # noqa: E402
 
-from gpuvigil.pipeline.window import Window as _Window  # noqa: E402
+from gpuvigil.window import Window as _Window  # noqa: E402
 
 _DETS = ["hang_device", "hang_fr", "hang", "oom_device", "oom", "straggler_device", "straggler_inspector", "straggler"]
 
@@ -284,7 +284,7 @@ def test_the_selected_detector_speaking_on_the_tick_the_suspicion_starts_counts(
 
 
 def test_a_detector_that_declares_no_level_is_l0():
-    from gpuvigil.detectors.levels import level_of
+    from gpuvigil.pipeline.levels import level_of
 
     class Plugin:
         name = "plugin"

@@ -21,7 +21,7 @@ import pytest
 
 from gpuvigil import config, schemas
 from gpuvigil.detectors.oom import OomPredictor
-from gpuvigil.pipeline.window import Window
+from gpuvigil.window import Window
 
 GIB = 1 << 30
 MIB = 1 << 20

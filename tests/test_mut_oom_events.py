@@ -21,7 +21,7 @@ import pytest
 
 from gpuvigil import config, schemas
 from gpuvigil.detectors.oom_events import OomEventClassifier
-from gpuvigil.pipeline.window import Window
+from gpuvigil.window import Window
 
 DATA = Path(__file__).parent / "data"
 GIB = 1 << 30

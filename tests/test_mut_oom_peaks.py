@@ -14,7 +14,7 @@ import polars as pl
 from test_mut_oom import GIB, MIB, rows
 
 from gpuvigil.detectors.oom import OomPredictor
-from gpuvigil.pipeline.window import Window
+from gpuvigil.window import Window
 
 
 def test_ticked_fragmentation_by_the_retries_clause_keeps_its_cause():

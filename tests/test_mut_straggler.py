@@ -28,7 +28,7 @@ import pytest
 
 from gpuvigil import config, schemas
 from gpuvigil.detectors.straggler import StragglerDetector
-from gpuvigil.pipeline.window import Window
+from gpuvigil.window import Window
 
 sys.path.insert(0, str(Path(__file__).parent))
 from incremental_oracles import RefitStraggler, check_against_refit  # noqa: E402

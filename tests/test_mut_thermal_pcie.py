@@ -17,7 +17,7 @@ import warnings
 from gpuvigil import config, schemas
 from gpuvigil.detectors.pcie import PcieReplayDetector
 from gpuvigil.detectors.thermal import ThermalDetector
-from gpuvigil.pipeline.window import Window
+from gpuvigil.window import Window
 
 ALLOC = schemas.frame([{"job": "j", "rank": 3, "node": "n0", "gpu": 0}], schemas.ALLOCATIONS)
 

@@ -19,7 +19,7 @@ from gpuvigil import schemas
 from gpuvigil.collectors.nccl_log import events, parse_lines
 from gpuvigil.detectors.watchdog import WatchdogTimeoutDetector
 from gpuvigil.model import FindingKind, Severity
-from gpuvigil.pipeline.window import Window
+from gpuvigil.window import Window
 from levels_helpers import cfg_with
 
 DATA = Path(__file__).parent / "data"

@@ -6,7 +6,7 @@ Data: constructed `gpu_samples` rows (the window's own contract).
 from __future__ import annotations
 
 from gpuvigil import schemas
-from gpuvigil.pipeline.window import Window
+from gpuvigil.window import Window
 
 
 def test_each_stream_keeps_its_own_horizon_and_others_the_default():

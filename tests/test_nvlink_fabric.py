@@ -25,7 +25,7 @@ from gpuvigil.collectors import dcgm
 from gpuvigil.collectors.nvml import NvmlCollector
 from gpuvigil.detectors.memory_repair import MemoryRepairDetector
 from gpuvigil.detectors.nvlink_fabric import NvlinkFabricDetector
-from gpuvigil.pipeline.window import Window
+from gpuvigil.window import Window
 from test_nvml import FakeNvml, h200
 
 INVENTORY = json.loads((Path(__file__).parent / "data" / "h200" / "nvml_inventory.json").read_text())

@@ -16,7 +16,8 @@ from pathlib import Path
 import pynvml
 import pytest
 
-from gpuvigil import schemas, throttle
+from gpuvigil import schemas
+from gpuvigil.gpu import throttle
 from gpuvigil.collectors.nvml import FIELD_IDS, NvmlCollector
 from test_nvml import FakeNvml, h200
 

@@ -26,7 +26,7 @@ import pytest
 
 from gpuvigil import config, schemas
 from gpuvigil.detectors.oom_device import DeviceOomPredictor, OomDeviceConfig
-from gpuvigil.pipeline.window import Window
+from gpuvigil.window import Window
 
 TOTAL = 150_754_820_096
 RESERVED = 644_939_776

@@ -26,7 +26,7 @@ from hypothesis import strategies as st
 
 from gpuvigil import config, schemas
 from gpuvigil.detectors.oom import OomPredictor
-from gpuvigil.pipeline.window import Window
+from gpuvigil.window import Window
 
 sys.path.insert(0, str(Path(__file__).parent))
 from hyp import examples  # noqa: E402

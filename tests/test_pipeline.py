@@ -10,7 +10,7 @@ from gpuvigil.config import ConfigError
 from gpuvigil.model import Finding, FindingKind, HintAction, Severity
 from gpuvigil.pipeline.core import Pipeline
 from gpuvigil.pipeline.hints import HintPolicy
-from gpuvigil.pipeline.window import Window
+from gpuvigil.window import Window
 
 
 def gpu_rows(ts: float, n: int = 3) -> pl.DataFrame:

@@ -22,7 +22,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from gpuvigil import config
-from gpuvigil.cli import main
+from gpuvigil.cli.main import main
 from gpuvigil.preflight import EXIT_CODES, PreflightConfig, run_preflight
 from gpuvigil.preflight.checks import check_dcgm, check_infiniband, parse_dcgm_diag
 from gpuvigil.preflight.config import DcgmCheckConfig, InfinibandCheckConfig, NcclCheckConfig, TorchLoadCheckConfig

@@ -6,7 +6,7 @@ from __future__ import annotations
 import polars as pl
 import pytest
 
-from gpuvigil.progress import CollectiveClock
+from gpuvigil.util.progress import CollectiveClock
 
 
 def rows(**sn_by_job: int) -> pl.DataFrame:

@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from gpuvigil.analyze import Analyzer
+from gpuvigil.offline.analyze import Analyzer
 from gpuvigil.collectors import kernel_log, nccl_log
 from gpuvigil.parsers import nvidia_smi
 from gpuvigil.parsers.oom import parse_oom

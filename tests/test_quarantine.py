@@ -1,4 +1,4 @@
-"""The quarantine state machine and the circuit breaker (gpuvigil/quarantine.py) on their own:
+"""The quarantine state machine and the circuit breaker (gpuvigil/scheduler/quarantine.py) on their own:
 moves only by rule, each recorded; state and breaker survive a reopen of the file; the breaker's
 limits, its one page, and closing by a person."""
 
@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 
 from gpuvigil import config
-from gpuvigil.quarantine import (
+from gpuvigil.scheduler.quarantine import (
     ActingConfig,
     Breaker,
     BreakerConfig,
@@ -215,7 +215,7 @@ def test_the_built_in_schedulers_health_plugin_stops_at_the_breaker():
 def test_acting_metrics_are_lint_clean(tmp_path):
     import subprocess
 
-    from gpuvigil.acting import Acting
+    from gpuvigil.app.acting import Acting
     from gpuvigil.exporter.prometheus import _render
     from gpuvigil.scheduler.slurm import SlurmAdapter
     from services import PROMTOOL, binary
@@ -229,7 +229,7 @@ def test_acting_metrics_are_lint_clean(tmp_path):
 
 
 def test_a_person_holds_and_releases_a_node(tmp_path, capsys):
-    from gpuvigil.cli import main
+    from gpuvigil.cli.main import main
 
     db = tmp_path / "hints.db"
     assert main(["quarantine", "hold", "n1", "--hint-db", str(db)]) == 2  # nothing acted yet: no file

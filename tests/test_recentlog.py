@@ -19,7 +19,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from gpuvigil import config
 from gpuvigil.exporter.metrics import TickStats
-from gpuvigil.recentlog import RecentLog
+from gpuvigil.util.recentlog import RecentLog
 from gpuvigil.scheduler import JobSpec, NodeSpec, Scheduler
 from services import wait_for
 
@@ -76,7 +76,7 @@ def test_the_pipeline_keeps_its_newest_findings_and_the_exporter_counts_every_on
     """Kept 1 finding: the exporter still counts the XID page, folded in from the cursor."""
     from gpuvigil.exporter.metrics import Snapshot
     from gpuvigil.exporter.prometheus import exposition
-    from gpuvigil.runtime import build_simulated
+    from gpuvigil.app.runtime import build_simulated
 
     stats = TickStats()
     rt = build_simulated("node_xid79", sinks=[stats], cfg=config.load(overrides={"pipeline": {"findings_kept": 1}}))

@@ -16,9 +16,9 @@ from pathlib import Path
 import pytest
 
 from benchmarks.replay_series import Fault, Fleet, write_openmetrics
-from gpuvigil import cli
+import gpuvigil.cli.main as cli
 from gpuvigil.errors import UserError
-from gpuvigil.replay import Recorded, load_files, parse_duration, parse_time, prometheus_chunks, run_replay
+from gpuvigil.offline.replay import Recorded, load_files, parse_duration, parse_time, prometheus_chunks, run_replay
 
 DATA = Path(__file__).parent / "data"
 STEP = 30.0
@@ -180,7 +180,7 @@ def _sorted(df):
 
 
 def _read_both(path: Path):
-    from gpuvigil.replay import read_exposition_file
+    from gpuvigil.offline.replay import read_exposition_file
 
     out = []
     for fast in (True, False):
@@ -192,7 +192,7 @@ def _read_both(path: Path):
 
 
 def test_fast_reader_equals_the_regex_reader_in_small_chunks(tmp_path):
-    from gpuvigil.replay import read_exposition_file
+    from gpuvigil.offline.replay import read_exposition_file
 
     om = tmp_path / "dcgm.om"
     write_openmetrics(_fleet(1_764_000_000.0), om)
@@ -250,7 +250,7 @@ def test_fast_reader_agrees_with_prometheus_client_on_valid_openmetrics(tmp_path
     from hypothesis import strategies as st
     from prometheus_client.openmetrics.parser import text_string_to_metric_families
 
-    from gpuvigil.replay import read_exposition_file
+    from gpuvigil.offline.replay import read_exposition_file
 
     gauges = ["DCGM_FI_DEV_GPU_TEMP", "DCGM_FI_DEV_FB_USED", "DCGM_FI_DEV_POWER_USAGE", "other_gauge"]
     plain = st.text(alphabet="abcXYZ019-_. ", min_size=1, max_size=10)
@@ -290,7 +290,7 @@ def _per_series_reference(result):
     """query_range matrix -> LONG the way replay read it before (one frame per series)."""
     import polars as pl
 
-    from gpuvigil.replay import LONG, _labels_row
+    from gpuvigil.offline.replay import LONG, _labels_row
 
     frames = []
     for series in result:
@@ -315,7 +315,7 @@ def test_query_range_answer_is_read_as_one_frame_with_the_same_rows():
     from hypothesis import given, settings
     from hypothesis import strategies as st
 
-    from gpuvigil.replay import long_from_query_result
+    from gpuvigil.offline.replay import long_from_query_result
 
     label = st.one_of(st.none(), st.text(alphabet="abc-01", min_size=1, max_size=4))
     metric = st.builds(
@@ -340,7 +340,7 @@ def test_query_range_json_read_by_polars_equals_the_json_reading():
     from hypothesis import given, settings
     from hypothesis import strategies as st
 
-    from gpuvigil.replay import long_from_query_body
+    from gpuvigil.offline.replay import long_from_query_body
 
     # escapes, braces and non-ASCII in values; labels replay does not read (modelName, pod) and
     # the fallbacks it does (hostname, instance, job): the reader names only the labels it uses
@@ -374,7 +374,7 @@ def test_query_range_json_read_by_polars_equals_the_json_reading():
 
 
 def test_prefetch_keeps_order_and_raises_the_producers_error():
-    from gpuvigil.replay import prefetch
+    from gpuvigil.offline.replay import prefetch
 
     assert list(prefetch(iter(range(50)), depth=2)) == list(range(50))
 
@@ -400,7 +400,7 @@ def test_reader_agrees_with_prometheus_client_on_escaped_label_values(tmp_path):
     from hypothesis import strategies as st
     from prometheus_client.parser import text_string_to_metric_families
 
-    from gpuvigil.replay import read_exposition_file
+    from gpuvigil.offline.replay import read_exposition_file
 
     gauges = ["DCGM_FI_DEV_GPU_TEMP", "DCGM_FI_DEV_FB_USED", "other_gauge"]
     value_text = st.text(alphabet=list('ab Z0-_.,={}#"\\\n') + ["é"], min_size=1, max_size=10)
@@ -442,7 +442,7 @@ def test_reader_never_crashes_on_garbage_bytes(tmp_path):
     from hypothesis import HealthCheck, given, settings
     from hypothesis import strategies as st
 
-    from gpuvigil.replay import read_exposition_file
+    from gpuvigil.offline.replay import read_exposition_file
 
     sample = b'DCGM_FI_DEV_GPU_TEMP{gpu="0",Hostname="n"} 61 1764000000000\n'
     chunk = st.one_of(st.binary(max_size=80), st.just(sample), st.sampled_from([b"\x1f", b"\x00", b"\r\n", b"\xff\xfe", b"# EOF\n", b"{", b"}", b" ", b"\t", b" # {", b' # {a="1"} 2 3', b"\\"]))
@@ -474,7 +474,7 @@ def test_exemplar_lines_are_read_as_prometheus_client_reads_them(tmp_path):
     from hypothesis import strategies as st
     from prometheus_client.openmetrics.parser import text_string_to_metric_families
 
-    from gpuvigil.replay import read_exposition_file
+    from gpuvigil.offline.replay import read_exposition_file
 
     trace = st.text(alphabet="abc019 #{}", min_size=1, max_size=8).map(lambda v: v.replace("\\", ""))
     exemplar = st.one_of(st.just(""), st.builds(lambda t, v, ts: f' # {{trace_id="{t}"}} {v}' + (f" {ts}" if ts else ""), trace, st.sampled_from(["1", "0.5", "1e3"]), st.sampled_from(["", "1764000000.5"])))
@@ -511,5 +511,5 @@ def test_replay_json_findings_carry_exactly_analyzes_fields(capsys):
     assert analyzed and len(replayed) == len(analyzed)
     # Replay places every finding in an incident (pipeline/incidents.py), logs and dumps included.
     assert all(r["incident"] and r["incident_role"] in ("opened", "update", "evidence") for r in replayed)
-    stripped = sorted((json.dumps({k: v for k, v in r.items() if k not in ("record", "fired_at", "incident", "incident_role")}, sort_keys=True) for r in replayed))
+    stripped = sorted(json.dumps({k: v for k, v in r.items() if k not in ("record", "fired_at", "incident", "incident_role")}, sort_keys=True) for r in replayed)
     assert stripped == sorted(json.dumps(r, sort_keys=True) for r in analyzed)

@@ -30,9 +30,10 @@ import pytest
 pytest.importorskip("plotly", reason="the report needs the optional plotly dependency (gpuvigil[report])")
 
 from benchmarks.replay_series import Fault, Fleet, write_openmetrics  # noqa: E402
-from gpuvigil import cli, report  # noqa: E402
+import gpuvigil.cli.main as cli  # noqa: E402
+from gpuvigil.offline import report  # noqa: E402
 from gpuvigil.model import Finding, FindingKind, Severity  # noqa: E402
-from gpuvigil.replay import parse_time  # noqa: E402
+from gpuvigil.offline.replay import parse_time  # noqa: E402
 
 DATA = Path(__file__).parent / "data"
 H200 = DATA / "h200"
@@ -363,8 +364,8 @@ def test_replay_of_a_hang_draws_rank_progress_with_the_culprit(tmp_path, capsys)
 def _record_scenario(name: str, t0: float):
     """The streams the simulated collectors handed the pipeline during `gpuvigil demo`'s run of
     `name` (1 Hz, simulated), moved to wall-clock time t0 + sim time, as replay's input."""
-    from gpuvigil.replay import Recorded
-    from gpuvigil.runtime import build_simulated
+    from gpuvigil.offline.replay import Recorded
+    from gpuvigil.app.runtime import build_simulated
 
     rt = build_simulated(name, seed=0)
     rec = Recorded()
@@ -392,7 +393,7 @@ def _scenarios() -> list[str]:
 def test_every_demo_scenario_replayed_draws_only_its_findings(name, tmp_path):
     from gpuvigil import config
     from gpuvigil.pipeline.hints import HintPolicy
-    from gpuvigil.replay import json_records, run_replay
+    from gpuvigil.offline.replay import json_records, run_replay
 
     t0 = 1_764_000_000.0
     result = run_replay(_record_scenario(name, t0), step=1.0)

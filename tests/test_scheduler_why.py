@@ -14,7 +14,7 @@ from gpuvigil import config
 from gpuvigil.api.app import create_app, serve_api_in_thread
 from gpuvigil.api.store import HintStore
 from gpuvigil.api.why import NO_SCHEDULER, JobWhy
-from gpuvigil.cli import build_parser, main
+from gpuvigil.cli.main import build_parser, main
 from gpuvigil.model import FindingKind, Hint, HintAction
 from gpuvigil.scheduler import JobSpec, NodeSpec, Scheduler
 from gpuvigil.scheduler.state import Decision, DecisionLog
@@ -235,7 +235,7 @@ def test_why_command_against_a_real_server(tmp_path, waiting_scheduler, capsys, 
 
 def test_serve_answers_why_for_its_scheduler_s_jobs(tmp_path, capsys):
     """`gpuvigil serve` (simulated cluster) attaches its built-in scheduler to the API."""
-    from gpuvigil.serve import Server
+    from gpuvigil.app.serve import Server
 
     argv = ["serve", "--port", "0", "--scenario", "node_xid79", "--speed", "1000", "--api-port", "0", "--insecure-local", "--hint-db", str(tmp_path / "h.db")]
     server = Server(build_parser(argv).parse_args(argv))

@@ -15,8 +15,8 @@ import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from gpuvigil.cli import build_parser, main
-from gpuvigil.serve import Server
+from gpuvigil.cli.main import build_parser, main
+from gpuvigil.app.serve import Server
 from services import StaticPage, free_port, wait_for
 
 REPO = Path(__file__).resolve().parents[1]

@@ -18,8 +18,8 @@ from pathlib import Path
 import httpx
 import pytest
 
-from gpuvigil.cli import build_parser, main
-from gpuvigil.serve import Server
+from gpuvigil.cli.main import build_parser, main
+from gpuvigil.app.serve import Server
 from services import wait_for
 
 REPO = Path(__file__).resolve().parents[1]

@@ -22,10 +22,10 @@ import polars as pl
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from gpuvigil.cli import build_parser
-from gpuvigil.deployconfig import Sources, from_config, merge_flags, parse, pattern_glob, pattern_regex, pattern_root, split_address
+from gpuvigil.cli.main import build_parser
+from gpuvigil.config.deploy import Sources, from_config, merge_flags, parse, pattern_glob, pattern_regex, pattern_root, split_address
 from gpuvigil.errors import UserError
-from gpuvigil.serve import Server
+from gpuvigil.app.serve import Server
 from services import free_port, wait_for
 
 REPO = Path(__file__).resolve().parents[1]
@@ -181,7 +181,7 @@ def test_a_failing_source_is_down_in_the_pipeline_s_health_and_reports_why():
     """A real DCGM collector pointed at a closed port, and a collector that raises: the pipeline
     contains both, and each source's `up` and start-up line come from the pipeline's health."""
     from gpuvigil.collectors.dcgm import DcgmCollector
-    from gpuvigil.deploysources import Source
+    from gpuvigil.app.sources import Source
     from gpuvigil.pipeline.health import HealthTracker
 
     class Raises:
@@ -233,7 +233,7 @@ def test_serve_reads_kernel_log_torch_logs_and_the_hook_receiver(tmp_path):
         watchdog = re.sub(r"\[([IWEF])\d{4} \d\d:\d\d:\d\d", lambda m: f"[{m.group(1)}{stamp}",
                           (DATA / "h200" / "s6_nccl_watchdog_timeout.log").read_text())
         (logs / "777" / "rank0.log").write_text(watchdog)
-        import gpuvigil.instrument as gv
+        import gpuvigil.hook.instrument as gv
 
         sink = gv.HttpSink(f"http://127.0.0.1:{hook_port}/v1/hook")
         hook = gv.Hook("777", sink, rank=0, node="gvx", gpu=0, interval=0.05)
@@ -284,7 +284,7 @@ def test_kubernetes_dry_run_says_what_it_would_cordon(tmp_path, caplog):
     server.start()
     try:
         assert server.describe()[-1] == "act: dry-run on kubernetes (logs and counts what it would do; changes nothing)"
-        with caplog.at_level(logging.INFO, logger="gpuvigil.serve"):
+        with caplog.at_level(logging.INFO, logger="gpuvigil.app.serve"):
             thread = loop_in_thread(server)
             with kern.open("a") as f:
                 f.write(f"[{since_boot():12.6f}] {XID79}\n")
@@ -383,7 +383,7 @@ def test_watchdog_detector_on_real_logs_without_hardware_names_no_culprit(log_na
     from gpuvigil.collectors.nccl_log import events, parse_lines
     from gpuvigil.detectors.watchdog import WatchdogTimeoutDetector
     from gpuvigil.pipeline.hints import HintPolicy
-    from gpuvigil.pipeline.window import Window
+    from gpuvigil.window import Window
 
     now = time.time()
     parsed = parse_lines((DATA / log_name).read_text().splitlines(), reference_ts=now)
@@ -443,7 +443,7 @@ def test_serve_process_pages_a_watchdog_timeout_from_a_log_whose_path_names_no_j
         serve.terminate()
         serve.wait(60)
     said = err.read_text()
-    assert f"(no {{job}} in the pattern: its events carry no job; a timeout pages naming the node and file): waiting for its first read" in said, said
+    assert "(no {job} in the pattern: its events carry no job; a timeout pages naming the node and file): waiting for its first read" in said, said
     found = [line for line in said.splitlines() if "finding page nccl_timeout:" in line]
     assert len(found) == 1, said
     assert found[0].endswith(f"finding page nccl_timeout: Job unknown (log gvx:{log}): the NCCL watchdog timed out collective #6 (ALLREDUCE) "

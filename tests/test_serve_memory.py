@@ -1,5 +1,5 @@
 """`serve` gives the C heap's freed memory back after every tick (the soak's RSS slope;
-gpuvigil/serve_memory.py). glibc keeps freed chunks inside its arenas unless they sit at the top
+gpuvigil/app/serve_memory.py). glibc keeps freed chunks inside its arenas unless they sit at the top
 of a heap; `malloc_trim(0)` returns the free pages in the middle too. These tests check that the
 binding reaches glibc's malloc_trim (it releases memory that `free` kept), that serve calls it once
 per tick and says so on `/metrics`, and that without glibc nothing is called and nothing breaks.
@@ -14,9 +14,9 @@ import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from gpuvigil.cli import build_parser
-from gpuvigil.serve import Server
-from gpuvigil.serve_memory import HeapTrimmer, _glibc
+from gpuvigil.cli.main import build_parser
+from gpuvigil.app.serve import Server
+from gpuvigil.app.serve_memory import HeapTrimmer, _glibc
 
 GLIBC = _glibc()
 needs_glibc = pytest.mark.skipif(GLIBC is None, reason="malloc_trim is glibc's")

@@ -20,7 +20,7 @@ import pytest
 
 from gpuvigil import schemas, signals
 from gpuvigil.collectors import dcgm
-from gpuvigil.detectors.levels import DERIVED
+from gpuvigil.pipeline.levels import DERIVED
 from gpuvigil.detectors.registry import default_detectors
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -59,7 +59,7 @@ def test_default_counters_scrape_fills_exactly_the_dcgm_default_columns():
 
 
 def test_dcgm_fields_are_read_live_and_in_replay():
-    from gpuvigil import replay
+    from gpuvigil.offline import replay
 
     fields = set(signals.DCGM_FIELDS)
     assert fields <= set(dcgm.FIELDS_USED) and fields == set(replay.DCGM_FIELDS)
@@ -70,7 +70,7 @@ def test_exporter_series_are_the_tables():
     """gpuvigil's own GPU series (exporter/metrics.py) carry the names and scales of the table,
     which replay reads them back by."""
     from gpuvigil.exporter.metrics import GPU_SPECS
-    from gpuvigil.replay import GPUVIGIL_GPU_FIELDS
+    from gpuvigil.offline.replay import GPUVIGIL_GPU_FIELDS
 
     exported = {column: (name + ("_total" if kind == "counter" else ""), float(scale)) for name, kind, column, _help, scale in GPU_SPECS}
     table = {s.name: (s.prometheus, s.prometheus_scale) for s in signals.GPU_SIGNALS if s.prometheus}

@@ -14,7 +14,7 @@ import pytest
 SIM = Path(__file__).resolve().parent.parent / "gpuvigil" / "sim"
 # What a simulator must not read: the detectors, the parsers/classifiers they share, the
 # pipeline that runs them and the configuration files that hold their thresholds and templates.
-FORBIDDEN_MODULES = ("gpuvigil.detectors", "gpuvigil.parsers", "gpuvigil.pipeline", "gpuvigil.collectors.nccl_log", "gpuvigil.analyze")
+FORBIDDEN_MODULES = ("gpuvigil.detectors", "gpuvigil.parsers", "gpuvigil.pipeline", "gpuvigil.collectors.nccl_log", "gpuvigil.offline.analyze")
 FORBIDDEN_FILES = ("detectors.yaml", "oom_classify.yaml", "hints.yaml")
 
 

@@ -9,7 +9,6 @@ import json
 import subprocess
 import sys
 
-import numpy as np
 import polars as pl
 import pytest
 
@@ -253,7 +252,7 @@ def test_realistic_scenarios_are_apart_from_the_fast_ones():
 
 
 def test_six_hours_at_30_s_is_720_ticks_not_six_hours():
-    from gpuvigil.runtime import build_simulated
+    from gpuvigil.app.runtime import build_simulated
 
     rt = build_simulated("healthy_6h_dcgm")
     assert rt.tick_seconds == 30

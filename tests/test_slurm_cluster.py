@@ -2,7 +2,7 @@
 slurmd (Debian slurm-wlm 22.05), 8 gres GPUs per node backed by placeholder device files.
 
 The drill: a GPU batch job runs; an ECC finding on its node goes through the real pipeline, the
-hint store and production's apply loop (`gpuvigil.acting.Acting`) → the node is drained with a
+hint store and production's apply loop (`gpuvigil.app.acting.Acting`) → the node is drained with a
 reason naming the finding, the job is requeued away from it and runs again elsewhere; when the
 cause clears the hint expires, a quiet tick does not resume the node, and it is resumed (idle,
 usable again) only after the hold-down. Plus: requeue-and-hold, OOM evidence (signal 9, exit 137),
@@ -15,10 +15,10 @@ import os
 
 import pytest
 
-from gpuvigil.acting import Acting
+from gpuvigil.app.acting import Acting
 from gpuvigil.api.store import HintState, HintStore
 from gpuvigil.model import Finding, FindingKind, Hint, HintAction, Severity
-from gpuvigil.quarantine import ActingConfig, QuarantineStore, State
+from gpuvigil.scheduler.quarantine import ActingConfig, QuarantineStore, State
 from gpuvigil.scheduler.slurm import Slurm, SlurmAdapter, SlurmError, SlurmState, SlurmStateCollector
 from h_api_helpers import pipeline_into
 from slurm_cluster import SlurmCluster, missing_binaries

@@ -9,7 +9,7 @@ from __future__ import annotations
 import statistics
 
 from benchmarks.soak import JOB_STARTUP_SECONDS, _end, job_plan, scenario
-from gpuvigil.runtime import build_simulated
+from gpuvigil.app.runtime import build_simulated
 from gpuvigil.sim.scenario import Scenario
 
 

@@ -9,7 +9,7 @@ import sqlite3
 
 import pytest
 
-from gpuvigil import sqlitedb
+from gpuvigil.util import sqlitedb
 from gpuvigil.api.store import MIGRATIONS, SCHEMA_VERSION, HintState, HintStore
 from gpuvigil.errors import UserError
 

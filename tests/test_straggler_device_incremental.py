@@ -23,7 +23,7 @@ from gpuvigil import config, schemas
 from gpuvigil.detectors.common import Persistence, rank_at, settings
 from gpuvigil.detectors.straggler_device import DeviceStragglerDetector, StragglerDeviceConfig, _sorted_median, _sorted_quantile
 from gpuvigil.model import Finding, FindingKind, Severity
-from gpuvigil.pipeline.window import Window
+from gpuvigil.window import Window
 
 
 class RefitDeviceStraggler:

@@ -25,7 +25,7 @@ from hyp import examples
 from gpuvigil import config, schemas
 from gpuvigil.detectors.incremental import KeyRing, masked_median
 from gpuvigil.detectors.straggler import StragglerDetector
-from gpuvigil.pipeline.window import Window
+from gpuvigil.window import Window
 
 sys.path.insert(0, str(Path(__file__).parent))
 from incremental_oracles import RefitStraggler, check_against_refit  # noqa: E402

@@ -1,10 +1,10 @@
 """Stragglers of hooked (L2) jobs whose hook sends no collective wait.
 
-The real in-process hook (`gpuvigil.instrument`) publishes each rank's step and the Flight
+The real in-process hook (`gpuvigil.hook.instrument`) publishes each rank's step and the Flight
 Recorder's sequence numbers, not the time each rank blocked in collectives: its rank_progress
 rows carry `collective_wait_seconds` null (tests/test_detectors_real.py checks it on real gloo
 ranks). The L2 straggler detector needs that column; for such a job the level selection serves
-stragglers with the L1/L0 detectors instead (detectors/levels.py: DERIVED `rank_wait`).
+stragglers with the L1/L0 detectors instead (pipeline/levels.py: DERIVED `rank_wait`).
 
 Source: the simulator (one rank's GPU clock capped: it computes `slowdown` times longer each
 step), observed through the full pipeline tick by tick at 1 s, once with the column as the
@@ -17,7 +17,7 @@ import polars as pl
 import pytest
 
 from gpuvigil import config
-from gpuvigil.runtime import build_simulated
+from gpuvigil.app.runtime import build_simulated
 from gpuvigil.sim.scenario import Scenario
 
 

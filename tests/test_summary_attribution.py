@@ -24,7 +24,7 @@ from gpuvigil.collectors import dcgm, kernel_log, nccl_log
 from gpuvigil.detectors.registry import default_detectors
 from gpuvigil.model import Finding, FindingKind, place, subject
 from gpuvigil.pipeline.hints import HintPolicy
-from gpuvigil.pipeline.window import Window
+from gpuvigil.window import Window
 
 DATA = Path(__file__).parent / "data"
 NOW = 1_796_000_000.0

@@ -11,11 +11,11 @@ from hypothesis import strategies as st
 from hyp import examples
 from polars.testing import assert_frame_equal
 
-from gpuvigil.pipeline.window import Window
+from gpuvigil.window import Window
 
 
 class OldWindow:
-    """The seal of gpuvigil/pipeline/window.py before chunks (the oracle)."""
+    """The seal of gpuvigil/window.py before chunks (the oracle)."""
 
     def __init__(self, horizon):
         self.horizon, self.frames, self.pending = horizon, {}, {}

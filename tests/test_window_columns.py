@@ -16,8 +16,8 @@ from polars.testing import assert_frame_equal
 from gpuvigil import schemas
 from gpuvigil.detectors.registry import default_detectors
 from gpuvigil.pipeline.core import Pipeline, declared_columns
-from gpuvigil.pipeline.window import Window
-from gpuvigil.runtime import build_simulated
+from gpuvigil.window import Window
+from gpuvigil.app.runtime import build_simulated
 
 KEPT = ["util_ratio"]
 

@@ -16,13 +16,13 @@ from hypothesis import strategies as st
 from hyp import examples
 
 from gpuvigil import config, schemas
-from gpuvigil.detectors.levels import LevelSelector
+from gpuvigil.pipeline.levels import LevelSelector
 from gpuvigil.detectors.oom import OomPredictor
 from gpuvigil.detectors.oom_device import DeviceOomPredictor
 from gpuvigil.detectors.straggler import StragglerDetector
 from gpuvigil.detectors.straggler_device import DeviceStragglerDetector
 from gpuvigil.pipeline.core import Pipeline, declared_retention
-from gpuvigil.pipeline.window import Window
+from gpuvigil.window import Window
 
 
 def _row(ts, job, rank, step, wait):

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from gpuvigil import xid
+from gpuvigil.gpu import xid
 
 REQUIRED = [8, 13, 31, 32, 38, 43, 45, 48, 61, 62, 63, 64, 68, 69, 74, 79, 92, 94, 95, 109, 119, 120, 121, 140, 143, *range(144, 151), *range(151, 173)]
 ACTIONS = {

@@ -16,7 +16,7 @@ from gpuvigil import config
 from gpuvigil.alerts import alertmanager_config, rules
 from gpuvigil.alerts.settings import AlertSettings, load_settings
 from gpuvigil.errors import OneLineErrorParser, UserError
-from gpuvigil.generated import write_or_check
+from gpuvigil.util.generated import write_or_check
 
 RULES_FILE = "gpuvigil-rules.yml"
 RULES_TEST_FILE = "gpuvigil-rules.test.yml"

@@ -42,8 +42,9 @@ from typing import Any
 import httpx
 import polars as pl
 
-from gpuvigil import kinds, sqlitedb
-from gpuvigil.backoff import backoff_seconds
+from gpuvigil import kinds
+from gpuvigil.util import sqlitedb
+from gpuvigil.util.backoff import backoff_seconds
 from gpuvigil.alerts.settings import HARDWARE_KINDS, AlertSettings
 from gpuvigil.errors import UserError
 from gpuvigil.model import Finding, FindingKind
@@ -74,7 +75,7 @@ CREATE TABLE IF NOT EXISTS dead_letter (
 );
 """
 
-# Migrations by PRAGMA user_version (gpuvigil.sqlitedb); version 1 is the schema above, which
+# Migrations by PRAGMA user_version (gpuvigil.util.sqlitedb); version 1 is the schema above, which
 # files written before user_version was used already have (CREATE IF NOT EXISTS adopts them).
 # Version 2: per-peer delivery (several Alertmanagers). A row of `outbox` is due for a peer until
 # `delivered` holds (its id, that peer); ids are AUTOINCREMENT, so never reused by a later row.

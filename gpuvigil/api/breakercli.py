@@ -17,7 +17,7 @@ from typing import Any
 
 from gpuvigil.api.auth import TOKEN_ENV, resolve_token
 from gpuvigil.errors import UserError
-from gpuvigil.textsafe import printable
+from gpuvigil.util.textsafe import printable
 
 
 def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
@@ -55,7 +55,7 @@ def _api(args: argparse.Namespace) -> dict[str, Any]:
 
 def _local(args: argparse.Namespace) -> dict[str, Any]:
     from gpuvigil import config
-    from gpuvigil.quarantine import Breaker, acting_config, breaker_scopes, close_breakers, store_beside
+    from gpuvigil.scheduler.quarantine import Breaker, acting_config, breaker_scopes, close_breakers, store_beside
 
     db = Path(args.hint_db)
     side = db.with_name(db.stem + ".quarantine.db")

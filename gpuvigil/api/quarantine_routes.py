@@ -6,7 +6,7 @@
   what `gpuvigil why NODE` prints.
 
 Every /v1 route needs the API's bearer token, the same token that acks and nacks hints. The state
-is the quarantine file beside the hint store (`gpuvigil.quarantine.store_beside`), written by the
+is the quarantine file beside the hint store (`gpuvigil.scheduler.quarantine.store_beside`), written by the
 acting loop of `serve` or `gpuvigil act`; a close here is seen by that loop on its next tick.
 """
 
@@ -19,7 +19,7 @@ from typing import Any
 from fastapi import APIRouter, HTTPException
 from pydantic import BaseModel, Field
 
-from gpuvigil.quarantine import Breaker, QuarantineMachine, acting_config, breaker_scopes, close_breakers, store_beside
+from gpuvigil.scheduler.quarantine import Breaker, QuarantineMachine, acting_config, breaker_scopes, close_breakers, store_beside
 
 
 class CloseRequest(BaseModel):

@@ -17,7 +17,7 @@ import time
 from pathlib import Path
 
 from gpuvigil.errors import UserError
-from gpuvigil.textsafe import printable
+from gpuvigil.util.textsafe import printable
 
 
 def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
@@ -33,7 +33,7 @@ def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
 
 
 def run(args: argparse.Namespace) -> int:
-    from gpuvigil.quarantine import IllegalTransition, QuarantineMachine, State, store_beside
+    from gpuvigil.scheduler.quarantine import IllegalTransition, QuarantineMachine, State, store_beside
 
     db = Path(args.hint_db)
     side = db.with_name(db.stem + ".quarantine.db")

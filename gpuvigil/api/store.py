@@ -30,11 +30,11 @@ from typing import Any
 
 from pydantic import ConfigDict, Field, computed_field
 
-from gpuvigil import sqlitedb
+from gpuvigil.util import sqlitedb
 from gpuvigil.errors import UserError
 from gpuvigil.model import Finding, Hint
 
-# Migrations by `PRAGMA user_version` (gpuvigil.sqlitedb). Version 1 is the schema of files
+# Migrations by `PRAGMA user_version` (gpuvigil.util.sqlitedb). Version 1 is the schema of files
 # written before user_version was used (they say `schema_version = 1` in `meta`).
 _V1 = """
 CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value TEXT NOT NULL);

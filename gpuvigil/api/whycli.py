@@ -14,7 +14,7 @@ from urllib.parse import quote
 
 from gpuvigil.api.auth import TOKEN_ENV, resolve_token
 from gpuvigil.errors import UserError
-from gpuvigil.textsafe import printable
+from gpuvigil.util.textsafe import printable
 
 NAME = "why"
 DEFAULT_URL = "http://127.0.0.1:8787"
@@ -144,7 +144,7 @@ def render_node(got: dict[str, Any]) -> str:
 
 
 def _local_node(hint_db: str, node: str) -> dict[str, Any]:
-    from gpuvigil.quarantine import QuarantineMachine, store_beside
+    from gpuvigil.scheduler.quarantine import QuarantineMachine, store_beside
 
     db = Path(hint_db)
     side = db.with_name(db.stem + ".quarantine.db")

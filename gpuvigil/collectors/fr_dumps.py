@@ -37,7 +37,7 @@ import polars as pl
 from gpuvigil import schemas
 from gpuvigil.collectors import flight_recorder as fr
 from gpuvigil.errors import UserError
-from gpuvigil.progress import CollectiveClock
+from gpuvigil.util.progress import CollectiveClock
 
 STREAMS: Mapping[str, pl.Schema] = {"fr_pipes": schemas.FR_PIPES, "fr_analysis": schemas.FR_ANALYSIS}
 _RANK = fr._RANK_IN_NAME

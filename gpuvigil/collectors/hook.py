@@ -1,4 +1,4 @@
-"""Collector for the in-process hook (`gpuvigil.instrument`): tails the per-rank JSON-lines files
+"""Collector for the in-process hook (`gpuvigil.hook.instrument`): tails the per-rank JSON-lines files
 a `FileSink` writes, and accepts the records an `HttpSink` POSTs (`HookReceiver`, or `push()` from
 any web framework). Emits RANK_PROGRESS (one row per rank and process group) and ALLOCATOR_STATS.
 

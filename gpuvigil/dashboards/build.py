@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import Any
 
 from gpuvigil.errors import OneLineErrorParser
-from gpuvigil.generated import write_or_check
+from gpuvigil.util.generated import write_or_check
 
 
 class _Encoder(json.JSONEncoder):
@@ -22,7 +22,7 @@ class _Encoder(json.JSONEncoder):
 
 
 def _dashboards() -> dict[str, Any]:
-    from gpuvigil.extras import require
+    from gpuvigil.util.extras import require
 
     # grafanalib is the [build] extra: only regenerating the committed JSON needs it.
     require("grafanalib.core", "gpuvigil dashboards build")

@@ -86,7 +86,7 @@ def _prometheus_files(args: argparse.Namespace) -> dict[str, str]:
 
 
 def _run_prometheus(args: argparse.Namespace) -> int:
-    from gpuvigil.generated import write_or_check
+    from gpuvigil.util.generated import write_or_check
 
     return write_or_check(_prometheus_files(args), Path(args.out), check=args.check, what="deploy prometheus")
 

@@ -33,7 +33,7 @@ from pydantic import BaseModel, Field
 from gpuvigil.detectors.base import FRESH, HISTORY, Declared, DetectorSpec
 from gpuvigil.detectors.common import settings
 from gpuvigil.model import Finding, FindingKind, Severity
-from gpuvigil.pipeline.window import Window
+from gpuvigil.window import Window
 
 FEATURES = ("util_ratio", "mem_util_ratio", "power_w", "temperature_c", "sm_clock_mhz")
 

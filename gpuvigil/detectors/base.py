@@ -19,7 +19,7 @@ from pydantic import BaseModel
 
 from gpuvigil.kinds import POLICIES, FindingKind
 from gpuvigil.model import Finding
-from gpuvigil.pipeline.window import Window
+from gpuvigil.window import Window
 
 LEVELS = ("L0", "L1", "L2")
 Placement = Literal["agent", "detect", "act"]
@@ -49,7 +49,7 @@ class DetectorSpec:
     """A detector's declaration (see the module's doc).
 
     `streams`: the per-job streams that mark a job as observable by it (level selection,
-    detectors/levels.py); defaults to every stream it reads. `order`: its place in the default
+    pipeline/levels.py); defaults to every stream it reads. `order`: its place in the default
     set (detectors run, and their findings are placed, in this order). `every_seconds`: how often
     it runs by default (`pipeline.detector_every_seconds` overrides; 0 every tick)."""
 

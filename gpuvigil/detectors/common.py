@@ -8,7 +8,7 @@ import polars as pl
 from pydantic import BaseModel
 
 from gpuvigil import config
-from gpuvigil.pipeline.window import Window
+from gpuvigil.window import Window
 
 M = TypeVar("M", bound=BaseModel)
 

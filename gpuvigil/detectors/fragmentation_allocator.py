@@ -38,7 +38,6 @@ those rules say it was shown (tests/incremental_oracles.py: Shown).
 
 from __future__ import annotations
 
-import math
 from typing import Any
 
 import numpy as np
@@ -50,7 +49,7 @@ from gpuvigil.detectors.common import rank_at, settings
 from gpuvigil.detectors.incremental import KEYS, SlidingRows, edges_from_rows
 from gpuvigil.detectors.per_gpu import resized
 from gpuvigil.model import Finding, FindingKind, Severity
-from gpuvigil.pipeline.window import Window
+from gpuvigil.window import Window
 
 GIB = float(1 << 30)
 STREAM = "allocator_stats"

@@ -17,7 +17,7 @@ from pydantic import BaseModel
 from gpuvigil.detectors.base import HISTORY, Declared, DetectorSpec
 from gpuvigil.detectors.common import settings
 from gpuvigil.model import Finding, FindingKind, Severity
-from gpuvigil.pipeline.window import Window
+from gpuvigil.window import Window
 
 
 class FragmentationClusterConfig(BaseModel):

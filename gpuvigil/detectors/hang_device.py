@@ -28,7 +28,7 @@ from gpuvigil.detectors.base import FRESH, HISTORY, Declared, DetectorSpec
 from gpuvigil.detectors.common import node_names, rank_at, settings
 from gpuvigil.detectors.per_gpu import GpuSlots, grow, last_per_slot
 from gpuvigil.model import Finding, FindingKind, Severity
-from gpuvigil.pipeline.window import Window
+from gpuvigil.window import Window
 
 
 class HangDeviceConfig(BaseModel):

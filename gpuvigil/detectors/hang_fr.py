@@ -20,8 +20,8 @@ from gpuvigil.policies import implicates_hardware
 from gpuvigil.detectors.base import HISTORY, Declared, DetectorSpec
 from gpuvigil.detectors.common import node_names, settings
 from gpuvigil.model import Finding, FindingKind, Severity
-from gpuvigil.progress import CollectiveClock
-from gpuvigil.pipeline.window import Window
+from gpuvigil.util.progress import CollectiveClock
+from gpuvigil.window import Window
 
 
 class HangFrConfig(BaseModel):
@@ -56,7 +56,7 @@ class FlightRecorderHangDetector(Declared):
         an = window.get("fr_analysis")
         if an.height == 0:
             return []
-        an = an.filter((pl.col("ts") >= now - c.max_age_seconds))
+        an = an.filter(pl.col("ts") >= now - c.max_age_seconds)
         jobs = window.get("jobs")
         if jobs.height:
             an = an.join(jobs.select("job", pl.col("start_ts").alias("_s")), on="job", how="left").filter(pl.col("_s").is_null() | (pl.col("dump_ts") >= pl.col("_s")) | (pl.col("ts") >= pl.col("_s")))

@@ -34,7 +34,7 @@ from dataclasses import dataclass
 import numpy as np
 import polars as pl
 
-from gpuvigil.pipeline.window import Window
+from gpuvigil.window import Window
 
 KEYS = ["job", "rank"]
 

@@ -37,7 +37,7 @@ from pydantic import BaseModel, Field
 from gpuvigil.detectors.base import FRESH, HISTORY, Declared, DetectorSpec
 from gpuvigil.detectors.common import settings
 from gpuvigil.model import Finding, FindingKind, Severity
-from gpuvigil.pipeline.window import Window
+from gpuvigil.window import Window
 
 KEY = ["node", "device", "port"]
 _ERROR_COUNTERS = (

@@ -21,7 +21,7 @@ from pydantic import BaseModel, Field
 from gpuvigil.detectors.base import FRESH, HISTORY, Declared, DetectorSpec
 from gpuvigil.detectors.common import gpu_jobs, settings
 from gpuvigil.model import Finding, FindingKind, Severity, place
-from gpuvigil.pipeline.window import Window
+from gpuvigil.window import Window
 
 
 class MemoryRepairConfig(BaseModel):

@@ -27,7 +27,7 @@ from pydantic import BaseModel, Field
 from gpuvigil.detectors.base import FRESH, HISTORY, Declared, DetectorSpec
 from gpuvigil.detectors.common import gpu_jobs, settings
 from gpuvigil.model import Finding, FindingKind, Severity, place
-from gpuvigil.pipeline.window import Window
+from gpuvigil.window import Window
 
 FABRIC_NAMES = {0: "not supported", 1: "not started", 2: "in progress", 3: "success", 4: "failure", 5: "unrecognized", 6: "NVML too old"}
 

@@ -41,7 +41,7 @@ from gpuvigil.detectors.base import HISTORY, Declared, DetectorSpec
 from gpuvigil.detectors.common import covered_jobs, rank_at, settings
 from gpuvigil.detectors.incremental import KeyIndex, SlidingRows
 from gpuvigil.model import Finding, FindingKind, Severity
-from gpuvigil.pipeline.window import Window
+from gpuvigil.window import Window
 
 GIB = float(1 << 30)
 
@@ -432,7 +432,7 @@ class OomPredictor(Declared):
         self._compact()
 
     def _step(self, window: Window, now: float, prev_now: float) -> None:
-        c, half, rows = self.config, self._half, self._rows
+        rows = self._rows
         d = now - prev_now
         S = self._S
         n, st, ne, ste = S[N], S[ST], S[NE], S[STE]

@@ -109,7 +109,7 @@ from gpuvigil.detectors.base import HISTORY, Declared, DetectorSpec
 from gpuvigil.detectors.common import allocated_gpu_retention, rank_at, settings
 from gpuvigil.detectors.incremental import TickCursor
 from gpuvigil.model import Finding, FindingKind, Severity
-from gpuvigil.pipeline.window import Window
+from gpuvigil.window import Window
 
 GIB = float(1 << 30)
 NOT_AT_L0 = "fragmentation cannot be seen at L0 (device memory shows the allocator's footprint, not what is free inside it)"

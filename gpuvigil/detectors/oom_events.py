@@ -22,7 +22,7 @@ from gpuvigil.detectors.base import HISTORY, Declared, DetectorSpec
 from gpuvigil.detectors.common import settings
 from gpuvigil.model import Finding, FindingKind, Severity, subject
 from gpuvigil.parsers.oom import load_oom_config, parse_oom
-from gpuvigil.pipeline.window import Window
+from gpuvigil.window import Window
 
 GIB = float(1 << 30)
 

@@ -9,7 +9,7 @@ here names one. What follows from the declarations:
 - `placement()`: where each runs in the fleet (the node agent, a detect replica, the act leader);
 - `every_seconds()`: how often each runs by default (`pipeline.detector_every_seconds`).
 
-The observation level, capability and streams of each (detectors/levels.py) and what the window
+The observation level, capability and streams of each (pipeline/levels.py) and what the window
 keeps for it (pipeline/core.py) are read off the instances, which carry their spec's values.
 """
 

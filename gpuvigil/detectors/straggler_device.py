@@ -62,7 +62,7 @@ from gpuvigil.detectors.base import HISTORY, Declared, DetectorSpec
 from gpuvigil.detectors.common import Persistence, allocated_gpu_retention, rank_at, settings
 from gpuvigil.detectors.incremental import KeyRing, TickCursor
 from gpuvigil.model import Finding, FindingKind, Severity
-from gpuvigil.pipeline.window import Window
+from gpuvigil.window import Window
 
 
 class StragglerDeviceConfig(BaseModel):

@@ -35,7 +35,7 @@ from typing import Any
 from gpuvigil.errors import UserError
 from gpuvigil.fleet import transport
 from gpuvigil.fleet.agent import add_common, add_metrics_args, install_signals, load
-from gpuvigil.fleet.lease import Leases
+from gpuvigil.fleet.lease import LEADER_KEY, Leases
 from gpuvigil.fleet.metrics import ActStats
 from gpuvigil.fleet.clock import from_fleet as clock_of
 from gpuvigil.fleet.fence import Fence
@@ -44,7 +44,6 @@ from gpuvigil.model import Finding
 
 log = logging.getLogger("gpuvigil.fleet")
 NAME = "act"
-LEADER_KEY = "act.leader"
 
 
 def add_parser(sub) -> None:
@@ -255,14 +254,14 @@ class Act:
         except config.ConfigError as exc:
             raise UserError(str(exc)) from exc
         # `sources.scheduler` / `sources.act` (or --scheduler / --act), read as `serve` reads them.
-        from gpuvigil import deployconfig
+        from gpuvigil.config import deploy as deployconfig
 
         flags = argparse.Namespace(scheduler=getattr(args, "scheduler", None), act=getattr(args, "act", None))
         self.sources_cfg = deployconfig.from_config(self.cfg, flags, where=args.config or "config")
         if self.sources_cfg.scheduler == "kubernetes" and self.sources_cfg.act == "on":
             # Fail at start, not when this standby becomes leader: credentials are read now
             # (no API call); the leader builds its own on taking the lease.
-            from gpuvigil.acting import make_acting
+            from gpuvigil.app.acting import make_acting
 
             make_acting("kubernetes", "on", store=None, cfg=self.cfg)
         self.acting = None
@@ -329,7 +328,7 @@ class Act:
         describes (act: dry-run) the hints this leader claimed, through the Slurm or Kubernetes
         adapter; with --hint-db it works from the store's pending hints (ack/nack/retry there),
         without it from each tick's new hints."""
-        from gpuvigil.acting import make_acting
+        from gpuvigil.app.acting import make_acting
 
         src = self.sources_cfg
         self.acting = make_acting(src.scheduler, src.act, store=store, cfg=self.cfg, pager=self.pusher.page if self.pusher is not None else None)
@@ -527,7 +526,7 @@ class Act:
 
 
 def run(args: argparse.Namespace) -> int:
-    from gpuvigil.logsetup import configure as configure_logging
+    from gpuvigil.util.logsetup import configure as configure_logging
 
     configure_logging(args.log_level)
     from gpuvigil.fleet.metrics import act_families, endpoint

@@ -32,12 +32,12 @@ import polars as pl
 from pydantic import ValidationError
 
 from gpuvigil import config, schemas
-from gpuvigil.deployconfig import Fleet, fleet_from_config
+from gpuvigil.config.deploy import Fleet, fleet_from_config
 from gpuvigil.errors import UserError
 from gpuvigil.fleet import transport
 from gpuvigil.fleet.spool import Spool
 from gpuvigil.fleet.transport import ROW_STREAMS, Subjects
-from gpuvigil.recentlog import RecentLog
+from gpuvigil.util.recentlog import RecentLog
 
 log = logging.getLogger("gpuvigil.fleet")
 NAME = "agent"
@@ -353,7 +353,7 @@ class Agent:
         self.cfg, self.fleet = load(args)
         if args.speed <= 0:
             raise UserError(f"--speed {args.speed}: must be > 0")
-        from gpuvigil import deployconfig
+        from gpuvigil.config import deploy as deployconfig
         from gpuvigil.pipeline.core import Pipeline
 
         self.src = deployconfig.from_config(self.cfg, argparse.Namespace(node=args.node), where=args.config or "config")
@@ -390,10 +390,10 @@ class Agent:
                 log.warning("agent: %d messages (%d bytes) left in the spool by the last run; replaying them first", self.spool.count, self.spool.bytes)
 
     def _build_real(self) -> None:
-        from gpuvigil import deploysources
+        from gpuvigil.app import sources as deploysources
         from gpuvigil.pipeline.core import Pipeline
         from gpuvigil.scheduler.core import Scheduler, SchedulerStateCollector
-        from gpuvigil.serve import _nodes_from_probe
+        from gpuvigil.app.serve import _nodes_from_probe
 
         sources = deploysources.build(self.src, self.cfg)
         self.closers += [s.close for s in sources]
@@ -414,7 +414,7 @@ class Agent:
             return
         from gpuvigil.exporter.metrics import Snapshot, TickStats
         from gpuvigil.exporter.prometheus import serve_metrics
-        from gpuvigil.runtime import Runtime
+        from gpuvigil.app.runtime import Runtime
 
         # One process, one /metrics: in simulated mode every node's series (with their node
         # label) through a merged view; a real node runs its own agent and serves its own.
@@ -572,7 +572,7 @@ def install_signals(loop: asyncio.AbstractEventLoop, stop: asyncio.Event) -> Non
 
 
 def run(args: argparse.Namespace) -> int:
-    from gpuvigil.logsetup import configure as configure_logging
+    from gpuvigil.util.logsetup import configure as configure_logging
 
     configure_logging(args.log_level)
     if args.print_nats_mapping:

@@ -404,7 +404,7 @@ class Detect:
 
 
 def run(args: argparse.Namespace) -> int:
-    from gpuvigil.logsetup import configure as configure_logging
+    from gpuvigil.util.logsetup import configure as configure_logging
 
     configure_logging(args.log_level)
     from gpuvigil.fleet.metrics import detect_families, endpoint

@@ -27,6 +27,9 @@ from typing import Any
 
 log = logging.getLogger("gpuvigil.fleet")
 
+# The lease `act` replicas contend for; the one holding it acts (read by fleet/metrics.py too).
+LEADER_KEY = "act.leader"
+
 
 class Leases:
     def __init__(self, kv: Any, owner: str, ttl: float):

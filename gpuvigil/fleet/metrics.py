@@ -161,7 +161,7 @@ def _from_exporter(families: Iterable[Any], rid: dict[str, str]) -> Iterable[Any
 def act_families(act: Any) -> Iterable[Any]:
     from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
-    from gpuvigil.fleet.act import LEADER_KEY
+    from gpuvigil.fleet.lease import LEADER_KEY
 
     s: ActStats = act.stats
     rid = {"replica": act.id}

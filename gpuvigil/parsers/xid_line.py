@@ -1,6 +1,6 @@
 """NVIDIA driver XID lines (`NVRM: Xid (PCI:0000:3b:00): 79, pid=1234, name=python, ...`) -> typed
 records. Pure text parsing, no I/O: the kernel-log collector and `analyze` build on it; timestamps
-are `gpuvigil.parsers.logtime`'s business, XID meanings the table's (`gpuvigil.xid`)."""
+are `gpuvigil.parsers.logtime`'s business, XID meanings the table's (`gpuvigil.gpu.xid`)."""
 
 from __future__ import annotations
 

@@ -3,7 +3,7 @@
 When a leaf switch, a rack's PDU or a cooling loop fails, every node under it shows a symptom:
 link errors, hangs whose culprits sit under one switch, throttling in one rack. Node by node,
 each would be drained. Here the symptoms are counted per component of the topology
-(gpuvigil/topology.py), within `window_seconds`:
+(gpuvigil/pipeline/topology.py), within `window_seconds`:
 
 - a symptom class (config `symptoms`) says which finding kinds count and which levels of
   component can explain them (link faults: leaf switch, spine; throttling: rack, PDU, cooling
@@ -34,7 +34,7 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 from gpuvigil.model import Finding, FindingKind, HintAction, Severity
-from gpuvigil.topology import Topology
+from gpuvigil.pipeline.topology import Topology
 
 
 class SymptomRule(BaseModel):

@@ -13,15 +13,15 @@ from pydantic import BaseModel, Field
 from gpuvigil import config, kinds
 from gpuvigil.collectors.base import Collector
 from gpuvigil.detectors.base import Detector
-from gpuvigil.detectors.levels import LevelSelector, LevelsConfig
+from gpuvigil.pipeline.levels import LevelSelector, LevelsConfig
 from gpuvigil.model import SEVERITY_RANK, Finding, Hint
 from gpuvigil.pipeline.health import HealthTracker
 from gpuvigil.pipeline.hints import HintPolicy
 from gpuvigil.pipeline.components import ComponentCorrelator, ComponentsConfig
 from gpuvigil.pipeline.incidents import IncidentsConfig, IncidentTracker
 from gpuvigil.pipeline.jobjoin import JobJoin
-from gpuvigil.pipeline.window import Window
-from gpuvigil.recentlog import RecentLog
+from gpuvigil.window import Window
+from gpuvigil.util.recentlog import RecentLog
 
 
 class PipelineConfig(BaseModel):
@@ -187,7 +187,7 @@ class Pipeline:
         self.incidents = IncidentTracker(self.config.incidents)
         self.components: ComponentCorrelator | None = None
         if self.config.components.enabled:
-            from gpuvigil.topology import Topology
+            from gpuvigil.pipeline.topology import Topology
 
             c = self.config.components
             self.components = ComponentCorrelator(c, Topology.load(topology_file=c.topology_file, slurm_topology=c.slurm_topology, ibnetdiscover=c.ibnetdiscover))

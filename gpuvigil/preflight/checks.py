@@ -15,7 +15,7 @@ from typing import Any
 
 from gpuvigil.preflight.config import CLOCK_REASONS, DcgmCheckConfig, InfinibandCheckConfig, NvmlCheckConfig, Outcome
 from gpuvigil.preflight.result import CheckResult, Problem
-from gpuvigil.textsafe import printable
+from gpuvigil.util.textsafe import printable
 
 
 class NoGpu(Exception):

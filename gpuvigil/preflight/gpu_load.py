@@ -13,7 +13,7 @@ from typing import Any
 
 from gpuvigil.preflight.config import NcclCheckConfig, TorchLoadCheckConfig
 from gpuvigil.preflight.result import CheckResult, Problem
-from gpuvigil.textsafe import printable
+from gpuvigil.util.textsafe import printable
 
 _CHUNK = 256 << 20  # memory is written and verified in chunks this size: a check never needs twice the memory
 

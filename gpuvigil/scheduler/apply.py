@@ -12,7 +12,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable
 from typing import Any
 
-from gpuvigil.backoff import backoff_seconds
+from gpuvigil.util.backoff import backoff_seconds
 from gpuvigil.errors import UserError
 from gpuvigil.model import Hint
 
@@ -27,7 +27,7 @@ class Unsupported(ApplyError):
 
 def due_for_retry(record: Any, now: float, base_seconds: float, max_seconds: float) -> bool:
     """A stored pending hint whose last apply failed waits base·2^(attempts-1) seconds (capped,
-    with jitter: `gpuvigil.backoff`) before the next try, so a hint Slurm/Kubernetes keeps
+    with jitter: `gpuvigil.util.backoff`) before the next try, so a hint Slurm/Kubernetes keeps
     refusing does not hammer it each tick, and hints that failed together do not retry together.
     The jitter is fixed per (hint, attempt): asking again gives the same answer."""
     if not record.last_error or record.attempts < 1:

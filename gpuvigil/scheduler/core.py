@@ -20,8 +20,8 @@ import polars as pl
 
 from gpuvigil import schemas
 from gpuvigil.model import Hint
-from gpuvigil.quarantine import acting_config
-from gpuvigil.recentlog import RecentLog
+from gpuvigil.scheduler.quarantine import acting_config
+from gpuvigil.util.recentlog import RecentLog
 from gpuvigil.scheduler import actions as actions_mod
 from gpuvigil.scheduler.config import SchedulerConfig, load_scheduler_config
 from gpuvigil.scheduler.framework import MILLI, ClusterView, Plan, Session

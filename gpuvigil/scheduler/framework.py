@@ -25,7 +25,7 @@ from typing import Any, Protocol, runtime_checkable
 
 import numpy as np
 
-from gpuvigil.recentlog import RecentLog
+from gpuvigil.util.recentlog import RecentLog
 from gpuvigil.scheduler.state import MILLI, Action, JobState, NodeState
 
 # Layers, each importing only those below it: state <- framework <- plugins <- actions <- core.

@@ -77,7 +77,7 @@ def _camel(kind: str) -> str:
 
 class KubernetesAdapter:
     """Applies hints to a Kubernetes cluster: `plan(hint)` says which API calls, `apply(hint)`
-    runs that plan; `gpuvigil.acting.Acting` decides what to apply and when to undo it.
+    runs that plan; `gpuvigil.app.acting.Acting` decides what to apply and when to undo it.
     `connect=False` builds a planner only (`--act dry-run`: no client library, no credentials)."""
 
     def __init__(self, api_client: Any = None, *, store: Any = None, cfg: dict[str, Any] | None = None, connect: bool = True):
@@ -86,7 +86,7 @@ class KubernetesAdapter:
         self.client = self.core = self.batch = None
         if not connect:
             return
-        from gpuvigil.extras import require
+        from gpuvigil.util.extras import require
 
         # The client is an extra (gpuvigil[kubernetes]); nothing imports it before an adapter starts.
         client = require("kubernetes.client", "the Kubernetes adapter")

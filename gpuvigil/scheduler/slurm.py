@@ -13,7 +13,7 @@ Hint → Slurm:
 | avoid_gpu, set_alloc_conf, resize_or_move_job, compact | not expressible with scontrol on a running job: nacked with the reason |
 
 Every command runs with a timeout. A command that fails raises `SlurmError` naming the command
-and Slurm's message; through `gpuvigil.acting.Acting` the hint then stays pending with the error
+and Slurm's message; through `gpuvigil.app.acting.Acting` the hint then stays pending with the error
 recorded (`HintStore.record_attempt`), so it is retried and nothing is lost. `plan(hint)` is what
 `--act dry-run` prints; `apply(hint)` runs that same plan.
 
@@ -619,7 +619,7 @@ class Applied:
 class SlurmAdapter:
     """Applies hints to a Slurm cluster: `plan(hint)` says which scontrol commands, `apply(hint)`
     runs that plan. The loop that decides what to apply and when to undo it is
-    `gpuvigil.acting.Acting` (serve, `gpuvigil act`, and the tests against a real slurmctld)."""
+    `gpuvigil.app.acting.Acting` (serve, `gpuvigil act`, and the tests against a real slurmctld)."""
 
     def __init__(self, slurm: Slurm | None = None, *, store: Any = None, cfg: dict[str, Any] | None = None):
         self.config = slurm_config(cfg)

@@ -25,7 +25,8 @@ from dataclasses import dataclass, field
 import numpy as np
 import polars as pl
 
-from gpuvigil import schemas, throttle
+from gpuvigil import schemas
+from gpuvigil.gpu import throttle
 from gpuvigil.sim import device as dev
 from gpuvigil.sim import faults
 from gpuvigil.sim.scenario import FaultConfig, JobConfig, Scenario

@@ -37,7 +37,8 @@ from pathlib import Path
 import numpy as np
 import polars as pl
 
-from gpuvigil import schemas, throttle
+from gpuvigil import schemas
+from gpuvigil.gpu import throttle
 
 GIB = 1 << 30
 SEGMENT_BYTES = GIB

@@ -153,7 +153,7 @@ def oom_message(
         ]
     elif wording == "nccl":
         parts = [
-            f"torch.distributed.DistBackendError: NCCL error in: ../torch/csrc/distributed/c10d/ProcessGroupNCCL.cpp:1970, unhandled cuda error (run with NCCL_DEBUG=INFO for details), NCCL version 2.21.5",
+            "torch.distributed.DistBackendError: NCCL error in: ../torch/csrc/distributed/c10d/ProcessGroupNCCL.cpp:1970, unhandled cuda error (run with NCCL_DEBUG=INFO for details), NCCL version 2.21.5",
             "ncclUnhandledCudaError: Call to CUDA function failed.",
             "Last error:",
             "Cuda failure 2 'out of memory'",

@@ -115,7 +115,7 @@ class SourcesConfig(_Strict):
     every sample arrives, logs name their job). Real sources differ: dcgm-exporter refreshes its
     fields every 30 s (its `-c 30000` default), NVML is polled at about 1 s, Prometheus keeps
     15-60 s history, the in-process hook publishes at the end of a step at most once per
-    interval (gpuvigil.instrument), scrapes fail, arrive late and drift, and most log files
+    interval (gpuvigil.hook.instrument), scrapes fail, arrive late and drift, and most log files
     carry no job name."""
 
     # Device telemetry (gpu_samples and NVML's per-process memory): seconds between a node's

@@ -20,7 +20,7 @@ from __future__ import annotations
 import numpy as np
 
 from gpuvigil.model import Hint, HintAction
-from gpuvigil.quarantine import Breaker, QuarantineStore
+from gpuvigil.scheduler.quarantine import Breaker, QuarantineStore
 from gpuvigil.scheduler.framework import Session
 from gpuvigil.scheduler.state import Action
 
@@ -33,7 +33,7 @@ class HealthPlugin:
     def __init__(self, scheduler):
         self.scheduler = scheduler
         self._all: np.ndarray | None = None
-        # The circuit breaker of every acting path (gpuvigil.quarantine), in memory: over its
+        # The circuit breaker of every acting path (gpuvigil.scheduler.quarantine), in memory: over its
         # limits no hint applies, each held hint is an action ("breaker_held"), and the trip
         # itself is one ("breaker_open", the page's text), until `close_breaker`.
         self.breaker = Breaker(QuarantineStore(":memory:"), getattr(scheduler, "breaker_config", None), scope="builtin")

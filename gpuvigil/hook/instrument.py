@@ -1,6 +1,6 @@
 """In-process hook for PyTorch training loops.
 
-    import gpuvigil.instrument as gv
+    import gpuvigil.hook.instrument as gv
     hook = gv.start(job="llama-70b", sink=gv.FileSink("/var/run/gpuvigil"))  # or gv.HttpSink(url)
     for batch in data:
         ...

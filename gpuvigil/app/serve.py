@@ -3,7 +3,7 @@ expose what they see: Prometheus `/metrics`, OTLP push, alerts to Alertmanager (
 durable outbox) and the scheduler feedback API.
 
 What it reads and what it may do come from the `sources:` section of `--config` (see
-`gpuvigil.deployconfig` and deploy/deploy.yaml) or the matching flags: NVML or DCGM, the kernel
+`gpuvigil.config.deploy` and deploy/deploy.yaml) or the matching flags: NVML or DCGM, the kernel
 log, torch/NCCL logs, Flight Recorder dumps, the in-process hook's receiver, the scheduler's job
 map, and `--act off|dry-run|on` for the Slurm/Kubernetes adapters. With nothing configured it
 runs the simulated cluster (`--source sim`, the demo); a real source that cannot start is an
@@ -36,9 +36,9 @@ from gpuvigil.alerts.settings import AlertSettings, load_settings
 from gpuvigil.errors import UserError
 from gpuvigil.exporter.metrics import Snapshot, TickStats
 from gpuvigil.scheduler.core import NodeSpec
-from gpuvigil.serve_memory import HeapTrimmer
+from gpuvigil.app.serve_memory import HeapTrimmer
 
-log = logging.getLogger("gpuvigil.serve")
+log = logging.getLogger("gpuvigil.app.serve")
 NAME = "serve"
 
 
@@ -116,7 +116,7 @@ class Server:
     """Everything `serve` runs, startable and stoppable from tests without a subprocess."""
 
     def __init__(self, args: argparse.Namespace):
-        from gpuvigil import deployconfig
+        from gpuvigil.config import deploy as deployconfig
 
         _check_args(args)
         self.args = args
@@ -172,7 +172,7 @@ class Server:
         if args.api_port is not None:
             self._start_api(self.store)
         if self.simulated:
-            from gpuvigil import runtime as runtime_mod
+            from gpuvigil.app import runtime as runtime_mod
 
             self.runtime = runtime_mod.build_simulated(args.scenario, nodes=args.nodes, seed=args.seed, cfg=self.cfg, sinks=sinks)
         else:
@@ -202,10 +202,10 @@ class Server:
             self._stack.callback(self.otel.shutdown)
 
     def _start_real(self, sinks: list[Any]) -> None:
-        from gpuvigil import deploysources
+        from gpuvigil.app import sources as deploysources
         from gpuvigil.detectors.registry import default_detectors
         from gpuvigil.pipeline.core import Pipeline
-        from gpuvigil.runtime import Runtime
+        from gpuvigil.app.runtime import Runtime
         from gpuvigil.scheduler.core import Scheduler, SchedulerStateCollector
 
         src = self.sources_cfg
@@ -232,7 +232,7 @@ class Server:
         self.runtime = Runtime(pipeline, scheduler, None, now=time.time())
 
     def _make_acting(self, src: Any):
-        from gpuvigil.acting import make_acting
+        from gpuvigil.app.acting import make_acting
 
         # The same function builds the `gpuvigil act` leader's (fleet/act.py).
         return make_acting(src.scheduler, src.act, store=self.store, cfg=self.cfg, pager=self.pusher.page if self.pusher is not None else None)
@@ -359,7 +359,7 @@ class Server:
 
 
 def run(args: argparse.Namespace) -> int:
-    from gpuvigil.logsetup import configure as configure_logging
+    from gpuvigil.util.logsetup import configure as configure_logging
 
     configure_logging(args.log_level)
     server = Server(args)

@@ -48,7 +48,7 @@ that failed and is retried is not counted twice). `breaker_scopes(store)` and
 `close_breakers(store, cfg, who=..., now=...)` serve `gpuvigil breaker` and the API.
 
 Everything here is pure bookkeeping: no scheduler, API or alert code. The callers
-(`gpuvigil.acting.Acting`, the built-in scheduler's health plugin, `gpuvigil breaker`) act.
+(`gpuvigil.app.acting.Acting`, the built-in scheduler's health plugin, `gpuvigil breaker`) act.
 """
 
 from __future__ import annotations
@@ -68,7 +68,7 @@ from typing import Any, Protocol
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from gpuvigil import sqlitedb
+from gpuvigil.util import sqlitedb
 
 
 class State(StrEnum):

@@ -5,7 +5,7 @@
 slurmctld. Each tick:
 
 1. Causes: a hint that expired marks its finding quiet on the node's quarantine record
-   (`gpuvigil.quarantine`); a finding reported again makes it active again.
+   (`gpuvigil.scheduler.quarantine`); a finding reported again makes it active again.
 2. Hints: each pending hint (from the store, due for a retry, whose finding is active now: a
    hint left from before a restart whose cause is gone is never acted on) goes through the
    adapter's `plan(hint)`. With `dry-run`, the plan's own text is logged once per hint (also
@@ -34,7 +34,7 @@ from collections.abc import Callable
 from typing import Any
 
 from gpuvigil.model import Hint, HintAction
-from gpuvigil.quarantine import (
+from gpuvigil.scheduler.quarantine import (
     OURS,
     ActingConfig,
     Breaker,
@@ -49,7 +49,7 @@ from gpuvigil.quarantine import (
     store_beside,
 )
 
-log = logging.getLogger("gpuvigil.serve")
+log = logging.getLogger("gpuvigil.app.serve")
 DRY_RUN_NOTE = "dry-run: would run: "  # a described hint's state_reason in the hint store
 BREAKER_NOTE = "breaker open: would run: "
 NODE_ACTIONS = (HintAction.DRAIN_NODE, HintAction.CORDON_NODE)

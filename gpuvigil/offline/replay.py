@@ -687,7 +687,7 @@ def load_files(
 ) -> None:
     """Series files into streams; everything else through `analyze`'s offline readers (`at`:
     where inputs with no timestamps of their own are placed; default their file's time)."""
-    from gpuvigil.analyze import Analyzer, _iter_files
+    from gpuvigil.offline.analyze import Analyzer, _iter_files
 
     rest: list[Path] = []
     for item in _iter_files(paths):
@@ -956,7 +956,7 @@ def _iso(ts: float) -> str:
 
 
 def json_records(result: ReplayResult, policy: Any) -> Iterable[dict[str, Any]]:
-    from gpuvigil.analyze import to_json_line
+    from gpuvigil.offline.analyze import to_json_line
 
     for f in result.findings:
         yield {"record": "finding", "fired_at": f.at, **to_json_line(f.finding, policy), "incident": f.finding.incident, "incident_role": f.finding.incident_role}
@@ -967,7 +967,7 @@ def json_records(result: ReplayResult, policy: Any) -> Iterable[dict[str, Any]]:
 
 
 def format_text(result: ReplayResult, policy: Any) -> str:
-    from gpuvigil.analyze import format_text as finding_text
+    from gpuvigil.offline.analyze import format_text as finding_text
 
     blocks = []
     for f in result.findings:
@@ -1021,7 +1021,7 @@ def handler(args: argparse.Namespace) -> int:
     else:
         sys.stdout.write(format_text(result, policy))
     if args.report:
-        from gpuvigil import report
+        from gpuvigil.offline import report
 
         report.write_replay_report(result, Path(args.report), cfg)
         print(f"gpuvigil replay: report written to {args.report}", file=sys.stderr)

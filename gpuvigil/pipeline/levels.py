@@ -3,7 +3,7 @@
 - L0: NVML or DCGM, the scheduler's job map and logs (no change to the job).
 - L1: L0 plus switches the scheduler sets in the job's environment: PyTorch Flight Recorder
   (dump on timeout, debug-info pipe) and the NCCL Inspector profiler plugin.
-- L2: the in-process hook (`gpuvigil.instrument`).
+- L2: the in-process hook (`gpuvigil.hook.instrument`).
 
 Each detector declares `level`, the `streams` it reads (any of them marks a job as observable by
 it) and, for the headline capabilities, a `capability` (hang, oom, straggler). Per job the

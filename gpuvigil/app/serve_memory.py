@@ -26,7 +26,7 @@ import os
 import threading
 from typing import Any
 
-log = logging.getLogger("gpuvigil.serve")
+log = logging.getLogger("gpuvigil.app.serve")
 
 
 def _glibc() -> Any | None:

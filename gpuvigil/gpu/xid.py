@@ -14,7 +14,7 @@ from pathlib import Path
 import yaml
 from pydantic import BaseModel, ConfigDict
 
-TABLE_PATH = Path(__file__).parent / "data" / "xid.yaml"
+TABLE_PATH = Path(__file__).parents[1] / "data" / "xid.yaml"
 
 # Xid 154 carries the required action in its text, e.g.
 # "GPU recovery action changed from 0x0 (None) to 0x2 (Node Reboot Required)".

@@ -172,7 +172,7 @@ def describe_sampling(s: dict[str, Any]) -> str:
 
 def run_scenario(name: str, nodes: int | None = None, seed: int = 0, config_path: str | None = None, sample_interval: float | None = None) -> ScenarioResult:
     from gpuvigil import config
-    from gpuvigil.runtime import build_simulated
+    from gpuvigil.app.runtime import build_simulated
 
     sc = scenario_mod.load(name)
     if sample_interval is not None:
@@ -335,7 +335,7 @@ def cmd_demo(args) -> int:
             scenario_mod.with_nodes(scenario_mod.load(name), args.nodes)
     if args.config:
         from gpuvigil import config
-        from gpuvigil.runtime import build_simulated
+        from gpuvigil.app.runtime import build_simulated
 
         # Build once here so a bad value is reported before any simulation starts.
         build_simulated(names[0], nodes=args.nodes, seed=args.seed, cfg=config.load(args.config))

@@ -10,16 +10,16 @@ import sys
 from collections.abc import Sequence
 
 from gpuvigil.errors import OneLineErrorParser, UserError
-from gpuvigil.subcommands import CURRENT_ARGV, selected_command
+from gpuvigil.cli.subcommands import CURRENT_ARGV, selected_command
 
 # command → (module, one-line help). Only the chosen command's module is imported, so the CLI
 # starts fast and one command's heavy dependencies never slow another.
 COMMANDS: dict[str, tuple[str, str]] = {
-    "demo": ("gpuvigil.demo", "run fault scenarios end to end on the simulated cluster"),
-    "analyze": ("gpuvigil.analyze", "diagnose logs, dumps and scrapes offline"),
-    "replay": ("gpuvigil.replay", "replay recorded history (Prometheus, files) through every detector: what would have fired"),
+    "demo": ("gpuvigil.app.demo", "run fault scenarios end to end on the simulated cluster"),
+    "analyze": ("gpuvigil.offline.analyze", "diagnose logs, dumps and scrapes offline"),
+    "replay": ("gpuvigil.offline.replay", "replay recorded history (Prometheus, files) through every detector: what would have fired"),
     "fr": ("gpuvigil.collectors.flight_recorder", "cross-rank analysis of Flight Recorder dumps"),
-    "serve": ("gpuvigil.serve", "run collectors, pipeline, scheduler, API and /metrics"),
+    "serve": ("gpuvigil.app.serve", "run collectors, pipeline, scheduler, API and /metrics"),
     "agent": ("gpuvigil.fleet.agent", "node agent: collectors + node/GPU detectors, publishes to NATS JetStream (fleet)"),
     "detect": ("gpuvigil.fleet.detect", "job-level detectors over leased job partitions of NATS JetStream (fleet)"),
     "act": ("gpuvigil.fleet.act", "findings → alerts and hints, one leader through a NATS KV lease (fleet)"),
@@ -31,7 +31,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "dashboards": ("gpuvigil.dashboards.build", "build Grafana dashboards"),
     "deploy": ("gpuvigil.deploy", "write deployment files for gpuvigil at scale (sharded Prometheus)"),
     "preflight": ("gpuvigil.preflight.cli", "check this node before a job or before it returns to service: PASS/WARN/FAIL, exit 0/1/2, 3 = cannot check"),
-    "bench": ("gpuvigil.benchcli", "run a benchmark and write docs/benchmarks.md"),
+    "bench": ("gpuvigil.cli.bench", "run a benchmark and write docs/benchmarks.md"),
 }
 
 
@@ -57,7 +57,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         return int(args.func(args) or 0)
     except UserError as exc:
-        from gpuvigil.textsafe import printable  # messages quote file names and contents
+        from gpuvigil.util.textsafe import printable  # messages quote file names and contents
 
         print(f"gpuvigil: error: {printable(str(exc), 2000, multiline=True)}", file=sys.stderr)
         return 2

@@ -24,7 +24,7 @@ BENCHMARKS: dict[str, tuple[str, str]] = {
 
 def add_parser(sub) -> None:
     from gpuvigil.errors import OneLineErrorParser
-    from gpuvigil.subcommands import CURRENT_ARGV, selected_command
+    from gpuvigil.cli.subcommands import CURRENT_ARGV, selected_command
 
     p = sub.add_parser("bench", help="run a benchmark and write its table to docs/benchmarks.md")
     bsub = p.add_subparsers(dest="bench", metavar="KIND", parser_class=OneLineErrorParser)

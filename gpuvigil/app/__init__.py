@@ -1,0 +1,1 @@
+"""Wiring a running process: `serve`, the demo, acting, the sources section."""

@@ -1,0 +1,1 @@
+"""The command line: argument parsing only; nothing else imports this package."""

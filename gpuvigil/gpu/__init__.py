@@ -1,0 +1,1 @@
+"""NVIDIA tables: XID meanings and actions, clock-event reasons."""

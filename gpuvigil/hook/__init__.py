@@ -1,0 +1,1 @@
+"""The in-process hook loaded into training processes: standard library only."""

@@ -1,0 +1,1 @@
+"""What reads saved files: the file formats, `analyze`, `replay` and the HTML report."""
