@@ -29,7 +29,7 @@ import numpy as np
 from benchmarks.scheduler import DEFAULT_FAULTS, FaultSimParams, Storm, fault_sim, load_faults
 from gpuvigil.errors import UserError
 from gpuvigil.model import Hint
-from gpuvigil.quarantine import Breaker, BreakerConfig, QuarantineStore, acting_config
+from gpuvigil.scheduler.quarantine import Breaker, BreakerConfig, QuarantineStore, acting_config
 
 REPO = Path(__file__).resolve().parent.parent
 # The full public trace beside the repository (shared/traces, see its README), else the excerpt.
@@ -50,7 +50,7 @@ METRICS = (
 
 
 class BreakerGate:
-    """The circuit breaker as the simulation's gate on node-taking hints (gpuvigil.quarantine's
+    """The circuit breaker as the simulation's gate on node-taking hints (gpuvigil.scheduler.quarantine's
     Breaker, in memory, on simulated time). A person closes it `close_after_hours` after it opened
     (on the next request after that); what it held back is not replayed."""
 

@@ -25,7 +25,6 @@ import json
 import os
 import shutil
 import signal
-import statistics
 import subprocess
 import sys
 import tempfile
@@ -59,7 +58,7 @@ def _world(nodes: int, workdir: Path, cfg: dict[str, Any]):
 
 def agent_cost(nodes: int, ticks: int, workdir: Path) -> dict[str, Any]:
     from gpuvigil import config
-    from gpuvigil.deployconfig import Fleet
+    from gpuvigil.config.deploy import Fleet
     from gpuvigil.fleet.agent import NodeAgent, NodeView, split_detectors
     from gpuvigil.pipeline.core import Pipeline
 
@@ -95,7 +94,7 @@ def agent_cost(nodes: int, ticks: int, workdir: Path) -> dict[str, Any]:
 def encoded_messages(nodes: int, ticks: int, workdir: Path) -> tuple[list[tuple[str, bytes, dict[str, str]]], int]:
     """The rows messages a simulated cluster's agents send over `ticks` seconds."""
     from gpuvigil import config
-    from gpuvigil.deployconfig import Fleet
+    from gpuvigil.config.deploy import Fleet
     from gpuvigil.fleet.agent import NodeAgent, NodeView, split_detectors
     from gpuvigil.pipeline.core import Pipeline
 
@@ -127,15 +126,15 @@ def _nats(workdir: Path, mapping: str, name: str = "n") -> tuple[subprocess.Pope
 def nats_cost(msgs: list[tuple[str, bytes, dict[str, str]]], workdir: Path) -> dict[str, Any]:
     """Publish the messages to a real nats-server (acked JetStream publishes, 64 in flight), then
     fetch them with detect's pull consumer: messages/s and client CPU of each side."""
-    from gpuvigil.deployconfig import Fleet
-    from gpuvigil.fleet import transport
+    from gpuvigil.config.deploy import Fleet
+    from gpuvigil.fleet import connection, transport
 
     fleet = Fleet(partitions=1)
     proc, url = _nats(workdir, transport.nats_mapping(fleet), "bench")
     fleet = fleet.model_copy(update={"servers": [url]})
 
     async def go() -> dict[str, Any]:
-        nc = await transport.connect(fleet, "bench")  # retries until the server listens
+        nc = await connection.connect(fleet, "bench")  # retries until the server listens
         js = nc.jetstream(timeout=10)
         await transport.ensure(js, fleet)
         subjects = transport.Subjects(fleet)
@@ -315,8 +314,8 @@ def e2e_run(workdir: Path, nodes: int, speed: float, wall_limit: float, log=prin
     running replicas."""
     import yaml
 
-    from gpuvigil.deployconfig import Fleet
-    from gpuvigil.fleet import transport
+    from gpuvigil.config.deploy import Fleet
+    from gpuvigil.fleet import connection, transport
     from gpuvigil.fleet.transport import partition_of
 
     shipped = Fleet()
@@ -373,7 +372,7 @@ def e2e_run(workdir: Path, nodes: int, speed: float, wall_limit: float, log=prin
             return None
 
         async def probe(stop: asyncio.Event) -> None:
-            nc = await transport.connect(fleet.model_copy(update={"servers": cluster.urls}), "bench-probe")
+            nc = await connection.connect(fleet.model_copy(update={"servers": cluster.urls}), "bench-probe")
 
             async def on_clock(m):
                 try:
@@ -617,7 +616,7 @@ def model(r: dict[str, Any]) -> list[str]:
     with the shipped fleet config (deploy/fleet.yaml)."""
     import math
 
-    from gpuvigil.deployconfig import Fleet
+    from gpuvigil.config.deploy import Fleet
 
     a, e = r["agent"], r["e2e"]
     cpu = e.get("cpu_us_per_gpu_sample", {})

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import polars as pl
 
-from gpuvigil import xid as xid_table
+from gpuvigil.gpu import xid as xid_table
 from gpuvigil.model import Severity
 
 # Event kinds that say something about the device's hardware: XIDs, uncorrectable ECC errors

@@ -16,7 +16,7 @@ import pytest
 
 import benchmarks.report
 from benchmarks.faults import paired
-from gpuvigil.cli import main
+from gpuvigil.cli.main import main
 
 FAULTS = Path(__file__).parent / "data" / "traces" / "infinitehbd-faults"
 

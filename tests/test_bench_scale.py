@@ -11,7 +11,7 @@ from __future__ import annotations
 import re
 
 from benchmarks import scale
-from gpuvigil.deployconfig import Fleet
+from gpuvigil.config.deploy import Fleet
 
 
 def result() -> dict:

@@ -83,7 +83,7 @@ def test_a_page_sooner_than_the_horizon_is_required(block):
 
 
 def test_the_check_reads_a_nested_default_from_its_enclosing_field():
-    from gpuvigil.remediation import RemediationConfig
+    from gpuvigil.scheduler.remediation import RemediationConfig
 
     assert disagreements(RemediationConfig, {"verify": {"timeout_seconds": 900.0}}, "remediation") == []
     assert disagreements(RemediationConfig, {"verify": {"timeout_seconds": 5.0}}, "remediation") == ["remediation.verify.timeout_seconds: YAML 5.0, model default 900.0"]

@@ -128,7 +128,7 @@ def test_fleet_dashboard_uses_only_what_detect_act_and_the_nats_scrape_export(tm
     d = detect_mod.Detect(parser.parse_args(["detect", "--id", "d1"]))
     a = act_mod.Act(parser.parse_args(["act", "--id", "a1", "--outbox", str(tmp_path / "outbox.sqlite")]))
     # A leader acting on Slurm (act: on) exports its acting and breaker families too.
-    from gpuvigil.acting import make_acting
+    from gpuvigil.app.acting import make_acting
 
     a.acting = make_acting("slurm", "on", store=None, cfg=a.cfg)
     names = {"up"}

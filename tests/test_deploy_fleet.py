@@ -16,8 +16,8 @@ import pytest
 import yaml
 
 from gpuvigil import config
-from gpuvigil.cli import build_parser
-from gpuvigil.deployconfig import fleet_from_config
+from gpuvigil.cli.main import build_parser
+from gpuvigil.config.deploy import fleet_from_config
 from gpuvigil.fleet import security
 
 REPO = Path(__file__).resolve().parents[1]

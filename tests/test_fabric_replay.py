@@ -12,9 +12,10 @@ from __future__ import annotations
 
 import shutil
 
-from gpuvigil import cli, config
-from gpuvigil.analyze import Analyzer
-from gpuvigil.replay import Recorded, load_files, run_replay
+from gpuvigil import config
+import gpuvigil.cli.main as cli
+from gpuvigil.offline.analyze import Analyzer
+from gpuvigil.offline.replay import Recorded, load_files, run_replay
 
 import sysfs_trees
 

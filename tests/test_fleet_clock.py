@@ -8,7 +8,7 @@ import math
 
 import pytest
 
-from gpuvigil.deployconfig import Fleet
+from gpuvigil.config.deploy import Fleet
 from gpuvigil.fleet.clock import BoundedClock, from_fleet
 from gpuvigil.fleet.metrics import clock_families
 

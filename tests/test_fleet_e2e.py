@@ -27,7 +27,7 @@ import yaml
 from fleet_helpers import GvProc as Proc, NatsCluster, Probe, nats_binary
 from services import WebhookSink, binary, start_alertmanager, wait_for
 
-from gpuvigil.deployconfig import Fleet
+from gpuvigil.config.deploy import Fleet
 from gpuvigil.fleet import transport
 from gpuvigil.fleet.transport import nats_mapping, partition_of
 

@@ -22,9 +22,9 @@ import yaml
 
 from fleet_helpers import NatsCluster, nats_binary
 
-from gpuvigil.deployconfig import Fleet
+from gpuvigil.config.deploy import Fleet
 from gpuvigil.fleet import act as act_mod
-from gpuvigil.fleet import transport
+from gpuvigil.fleet import connection, transport
 from gpuvigil.fleet.hints import SharedHints
 from gpuvigil.model import Finding, FindingKind, Severity
 
@@ -53,7 +53,7 @@ def described(caplog) -> list[str]:
 
 def test_act_failover_with_hints_in_flight_loses_none_and_repeats_none(tmp_path, caplog):
     nats_binary()
-    caplog.set_level(logging.INFO, logger="gpuvigil.serve")
+    caplog.set_level(logging.INFO, logger="gpuvigil.app.serve")
     cluster = NatsCluster(tmp_path, 1)
     try:
         cluster.wait_ready()
@@ -66,7 +66,7 @@ def test_act_failover_with_hints_in_flight_loses_none_and_repeats_none(tmp_path,
 
         async def term(act: act_mod.Act) -> tuple[act_mod.Ledger, object]:
             """What run() does on taking the leader lease."""
-            nc = await transport.connect(fleet, f"test-{act.id}", role="act")
+            nc = await connection.connect(fleet, f"test-{act.id}", role="act")
             js = nc.jetstream(timeout=5)
             await transport.ensure(js, fleet)
             kv = await js.key_value(act.subjects.ledger_bucket)

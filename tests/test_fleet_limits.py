@@ -15,7 +15,7 @@ import yaml
 
 from fleet_helpers import REPO, NatsServer
 
-from gpuvigil.deployconfig import Fleet
+from gpuvigil.config.deploy import Fleet
 from gpuvigil.errors import UserError
 from gpuvigil.fleet import transport
 from gpuvigil.fleet.transport import Subjects

@@ -20,7 +20,7 @@ import yaml
 from fleet_helpers import GvProc, NatsServer
 from services import wait_for
 
-from gpuvigil.deployconfig import Fleet
+from gpuvigil.config.deploy import Fleet
 from gpuvigil.fleet.spool import Spool
 from gpuvigil.fleet.transport import Subjects, nats_mapping
 

@@ -28,9 +28,9 @@ import yaml
 
 from fleet_helpers import REPO, NatsServer, make_tls, nats_binary
 
-from gpuvigil.deployconfig import Fleet
+from gpuvigil.config.deploy import Fleet
 from gpuvigil.errors import UserError
-from gpuvigil.fleet import security, transport
+from gpuvigil.fleet import connection, security, transport
 from gpuvigil.fleet.transport import Subjects
 
 pytestmark = [pytest.mark.services, pytest.mark.timeout(180)]
@@ -88,13 +88,13 @@ def test_wrong_or_missing_credentials_are_refused_in_one_line(secured):
     for what, bad in cases.items():
         t0 = time.monotonic()
         with pytest.raises(UserError) as err:
-            run(transport.connect(bad, "gpuvigil-agent-test", first_connect_seconds=30, role="agent"))
+            run(connection.connect(bad, "gpuvigil-agent-test", first_connect_seconds=30, role="agent"))
         # Refused at once (not after the 30 s the first connect retries an unreachable server).
         assert time.monotonic() - t0 < 15, what
         assert "refused gpuvigil-agent-test" in str(err.value) and "\n" not in str(err.value), (what, str(err.value))
     # The right credential gets in.
     async def good() -> bool:
-        nc = await transport.connect(fleet, "gpuvigil-agent-test", role="agent")
+        nc = await connection.connect(fleet, "gpuvigil-agent-test", role="agent")
         ok = nc.is_connected
         await nc.close()
         return ok
@@ -228,7 +228,7 @@ def test_generated_server_config_is_the_shipped_one_and_nats_server_accepts_it(t
 
 
 def test_credential_config_is_strict():
-    from gpuvigil.deployconfig import fleet_from_config
+    from gpuvigil.config.deploy import fleet_from_config
 
     for bad, message in (
         ({"credentials": {"agent": {"user": "a"}}}, "user and password_file go together"),

@@ -22,7 +22,7 @@ import yaml
 from fleet_helpers import GvProc as Proc, NatsCluster, Probe, nats_binary
 from services import wait_for
 
-from gpuvigil.deployconfig import Fleet
+from gpuvigil.config.deploy import Fleet
 from gpuvigil.fleet.fence import Fence
 from gpuvigil.fleet.transport import nats_mapping, partition_of
 

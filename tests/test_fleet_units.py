@@ -13,7 +13,7 @@ import pytest
 from gpuvigil import config
 from gpuvigil.config.deploy import Fleet, fleet_from_config
 from gpuvigil.errors import UserError
-from gpuvigil.fleet import transport
+from gpuvigil.fleet import connection, transport
 from gpuvigil.fleet.agent import NodeView, SimWorld, cluster_detectors, job_rows, node_summary, split_detectors
 from gpuvigil.fleet.detect import Feed
 from gpuvigil.pipeline.core import Pipeline
@@ -77,7 +77,7 @@ def test_partition_hash_is_the_servers(tmp_path):
     fleet = fleet.model_copy(update={"servers": [f"nats://127.0.0.1:{port}"]})
 
     async def go() -> dict[str, int]:
-        nc = await transport.connect(fleet, "probe")  # retries until the server listens
+        nc = await connection.connect(fleet, "probe")  # retries until the server listens
         js = nc.jetstream()
         await transport.ensure(js, fleet)
         subjects = transport.Subjects(fleet)

@@ -78,7 +78,7 @@ LAYERS: list[tuple[str, ...]] = [
     ("gpuvigil.errors", "gpuvigil.signals", "gpuvigil.kinds", "gpuvigil.gpu", "gpuvigil.hook"),  # vocabulary, tables, the stdlib hook
     ("gpuvigil.schemas", "gpuvigil.util", "gpuvigil.config"),  # frame schemas, helpers, config models
     ("gpuvigil.model", "gpuvigil.window"),  # findings and hints, the window detectors read
-    ("gpuvigil.parsers", "gpuvigil.exporter"),  # pure text parsing, metric families
+    ("gpuvigil.parsers", "gpuvigil.exporter", "gpuvigil.policies"),  # pure text parsing, metric families, shared policies
     ("gpuvigil.collectors", "gpuvigil.detectors", "gpuvigil.scheduler", "gpuvigil.alerts", "gpuvigil.dashboards"),  # stages
     ("gpuvigil.pipeline", "gpuvigil.api", "gpuvigil.sim", "gpuvigil.preflight", "gpuvigil.deploy"),  # what composes stages
     ("gpuvigil.offline", "gpuvigil.app"),  # whole processes: saved files, serve

@@ -20,13 +20,13 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from gpuvigil import schemas
-from gpuvigil.analyze import Analyzer
+from gpuvigil.offline.analyze import Analyzer
 from gpuvigil.collectors.nccl_log import analyze_text, events, parse_lines
 from gpuvigil.detectors.watchdog import NcclErrorDetector, WatchdogTimeoutDetector
 from gpuvigil.model import FindingKind, Severity
 from gpuvigil.parsers.nccl import NCCL_RESULTS, parse_error_message
 from gpuvigil.pipeline.hints import HintPolicy
-from gpuvigil.pipeline.window import Window
+from gpuvigil.window import Window
 
 DATA = Path(__file__).parent / "data"
 CORPUS = DATA / "public" / "corpus"
@@ -155,7 +155,7 @@ def test_analyze_and_replay_read_it_from_a_file(tmp_path, capsys):
     log.write_text((DATA / "h200" / "s7_nccl_two_ranks.log").read_text())
     rep = Analyzer(node="gvx").run([log])
     assert [f.kind for f in rep.findings] == [FindingKind.NCCL_ERROR] and rep.formats[str(log)] == "training_log"
-    from gpuvigil.cli import build_parser
+    from gpuvigil.cli.main import build_parser
 
     argv = ["replay", str(log), "--format", "json"]
     args = build_parser(argv).parse_args(argv)
@@ -169,7 +169,7 @@ def test_serve_pages_an_error_from_a_log_whose_path_names_no_job(tmp_path):
     """In process, real collectors: the H200 capture written to a log whose path names no job."""
     from test_serve_e2e_sources import flags, loop_in_thread
 
-    from gpuvigil.serve import Server
+    from gpuvigil.app.serve import Server
     from services import wait_for
 
     logs = tmp_path / "train"

@@ -71,7 +71,7 @@ def test_a_rising_crc_rate_is_a_hardware_ticket_with_a_cordon_hint():
 def test_a_fleet_without_the_crc_fields_is_silent():
     cfg = config.defaults()
     [det] = registry.default_detectors(cfg, only={"nvlink_crc": True})
-    from gpuvigil.pipeline.window import Window
+    from gpuvigil.window import Window
 
     w = Window(600.0)
     for t in range(0, 200, 10):

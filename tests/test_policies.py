@@ -16,7 +16,7 @@ from gpuvigil.collectors.kernel_log import analyze_text
 from gpuvigil.collectors.nccl_log import events, parse_lines
 from gpuvigil.detectors.watchdog import WatchdogTimeoutDetector
 from gpuvigil.detectors.xid import XidDetector
-from gpuvigil.pipeline.window import Window
+from gpuvigil.window import Window
 
 DATA = Path(__file__).parent / "data"
 NOW = 10_000.0

@@ -1,6 +1,6 @@
-"""The remediation ladder (gpuvigil/remediation.py) against a REAL Slurm cluster (munged +
+"""The remediation ladder (gpuvigil/scheduler/remediation.py) against a REAL Slurm cluster (munged +
 slurmctld + two slurmd, tests/slurm_cluster.py), driven by production's apply loop
-(`gpuvigil.acting.Acting`) behind the real pipeline and hint store.
+(`gpuvigil.app.acting.Acting`) behind the real pipeline and hint store.
 
 - A node gpuvigil drained for a fatal XID whose NVIDIA action is RESET_GPU climbs the ladder once
   its cause is quiet: GPU reset (nobody holds the GPU), check; the check fails, so it stays
@@ -30,11 +30,11 @@ from pathlib import Path
 import pytest
 
 from gpuvigil import config
-from gpuvigil.acting import Acting
+from gpuvigil.app.acting import Acting
 from gpuvigil.api.store import HintStore
 from gpuvigil.model import Finding, FindingKind, Severity
-from gpuvigil.quarantine import ActingConfig, QuarantineMachine, QuarantineStore, Record, State
-from gpuvigil.remediation import Ladder, RemediationConfig, SlurmDrainer, remediation_config
+from gpuvigil.scheduler.quarantine import ActingConfig, QuarantineMachine, QuarantineStore, Record, State
+from gpuvigil.scheduler.remediation import Ladder, RemediationConfig, SlurmDrainer, remediation_config
 from gpuvigil.scheduler.slurm import Slurm, SlurmAdapter
 from h_api_helpers import pipeline_into
 from slurm_cluster import SlurmCluster, missing_binaries
@@ -253,8 +253,8 @@ def test_a_command_that_hangs_is_a_failed_rung_with_its_timeout_recorded(tmp_pat
 
 
 def test_serve_and_act_use_the_ladder_when_it_is_enabled(tmp_path):
-    from gpuvigil.acting import make_acting
-    from gpuvigil.quarantine import HoldDown
+    from gpuvigil.app.acting import make_acting
+    from gpuvigil.scheduler.quarantine import HoldDown
 
     with HintStore(tmp_path / "hints.db") as store:
         on = make_acting("slurm", "on", store=store, cfg=config.load(overrides={"remediation": {"enabled": True}}))
@@ -357,7 +357,7 @@ def running_on(cluster, job):
 
 
 def test_only_known_placeholders_are_filled_in():
-    from gpuvigil.remediation import Command, run_command
+    from gpuvigil.scheduler.remediation import Command, run_command
 
     run = run_command(Command(command=["awk", "BEGIN { print \"{node}/{gpu}\" }"]), node="n0", gpu=None)
     assert (run["argv"][1], run["rc"], run["stdout"]) == ('BEGIN { print "n0/" }', 0, "n0/\n")

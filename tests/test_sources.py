@@ -9,7 +9,9 @@ import argparse
 import polars as pl
 import pytest
 
-from gpuvigil import config, deployconfig, deploysources
+from gpuvigil import config
+from gpuvigil.config import deploy as deployconfig
+from gpuvigil.app import sources as deploysources
 from gpuvigil.errors import UserError
 
 class _Probe:
@@ -73,7 +75,7 @@ def test_every_source_field_is_a_registration_or_a_setting():
 
 
 def test_serve_has_the_flag_of_every_registered_source(probe):
-    from gpuvigil import serve
+    from gpuvigil.app import serve
 
     parser = argparse.ArgumentParser()
     serve.add_parser(parser.add_subparsers())

@@ -83,7 +83,7 @@ def make_acting(
         raise ValueError(f"scheduler {scheduler!r}")
     qstore = store_beside(getattr(store, "path", None)) if mode == "on" else None
     if steps is None and qstore is not None:
-        from gpuvigil.remediation import make_steps
+        from gpuvigil.scheduler.remediation import make_steps
 
         steps = make_steps(cfg, QuarantineMachine(qstore), store=store, adapter=adapter)  # None: the hold-down
     return Acting(scheduler, mode, store=store, adapter=adapter, cfg=acting_config(cfg), quarantine=qstore, pager=pager, steps=steps)

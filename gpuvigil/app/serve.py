@@ -31,7 +31,8 @@ from typing import Any
 
 import polars as pl
 
-from gpuvigil import config, deployconfig
+from gpuvigil import config
+from gpuvigil.config import deploy as deployconfig
 from gpuvigil.alerts.settings import AlertSettings, load_settings
 from gpuvigil.errors import UserError
 from gpuvigil.exporter.metrics import Snapshot, TickStats

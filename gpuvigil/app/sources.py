@@ -1,4 +1,4 @@
-"""Start what a `sources:` section (gpuvigil.deployconfig.Sources) names: one collector per source.
+"""Start what a `sources:` section (gpuvigil.config.deploy.Sources) names: one collector per source.
 The pipeline contains a collector that fails and tracks its health (`pipeline/health.py`); a
 source's `up` is read from there, so there is one account of what is down.
 
@@ -21,11 +21,11 @@ from typing import Any
 import polars as pl
 
 from gpuvigil import schemas
-from gpuvigil.deployconfig import pattern_glob, pattern_regex, pattern_root, split_address
+from gpuvigil.config.deploy import pattern_glob, pattern_regex, pattern_root, split_address
 from gpuvigil.errors import UserError
 from gpuvigil.pipeline.health import HealthTracker
 
-log = logging.getLogger("gpuvigil.serve")
+log = logging.getLogger("gpuvigil.app.serve")
 
 
 class Every:
@@ -277,7 +277,7 @@ def build(sources: Any, cfg: dict[str, Any]) -> list[Source]:
     (deployconfig.SOURCE_SPECS); UserError names the first one that cannot start."""
     import importlib
 
-    from gpuvigil.deployconfig import SOURCE_SPECS
+    from gpuvigil.config.deploy import SOURCE_SPECS
 
     ctx = BuildContext(sources.node_name(), cfg, [])
     try:

@@ -29,7 +29,8 @@ import httpx
 import polars as pl
 from prometheus_client.parser import text_string_to_metric_families
 
-from gpuvigil import policies, schemas, signals, xid
+from gpuvigil import policies, schemas, signals
+from gpuvigil.gpu import xid
 from gpuvigil.errors import UserError
 from gpuvigil.model import Finding, FindingKind, Severity, place
 

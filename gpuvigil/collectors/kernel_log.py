@@ -34,7 +34,8 @@ from typing import Any
 import polars as pl
 from pydantic import BaseModel, Field
 
-from gpuvigil import config, policies, schemas, xid
+from gpuvigil import config, policies, schemas
+from gpuvigil.gpu import xid
 from gpuvigil.parsers.logtime import line_time, syslog_host
 from gpuvigil.parsers.xid_line import XID_LINE, iter_xid_records, looks_like_kernel_log, normalise_pci, parse_xid_line  # noqa: F401
 from gpuvigil.collectors.tail import FileTail, TailingLogCollector, TailPosition  # noqa: F401 (re-exported)

@@ -38,7 +38,7 @@ _Loader = getattr(yaml, "CSafeLoader", yaml.SafeLoader)  # libyaml when the whee
 # Sub-keys validated by their own model are given as "section.key". A new default YAML file
 # needs its entry here (a test checks that every default section has one).
 SECTIONS: dict[str, str | dict[str, str]] = {
-    "acting": "gpuvigil.quarantine:ActingConfig",
+    "acting": "gpuvigil.scheduler.quarantine:ActingConfig",
     "alerts": "gpuvigil.alerts.settings:AlertSettings",
     "allocator": "gpuvigil.collectors.allocator:AllocatorConfig",
     "api": "gpuvigil.api.config:ApiConfig",
@@ -46,18 +46,18 @@ SECTIONS: dict[str, str | dict[str, str]] = {
     "api.kubernetes": "gpuvigil.scheduler.kubernetes:KubernetesConfig",
     # One block per registered detector, each validated by the config model its spec declares.
     "detectors": "gpuvigil.detectors.registry:config_models()",
-    "fleet": "gpuvigil.deployconfig:Fleet",
+    "fleet": "gpuvigil.config.deploy:Fleet",
     "hints": "gpuvigil.pipeline.hints:HintConfig",
     "kernel_log": "gpuvigil.collectors.kernel_log:KernelLogConfig",
-    "levels": "gpuvigil.detectors.levels:LevelsConfig",
+    "levels": "gpuvigil.pipeline.levels:LevelsConfig",
     "oom_classify": "gpuvigil.parsers.oom:OomClassifyConfig",
     "pipeline": "gpuvigil.pipeline.core:PipelineConfig",
     "preflight": "gpuvigil.preflight.config:PreflightConfig",
-    "remediation": "gpuvigil.remediation:RemediationConfig",
-    "report": "gpuvigil.report:ReportConfig",
+    "remediation": "gpuvigil.scheduler.remediation:RemediationConfig",
+    "report": "gpuvigil.offline.report:ReportConfig",
     "scheduler": "gpuvigil.scheduler.config:SchedulerConfig",
     # One key per registered source (deployconfig.SOURCE_SPECS), besides its settings.
-    "sources": "gpuvigil.deployconfig:sources_model()",
+    "sources": "gpuvigil.config.deploy:sources_model()",
 }
 
 

@@ -109,7 +109,7 @@ def _check_patterns(patterns: list[str]) -> list[str]:
     return patterns
 
 
-_BUILD = "gpuvigil.deploysources:"
+_BUILD = "gpuvigil.app.sources:"
 SOURCE_SPECS: list[SourceSpec] = [
     SourceSpec("nvml", bool, False, "sample this node's GPUs through NVML", 10, _BUILD + "build_nvml"),
     SourceSpec("dcgm", list[str], [], "dcgm-exporter /metrics URLs", 20, _BUILD + "build_dcgm", flag="dcgm_url", flag_list=True, check=_check_urls,

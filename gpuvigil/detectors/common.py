@@ -87,7 +87,7 @@ def covered_jobs(rows: pl.DataFrame, now: float, span: float, need: float, *, co
     """Jobs whose rows (one series per rank) came densely enough over the last `span` seconds
     for a detector's own fit: at least `need` rows per rank, on the median rank (with `column`:
     rows where it is filled). Side-by-side level selection holds a lower detector's findings back
-    for these jobs (detectors/levels.py: healthy_jobs); a job whose hook publishes too seldom for
+    for these jobs (pipeline/levels.py: healthy_jobs); a job whose hook publishes too seldom for
     the fit is left to the device's detectors."""
     if rows.height == 0 or "job" not in rows.columns or "rank" not in rows.columns:
         return set()

@@ -7,11 +7,11 @@ from typing import Any
 import polars as pl
 from pydantic import BaseModel
 
-from gpuvigil import xid as xid_table
+from gpuvigil.gpu import xid as xid_table
 from gpuvigil.detectors.base import HISTORY, Declared, DetectorSpec, Reads
 from gpuvigil.detectors.common import gpu_jobs, settings
 from gpuvigil.model import Finding, FindingKind, Severity, place
-from gpuvigil.pipeline.window import Window
+from gpuvigil.window import Window
 
 
 class EccConfig(BaseModel):

@@ -12,7 +12,7 @@ Signals, all from `rank_progress` (the in-process hook's Flight Recorder `pg_sta
   pending collective and none completes it for longer (`all_entered_*`), the job is paged hung;
   an XID or ECC event on the GPU of exactly one of its ranks names that rank (a GPU that failed
   under its kernel), else no culprit is named and the L0/L1 detectors, which run beside this one
-  for hooked jobs (detectors/levels.py), join it with theirs.
+  for hooked jobs (pipeline/levels.py), join it with theirs.
 A checkpoint save or a data-loader stall pauses all ranks *outside* collectives (enqueued ==
 completed everywhere), so it is never a hang. XID/ECC events on a culprit's node say hardware.
 """
@@ -28,7 +28,7 @@ from gpuvigil.policies import implicates_hardware
 from gpuvigil.detectors.base import FRESH, HISTORY, Declared, DetectorSpec
 from gpuvigil.detectors.common import node_names, rank_at, settings
 from gpuvigil.model import Finding, FindingKind, Severity
-from gpuvigil.pipeline.window import Window
+from gpuvigil.window import Window
 
 
 class HangConfig(BaseModel):

@@ -21,7 +21,7 @@ from gpuvigil.detectors.base import HISTORY, Declared, DetectorSpec, Reads
 from gpuvigil.detectors.common import gpu_jobs, settings
 from gpuvigil.detectors.per_gpu import CounterRate
 from gpuvigil.model import Finding, FindingKind, Severity, place
-from gpuvigil.pipeline.window import Window
+from gpuvigil.window import Window
 
 
 class NvlinkCrcConfig(BaseModel):

@@ -26,7 +26,7 @@ from gpuvigil.detectors.base import HISTORY, Declared, DetectorSpec
 from gpuvigil.detectors.common import covered_jobs, current_run, rank_at, settings
 from gpuvigil.detectors.incremental import KeyRing, SlidingRows, TickCursor, masked_median
 from gpuvigil.model import Finding, FindingKind, Severity
-from gpuvigil.pipeline.window import Window
+from gpuvigil.window import Window
 
 STREAM = "rank_progress"
 NO_GPU = np.iinfo(np.int32).min  # a null gpu in the rings

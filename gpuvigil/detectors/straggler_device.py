@@ -181,7 +181,6 @@ class DeviceStragglerDetector(Declared):
         if not stepping:
             self._reset()
         self._sync_allocations(window.get("allocations"))
-        c = self.config
         self._add(window.fresh("gpu_samples") if stepping else window.get("gpu_samples"), now - self._window(), now - self._recent_seconds())
         self._measure_interval()
         if self._keys.height == 0:
@@ -261,7 +260,6 @@ class DeviceStragglerDetector(Declared):
     def _per_gpu(self, window: Window) -> tuple[pl.DataFrame, np.ndarray]:
         """One row per allocation row with samples in its look-back: the refit's `per` frame (and
         `_k`, its ring row); and per ring row the oldest ts read."""
-        c = self.config
         now = window.now
         keys = self._keys
         ring = self._ring

@@ -8,12 +8,12 @@ import numpy as np
 import polars as pl
 from pydantic import BaseModel
 
-from gpuvigil import throttle
+from gpuvigil.gpu import throttle
 from gpuvigil.detectors.base import HISTORY, Declared, DetectorSpec, Reads
 from gpuvigil.detectors.common import gpu_jobs, settings
 from gpuvigil.detectors.per_gpu import GpuSlots, grow, last_per_slot
 from gpuvigil.model import Finding, FindingKind, Severity
-from gpuvigil.pipeline.window import Window
+from gpuvigil.window import Window
 
 
 _LAST = ("temperature_c", "sm_clock_mhz", "power_w")  # the latest sample's values, for the evidence

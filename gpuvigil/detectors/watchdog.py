@@ -36,7 +36,7 @@ from gpuvigil.detectors.base import HISTORY, Declared, DetectorSpec
 from gpuvigil.detectors.common import settings
 from gpuvigil.model import Finding, FindingKind, Severity, log_file, place
 from gpuvigil.parsers.nccl import NET_WARN_PATTERN, describe_error, error_cause, parse_error_message
-from gpuvigil.pipeline.window import Window
+from gpuvigil.window import Window
 
 _SEQ = re.compile(r"SeqNum=(\d+)")
 _OP = re.compile(r"OpType=(\w+)")

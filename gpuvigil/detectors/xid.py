@@ -21,11 +21,11 @@ import polars as pl
 from pydantic import BaseModel, Field
 
 from gpuvigil import policies
-from gpuvigil import xid as xid_table
+from gpuvigil.gpu import xid as xid_table
 from gpuvigil.detectors.base import FRESH, HISTORY, Declared, DetectorSpec
 from gpuvigil.detectors.common import gpu_jobs, settings
 from gpuvigil.model import Finding, FindingKind, Severity, place
-from gpuvigil.pipeline.window import Window
+from gpuvigil.window import Window
 
 
 class XidBlameConfig(BaseModel):

@@ -24,7 +24,8 @@ from typing import Any, Literal, Protocol
 import polars as pl
 
 import gpuvigil
-from gpuvigil import signals, throttle, xid
+from gpuvigil import signals
+from gpuvigil.gpu import throttle, xid
 from gpuvigil.model import Finding, FindingKind, Severity
 
 MetricType = Literal["gauge", "counter", "info", "histogram"]
@@ -61,7 +62,7 @@ class Family:
 
 
 class RuntimeLike(Protocol):
-    """What the exporters read (gpuvigil.runtime.Runtime satisfies it)."""
+    """What the exporters read (gpuvigil.app.runtime.Runtime satisfies it)."""
 
     pipeline: Any
     scheduler: Any

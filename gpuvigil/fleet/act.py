@@ -33,7 +33,7 @@ from pathlib import Path
 from typing import Any
 
 from gpuvigil.errors import UserError
-from gpuvigil.fleet import transport
+from gpuvigil.fleet import connection, transport
 from gpuvigil.fleet.agent import add_common, add_metrics_args, install_signals, load
 from gpuvigil.fleet.lease import LEADER_KEY, Leases
 from gpuvigil.fleet.metrics import ActStats
@@ -447,7 +447,7 @@ class Act:
         return True
 
     async def run(self) -> None:
-        nc = await transport.connect(self.fleet, f"gpuvigil-act-{self.id}", role=NAME)
+        nc = await connection.connect(self.fleet, f"gpuvigil-act-{self.id}", role=NAME)
         self.js = nc.jetstream(timeout=5)
         reader: asyncio.Task | None = None
         try:

@@ -34,7 +34,7 @@ from pydantic import ValidationError
 from gpuvigil import config, schemas
 from gpuvigil.config.deploy import Fleet, fleet_from_config
 from gpuvigil.errors import UserError
-from gpuvigil.fleet import transport
+from gpuvigil.fleet import connection, transport
 from gpuvigil.fleet.spool import Spool
 from gpuvigil.fleet.transport import ROW_STREAMS, Subjects
 from gpuvigil.util.recentlog import RecentLog
@@ -452,7 +452,7 @@ class Agent:
         return msgs
 
     async def run(self) -> None:
-        nc = await transport.connect(self.fleet, f"gpuvigil-agent-{self.agents[0].node}", role=NAME)
+        nc = await connection.connect(self.fleet, f"gpuvigil-agent-{self.agents[0].node}", role=NAME)
         js = nc.jetstream(timeout=5)
         subjects = Subjects(self.fleet)
         try:

@@ -27,7 +27,7 @@ from typing import Any
 import polars as pl
 
 from gpuvigil import schemas
-from gpuvigil.fleet import transport
+from gpuvigil.fleet import connection, transport
 from gpuvigil.fleet.agent import add_common, add_metrics_args, install_signals, load, split_detectors
 from gpuvigil.fleet.lease import Leases
 from gpuvigil.fleet.clock import from_fleet as clock_of
@@ -346,7 +346,7 @@ class Detect:
         return out
 
     async def run(self) -> None:
-        self.nc = nc = await transport.connect(self.fleet, f"gpuvigil-detect-{self.id}", role=NAME)
+        self.nc = nc = await connection.connect(self.fleet, f"gpuvigil-detect-{self.id}", role=NAME)
         self.js = nc.jetstream(timeout=5)
         try:
             await transport.ensure(self.js, self.fleet)

@@ -20,7 +20,7 @@ import ssl
 from pathlib import Path
 from typing import Any
 
-from gpuvigil.deployconfig import Fleet, NatsCredential
+from gpuvigil.config.deploy import Fleet, NatsCredential
 from gpuvigil.errors import UserError
 from gpuvigil.fleet.transport import Subjects
 

@@ -13,7 +13,7 @@ import json
 import threading
 from pathlib import Path
 
-from gpuvigil import sqlitedb
+from gpuvigil.util import sqlitedb
 
 _SCHEMA = ["CREATE TABLE spool (id INTEGER PRIMARY KEY AUTOINCREMENT, subject TEXT NOT NULL, headers TEXT NOT NULL, body BLOB NOT NULL, size INTEGER NOT NULL)"]
 

@@ -31,7 +31,7 @@ from typing import Any
 import polars as pl
 
 from gpuvigil import schemas
-from gpuvigil.deployconfig import Fleet
+from gpuvigil.config.deploy import Fleet
 from gpuvigil.model import Finding
 
 log = logging.getLogger("gpuvigil.fleet")
@@ -157,68 +157,6 @@ def parse_findings(data: bytes) -> tuple[dict[str, Any], list[Finding]]:
 
 
 # -- connection and set-up ---------------------------------------------------------------------------
-async def connect(fleet: Fleet, name: str, first_connect_seconds: float = 60.0, role: str | None = None):
-    """A connection that reconnects forever (a NATS node may die; the cluster keeps serving), with
-    TLS and the credential of `role` (agent, detect, act) from `fleet` (gpuvigil.fleet.security).
-    A refused credential is an error at once: retrying it would only hide it."""
-    from gpuvigil.extras import require
-    from gpuvigil.fleet.security import connect_options
-
-    nats = require("nats", "gpuvigil agent/detect/act")
-    import nats.aio.client
-
-    options = connect_options(fleet, role)
-
-    refused: asyncio.Future = asyncio.get_running_loop().create_future()
-
-    async def _error(exc: Exception) -> None:
-        log.debug("nats %s: %s", name, exc)
-        # nats-py retries a refused connect like an unreachable server: stop it here.
-        if _refused(exc) and not refused.done():
-            refused.set_result(_refused(exc))
-
-    async def _connect(nc: Any) -> Any:
-        await nc.connect(
-            servers=fleet.servers, name=name, max_reconnect_attempts=-1, reconnect_time_wait=0.5,
-            connect_timeout=2, allow_reconnect=True, error_cb=_error, ping_interval=5, max_outstanding_pings=2, **options,
-        )
-        return nc
-
-    async def _abandon(task: asyncio.Future, nc: Any) -> None:
-        task.cancel()
-        await asyncio.gather(task, return_exceptions=True)
-        try:
-            await nc.close()
-        except Exception:  # noqa: BLE001 - never connected
-            pass
-
-    from gpuvigil.errors import UserError
-
-    # The first connect is retried too (a fleet's processes may start before NATS is up).
-    last: BaseException | None = None
-    deadline = asyncio.get_running_loop().time() + first_connect_seconds
-    while True:
-        client = nats.aio.client.Client()
-        task = asyncio.ensure_future(_connect(client))
-        done, _ = await asyncio.wait({task, refused}, timeout=max(0.5, deadline - asyncio.get_running_loop().time()),
-                                     return_when=asyncio.FIRST_COMPLETED)
-        if refused in done:
-            await _abandon(task, client)
-            raise UserError(f"NATS at {', '.join(fleet.servers)} refused {name}: {refused.result()}")
-        if task not in done:
-            await _abandon(task, client)
-            raise UserError(f"cannot reach NATS at {', '.join(fleet.servers)} in {first_connect_seconds:g}s: {last or 'no answer'}")
-        exc = task.exception()
-        if exc is None:
-            return task.result()
-        if _refused(exc):
-            raise UserError(f"NATS at {', '.join(fleet.servers)} refused {name}: {_refused(exc)}")
-        last = exc
-        if asyncio.get_running_loop().time() > deadline:
-            raise UserError(f"cannot reach NATS at {', '.join(fleet.servers)}: {last}")
-        await asyncio.sleep(0.5)
-
-
 async def shutdown(nc: Any, *steps: Any, seconds: float = 2.0) -> None:
     """A stop that fits systemd's and Kubernetes' grace: the given coroutines (lease releases) at
     once and bounded, then a bounded flush and a close. `drain` waited for every pull
@@ -227,7 +165,7 @@ async def shutdown(nc: Any, *steps: Any, seconds: float = 2.0) -> None:
     if steps:
         try:
             await asyncio.wait_for(asyncio.gather(*steps, return_exceptions=True), seconds)
-        except (TimeoutError, asyncio.TimeoutError):
+        except TimeoutError:
             log.info("shutdown: lease releases cut short after %gs (they expire on their own)", seconds)
     try:
         await nc.flush(timeout=1)
@@ -237,21 +175,6 @@ async def shutdown(nc: Any, *steps: Any, seconds: float = 2.0) -> None:
         await asyncio.wait_for(nc.close(), seconds)
     except Exception:  # noqa: BLE001 - closing anyway
         pass
-
-
-def _refused(exc: BaseException) -> str:
-    """The reason when `exc` (or what it wraps) is an authentication or TLS refusal, else ''."""
-    import ssl
-
-    seen: set[int] = set()
-    e: BaseException | None = exc
-    while e is not None and id(e) not in seen:
-        seen.add(id(e))
-        text = str(e).lower()
-        if isinstance(e, ssl.SSLError) or "authorization" in text or "authentication" in text or "certificate" in text:
-            return str(e) or type(e).__name__
-        e = e.__cause__ or e.__context__
-    return ""
 
 
 async def ensure(js: Any, fleet: Fleet, *, attempts: int = 60) -> None:

@@ -28,11 +28,12 @@ from typing import Any
 
 import polars as pl
 
-from gpuvigil import config, policies, throttle
+from gpuvigil import config, policies
+from gpuvigil.gpu import throttle
 from gpuvigil.collectors.safe_pickle import looks_like_pickle
 from gpuvigil.errors import UserError
 from gpuvigil.model import Finding, FindingKind, Severity, place
-from gpuvigil.textsafe import printable
+from gpuvigil.util.textsafe import printable
 
 SNIFF_BYTES = 256 * 1024
 SEVERITY_ORDER = {Severity.PAGE: 0, Severity.TICKET: 1, Severity.INFO: 2}
@@ -270,7 +271,7 @@ def detect_once(names: Iterable[str], streams: dict[str, pl.DataFrame], ts: floa
     """Findings of the registered detectors `names` over one snapshot (one tick at `ts`): what a
     saved scrape or a copy of a sysfs tree says on its own, by the detectors serve runs."""
     from gpuvigil.detectors.registry import default_detectors
-    from gpuvigil.pipeline.window import Window
+    from gpuvigil.window import Window
 
     window = Window(600.0)
     for stream, df in streams.items():
@@ -489,7 +490,7 @@ class Analyzer:
 
 def _xid_counter_findings(text: str, display: str, ts: float, node: str | None) -> list[Finding]:
     """XIDs from dcgm-exporter's XID counters that label the code (`xid="42"`), one per GPU and code."""
-    from gpuvigil import xid as xid_table
+    from gpuvigil.gpu import xid as xid_table
     from gpuvigil.parsers.nvidia_smi import xid_counter_samples
 
     out: list[Finding] = []
@@ -656,7 +657,7 @@ def handler(args: argparse.Namespace) -> int:
         raise UserError(str(exc)) from exc
     at = None
     if getattr(args, "at", None):
-        from gpuvigil.replay import parse_time
+        from gpuvigil.offline.replay import parse_time
 
         at = parse_time(args.at)
     analyzer = Analyzer(cfg=cfg, job=args.job, node=args.node, pci_to_gpu=_parse_pci_map(args.pci_map), at=at)
@@ -684,7 +685,7 @@ def handler(args: argparse.Namespace) -> int:
         )
     out.flush()
     if getattr(args, "report", None):
-        from gpuvigil import report as html_report
+        from gpuvigil.offline import report as html_report
 
         html_report.write_analyze_report(report, [Path(p) for p in args.paths], Path(args.report), cfg, node=args.node)
         print(f"gpuvigil analyze: report written to {args.report}", file=sys.stderr)

@@ -1,5 +1,5 @@
 """The remediation ladder and the return-to-service check: the `Steps` of the quarantine state
-machine (gpuvigil/quarantine.py) when `remediation.enabled` is on.
+machine (gpuvigil/scheduler/quarantine.py) when `remediation.enabled` is on.
 
 A record gpuvigil holds out reaches `remediating` once every cause is quiet. `Ladder.remediate`
 then climbs one rung per call, each a configured command with a timeout whose outcome (exit code,
@@ -48,8 +48,9 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from gpuvigil import config, xid as xid_table
-from gpuvigil.quarantine import QuarantineMachine, Record, StepResult
+from gpuvigil import config
+from gpuvigil.gpu import xid as xid_table
+from gpuvigil.scheduler.quarantine import QuarantineMachine, Record, StepResult
 
 OUTPUT_TAIL_CHARS = 2000
 
