@@ -54,14 +54,15 @@ def test_bench_pipeline_without_the_hook_is_an_l0_fleet_keeping_device_history()
     """simulated: --no-hook drops the hook's streams, so every job is an L0 job. The window then
     holds no allocator or rank history, and keeps the 20 s of gpu_samples history the device-level
     detectors (oom_device, straggler_device) declare for a rebuild of their rings for every
-    allocated GPU, where the hooked fleet (every job L2) thins it to its last 10 s
+    allocated GPU. The hooked fleet (every job L2) keeps the same: its jobs' device detectors run
+    beside the hook's (levels side by side), so their GPUs' history is not thinned
     (docs/detectors.md, "History kept at scale")."""
     hooked, bare = _bench("--fleet", "hooked"), _bench("--no-hook")
     assert (hooked["hook"], bare["hook"]) == (True, False)
     assert {"allocator_stats", "rank_progress"} <= set(hooked["window_horizon_seconds"])
     assert not {"allocator_stats", "rank_progress"} & set(bare["window_horizon_seconds"])
     assert bare["window_horizon_seconds"]["gpu_samples"] == 20.0
-    assert bare["window_bytes_by_stream"]["gpu_samples"] > 1.5 * hooked["window_bytes_by_stream"]["gpu_samples"]
+    assert bare["window_bytes_by_stream"]["gpu_samples"] == hooked["window_bytes_by_stream"]["gpu_samples"] > 0
 
 
 def test_bench_pipeline_measures_both_fleets_by_default_each_with_its_own_table():

@@ -44,6 +44,11 @@ REPO = Path(__file__).resolve().parents[1]
 DCGM_PAGE = Path(__file__).parent / "data" / "obs" / "dcgm_node07.prom"
 SCENARIO, JOB, TEAM = "leak_to_oom", "llm-pretrain", "ml-research"  # llm-pretrain's tenant is research
 CLUSTER = "it"
+# The fleet dashboard reads the detect/act processes and NATS (not this single serve); these
+# series come from the InfiniBand source and NVML/DCGM fabric fields the simulated cluster does
+# not send (tests/test_infiniband_serve.py and tests/test_nvlink_fabric.py read them for real).
+CHECKED_DASHBOARDS = [n for n in DASHBOARDS if n != "gpuvigil-fleet"]
+NOT_FROM_THE_SIMULATOR = ("gpuvigil_ib_port_", "gpuvigil_gpu_nvlink_links", "gpuvigil_gpu_fabric_", "gpuvigil_gpu_row_remap_pending", "gpuvigil_gpu_retired_pages_pending")
 
 
 def metric(text: str, name: str) -> list[tuple[dict, float]]:
@@ -190,9 +195,11 @@ def test_end_to_end(stack):
     variables = {"$cluster": CLUSTER, "$job": JOB, "$__rate_interval": "5s"}
     failures = []
     checked = 0
-    for name in DASHBOARDS:
+    for name in CHECKED_DASHBOARDS:
         subs = dict(variables, **{"$node": "gpu-node-07" if name == "gpuvigil-dcgm-node" else node})
         for title, expr in panel_queries(dashboard_json(name)):
+            if any(m in expr for m in NOT_FROM_THE_SIMULATOR):
+                continue
             query = expr
             for var, val in sorted(subs.items(), key=lambda kv: -len(kv[0])):
                 query = query.replace(var, val)
@@ -206,7 +213,7 @@ def test_end_to_end(stack):
             if not any(not math.isnan(v) for v in values):
                 failures.append((name, title, query, "no data"))
     assert not failures, "\n".join(map(str, failures))
-    assert checked == sum(len(panel_queries(dashboard_json(n))) for n in DASHBOARDS) > 60
+    assert checked == sum(1 for n in CHECKED_DASHBOARDS for _, e in panel_queries(dashboard_json(n)) if not any(m in e for m in NOT_FROM_THE_SIMULATOR)) > 60
     print(f"checked {checked} panel queries; pager notifications: {len(webhook.notifications('/page/'))}, groups: {len(seen)}")
 
 

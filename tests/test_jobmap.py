@@ -31,7 +31,9 @@ sys.path.insert(0, str(Path(__file__).parent))
 def job_process():
     """A real process started the way srun + torchrun start a rank."""
     env = {**os.environ, "SLURM_JOB_ID": "4242", "SLURM_PROCID": "1", "RANK": "9", "LOCAL_RANK": "1", "SLURM_LOCALID": "1"}
-    proc = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"], env=env)
+    proc = subprocess.Popen([sys.executable, "-c", "import time; print('up', flush=True); time.sleep(60)"], env=env, stdout=subprocess.PIPE, text=True)
+    # Read only once it runs: between fork and exec /proc/PID/environ is still the parent's.
+    assert proc.stdout is not None and proc.stdout.readline() == "up\n"
     yield proc
     proc.kill()
     proc.wait()

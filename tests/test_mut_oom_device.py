@@ -180,8 +180,9 @@ EDGE_CASES = {
     "min_growth one byte more": ({"min_growth_bytes": 6 * GIB + 1}, 28),
     "rise_bytes one byte under a segment": ({"rise_bytes": GIB - 1}, 24),
     "a step of exactly rise_bytes is noise": ({"rise_bytes": GIB}, None),
-    "horizon = the time to OOM": ({"predict_horizon_seconds": TTO_24}, 24),
-    "horizon just under it": ({"predict_horizon_seconds": BELOW}, 28),
+    # (a page sooner than the horizon is required: page_within_seconds follows it down)
+    "horizon = the time to OOM": ({"predict_horizon_seconds": TTO_24, "page_within_seconds": TTO_24}, 24),
+    "horizon just under it": ({"predict_horizon_seconds": BELOW, "page_within_seconds": BELOW}, 28),
     "min_rises 3 with a 4 s span": ({"min_rises": 3, "min_span_seconds": 8.0}, 12),
 }
 

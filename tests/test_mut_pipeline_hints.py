@@ -56,6 +56,6 @@ def test_requeue_excludes_the_findings_node_when_no_culprit_node_is_named():
 def test_an_action_dropped_for_want_of_a_job_does_not_drop_the_rules_later_actions():
     """An operator's rule (rules are data) that lists requeue_job before cordon_node: on a finding
     without a job the requeue is dropped and the cordon still issued."""
-    cfg = {"hints": {"rules": [{"kind": "xid", "actions": ["requeue_job", "cordon_node"]}]}}
+    cfg = {"hints": {"rules": [{"kind": "xid", "actions": ["requeue_job", "cordon_node"]}], "faults": []}}
     hints = HintPolicy(cfg).hints_for(_finding(FindingKind.XID, node="h200-0", gpu=3, xid=79))
     assert [(h.action, h.node) for h in hints] == [(HintAction.CORDON_NODE, "h200-0")]
