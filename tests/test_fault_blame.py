@@ -217,3 +217,14 @@ def test_the_history_survives_a_restart_and_a_garbage_file(tmp_path):
         assert len(d.history) == 0
         [c] = _hit(d, 13, "node-a", 0, "b", T0 + 2 * HOUR)
         assert c.evidence["fault"] == "user"
+
+
+def test_a_verdict_on_a_copy_stays_on_the_copy():
+    """A detector that reports copies of one finding (model_copy is shallow: the evidence mapping
+    is shared): each copy is told whose fault it is, evidence and summary alike."""
+    policy = HintPolicy(config.defaults())
+    original = Finding(kind=FindingKind.XID, severity=Severity.PAGE, ts=0.0, node="n1", gpu=0, xid=79, evidence={"fatal": True}, summary="XID 79 on n1 GPU 0")
+    first, second = original.model_copy(), original.model_copy()
+    assert policy.classify(first) == policy.classify(second) == "infrastructure"
+    assert "fault" not in original.evidence and original.summary == "XID 79 on n1 GPU 0"
+    assert all(f.summary.endswith("Infrastructure fault: the GPU, node or network, not the application.") for f in (first, second))

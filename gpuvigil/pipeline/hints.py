@@ -75,7 +75,9 @@ class HintPolicy:
                 continue
             if any(finding.evidence.get(k) != v for k, v in rule.match.items()):
                 continue
-            finding.evidence["fault"] = rule.fault
+            # A new evidence mapping: a finding copied from another (model_copy is shallow) must
+            # not hand its verdict to the original, whose summary would then never say it.
+            finding.evidence = {**finding.evidence, "fault": rule.fault}
             finding.summary = f"{finding.summary.rstrip()} {FAULT_WORDS[rule.fault]}"
             return rule.fault
         return None
