@@ -60,6 +60,21 @@ def _first(pattern: re.Pattern[str], messages: list[str]) -> str | None:
     return None
 
 
+def _network_warnings(events: pl.DataFrame, since: float) -> pl.DataFrame:
+    """NCCL's own network warnings since `since`, with the log file they came from: in the same
+    job's (or, of no known job, the same file's) log they are the evidence of a network cause."""
+    return events.filter(
+        (pl.col("kind") == "nccl_warn") & (pl.col("ts") >= since) & pl.col("message").str.contains("(?i)" + NET_WARN_PATTERN)
+    ).with_columns(log_file(pl.col("source")).alias("_file"))
+
+
+def _per_job_or_file(rows: pl.DataFrame) -> list[pl.DataFrame]:
+    """A job's lines are one finding, wherever they were read; lines of no known job (a log whose
+    path names none) are one finding per node and file: still a page, never dropped."""
+    groups = rows.filter(pl.col("job").is_not_null()).sort("ts").partition_by("job", maintain_order=True)
+    return groups + rows.filter(pl.col("job").is_null()).sort("ts").partition_by(["node", "_file"], maintain_order=True)
+
+
 class WatchdogTimeoutDetector(Declared):
     spec = DetectorSpec(
         name="watchdog",
@@ -82,16 +97,8 @@ class WatchdogTimeoutDetector(Declared):
             return []
         hardware = events.filter(implicates_hardware(now - c.hardware_lookback_seconds))
         timeouts = timeouts.with_columns(log_file(pl.col("source")).alias("_file"))
-        # NCCL's own network warnings in the same job's (or, of no known job, the same file's) log
-        # are the evidence of a network cause, as `analyze` reads them.
-        network = events.filter(
-            (pl.col("kind") == "nccl_warn") & (pl.col("ts") >= now - c.hardware_lookback_seconds)
-            & pl.col("message").str.contains("(?i)" + NET_WARN_PATTERN)
-        ).with_columns(log_file(pl.col("source")).alias("_file"))
-        # A job's timeouts are one finding, wherever they were read. Lines of no known job (a log
-        # whose path names none) are one finding per node and file: still a page, never dropped.
-        groups = timeouts.filter(pl.col("job").is_not_null()).sort("ts").partition_by("job", maintain_order=True)
-        groups += timeouts.filter(pl.col("job").is_null()).sort("ts").partition_by(["node", "_file"], maintain_order=True)
+        network = _network_warnings(events, now - c.hardware_lookback_seconds)
+        groups = _per_job_or_file(timeouts)
         errors = events.filter((pl.col("kind") == "nccl_error") & (pl.col("ts") >= now - c.report_seconds)).with_columns(log_file(pl.col("source")).alias("_file"))
         groups = [rows for rows in groups if rows.height and not _explained_by_error(rows, errors)]
         findings = [self._finding(rows, hardware, network) for rows in groups]
@@ -198,13 +205,9 @@ class NcclErrorDetector(Declared):
         if errors.height == 0:
             return []
         hardware = events.filter(implicates_hardware(now - c.hardware_lookback_seconds))
-        network = events.filter(
-            (pl.col("kind") == "nccl_warn") & (pl.col("ts") >= now - c.hardware_lookback_seconds)
-            & pl.col("message").str.contains("(?i)" + NET_WARN_PATTERN)
-        ).with_columns(log_file(pl.col("source")).alias("_file"))
+        network = _network_warnings(events, now - c.hardware_lookback_seconds)
         errors = errors.with_columns(log_file(pl.col("source")).alias("_file"))
-        groups = errors.filter(pl.col("job").is_not_null()).sort("ts").partition_by("job", maintain_order=True)
-        groups += errors.filter(pl.col("job").is_null()).sort("ts").partition_by(["node", "_file"], maintain_order=True)
+        groups = _per_job_or_file(errors)
         found = [f for rows in groups if rows.height and (f := self._finding(rows, hardware, network)) is not None]
         return sorted(found, key=lambda f: f.evidence["first_ts"])  # type: ignore[arg-type,return-value]
 
