@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any, TypeVar
 
 import polars as pl
 from pydantic import BaseModel
 
 from gpuvigil import config
+from gpuvigil.model import Finding, FindingKind, Severity
 from gpuvigil.window import Window
 
 M = TypeVar("M", bound=BaseModel)
@@ -98,3 +100,27 @@ def covered_jobs(rows: pl.DataFrame, now: float, span: float, need: float, *, co
         return set()
     per = recent.group_by("job", "rank").agg(pl.len().alias("n")).group_by("job").agg(pl.col("n").median().alias("n"))
     return set(per.filter(pl.col("n") >= need)["job"].drop_nulls().to_list())
+
+
+def counter_rate_findings(flagged: pl.DataFrame, window: Window, *, kind: FindingKind, source: str, rate_key: str, total_key: str,
+                          say: Callable[[dict[str, Any]], str]) -> list[Finding]:
+    """One hardware ticket per GPU whose error counter rose too fast (`per_gpu.CounterRate.flagged`
+    rows), with its job and rank; `say(row)` words the summary."""
+    out = []
+    for row in flagged.join(gpu_jobs(window), on=["node", "gpu"], how="left").iter_rows(named=True):
+        out.append(
+            Finding(
+                kind=kind,
+                severity=Severity.TICKET,
+                ts=window.now,
+                job=row["job"],
+                ranks=[int(row["rank"])] if row["rank"] is not None else [],
+                node=row["node"],
+                gpu=row["gpu"],
+                cause="hardware",
+                source=source,
+                evidence={rate_key: round(float(row["per_minute"]), 1), total_key: int(row["count"]), "window_seconds": round(float(row["ts"] - row["ts0"]), 1)},
+                summary=say(row),
+            )
+        )
+    return out

@@ -18,9 +18,9 @@ from typing import Any
 from pydantic import BaseModel, Field
 
 from gpuvigil.detectors.base import HISTORY, Declared, DetectorSpec, Reads
-from gpuvigil.detectors.common import gpu_jobs, settings
+from gpuvigil.detectors.common import counter_rate_findings, settings
 from gpuvigil.detectors.per_gpu import CounterRate
-from gpuvigil.model import Finding, FindingKind, Severity, place
+from gpuvigil.model import Finding, FindingKind, place
 from gpuvigil.window import Window
 
 
@@ -48,31 +48,13 @@ class NvlinkCrcDetector(Declared):
         flagged = self._counter.flagged()
         if flagged.height == 0:
             return []
-        out = []
-        for row in flagged.join(gpu_jobs(window), on=["node", "gpu"], how="left").iter_rows(named=True):
-            out.append(
-                Finding(
-                    kind=FindingKind.NVLINK_CRC,
-                    severity=Severity.TICKET,
-                    ts=window.now,
-                    job=row["job"],
-                    ranks=[int(row["rank"])] if row["rank"] is not None else [],
-                    node=row["node"],
-                    gpu=row["gpu"],
-                    cause="hardware",
-                    source=self.name,
-                    evidence={
-                        "nvlink_crc_errors_per_minute": round(float(row["per_minute"]), 1),
-                        "nvlink_crc_errors_total": int(row["count"]),
-                        "window_seconds": round(float(row["ts"] - row["ts0"]), 1),
-                    },
-                    summary=(
-                        f"{place(row['node'], row['gpu'])} NVLink CRC errors {row['per_minute']:.0f}/min ({int(row['count'])} so far): "
-                        "a link is degrading; schedule the node for maintenance before the link goes down."
-                    ),
-                )
-            )
-        return out
+        return counter_rate_findings(
+            flagged, window, kind=FindingKind.NVLINK_CRC, source=self.name, rate_key="nvlink_crc_errors_per_minute", total_key="nvlink_crc_errors_total",
+            say=lambda row: (
+                f"{place(row['node'], row['gpu'])} NVLink CRC errors {row['per_minute']:.0f}/min ({int(row['count'])} so far): "
+                "a link is degrading; schedule the node for maintenance before the link goes down."
+            ),
+        )
 
 
 __all__ = ["NvlinkCrcConfig", "NvlinkCrcDetector"]

@@ -19,9 +19,9 @@ import polars as pl
 from pydantic import BaseModel
 
 from gpuvigil.detectors.base import HISTORY, Declared, DetectorSpec, Reads
-from gpuvigil.detectors.common import gpu_jobs, settings
+from gpuvigil.detectors.common import counter_rate_findings, settings
 from gpuvigil.detectors.per_gpu import CounterRate
-from gpuvigil.model import Finding, FindingKind, Severity
+from gpuvigil.model import Finding, FindingKind
 from gpuvigil.window import Window
 
 
@@ -55,28 +55,10 @@ class PcieReplayDetector(Declared):
         flagged = self._counter.flagged()
         if flagged.height == 0:
             return []
-        findings = []
-        for row in flagged.join(gpu_jobs(window), on=["node", "gpu"], how="left").iter_rows(named=True):
-            findings.append(
-                Finding(
-                    kind=FindingKind.PCIE_REPLAY,
-                    severity=Severity.TICKET,
-                    ts=window.now,
-                    job=row["job"],
-                    ranks=[int(row["rank"])] if row["rank"] is not None else [],
-                    node=row["node"],
-                    gpu=row["gpu"],
-                    cause="hardware",
-                    source=self.name,
-                    evidence={
-                        "pcie_replays_per_minute": round(float(row["per_minute"]), 1),
-                        "pcie_replay_total": int(row["count"]),
-                        "window_seconds": round(float(row["ts"] - row["ts0"]), 1),
-                    },
-                    summary=(
-                        f"{row['node']} GPU {row['gpu']} PCIe link replays {row['per_minute']:.0f} packets/min ({int(row['count'])} so far): "
-                        "the link is degrading; schedule the node for maintenance before the GPU falls off the bus."
-                    ),
-                )
-            )
-        return findings
+        return counter_rate_findings(
+            flagged, window, kind=FindingKind.PCIE_REPLAY, source=self.name, rate_key="pcie_replays_per_minute", total_key="pcie_replay_total",
+            say=lambda row: (
+                f"{row['node']} GPU {row['gpu']} PCIe link replays {row['per_minute']:.0f} packets/min ({int(row['count'])} so far): "
+                "the link is degrading; schedule the node for maintenance before the GPU falls off the bus."
+            ),
+        )
