@@ -71,11 +71,23 @@ def test_rate(text, want):
     assert parse_rate(text) == want
 
 
+# What the kernel writes (drivers/infiniband/core/sysfs.c, state_show and phys_state_show: "%d: %s\n").
+KERNEL_STATES = {0: "NOP", 1: "DOWN", 2: "INIT", 3: "ARMED", 4: "ACTIVE", 5: "ACTIVE_DEFER"}
+KERNEL_PHYS_STATES = {1: "Sleep", 2: "Polling", 3: "Disabled", 4: "PortConfigurationTraining", 5: "LinkUp", 6: "LinkErrorRecovery", 7: "Phy Test"}
+
+
+@pytest.mark.parametrize(("code", "name"), [*KERNEL_STATES.items(), *KERNEL_PHYS_STATES.items()])
+def test_every_state_the_kernel_writes_reads_as_its_name(code, name):
+    assert parse_state(f"{code}: {name}\n") == name
+    assert parse_state(name) == name
+
+
 @pytest.mark.parametrize(
     ("text", "want"),
-    [("4: ACTIVE\n", "ACTIVE"), ("1: DOWN", "DOWN"), ("5: LinkUp\n", "LinkUp"), ("3: Disabled", "Disabled"), ("ACTIVE", "ACTIVE"), ("4:", None), ("", None), ("4: ACT IVE", None)],
+    [("4: ACTIVE\n", "ACTIVE"), ("  7 :  Phy Test  \n", "Phy Test"), ("4:", None), ("", None), ("\n", None), ("0: <unknown>\n", None),
+     ("4: ACTIVE!", None), ("7: Phy  Test", None), ("7: Phy Test:", None), ("x: ACTIVE", None), ("4: 4", None), ("4: ACTIVE\n5: LinkUp", None)],
 )
-def test_state(text, want):
+def test_state_edges(text, want):
     assert parse_state(text) == want
 
 
@@ -382,9 +394,39 @@ def test_parsers_never_raise_and_agree_with_the_kernel_format(text):
     if rate is not None and width is not None:
         assert parse_rate(f"{rate:g} Gb/sec ({width}X {speed or ''})")[:2] == (rate, width)
     state = parse_state(text)
-    assert state is None or state.replace("_", "").isalpha()
+    assert state is None or (state.replace("_", "").replace(" ", "").isalpha() and state == " ".join(state.split()))
     value = parse_counter(text)
     assert value is None or 0 <= value < 1 << 63
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.one_of(st.text(max_size=40), st.binary(max_size=40).map(lambda b: b.decode("utf-8", errors="replace")),
+                 st.builds("{}: {}".format, st.integers(-9, 99), st.text(alphabet="ABCDEFGHIJKLMNOPQRSTUVWXYZ abcxyz_:<>\t\n", max_size=30))))
+def test_parse_state_never_raises_on_garbage(text):
+    state = parse_state(text)
+    assert state is None or (state and state == state.strip() and state in text)
+
+
+@pytest.mark.parametrize(
+    ("phys", "meaning"),
+    [("2: Polling", "no link: the port polls for a peer"), ("7: Phy Test", "in physical test mode: not in service"), ("3: Disabled", "disabled by software")],
+)
+def test_a_port_that_left_active_names_its_physical_state(sysfs, phys, meaning):
+    """A port that was ACTIVE and now polls for a peer has no link; one put in physical test mode
+    is out of service: both are down, and the summary says which (not "unreadable")."""
+
+    def down(root):
+        put(root, "mlx5_0", "state", "1: DOWN")
+        put(root, "mlx5_0", "phys_state", phys)
+
+    coll_errors = InfinibandCollector(sysfs, node="n0")
+    out = run(sysfs, [None, down], alloc=ALLOC)
+    [f] = out[1]
+    name = phys.split(": ", 1)[1]
+    assert (f.kind.value, f.severity.value, f.evidence["state"], f.evidence["phys_state"]) == ("ib_link_down", "page", "DOWN", name)
+    assert f"physical {name} ({meaning}" in f.summary and "; it was ACTIVE)" in f.summary and "unreadable" not in f.summary
+    coll_errors.read(1.0)
+    assert coll_errors.errors == 0  # a state the kernel writes is not a read error
 
 
 def test_a_port_s_finding_is_the_port_s_whichever_job_it_serves(sysfs):

@@ -74,7 +74,7 @@ def test_serve_reads_a_sysfs_copy_and_reports_its_ports(tmp_path):
         serve.terminate()
         serve.wait(timeout=30)
     log = err.read_text()
-    assert "finding page ib_link_down: InfiniBand link down on ibn0 mlx5_1 port 1: state DOWN, physical Polling (it was ACTIVE)" in log
+    assert "finding page ib_link_down: InfiniBand link down on ibn0 mlx5_1 port 1: state DOWN, physical Polling (no link: the port polls for a peer; check the cable, the transceiver and the switch port; it was ACTIVE)" in log
     assert "finding ticket ib_link_down: InfiniBand link dropped on ibn0 mlx5_2 port 1" in log
     assert re.search(r"finding ticket ib_link_errors: InfiniBand link errors on ibn0 mlx5_0 port 1: symbol_error \d+/min", log)
     assert "ib_port_missing" not in log and "ib_link_degraded" not in log  # no port went missing or slow

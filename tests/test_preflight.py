@@ -261,6 +261,7 @@ IB_CASES = {
     "a port down": ([{}, {"state": "1: DOWN", "phys": "3: Disabled"}, {}, {}], {}, "fail", "mlx5_1 port 1 is DOWN, not ACTIVE"),
     "polling": ([{}, {}, {"state": "2: INIT", "phys": "2: Polling"}, {}], {}, "fail", "mlx5_2 port 1 is INIT, not ACTIVE"),
     "active but not LinkUp": ([{"phys": "6: LinkErrorRecovery"}], {}, "fail", "physical state LinkErrorRecovery, not LinkUp"),
+    "active but in physical test mode": ([{"phys": "7: Phy Test"}], {}, "fail", "physical state Phy Test, not LinkUp"),
     "rate fell to HDR": ([{}, {}, {}, {"rate": "200 Gb/sec (4X HDR)"}], {"min_rate_gbps": 400}, "fail", "mlx5_3 port 1 rate 200 Gb/s (4X HDR), expected at least 400 Gb/s"),
     "a port missing": ([{}] * 3, {"expect_ports": 4}, "fail", "3 InfiniBand port(s), expected 4"),
     "the ignored device is down": ([{}, {"state": "1: DOWN"}], {"ignore_devices": ["mlx5_1"]}, "pass", None),

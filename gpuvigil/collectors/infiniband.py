@@ -37,7 +37,8 @@ STREAMS: Mapping[str, pl.Schema] = {"ib_ports": IB_PORTS}
 
 MAX_FILE_BYTES = 4096
 _RATE = re.compile(r"^\s*([0-9]+(?:\.[0-9]+)?)\s*Gb/sec(?:\s*\(\s*([0-9]+)X\s*([A-Za-z0-9]*)\s*\))?\s*$")
-_STATE = re.compile(r"^\s*(?:[0-9]+\s*:\s*)?([A-Za-z][A-Za-z_]*)\s*$")
+# The kernel's names are words joined by single spaces ("7: Phy Test", drivers/infiniband/core/sysfs.c).
+_STATE = re.compile(r"^\s*(?:[0-9]+\s*:\s*)?([A-Za-z][A-Za-z_]*(?: [A-Za-z][A-Za-z_]*)*)\s*$")
 _BDF = re.compile(r"^(?:([0-9a-fA-F]+):)?([0-9a-fA-F]{2}):([0-9a-fA-F]{2})\.([0-7])$")
 _MAX_I64 = (1 << 63) - 1
 
@@ -56,7 +57,7 @@ def normalize_bdf(bus_id: str | None) -> str | None:
 
 
 def parse_state(text: str | None) -> str | None:
-    """'4: ACTIVE' -> 'ACTIVE' (and 'ACTIVE' alone); None for anything else."""
+    """'4: ACTIVE' -> 'ACTIVE', '7: Phy Test' -> 'Phy Test' (and the name alone); None for anything else."""
     if text is None:
         return None
     m = _STATE.match(text)

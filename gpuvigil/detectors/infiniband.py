@@ -81,6 +81,20 @@ def _speed(rate: float | None, width: int | None) -> str:
     return " at ".join(p for p in (f"{rate:g} Gb/s" if rate is not None else None, f"{width}X" if width is not None else None) if p) or "an unknown rate"
 
 
+# What a port's physical state says about a port that is not ACTIVE (the kernel's phys_state
+# names, drivers/infiniband/core/sysfs.c; LinkUp with a state below ACTIVE: the subnet manager has
+# not brought the port up).
+_PHYS_MEANING = {
+    "Sleep": "no link: the port is asleep",
+    "Polling": "no link: the port polls for a peer; check the cable, the transceiver and the switch port",
+    "Disabled": "disabled by software",
+    "PortConfigurationTraining": "the link is training",
+    "LinkUp": "the link is up but the subnet manager has not activated the port",
+    "LinkErrorRecovery": "the link is retraining after errors",
+    "Phy Test": "in physical test mode: not in service",
+}
+
+
 def _port(row: dict[str, Any]) -> str:
     return f"{row['device']} port {row['port']}"
 
@@ -262,8 +276,10 @@ class InfinibandDetector(Declared):
             ev = {"state": row["state"], "phys_state": row["phys_state"], "link_downed": row["link_downed"], "flapping": not is_down,
                   "events_in_window": int(row["flaps"] or 0), "flap_window_seconds": c.flap_window_seconds}
             if is_down:
+                meaning = _PHYS_MEANING.get(row["phys_state"] or "")
+                why = "it was ACTIVE" if row["_was_active"] else f"the node should have {c.expected_ports} ports up"
                 summary = (f"InfiniBand link down on {row['node']} {_port(row)}: state {row['state'] or 'unreadable'}, physical {row['phys_state'] or 'unreadable'}"
-                           f" ({'it was ACTIVE' if row['_was_active'] else f'the node should have {c.expected_ports} ports up'}): cordon the node; jobs spanning it stall or fail.")
+                           f" ({f'{meaning}; ' if meaning else ''}{why}): cordon the node; jobs spanning it stall or fail.")
             elif int(row["flaps"]) == 1:
                 summary = (f"InfiniBand link dropped on {row['node']} {_port(row)}: it went down and came back within the last {c.flap_window_seconds:g} s"
                            f" (link_downed {row['link_downed']}): collectives in flight across the node may have failed; check the cable and transceiver.")
