@@ -71,7 +71,7 @@ MUST = {
     "fragmentation": ["oom_predicted", "fragmentation_allocator"],
     "foreign_process": ["oom_predicted"],
     "ecc_dbe": ["ecc"],
-    "remap_failure": ["ecc"],
+    "remap_failure": ["row_remap_failure"],
     "thermal": ["thermal_throttle"],
     "straggler": ["straggler"],
     "pcie_replay": ["pcie_replay"],

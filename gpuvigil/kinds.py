@@ -56,6 +56,7 @@ class FindingKind(StrEnum):
     NVLINK_DOWN = "nvlink_down"  # fewer NVLinks up than the GPU or its peers had
     FABRIC_MANAGER = "fabric_manager"  # the GPU's NVLink fabric failed or never completes
     ROW_REMAP_PENDING = "row_remap_pending"  # a row remap waits for a GPU reset
+    ROW_REMAP_FAILURE = "row_remap_failure"  # a row remap failed: the GPU cannot repair its memory (RMA)
     RETIRED_PAGES = "retired_pages"  # pages wait for retirement, or past the replacement limit
     # Findings on several nodes that share a component (a leaf switch, a rack, a cooling loop)
     # and on few others: the component, not the nodes (pipeline/components.py).
@@ -126,6 +127,9 @@ POLICIES: Mapping[FindingKind, KindPolicy] = {
     FindingKind.FABRIC_MANAGER: KindPolicy("gpu", "hardware", _DEVICE, clear_after_seconds=600),
     # A pending repair or a retired page does not go away by going quiet.
     FindingKind.ROW_REMAP_PENDING: KindPolicy("gpu", "hardware", _DEVICE, clear_after_seconds=3600),
+    # NVIDIA's RMA criterion: the memory behind a failed remap stays bad, whichever job holds the
+    # GPU; like an ECC error, the node's other alerts are its consequence.
+    FindingKind.ROW_REMAP_FAILURE: KindPolicy("gpu", "hardware", _DEVICE, fatal=True, clear_after_seconds=3600),
     FindingKind.RETIRED_PAGES: KindPolicy("gpu", "hardware", _DEVICE, clear_after_seconds=3600),
     FindingKind.COLLECTOR_DOWN: KindPolicy("cluster", "platform", ("evidence.collector", "evidence.target")),
     # One per component, whichever of its nodes show the symptom.

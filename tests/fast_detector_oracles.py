@@ -3,7 +3,8 @@ hang_device) and before ECC's quiet-tick shortcut: verbatim copies of their fram
 must give the same findings, in the same order, on the same rows
 (tests/test_detectors_fast_oracles.py).
 
-One fix is applied to both: a throttled GPU without a temperature reading crashed the summary.
+Two changes are applied to both: a throttled GPU without a temperature reading crashed the
+summary; a failed row remap (the flag, or XID 64) is its own kind, `row_remap_failure`.
 """
 
 from __future__ import annotations
@@ -242,9 +243,11 @@ class JoinEcc:
             xids = row["xids"] or []
             job = row["job"] or row["event_job"]
             actions = sorted({xid_table.xid_info(x).action for x in xids if xid_table.xid_info(x)})
+            uncorrectable = bool(row["dbe_delta"] or 0) or bool(set(xids) & {48, 63, 94, 95})
+            remap_failed = bool(row["remap_failure"]) or 64 in xids
             findings.append(
                 Finding(
-                    kind=FindingKind.ECC,
+                    kind=FindingKind.ROW_REMAP_FAILURE if remap_failed else FindingKind.ECC,
                     severity=Severity.PAGE,
                     ts=float(row["event_ts"] or now),
                     job=job,
@@ -263,13 +266,17 @@ class JoinEcc:
                     },
                     summary=(
                         (
-                            f"Row remapping failed on {row['node']} GPU {row['gpu']}"
-                            if row["remap_failure"] and not (row["dbe_delta"] or 0) and not set(xids) & {48, 63, 94, 95}
+                            f"Row remapping failed on {row['node']} GPU {row['gpu']}" + (" after an uncorrectable ECC error" if uncorrectable else "")
+                            if remap_failed
                             else f"Uncorrectable ECC error on {row['node']} GPU {row['gpu']}"
                         )
                         + (f" (XID {', '.join(map(str, xids))})" if xids else "")
                         + (f", under job {job}" if job else "")
-                        + ": drain the node and reset the GPU before it runs anything again."
+                        + (
+                            ": the GPU can no longer repair its failing memory (NVIDIA's RMA criterion): drain the node and replace the GPU."
+                            if remap_failed
+                            else ": drain the node and reset the GPU before it runs anything again."
+                        )
                     ),
                 )
             )

@@ -36,7 +36,7 @@ def test_alert_payload_is_always_valid(tmp_path_factory, kind, severity, job, no
     assert json.loads(alert["annotations"]["evidence"]) == json.loads(json.dumps(evidence, sort_keys=True))
     json.dumps(alert)
     if alert["labels"].get("hardware") == "fatal":
-        assert kind.value in ("xid", "ecc") and severity == Severity.PAGE
+        assert kind.value in ("xid", "ecc", "row_remap_failure") and severity == Severity.PAGE
 
 
 _PUSHERS: dict[str, AlertPusher] = {}

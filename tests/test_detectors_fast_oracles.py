@@ -54,7 +54,7 @@ def gpu_series(draw):
                 )
         for _ in range(draw(st.sampled_from([0, 0, 0, 1, 2]))):
             g = draw(st.sampled_from(GPUS))
-            kind, xid = draw(st.sampled_from([("xid", 48), ("xid", 79), ("xid", 94), ("ecc_dbe", None), ("xid", 13)]))
+            kind, xid = draw(st.sampled_from([("xid", 48), ("xid", 64), ("xid", 79), ("xid", 94), ("ecc_dbe", None), ("xid", 13)]))
             events.append({"ts": now - draw(st.sampled_from([0.0, 3.0])), "node": g[0], "gpu": g[1], "source": "dcgm", "kind": kind, "xid": xid, "message": f"XID {xid}"})
         ticks.append((now, schemas.frame(rows, "gpu_samples"), schemas.frame(events, "events")))
     alloc = schemas.frame([{"job": "train", "rank": r, "node": n, "gpu": g} for r, (n, g) in enumerate(GPUS[: draw(st.integers(0, 4))])], "allocations")
@@ -124,7 +124,7 @@ def test_fast_per_gpu_detectors_match_on_a_fleet_with_faults(cfg):
         events = [{"ts": now, "node": "n1", "gpu": 2, "source": "dcgm", "kind": "xid", "xid": 48, "message": "XID 48"}] if i == 22 else []
         ticks.append((now, schemas.frame(rows, "gpu_samples"), schemas.frame(events, "events")))
     alloc = schemas.frame([{"job": "train", "rank": g, "node": f"n{g // 4}", "gpu": g % 4} for g in range(8)], "allocations")
-    kinds = set()
+    kinds, raised = set(), set()
     pairs = [(ThermalDetector(cfg), JoinThermal(cfg)), (PcieReplayDetector(cfg), JoinPcie(cfg)), (EccDetector(cfg), JoinEcc(cfg))]
     w = Window(600.0)
     for now, rows, events in ticks:
@@ -135,8 +135,10 @@ def test_fast_per_gpu_detectors_match_on_a_fleet_with_faults(cfg):
         for fast, old in pairs:
             want = _dicts(old.detect(w))
             kinds |= {(f["source"], f["gpu"]) for f in want}
+            raised |= {f["kind"] for f in want}
             assert _dicts(fast.detect(w)) == want
     assert kinds >= {("thermal", 3), ("pcie", 1), ("ecc", 2), ("ecc", 3)}
+    assert raised >= {"ecc", "row_remap_failure"}  # n1 GPU 2's DBE, n1 GPU 3's failed remap
 
 
 def test_gpu_without_node_or_gpu_is_not_tracked():

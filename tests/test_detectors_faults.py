@@ -20,7 +20,7 @@ from tests.detectors_helpers import check_golden, run
 CASES = {
     # 40 s steps: the stall threshold is 1.5 steps, so the bound is 3 step times.
     "hang_slow_steps": (4.0, "collective_hang", {"culprit_ranks": [12], "node": "node-001", "gpu": 4, "cause": "software"}, 120),
-    "remap_failure": (1.0, "ecc", {"node": "node-001", "gpu": 2, "severity": "page", "cause": "hardware"}, 5),
+    "remap_failure": (1.0, "row_remap_failure", {"node": "node-001", "gpu": 2, "severity": "page", "cause": "hardware"}, 5),
     "pcie_replay": (1.0, "pcie_replay", {"cause": "hardware", "node": "node-000", "gpu": 6, "severity": "ticket"}, 130),
     "memory_leak": (1.0, "oom_predicted", {"cause": "leak"}, 60),
     "fragmentation": (1.0, "oom_predicted", {"cause": "fragmentation"}, 60),

@@ -255,11 +255,12 @@ def test_xid_detector_on_public_kernel_logs(name, expected):
 
 def test_ecc_detector_on_a_public_dbe_log():
     """public: NVIDIA/gpu-operator#1146, an XID 48 double-bit ECC error with XID 64 (remap
-    failure) on one GPU: one ECC page; the XID detector leaves memory errors to it."""
+    failure) on one GPU: one page, of the failed remap's kind (NVIDIA's RMA criterion), both XIDs
+    its evidence; the XID detector leaves memory errors to the ECC detector."""
     ev = _kernel_events("kernel_dbe_syslog.log")
     w = _window_of({"events": ev}, float(ev["ts"].max()) + 1)
     [f] = EccDetector().detect(w)
-    assert (f.kind.value, f.severity.value, f.cause, f.xid, f.evidence["xids"]) == ("ecc", "page", "hardware", 48, [48, 64])
+    assert (f.kind.value, f.severity.value, f.cause, f.xid, f.evidence["xids"]) == ("row_remap_failure", "page", "hardware", 48, [48, 64])
     assert XidDetector().detect(w) == []
 
 

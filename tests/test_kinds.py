@@ -59,4 +59,4 @@ def test_a_configured_clear_time_overrides_the_table():
 
 
 def test_fatal_hardware_alerts_default_to_the_fatal_kinds():
-    assert sorted(load_settings().fatal_hardware_kinds) == sorted(k.value for k in kinds.FATAL_KINDS) == ["ecc", "xid"]
+    assert sorted(load_settings().fatal_hardware_kinds) == sorted(k.value for k in kinds.FATAL_KINDS) == ["ecc", "row_remap_failure", "xid"]

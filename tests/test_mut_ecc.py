@@ -1,7 +1,8 @@
 """ECC detector (gpuvigil/detectors/ecc.py): behaviour that mutation testing (`make mutate`,
 docs/testing.md) showed no other test pinned down: the whole finding (time, job, XIDs, counters,
-NVIDIA's action, the summary), a row-remap failure seen only in the counters, and counters that
-stay put between ticks.
+NVIDIA's action, the summary), a failed row remap (its own kind, `row_remap_failure`) seen in the
+counters or an XID 64, an uncorrectable error without one (`ecc`), and counters that stay put
+between ticks.
 
 Sources:
 - public: `kernel_dbe_syslog.log` (NVIDIA/gpu-operator#1146: XID 48, a double-bit ECC error,
@@ -23,6 +24,7 @@ from gpuvigil.detectors.ecc import EccDetector
 from gpuvigil.window import Window
 
 DRAIN = ": drain the node and reset the GPU before it runs anything again."
+RMA = ": the GPU can no longer repair its failing memory (NVIDIA's RMA criterion): drain the node and replace the GPU."
 
 
 def _samples(t, node="n0", gpu=0, dbe=0, retired=0, remap_failure=False):
@@ -30,37 +32,48 @@ def _samples(t, node="n0", gpu=0, dbe=0, retired=0, remap_failure=False):
 
 
 def test_real_dbe_finding_says_when_where_whose_job_and_what_to_do():
+    """The DBE (XID 48) was followed by XID 64: the row remap that should have hidden it failed,
+    NVIDIA's RMA criterion. One finding, of the failed remap's kind, with both XIDs."""
     ev = _kernel_events("kernel_dbe_syslog.log").with_columns(pl.lit(0, pl.Int32).alias("gpu"))
     t48 = float(ev.filter(pl.col("xid") == 48)["ts"][0])
     last = float(ev["ts"].max())
     alloc = schemas.frame([{"job": "train", "rank": 5, "node": "worker4", "gpu": 0}], schemas.ALLOCATIONS)
     [f] = EccDetector().detect(_window_of({"events": ev, "allocations": alloc}, last + 1))
-    assert (f.kind.value, f.severity.value, f.cause, f.source) == ("ecc", "page", "hardware", "ecc")
+    assert (f.kind.value, f.severity.value, f.cause, f.source) == ("row_remap_failure", "page", "hardware", "ecc")
     assert (f.ts, f.job, f.node, f.gpu, f.xid) == (last, "train", "worker4", 0, 48) and t48 <= last
     assert f.evidence == {"xids": [48, 64], "dbe_new": 0, "dbe_volatile_total": 0, "remapped_rows": 0, "remap_failure": False,
                           "nvidia_action": "RESET_GPU,WORKFLOW_XID_48"}
-    assert f.summary == "Uncorrectable ECC error on worker4 GPU 0 (XID 48, 64), under job train" + DRAIN
+    assert f.summary == "Row remapping failed on worker4 GPU 0 after an uncorrectable ECC error (XID 48, 64), under job train" + RMA
+
+
+def test_the_real_dbe_alone_is_an_ecc_error():
+    """The same log without its XID 64 line: an uncorrectable error, no failed remap: `ecc`."""
+    ev = _kernel_events("kernel_dbe_syslog.log").with_columns(pl.lit(0, pl.Int32).alias("gpu")).filter(pl.col("xid") != 64)
+    [f] = EccDetector().detect(_window_of({"events": ev}, float(ev["ts"].max()) + 1))
+    assert (f.kind.value, f.evidence["xids"]) == ("ecc", [48])
+    assert f.summary == "Uncorrectable ECC error on worker4 GPU 0 (XID 48)" + DRAIN
 
 
 def test_real_dbe_with_the_counters_of_the_same_gpu_is_one_finding():
     """The same two XIDs, and NVML's counters of that GPU on the same tick: one DBE counted, two
-    pages retired, the remap failure flag up. One finding carries both."""
+    pages retired, the remap failure flag up. One finding, the failed remap, carries both."""
     ev = _kernel_events("kernel_dbe_syslog.log").with_columns(pl.lit(0, pl.Int32).alias("gpu"))
     now = float(ev["ts"].max()) + 1
     samples = _samples(now, node="worker4", dbe=1, retired=2, remap_failure=True)
     [f] = EccDetector().detect(_window_of({"events": ev, "gpu_samples": samples}, now))
     assert f.evidence == {"xids": [48, 64], "dbe_new": 1, "dbe_volatile_total": 1, "remapped_rows": 2, "remap_failure": True,
                           "nvidia_action": "RESET_GPU,WORKFLOW_XID_48"}
-    assert (f.job, f.summary) == (None, "Uncorrectable ECC error on worker4 GPU 0 (XID 48, 64)" + DRAIN)
+    assert f.kind.value == "row_remap_failure"
+    assert (f.job, f.summary) == (None, "Row remapping failed on worker4 GPU 0 after an uncorrectable ECC error (XID 48, 64)" + RMA)
 
 
 def test_a_remap_failure_seen_only_in_the_counters_pages_as_such():
     """No kernel line, no DBE: NVML reports the row-remap failure flag on n0 GPU 0, under job j."""
     alloc = schemas.frame([{"job": "j", "rank": 1, "node": "n0", "gpu": 0}], schemas.ALLOCATIONS)
     [f] = EccDetector().detect(_window_of({"gpu_samples": _samples(100.0, retired=7, remap_failure=True), "allocations": alloc}, 100.0))
-    assert (f.ts, f.job, f.node, f.gpu, f.xid, f.severity.value) == (100.0, "j", "n0", 0, None, "page")
+    assert (f.kind.value, f.ts, f.job, f.node, f.gpu, f.xid, f.severity.value) == ("row_remap_failure", 100.0, "j", "n0", 0, None, "page")
     assert f.evidence == {"xids": [], "dbe_new": 0, "dbe_volatile_total": 0, "remapped_rows": 7, "remap_failure": True, "nvidia_action": "DRAIN_AND_RESET"}
-    assert f.summary == "Row remapping failed on n0 GPU 0, under job j" + DRAIN
+    assert f.summary == "Row remapping failed on n0 GPU 0, under job j" + RMA
 
 
 def test_counters_that_stay_put_page_once_and_a_second_gpu_pages_on_its_own():
@@ -162,27 +175,64 @@ def test_a_gpu_that_does_not_report_remap_status_is_not_called_a_remap_failure()
     w.seal(1.0)
     [f] = EccDetector().detect(w)
     assert f.evidence["remap_failure"] is False and f.summary.startswith("Uncorrectable ECC error on n0 GPU 0")
+    assert f.kind.value == "ecc"
 
 
 @pytest.mark.parametrize(
-    ("xid", "dbe", "wording"),
+    ("flag", "xid", "dbe", "kind", "wording"),
     [
-        (None, 0, "Row remapping failed"),  # only the counters: the remap failed, no DBE counted
-        (64, 0, "Row remapping failed"),  # XID 64: a failed page retirement / remap
-        (92, 0, "Row remapping failed"),  # XID 92: a high single-bit rate, no uncorrectable error
-        (48, 0, "Uncorrectable ECC error"),  # XID 48: a DBE, whatever the counters say
-        (63, 0, "Uncorrectable ECC error"),
-        (94, 0, "Uncorrectable ECC error"),
-        (95, 0, "Uncorrectable ECC error"),
-        (None, 1, "Uncorrectable ECC error"),  # a new DBE in the counters
+        # the remap failure flag up (NVML's failureOccurred, DCGM_FI_DEV_ROW_REMAP_FAILURE): the failed remap, whatever else
+        (True, None, 0, "row_remap_failure", "Row remapping failed on n0 GPU 0"),  # only the counters
+        (True, 64, 0, "row_remap_failure", "Row remapping failed on n0 GPU 0 (XID 64)"),
+        (True, 92, 0, "row_remap_failure", "Row remapping failed on n0 GPU 0 (XID 92)"),  # a high single-bit rate: not uncorrectable
+        (True, 48, 0, "row_remap_failure", "Row remapping failed on n0 GPU 0 after an uncorrectable ECC error (XID 48)"),
+        (True, 63, 0, "row_remap_failure", "Row remapping failed on n0 GPU 0 after an uncorrectable ECC error (XID 63)"),
+        (True, 94, 0, "row_remap_failure", "Row remapping failed on n0 GPU 0 after an uncorrectable ECC error (XID 94)"),
+        (True, 95, 0, "row_remap_failure", "Row remapping failed on n0 GPU 0 after an uncorrectable ECC error (XID 95)"),
+        (True, None, 1, "row_remap_failure", "Row remapping failed on n0 GPU 0 after an uncorrectable ECC error"),  # a new DBE counted
+        # the flag down: XID 64 alone says the remap failed; any other uncorrectable error is `ecc`
+        (False, 64, 0, "row_remap_failure", "Row remapping failed on n0 GPU 0 (XID 64)"),
+        (False, 48, 0, "ecc", "Uncorrectable ECC error on n0 GPU 0 (XID 48)"),
+        (False, 63, 0, "ecc", "Uncorrectable ECC error on n0 GPU 0 (XID 63)"),
+        (False, 92, 0, "ecc", "Uncorrectable ECC error on n0 GPU 0 (XID 92)"),
+        (False, 94, 0, "ecc", "Uncorrectable ECC error on n0 GPU 0 (XID 94)"),
+        (False, 95, 0, "ecc", "Uncorrectable ECC error on n0 GPU 0 (XID 95)"),
+        (False, None, 1, "ecc", "Uncorrectable ECC error on n0 GPU 0"),
+        (None, None, 1, "ecc", "Uncorrectable ECC error on n0 GPU 0"),  # a GPU that does not report remap status
     ],
 )
-def test_a_remap_failure_is_named_as_such_only_without_an_uncorrectable_error(xid, dbe, wording):
+def test_a_failed_remap_is_its_own_kind_and_an_uncorrectable_error_without_one_is_ecc(flag, xid, dbe, kind, wording):
     w = Window(1e9)
-    w.add("gpu_samples", _samples(1.0, dbe=dbe, remap_failure=True))
+    w.add("gpu_samples", _samples(1.0, dbe=dbe, remap_failure=flag))
     if xid is not None:
         w.add("events", schemas.frame([{"ts": 1.0, "node": "n0", "gpu": 0, "source": "kernel", "kind": "xid", "xid": xid, "message": "x"}], schemas.EVENTS))
     w.seal(1.0)
     [f] = EccDetector().detect(w)
-    assert f.summary.startswith(f"{wording} on n0 GPU 0"), f.summary
-    assert f.evidence["remap_failure"] is True and f.evidence["dbe_new"] == dbe
+    assert f.kind.value == kind and f.summary == wording + (RMA if kind == "row_remap_failure" else DRAIN), f.summary
+    assert (f.severity.value, f.cause, f.node, f.gpu) == ("page", "hardware", "n0", 0)
+    assert f.evidence["remap_failure"] is bool(flag) and f.evidence["dbe_new"] == dbe
+
+
+def test_a_failed_remap_pages_each_tick_it_is_read_as_one_finding():
+    """The flag stays up (NVML: "a remapping has failed in the past"): each tick reads it and
+    reports the same finding (one identity: the device), never one per job that holds the GPU."""
+    det = EccDetector()
+    w = Window(1e9)
+    ids = []
+    for t, job in ((1.0, "a"), (2.0, "a"), (3.0, "b")):
+        w.add("allocations", schemas.frame([{"job": job, "rank": 0, "node": "n0", "gpu": 0}], schemas.ALLOCATIONS))
+        w.add("gpu_samples", _samples(t, remap_failure=True))
+        w.seal(t)
+        [f] = det.detect(w)
+        assert (f.kind.value, f.job) == ("row_remap_failure", job)
+        ids.append(f.id)
+    assert len(set(ids)) == 1
+
+
+def test_the_codes_that_say_a_remap_failed_come_from_the_configuration():
+    cfg = config.load(overrides={"detectors": {"ecc": {"remap_failure_codes": [], "uncorrectable_codes": [48, 63, 64, 94, 95]}}})
+    w = Window(1e9)
+    w.add("events", schemas.frame([{"ts": 1.0, "node": "n0", "gpu": 0, "source": "kernel", "kind": "xid", "xid": 64, "message": "x"}], schemas.EVENTS))
+    w.seal(1.0)
+    [f] = EccDetector(cfg).detect(w)
+    assert f.kind.value == "ecc" and f.summary.startswith("Uncorrectable ECC error on n0 GPU 0 (XID 64)")

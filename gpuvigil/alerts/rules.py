@@ -111,9 +111,9 @@ def rules(s: AlertSettings) -> list[Rule]:
         Rule(
             "GpuvigilGpuRowRemapFailure", "gpuvigil-hardware", "gpuvigil_gpu_row_remap_failure == 1", "page", "hardware", "node",
             "Row remapping failed on GPU {{ $labels.gpu }} of {{ $labels.node }}",
-            "The GPU ran out of spare rows: it must be reset, and replaced if the failure persists.",
+            "A row remap failed: the GPU can no longer repair its failing memory (NVIDIA's RMA criterion). Drain the node and replace the GPU.",
             fatal_hardware=True,
-            kind="ecc",
+            kind="row_remap_failure",
             example=Example({f"gpuvigil_gpu_row_remap_failure{sel}": "0 1 1"}, "2m", [gpu], quiet_at="0m"),
         ),
         Rule(

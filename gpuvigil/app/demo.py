@@ -25,6 +25,7 @@ _MUST_NAME = {
     "straggler": ("job", "culprit_ranks", "node"),
     "xid": ("job", "node", "gpu"),
     "ecc": ("job", "node", "gpu"),
+    "row_remap_failure": ("job", "node", "gpu"),
     "thermal_throttle": ("job", "node", "gpu"),
     "oom_predicted": ("job", "ranks"),
     "fragmentation_cluster": ("job",),

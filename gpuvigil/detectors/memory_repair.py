@@ -5,7 +5,8 @@ counters file) and keeps no history:
 
 - `row_remap_pending` (ticket): the GPU (Ampere and later) remapped a row but the remap takes
   effect only after a GPU reset (`DCGM_FI_DEV_ROW_REMAP_PENDING`, NVML's `isPending`). Drain the
-  node and reset the GPU at the next idle moment. A failed remap is the `ecc` kind's page.
+  node and reset the GPU at the next idle moment. A failed remap is the `row_remap_failure`
+  kind's page (detectors/ecc.py, with the XIDs that come with it).
 - `retired_pages` (ticket): pages wait for a reboot to be retired (GPUs before Ampere:
   `DCGM_FI_DEV_RETIRED_PENDING`), or the GPU's retired pages / remapped rows reached
   `retired_pages_limit` (NVIDIA's field guidance for replacing the board).

@@ -48,7 +48,7 @@ class IncidentsConfig(BaseModel):
     window_seconds: float = Field(600.0, gt=0)
     # How well a finding kind explains a fault (higher: better). A finding that explains better than
     # an incident's title re-titles it. Kinds not listed rank `default`.
-    explains: dict[str, int] = Field(default_factory=lambda: {"anomaly": 0, "straggler": 1, "default": 2, "xid": 3, "ecc": 3})
+    explains: dict[str, int] = Field(default_factory=lambda: {"anomaly": 0, "straggler": 1, "default": 2, "xid": 3, "ecc": 3, "row_remap_failure": 3})
 
 
 def _digest(*parts: object) -> str:

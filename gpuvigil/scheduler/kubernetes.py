@@ -3,7 +3,7 @@
 | hint | API calls |
 | --- | --- |
 | cordon_node | read node; patch `spec.unschedulable=true` + annotation `gpuvigil.io/cordoned-by=<finding>`; taint `gpuvigil.io/<kind>=<finding>:NoSchedule`; node status condition `GpuvigilHealthy=False` |
-| drain_node | the same, with the taint effect configured for the finding kind (ecc/xid: NoExecute, which evicts pods that do not tolerate it), and policy/v1 Evictions for the hint's job's pods on the node |
+| drain_node | the same, with the taint effect configured for the finding kind (xid, ecc, row_remap_failure: NoExecute, which evicts pods that do not tolerate it), and policy/v1 Evictions for the hint's job's pods on the node |
 | requeue_job | Evictions for the job's pods on the bad node(s) (the Job controller recreates them; the taint keeps them off), and the `gpuvigil.io/verdict` annotation on the batch/v1 Job (or its pods) |
 | set_alloc_conf, resize_or_move_job, compact | the `gpuvigil.io/verdict` annotation on the Job: the recommendation for its owner/operator |
 | avoid_gpu | node annotation `gpuvigil.io/avoid-gpus` (GPU indices, for a device plugin or DRA driver to honour) |
@@ -46,7 +46,7 @@ class KubernetesConfig(BaseModel):
     # A hint whose apply failed is retried after retry_base_seconds, doubling up to retry_max_seconds.
     retry_base_seconds: float = Field(5.0, ge=0)
     retry_max_seconds: float = Field(300.0, ge=0)
-    taint_effect: dict[str, Effect] = Field(default_factory=lambda: {"default": "NoSchedule", "xid": "NoExecute", "ecc": "NoExecute"})
+    taint_effect: dict[str, Effect] = Field(default_factory=lambda: {"default": "NoSchedule", "xid": "NoExecute", "ecc": "NoExecute", "row_remap_failure": "NoExecute"})
     condition_type: str = Field("GpuvigilHealthy", pattern=r"^[A-Za-z][A-Za-z0-9]*$")
     job_label: str = Field("job-name", min_length=1)
     default_namespace: str = Field("default", min_length=1)

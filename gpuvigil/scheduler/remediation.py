@@ -262,7 +262,7 @@ class Ladder:
         name = re.sub(r"[^A-Za-z0-9_.-]", "_", record.key.replace("/", "-gpu"))
         path = out_dir / f"rma-{name}-{stamp}.tar.gz"
         findings = self.findings_of(record.node)
-        device = [f for f in findings if f.get("kind") in ("xid", "ecc")]
+        device = [f for f in findings if f.get("kind") in ("xid", "ecc", "row_remap_failure")]
         members: dict[str, bytes] = {
             "record.json": _json({**record.to_json_dict(), "rma_reason": why}),
             "transitions.json": _json([asdict(t) for t in self.machine.history(record.node, limit=10_000)]),
