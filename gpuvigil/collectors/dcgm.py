@@ -236,7 +236,8 @@ def looks_like_dcgm_scrape(sample: str) -> bool:
 
 
 def findings_from_scrape(samples: pl.DataFrame, *, source_file: str | None = None, ts: float | None = None) -> list[Finding]:
-    """What a single saved scrape says on its own: each GPU's last XID, and uncorrectable ECC."""
+    """What a single saved scrape says on its own: each GPU's last XID, uncorrectable ECC and a
+    failed row remap."""
     out: list[Finding] = []
     for row in samples.filter(pl.col("last_xid").is_not_null() | (pl.col("ecc_dbe_volatile_total") > 0) | pl.col("remap_failure")).to_dicts():
         where = place(row["node"], row["gpu"])
@@ -267,9 +268,10 @@ def findings_from_scrape(samples: pl.DataFrame, *, source_file: str | None = Non
                 )
             )
         if (row["ecc_dbe_volatile_total"] or 0) > 0 or row["remap_failure"]:
+            # A failed remap is NVIDIA's RMA criterion: its own kind, the DBEs its evidence.
             out.append(
                 Finding(
-                    kind=FindingKind.ECC,
+                    kind=FindingKind.ROW_REMAP_FAILURE if row["remap_failure"] else FindingKind.ECC,
                     severity=Severity.PAGE,
                     ts=ts if ts is not None else row["ts"],
                     node=row["node"],
@@ -281,8 +283,8 @@ def findings_from_scrape(samples: pl.DataFrame, *, source_file: str | None = Non
                         "remap_failure": bool(row["remap_failure"]),
                         "gpu_uuid": row["gpu_uuid"],
                     },
-                    summary=f"Uncorrectable memory errors on {where}: {row['ecc_dbe_volatile_total'] or 0} volatile DBE"
-                    + ("; row remapping failed" if row["remap_failure"] else ""),
+                    summary=(f"Row remapping failed on {where} ({row['ecc_dbe_volatile_total'] or 0} volatile DBE): drain the node and replace the GPU"
+                             if row["remap_failure"] else f"Uncorrectable memory errors on {where}: {row['ecc_dbe_volatile_total'] or 0} volatile DBE"),
                     source=src,
                     cause="hardware",
                 )

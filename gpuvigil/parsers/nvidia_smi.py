@@ -10,8 +10,11 @@ section, one block per GPU headed `GPU 00000000:3B:00.0`; people paste fragments
 
 What counts (NVIDIA's A100/H100 memory-error management and NVML clock-event reasons):
 
-- memory: a row remapping pending (needs a GPU reset) or failed (RMA), retired pages pending
-  blacklist, or uncorrectable (double-bit) ECC errors in the volatile counters -> `ecc`;
+- memory, each with its own kind: a row remapping failed (NVIDIA's RMA criterion) ->
+  `row_remap_failure` (the GPU's uncorrectable errors, if any, its evidence); else uncorrectable
+  (double-bit) ECC errors in the volatile counters -> `ecc`; a row remapping pending (needs a GPU
+  reset) -> `row_remap_pending`; retired pages pending blacklist (a reboot retires them) ->
+  `retired_pages`;
 - heat: `HW Slowdown`, `HW Thermal Slowdown` or `SW Thermal Slowdown` active -> `thermal_throttle`.
 
 Idle, application-clock, power-cap and sync-boost reasons are normal operation, not findings.
@@ -91,49 +94,54 @@ def _int(value: str) -> int | None:
         return None
 
 
+def _memory(g: SmiGpu) -> dict[str, Any]:
+    """What the GPU's memory blocks say: remap pending/failed, pages pending, volatile DBEs."""
+    out: dict[str, Any] = {}
+    if any(value.lower() == "yes" for _, value in g.get("remapped rows/pending")):
+        out["remap_pending"] = True
+    if any(value.lower() == "yes" for _, value in g.get("remapping failure occurred", "remapped rows/remapping failure")):
+        out["remap_failure"] = True
+    if any(value.lower() == "yes" for _, value in g.get("retired pages/pending page blacklist", "retired pages/pending")):
+        out["retired_pages_pending"] = True
+    dbe = 0
+    for path, value in g.values.items():
+        low = path.lower()
+        if "ecc errors/volatile" in low and ("double bit" in low or "uncorrectable" in low) and low.endswith("total") or (
+            "ecc errors/volatile" in low and low.endswith(("dram uncorrectable", "uncorrectable/device memory", "double bit/device memory"))
+        ):
+            dbe = max(dbe, _int(value) or 0)
+    if dbe > 0:
+        out["ecc_dbe_volatile_total"] = dbe
+    return out
+
+
+def _memory_findings(g: SmiGpu, mem: dict[str, Any], *, where: str, **common: Any) -> list[Finding]:
+    dbe = mem.get("ecc_dbe_volatile_total", 0)
+    errors = f"{dbe} uncorrectable ECC error(s) since the driver loaded"
+    out = []
+    if mem.get("remap_failure"):
+        out.append(Finding(kind=FindingKind.ROW_REMAP_FAILURE, severity=Severity.PAGE, **common,
+                           evidence={"pci_bus_id": g.pci_bus_id, "remap_failure": True, **({"ecc_dbe_volatile_total": dbe} if dbe else {})},
+                           summary=f"nvidia-smi -q on {where}: a row remapping failed (NVIDIA's RMA criterion)" + (f"; {errors}" if dbe else "")
+                           + ": drain the node and replace the GPU"))
+    elif dbe:
+        out.append(Finding(kind=FindingKind.ECC, severity=Severity.PAGE, **common, evidence={"pci_bus_id": g.pci_bus_id, "ecc_dbe_volatile_total": dbe},
+                           summary=f"nvidia-smi -q on {where}: {errors}: drain the node and reset the GPU"))
+    if mem.get("remap_pending"):
+        out.append(Finding(kind=FindingKind.ROW_REMAP_PENDING, severity=Severity.TICKET, **common, evidence={"pci_bus_id": g.pci_bus_id, "remap_pending": True},
+                           summary=f"nvidia-smi -q on {where}: a row remapping is pending: reset the GPU to apply it"))
+    if mem.get("retired_pages_pending"):
+        out.append(Finding(kind=FindingKind.RETIRED_PAGES, severity=Severity.TICKET, **common, evidence={"pci_bus_id": g.pci_bus_id, "retired_pages_pending": True},
+                           summary=f"nvidia-smi -q on {where}: retired pages are pending blacklist: reboot to retire them"))
+    return out
+
+
 def findings(gpus: list[SmiGpu], *, source_file: str | None = None, ts: float, node: str | None = None) -> list[Finding]:
     out: list[Finding] = []
     for idx, g in enumerate(gpus):
         where = f"GPU {g.pci_bus_id}" if g.pci_bus_id else "the GPU"
         src = f"{source_file}:{g.first_line}" if source_file else "nvidia-smi"
-        problems: list[str] = []
-        evidence: dict[str, Any] = {"pci_bus_id": g.pci_bus_id}
-        for path, value in g.get("remapped rows/pending"):
-            if value.lower() == "yes":
-                problems.append("a row remapping is pending (reset the GPU to apply it)")
-                evidence["remap_pending"] = True
-        for path, value in g.get("remapping failure occurred", "remapped rows/remapping failure"):
-            if value.lower() == "yes":
-                problems.append("a row remapping failed (NVIDIA's RMA criterion)")
-                evidence["remap_failure"] = True
-        for path, value in g.get("retired pages/pending page blacklist", "retired pages/pending"):
-            if value.lower() == "yes":
-                problems.append("retired pages are pending blacklist (reboot to retire them)")
-                evidence["retired_pages_pending"] = True
-        dbe = 0
-        for path, value in g.values.items():
-            low = path.lower()
-            if "ecc errors/volatile" in low and ("double bit" in low or "uncorrectable" in low) and low.endswith("total") or (
-                "ecc errors/volatile" in low and low.endswith(("dram uncorrectable", "uncorrectable/device memory", "double bit/device memory"))
-            ):
-                dbe = max(dbe, _int(value) or 0)
-        if dbe > 0:
-            problems.append(f"{dbe} uncorrectable ECC error(s) since the driver loaded")
-            evidence["ecc_dbe_volatile_total"] = dbe
-        if problems:
-            out.append(
-                Finding(
-                    kind=FindingKind.ECC,
-                    severity=Severity.PAGE,
-                    ts=ts,
-                    node=node,
-                    gpu=None,
-                    evidence=evidence,
-                    summary=f"nvidia-smi -q on {where}: " + "; ".join(problems),
-                    source=src,
-                    cause="hardware",
-                )
-            )
+        out.extend(_memory_findings(g, _memory(g), where=where, ts=ts, node=node, gpu=None, source=src, cause="hardware"))
         hot = sorted(
             {
                 path.rsplit("/", 1)[-1]
