@@ -363,3 +363,37 @@ def test_only_known_placeholders_are_filled_in():
     assert (run["argv"][1], run["rc"], run["stdout"]) == ('BEGIN { print "n0/" }', 0, "n0/\n")
     missing = run_command(Command(command=["/nonexistent/reset", "{gpu}"]), gpu=3)
     assert missing["rc"] is None and missing["stderr"].startswith("cannot run /nonexistent/reset")
+
+
+def remap_failed(node: str) -> Finding:
+    """A failed row remap on GPU 1 (NVML's failureOccurred): NVIDIA's RMA criterion."""
+    return Finding(kind=FindingKind.ROW_REMAP_FAILURE, severity=Severity.PAGE, ts=0.0, node=node, gpu=1, source="ecc", cause="hardware",
+                   evidence={"xids": [], "dbe_new": 0, "dbe_volatile_total": 0, "remapped_rows": 7, "remap_failure": True, "nvidia_action": "DRAIN_AND_RESET"},
+                   summary=f"Row remapping failed on {node} GPU 1: the GPU can no longer repair its failing memory (NVIDIA's RMA criterion): drain the node and replace the GPU.")
+
+
+@pytest.mark.parametrize(("rma_kinds", "rma"), [(None, True), ([], False)], ids=["default", "none"])
+def test_a_failed_row_remap_goes_to_rma_before_any_rung(tmp_path, rma_kinds, rma):
+    """A node held out by a failed row remap: by default no reset or reboot is tried (neither
+    repairs it); it goes to RMA with the finding in the bundle's XID/ECC history. With no
+    `rma_kinds` it climbs the ladder like any other hardware cause."""
+    cfg = ladder_cfg(tmp_path, **({} if rma_kinds is None else {"rma_kinds": rma_kinds}))
+    f = remap_failed("n0")
+    machine = QuarantineMachine(QuarantineStore(":memory:"))
+    lad = Ladder(cfg, machine, findings_of=lambda n: [f.to_json_dict()])
+    rec = Record(key="n0", node="n0", state=State.REMEDIATING, action="drain_node")
+    machine.add_cause(rec, finding_id=f.id, kind=f.kind.value, summary=f.summary)
+    r = lad.remediate(rec, 1_800_000_000.0)
+    if not rma:
+        assert r.status == "passed" and commands(tmp_path) == ["reboot n0"]  # no XID says a reset suffices: the reboot rung
+        return
+    assert (r.status, commands(tmp_path)) == ("rma", [])
+    assert r.detail.startswith("row_remap_failure: no reset or reboot repairs it")
+    with tarfile.open(r.evidence["bundle"]) as tar:
+        history = json.loads(tar.extractfile("xid_ecc_history.json").read())
+    assert [(h["kind"], h["gpu"], h["evidence"]["remap_failure"]) for h in history] == [("row_remap_failure", 1, True)]
+
+
+def test_rma_kinds_are_finding_kinds():
+    with pytest.raises(config.ConfigError, match="rma_kinds"):
+        remediation_config(config.load(overrides={"remediation": {"rma_kinds": ["row_remap_failed"]}}))

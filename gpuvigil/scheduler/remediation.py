@@ -22,7 +22,8 @@ cause never returns a node by itself.
 
 Lemon rule: a node or GPU remediated `lemon.remediations` times within `lemon.window_seconds`
 (counted from the transition log, across episodes and restarts) goes to RMA instead of another
-try. Every RMA writes a tarball (`bundle.dir`): the record and its transitions, the node's
+try. So does one held out by a finding of a kind in `rma_kinds` (a failed row remap: NVIDIA's RMA
+criterion, which no reset or reboot repairs), before any rung. Every RMA writes a tarball (`bundle.dir`): the record and its transitions, the node's
 findings with their evidence, the XID/ECC/row-remap history among them and the ECC command's
 output, the node's kernel-log excerpt, and `nvidia-bug-report.sh` output where that program
 exists; `manifest.json` says what is in it and what could not be had.
@@ -50,6 +51,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from gpuvigil import config
 from gpuvigil.gpu import xid as xid_table
+from gpuvigil.kinds import FindingKind
 from gpuvigil.scheduler.quarantine import QuarantineMachine, Record, StepResult
 
 OUTPUT_TAIL_CHARS = 2000
@@ -96,6 +98,8 @@ class RemediationConfig(BaseModel):
     reboot: Command = Command(command=None, timeout_seconds=1800)
     verify: VerifyCommand = VerifyCommand(command=["gpuvigil", "preflight"], timeout_seconds=900)
     lemon: LemonConfig = LemonConfig()
+    # Finding kinds no rung repairs: a record held out by one goes to RMA at once.
+    rma_kinds: list[FindingKind] = Field(default_factory=lambda: [FindingKind.ROW_REMAP_FAILURE])
     bundle: BundleConfig = BundleConfig()
 
 
@@ -170,6 +174,9 @@ class Ladder:
         if done >= self.cfg.lemon.remediations:
             why = f"lemon: {done} remediations within {self.cfg.lemon.window_seconds / 86400:g} days (limit {self.cfg.lemon.remediations})"
             return self._rma(record, now, why)
+        beyond = sorted({c.kind for c in record.causes.values() if c.kind in self.cfg.rma_kinds})
+        if beyond:
+            return self._rma(record, now, f"{', '.join(beyond)}: no reset or reboot repairs it (remediation.rma_kinds)")
         while lad["next"] < len(RUNGS):
             rung = RUNGS[lad["next"]]
             skip = self._skip(record, rung)
