@@ -580,7 +580,6 @@ class SimulatedCluster:
     def _emit_job(self, job: SimJob, now: float, rp: dict, al: dict, gpu_mem: np.ndarray, gpu_busy: np.ndarray) -> None:
         cfg = job.cfg
         n = cfg.gpus
-        C = cfg.collectives_per_step
         allocated, peak_alloc, reserved = self._memory(job)
         foreign = self.foreign_bytes[job.gpu_idx]
         if self._raise_oom(job, peak_alloc, foreign):
