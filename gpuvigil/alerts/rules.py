@@ -19,7 +19,7 @@ import re
 from dataclasses import dataclass, field
 from typing import Any
 
-from gpuvigil.alerts.settings import AlertSettings
+from gpuvigil.alerts.settings import AlertSettings, RuleThresholds
 
 # Job alerts take their owner from the job's info series. `instance` keeps two gpuvigil
 # instances (two clusters) with a job of the same name apart.
@@ -67,29 +67,40 @@ def _num(x: float) -> str:
 
 
 def rules(s: AlertSettings) -> list[Rule]:
+    """Every alerting rule, group by group, in the order of the generated rules file."""
     t = s.rules
-    gpu = {"node": "n1", "gpu": "0"}
-    sel = '{node="n1",gpu="0"}'
-    job_info = 'gpuvigil_job_info{job="j1",tenant="research",team="%s",priority="P0",state="running"}' % s.team_of_tenant("research")
-    job_labels = {"job": "j1", "tenant": "research", "team": s.team_of_tenant("research")}
+    return [
+        *_gpu_rules(t),
+        *_fabric_rules(t),
+        *_memory_repair_rules(),
+        *_job_rules(t, s),
+        *_scheduler_rules(t),
+        *_self_rules(t),
+        *_fleet_clock_rules(t),
+        *_fleet_rules(t),
+    ]
+
+
+# Each rule's promtool example runs on one GPU, one InfiniBand port or one job of the research tenant.
+_GPU_SELECTOR = '{node="n1",gpu="0"}'
+
+
+def _gpu() -> dict[str, str]:
+    return {"node": "n1", "gpu": "0"}
+
+
+def _ib() -> dict[str, str]:
+    return {"node": "n1", "device": "mlx5_0", "port": "1", "link_layer": "InfiniBand"}
+
+
+def _ib_port(name: str, device: str = "mlx5_0") -> str:
+    return f'{name}{{node="n1",device="{device}",port="1",link_layer="InfiniBand"}}'
+
+
+def _gpu_rules(t: RuleThresholds) -> list[Rule]:
+    gpu = _gpu()
+    sel = _GPU_SELECTOR
     temp_min = _minutes(t.gpu_temperature_for)
-    stall_min = _minutes(t.collective_stall_for)
-    head_min = _minutes(t.memory_headroom_for)
-    frag_min = _minutes(t.fragmentation_for)
-    stall_pipe_min = _minutes(t.pipeline_stall_for)
-    down_min = _minutes(t.collector_down_for)
-    deg_min = _minutes(t.ib_degraded_for)
-    fab_min = _minutes(t.fabric_not_ready_for)
-    ib = {"node": "n1", "device": "mlx5_0", "port": "1", "link_layer": "InfiniBand"}
-
-    def ib_port(name: str, device: str = "mlx5_0") -> str:
-        return f'{name}{{node="n1",device="{device}",port="1",link_layer="InfiniBand"}}'
-
-    lag_min = _minutes(t.fleet_clock_lag_for)
-    queue_or = " or ".join(
-        f'gpuvigil_scheduler_queue_oldest_wait_seconds{{priority="{p}"}} > {_num(v)}' for p, v in sorted(t.queue_wait_seconds.items())
-    )
-    p0_wait = t.queue_wait_seconds.get("P0", next(iter(t.queue_wait_seconds.values()), 900))
     return [
         # -- hardware ----------------------------------------------------------------------
         Rule(
@@ -141,21 +152,32 @@ def rules(s: AlertSettings) -> list[Rule]:
             kind="thermal_throttle",
             example=Example({f"gpuvigil_gpu_temperature_celsius{sel}": f"{_num(t.gpu_temperature_celsius + 3)}x{temp_min + 5}"}, f"{temp_min + 1}m", [gpu], quiet_at="0m"),
         ),
-        # -- fabric: InfiniBand/RoCE ports, NVLink, memory repairs ---------------------------
+    ]
+
+
+def _fabric_rules(t: RuleThresholds) -> list[Rule]:
+    """InfiniBand/RoCE ports, NVLink and Fabric Manager."""
+    gpu = _gpu()
+    sel = _GPU_SELECTOR
+    ib = _ib()
+    deg_min = _minutes(t.ib_degraded_for)
+    fab_min = _minutes(t.fabric_not_ready_for)
+    return [
+        # -- fabric: InfiniBand/RoCE ports, NVLink ------------------------------------------
         Rule(
             "GpuvigilIbPortDown", "gpuvigil-hardware", "(gpuvigil_ib_port_up == 0) and (max_over_time(gpuvigil_ib_port_up[1h]) == 1)", "page", "hardware", "node",
             "InfiniBand port {{ $labels.device }}/{{ $labels.port }} on {{ $labels.node }} is down",
             "A port that was ACTIVE within the hour is not: jobs spanning the node stall or fail. Check the cable, transceiver and switch port; gpuvigil cordons the node.",
             for_="2m",
             kind="ib_link_down",
-            example=Example({ib_port("gpuvigil_ib_port_up"): "1x3 0x10"}, "8m", [ib], quiet_at="3m"),
+            example=Example({_ib_port("gpuvigil_ib_port_up"): "1x3 0x10"}, "8m", [ib], quiet_at="3m"),
         ),
         Rule(
             "GpuvigilIbLinkFlapping", "gpuvigil-hardware", f"increase(gpuvigil_ib_port_link_downed_total[10m]) >= {_num(t.ib_link_flaps)}", "ticket", "hardware", "node",
             "InfiniBand link {{ $labels.device }}/{{ $labels.port }} on {{ $labels.node }} is flapping",
             "The link went down and came back several times in ten minutes: reseat or replace the cable or transceiver.",
             kind="ib_link_down",
-            example=Example({ib_port("gpuvigil_ib_port_link_downed_total"): f"1x3 {1 + int(t.ib_link_flaps)}x10"}, "6m", [ib], quiet_at="2m"),
+            example=Example({_ib_port("gpuvigil_ib_port_link_downed_total"): f"1x3 {1 + int(t.ib_link_flaps)}x10"}, "6m", [ib], quiet_at="2m"),
         ),
         Rule(
             "GpuvigilIbLinkDegraded", "gpuvigil-hardware",
@@ -167,8 +189,8 @@ def rules(s: AlertSettings) -> list[Rule]:
             for_=t.ib_degraded_for,
             kind="ib_link_degraded",
             example=Example(
-                {ib_port("gpuvigil_ib_port_rate_bytes_per_second"): f"5e10x3 2.5e10x{deg_min + 10}", ib_port("gpuvigil_ib_port_up"): f"1x{deg_min + 13}",
-                 ib_port("gpuvigil_ib_port_rate_bytes_per_second", "mlx5_1"): f"5e10x{deg_min + 13}", ib_port("gpuvigil_ib_port_up", "mlx5_1"): f"1x{deg_min + 13}"},
+                {_ib_port("gpuvigil_ib_port_rate_bytes_per_second"): f"5e10x3 2.5e10x{deg_min + 10}", _ib_port("gpuvigil_ib_port_up"): f"1x{deg_min + 13}",
+                 _ib_port("gpuvigil_ib_port_rate_bytes_per_second", "mlx5_1"): f"5e10x{deg_min + 13}", _ib_port("gpuvigil_ib_port_up", "mlx5_1"): f"1x{deg_min + 13}"},
                 f"{deg_min + 5}m", [ib], quiet_at="2m",
             ),
         ),
@@ -177,7 +199,7 @@ def rules(s: AlertSettings) -> list[Rule]:
             "InfiniBand port {{ $labels.device }}/{{ $labels.port }} on {{ $labels.node }} has a high symbol error rate",
             "Symbol errors climb fast: the cable or transceiver is degrading and the link often goes down next.",
             kind="ib_link_errors",
-            example=Example({ib_port("gpuvigil_ib_port_symbol_errors_total"): f"0x3 0+{int(t.ib_symbol_errors_per_minute) * 2}x10"}, "9m", [ib], quiet_at="2m"),
+            example=Example({_ib_port("gpuvigil_ib_port_symbol_errors_total"): f"0x3 0+{int(t.ib_symbol_errors_per_minute) * 2}x10"}, "9m", [ib], quiet_at="2m"),
         ),
         Rule(
             "GpuvigilIbPortMissing", "gpuvigil-hardware", "gpuvigil_ib_ports < max_over_time(gpuvigil_ib_ports[1d])", "page", "hardware", "node",
@@ -204,6 +226,14 @@ def rules(s: AlertSettings) -> list[Rule]:
             kind="fabric_manager",
             example=Example({f"gpuvigil_gpu_fabric_manager_status{sel}": f"3x3 4x{fab_min + 10}"}, f"{fab_min + 5}m", [gpu], quiet_at="3m"),
         ),
+    ]
+
+
+def _memory_repair_rules() -> list[Rule]:
+    """Repairs of device memory that wait for a GPU reset or a reboot."""
+    gpu = _gpu()
+    sel = _GPU_SELECTOR
+    return [
         Rule(
             "GpuvigilGpuRowRemapPending", "gpuvigil-hardware", "gpuvigil_gpu_row_remap_pending == 1", "ticket", "hardware", "node",
             "A row remap waits for a reset on GPU {{ $labels.gpu }} of {{ $labels.node }}",
@@ -220,6 +250,15 @@ def rules(s: AlertSettings) -> list[Rule]:
             kind="retired_pages",
             example=Example({f"gpuvigil_gpu_retired_pages_pending{sel}": "0x3 1x10"}, "10m", [gpu], quiet_at="4m"),
         ),
+    ]
+
+
+def _job_rules(t: RuleThresholds, s: AlertSettings) -> list[Rule]:
+    job_info = 'gpuvigil_job_info{job="j1",tenant="research",team="%s",priority="P0",state="running"}' % s.team_of_tenant("research")
+    job_labels = {"job": "j1", "tenant": "research", "team": s.team_of_tenant("research")}
+    head_min = _minutes(t.memory_headroom_for)
+    stall_min = _minutes(t.collective_stall_for)
+    return [
         # -- jobs ----------------------------------------------------------------------------
         Rule(
             "GpuvigilJobPredictedOom", "gpuvigil-jobs", f"(gpuvigil_job_predicted_oom_seconds < {_num(t.predicted_oom_seconds)}) {JOB_TEAM}", "page", "job", "job",
@@ -252,6 +291,16 @@ def rules(s: AlertSettings) -> list[Rule]:
                 f"{stall_min + 5}m", [job_labels], quiet_at="2m",
             ),
         ),
+    ]
+
+
+def _scheduler_rules(t: RuleThresholds) -> list[Rule]:
+    frag_min = _minutes(t.fragmentation_for)
+    queue_or = " or ".join(
+        f'gpuvigil_scheduler_queue_oldest_wait_seconds{{priority="{p}"}} > {_num(v)}' for p, v in sorted(t.queue_wait_seconds.items())
+    )
+    p0_wait = t.queue_wait_seconds.get("P0", next(iter(t.queue_wait_seconds.values()), 900))
+    return [
         # -- scheduler -----------------------------------------------------------------------
         Rule(
             "GpuvigilQueueWaitHigh", "gpuvigil-scheduler", queue_or, "ticket", "platform", "cluster",
@@ -268,6 +317,13 @@ def rules(s: AlertSettings) -> list[Rule]:
             for_=t.fragmentation_for,
             example=Example({"gpuvigil_scheduler_fragmentation_ratio": f"0.9x{frag_min + 5}", 'gpuvigil_scheduler_queue_jobs{priority="P1",tenant="vision"}': f"2x{frag_min + 5}"}, f"{frag_min + 1}m", [{}], quiet_at="0m"),
         ),
+    ]
+
+
+def _self_rules(t: RuleThresholds) -> list[Rule]:
+    stall_pipe_min = _minutes(t.pipeline_stall_for)
+    down_min = _minutes(t.collector_down_for)
+    return [
         # -- gpuvigil itself -----------------------------------------------------------------
         Rule(
             "GpuvigilPipelineStalled", "gpuvigil-self", "rate(gpuvigil_pipeline_ticks_total[1m]) == 0", "page", "platform", "cluster",
@@ -301,6 +357,12 @@ def rules(s: AlertSettings) -> list[Rule]:
             for_="10m",
             example=Example({"gpuvigil_alert_outbox_pending": "3x20"}, "11m", [{}], quiet_at="5m"),
         ),
+    ]
+
+
+def _fleet_clock_rules(t: RuleThresholds) -> list[Rule]:
+    lag_min = _minutes(t.fleet_clock_lag_for)
+    return [
         Rule(
             "GpuvigilFleetClockLag", "gpuvigil-self",
             f"max by (instance, replica) ({{__name__=~\"gpuvigil_(detect|act)_clock_lag_seconds\"}}) > {_num(t.fleet_clock_lag_seconds)}",
@@ -323,6 +385,11 @@ def rules(s: AlertSettings) -> list[Rule]:
             example=Example({'gpuvigil_act_clock_future_messages_total{instance="a1:9501",replica="a1",message="clock"}': "0 0 0 1 1"},
                             "3m", [{"instance": "a1:9501", "replica": "a1"}], quiet_at="1m"),
         ),
+    ]
+
+
+def _fleet_rules(t: RuleThresholds) -> list[Rule]:
+    return [
         # Fleet health (gpuvigil detect / act / NATS): the control plane's Prometheus scrapes them
         # (`gpuvigil deploy prometheus --detect-target/--act-target/--nats-target`).
         Rule(

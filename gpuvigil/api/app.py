@@ -305,6 +305,21 @@ def create_app(
     if token is None and not insecure_local:
         raise UserError("the feedback API needs a token (or insecure_local=True, which serves on 127.0.0.1 only)")
     settings = api_config(cfg)
+    app = _base_app(store, token, settings)
+    router = APIRouter(prefix="/v1", dependencies=[Depends(bearer_auth(token))])
+    page = Query(None, ge=1, le=settings.max_page, description="at most this many results")
+    _add_hint_routes(router, store, settings, page)
+    _add_hint_stream_route(router, app, store, settings)
+    _add_finding_routes(router, store, settings, page)
+    _add_health_routes(router, store, settings)
+    add_why_route(router, why)  # GET /v1/jobs/{job}/why (gpuvigil/api/why.py)
+    add_quarantine_routes(router, store.path, cfg)  # /v1/breaker, /v1/nodes/{node}/quarantine
+    app.include_router(router)
+    return app
+
+
+def _base_app(store: HintStore, token: str | None, settings: ApiConfig) -> FastAPI:
+    """The app with its state, admission middleware, error handler and /healthz; no /v1 route yet."""
     app = FastAPI(
         title="gpuvigil scheduler feedback API",
         version=__import__("gpuvigil").__version__,
@@ -325,23 +340,28 @@ def create_app(
     @app.exception_handler(RequestValidationError)
     async def _validation_error(request: Request, exc: RequestValidationError) -> JSONResponse:
         return JSONResponse(status_code=422, content={"detail": _safe_errors(exc)})
-    router = APIRouter(prefix="/v1", dependencies=[Depends(bearer_auth(token))])
-    page = Query(None, ge=1, le=settings.max_page, description="at most this many results")
 
     @app.get("/healthz", response_model=Healthz, tags=["meta"])
     def healthz() -> Healthz:
         return Healthz(ok=True)
 
-    finite = {"allow_inf_nan": False}
+    return app
 
-    async def cached(key: str, build: Callable[[], Response]) -> Response:
-        """Built on a worker thread (SQLite). The bytes are kept per store version by the
-        Admission middleware (`ReadCache`), which answers repeats without reaching the route."""
-        return await anyio.to_thread.run_sync(build)
 
+_FINITE = {"allow_inf_nan": False}
+
+
+async def _cached(key: str, build: Callable[[], Response]) -> Response:
+    """Built on a worker thread (SQLite). The bytes are kept per store version by the
+    Admission middleware (`ReadCache`), which answers repeats without reaching the route."""
+    return await anyio.to_thread.run_sync(build)
+
+
+def _add_hint_routes(router: APIRouter, store: HintStore, settings: ApiConfig, page: Any) -> None:
+    """GET /v1/hints, POST /v1/hints/{hint_id}/ack and /nack."""
     @router.get("/hints", response_model=HintList, tags=["hints"])
     async def list_hints(
-        since: float | None = Query(None, **finite, description="only hints changed at or after this wall-clock time (epoch seconds; `updated_wall`)"),
+        since: float | None = Query(None, **_FINITE, description="only hints changed at or after this wall-clock time (epoch seconds; `updated_wall`)"),
         node: str | None = None,
         job: str | None = None,
         action: HintAction | None = None,
@@ -360,7 +380,7 @@ def create_app(
             )
             return _json_response({"count": len(hints), "latest_seq": seq}, {"hints": hints})
 
-        return await cached(json.dumps(["hints", since, node, job, action, state, limit]), build)
+        return await _cached(json.dumps(["hints", since, node, job, action, state, limit]), build)
 
     def _transition(fn, hint_id: str, arg: str | None) -> HintRecord:
         try:
@@ -383,6 +403,10 @@ def create_app(
     def nack_hint(body: NackRequest, hint_id: str = hint_id_path) -> HintRecord:
         """The scheduler refuses the hint, with the reason."""
         return _transition(store.nack, hint_id, body.reason)
+
+
+def _add_hint_stream_route(router: APIRouter, app: FastAPI, store: HintStore, settings: ApiConfig) -> None:
+    """GET /v1/hints/stream: server-sent events until the client leaves or the app stops."""
 
     @router.get(
         "/hints/stream",
@@ -443,9 +467,11 @@ def create_app(
 
         return StreamingResponse(events(), media_type="text/event-stream", headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
 
+
+def _add_finding_routes(router: APIRouter, store: HintStore, settings: ApiConfig, page: Any) -> None:
     @router.get("/findings", response_model=FindingList, tags=["findings"])
     async def list_findings(
-        since: float | None = Query(None, **finite, description="only findings seen at or after this time (pipeline clock, epoch seconds)"),
+        since: float | None = Query(None, **_FINITE, description="only findings seen at or after this time (pipeline clock, epoch seconds)"),
         node: str | None = None,
         job: str | None = None,
         kind: FindingKind | None = None,
@@ -466,8 +492,11 @@ def create_app(
             return _json_response({"count": len(found)}, {"findings": found})
 
         key = json.dumps(["findings", since, node, job, kind, severity, active, limit])
-        return await cached(key, build)
+        return await _cached(key, build)
 
+
+def _add_health_routes(router: APIRouter, store: HintStore, settings: ApiConfig) -> None:
+    """GET /v1/nodes/{node}/health and /v1/jobs/{job}/verdict, from the node's or job's active findings."""
     unhealthy = {s.value for s in settings.node_health.unhealthy_severities}
     degraded = {s.value for s in settings.node_health.degraded_severities}
 
@@ -479,7 +508,7 @@ def create_app(
     async def node_health(node: str) -> Response:
         """Derived from the node's active findings: any page-severity one → unhealthy, ticket → degraded.
         A node gpuvigil never saw is 404, not healthy."""
-        return await cached(json.dumps(["node", node]), lambda: _node_health(node))
+        return await _cached(json.dumps(["node", node]), lambda: _node_health(node))
 
     def _node_health(node: str) -> Response:
         got = store.node_summary(node)
@@ -496,7 +525,7 @@ def create_app(
     async def job_verdict(job: str) -> Response:
         """What is wrong with the job (worst active finding first), the culprit ranks and nodes,
         and what gpuvigil recommends the scheduler do. A job gpuvigil never saw is 404."""
-        return await cached(json.dumps(["job", job]), lambda: _job_verdict(job))
+        return await _cached(json.dumps(["job", job]), lambda: _job_verdict(job))
 
     def _job_verdict(job: str) -> Response:
         # The store keeps every job's verdict parts up to date as it is written: this is one row.
@@ -514,11 +543,6 @@ def create_app(
             f'"recommended_actions":{got["hints"]},"findings":{got["findings"]}}}'
         )
         return Response(content=body.encode(), media_type="application/json")
-
-    add_why_route(router, why)  # GET /v1/jobs/{job}/why (gpuvigil/api/why.py)
-    add_quarantine_routes(router, store.path, cfg)  # /v1/breaker, /v1/nodes/{node}/quarantine
-    app.include_router(router)
-    return app
 
 
 # -- serving --------------------------------------------------------------------------------

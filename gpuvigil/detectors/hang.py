@@ -138,7 +138,29 @@ class HangDetector(Declared):
             return []
         if "last_started_seq" not in latest.columns:
             latest = latest.with_columns(pl.lit(None, dtype=pl.Int64).alias("last_started_seq"))
-        per_job = (
+        per_job = self._stalled_jobs(self._per_job(latest), window, now)
+        if per_job.height == 0:
+            return []
+        ranks = self._rank_roles(latest, per_job)
+        events = window.get("events").filter(implicates_hardware(now - c.hardware_lookback_seconds))
+        findings = []
+        for job_rows in ranks.partition_by("job"):
+            culprits = job_rows.filter(pl.col("culprit")).sort("rank")
+            if culprits.height == job_rows.height:
+                continue  # nobody waiting on anybody: not a collective hang
+            first = job_rows.row(0, named=True)
+            if culprits.height == 0:
+                # Everybody entered it: hung only if it stays incomplete well past the cadence.
+                if first["stalled_seconds"] > max(c.all_entered_min_seconds, c.all_entered_step_factor * (first["step_time"] or 0.0)):
+                    findings.append(self._all_entered(job_rows, first, events, now))
+                continue
+            findings.append(self._culprit_finding(job_rows, culprits, first, events, now))
+        return findings
+
+    @staticmethod
+    def _per_job(latest: pl.DataFrame) -> pl.DataFrame:
+        """Each job's collective progress over its ranks' latest reports."""
+        return (
             latest.group_by("job")
             .agg(
                 pl.col("last_enqueued_seq").max().alias("max_enq"),
@@ -150,6 +172,10 @@ class HangDetector(Declared):
                 pl.col("last_started_seq").max().alias("max_started"),
             )
         )
+
+    def _stalled_jobs(self, per_job: pl.DataFrame, window: Window, now: float) -> pl.DataFrame:
+        """The jobs with a collective pending past their threshold; the others that report are healthy."""
+        c = self.config
         idle_before = self._idle_in_batch(window)
         if idle_before.height:
             self._idle = pl.concat([self._idle, idle_before]).group_by("job", maintain_order=True).agg(pl.col("idle_ts").max())
@@ -173,9 +199,12 @@ class HangDetector(Declared):
                 & (pl.lit(now) - pl.col("fresh_ts") <= c.stale_report_seconds)  # the job still reports
             )
         )
-        if per_job.height == 0:
-            return []
-        ranks = latest.join(per_job.select("job", "min_comp", "fresh_ts", "stalled_seconds", "threshold", "step_time", "n_ranks", "max_started"), on="job").with_columns(
+        return per_job
+
+    def _rank_roles(self, latest: pl.DataFrame, per_job: pl.DataFrame) -> pl.DataFrame:
+        """The stalled jobs' ranks, each marked culprit (did not join), silent or not started."""
+        c = self.config
+        return latest.join(per_job.select("job", "min_comp", "fresh_ts", "stalled_seconds", "threshold", "step_time", "n_ranks", "max_started"), on="job").with_columns(
             # Enqueued but never started while a peer started it (start records exist).
             ((pl.col("max_started") > pl.col("min_comp")) & (pl.col("last_started_seq") <= pl.col("min_comp"))).fill_null(False).alias("not_started"),
         ).with_columns(
@@ -186,62 +215,50 @@ class HangDetector(Declared):
             ).fill_null(False).alias("culprit"),
             (pl.col("fresh_ts") - pl.col("ts") > c.stale_report_seconds).alias("silent"),
         )
-        events = window.get("events").filter(implicates_hardware(now - c.hardware_lookback_seconds))
-        findings = []
-        for job_rows in ranks.partition_by("job"):
-            culprits = job_rows.filter(pl.col("culprit")).sort("rank")
-            if culprits.height == job_rows.height:
-                continue  # nobody waiting on anybody: not a collective hang
-            first = job_rows.row(0, named=True)
-            if culprits.height == 0:
-                # Everybody entered it: hung only if it stays incomplete well past the cadence.
-                if first["stalled_seconds"] > max(c.all_entered_min_seconds, c.all_entered_step_factor * (first["step_time"] or 0.0)):
-                    findings.append(self._all_entered(job_rows, first, events, now))
-                continue
-            job = first["job"]
-            culprit_nodes = node_names(culprits["node"])
-            hw = events.filter(pl.col("node").is_in(culprit_nodes))
-            xids = sorted({int(x) for x in hw["xid"].drop_nulls().to_list()})
-            silent = culprits.filter(pl.col("silent"))["rank"].to_list()
-            in_kernel = culprits.filter(pl.col("not_started") & ~pl.col("silent") & (pl.col("last_enqueued_seq") > pl.col("min_comp")))["rank"].to_list()
-            cause = "hardware" if hw.height else "software"
-            c0 = culprits.row(0, named=True)
-            seq = int(first["min_comp"]) + 1
-            where = ", ".join(rank_at(r["rank"], r["node"], r["gpu"]) for r in culprits.head(4).iter_rows(named=True))
-            more = f" and {culprits.height - 4} more" if culprits.height > 4 else ""
-            why = f"XID {', '.join(map(str, xids))} on {', '.join(sorted(set(hw['node'].to_list())))}" if xids else ("its process stopped reporting" if silent else "stuck in a kernel before the collective: enqueued, never started" if in_kernel else "it never entered the collective")
-            findings.append(
-                Finding(
-                    kind=FindingKind.COLLECTIVE_HANG,
-                    severity=Severity.PAGE,
-                    ts=now,
-                    job=job,
-                    ranks=culprits["rank"].to_list(),
-                    culprit_ranks=culprits["rank"].to_list(),
-                    node=c0["node"] if len(culprit_nodes) == 1 else culprit_nodes[0],
-                    gpu=c0["gpu"] if culprits.height == 1 else None,
-                    cause=cause,
-                    source=self.name,
-                    evidence={
-                        "pending_seq": seq,
-                        "op": next((o for o in job_rows["current_op"].to_list() if o), None),
-                        "stalled_seconds": round(float(first["stalled_seconds"]), 1),
-                        "threshold_seconds": round(float(first["threshold"]), 2),
-                        "step_time_seconds": round(float(first["step_time"] or 0.0), 3),
-                        "waiting_ranks": int(job_rows.height - culprits.height),
-                        "world_size": int(first["n_ranks"]),
-                        "culprit_nodes": culprit_nodes,
-                        "silent_ranks": silent,
-                        "not_started_ranks": in_kernel,
-                        "xids": xids,
-                    },
-                    summary=(
-                        f"{job} is hung in collective #{seq}: {where}{more} did not join ({why}); "
-                        f"{job_rows.height - culprits.height} ranks have waited {first['stalled_seconds']:.0f} s."
-                    ),
-                )
-            )
-        return findings
+
+    def _culprit_finding(self, job_rows: pl.DataFrame, culprits: pl.DataFrame, first: dict[str, Any], events: pl.DataFrame, now: float) -> Finding:
+        """The hang of a job some of whose ranks did not join the pending collective."""
+        job = first["job"]
+        culprit_nodes = node_names(culprits["node"])
+        hw = events.filter(pl.col("node").is_in(culprit_nodes))
+        xids = sorted({int(x) for x in hw["xid"].drop_nulls().to_list()})
+        silent = culprits.filter(pl.col("silent"))["rank"].to_list()
+        in_kernel = culprits.filter(pl.col("not_started") & ~pl.col("silent") & (pl.col("last_enqueued_seq") > pl.col("min_comp")))["rank"].to_list()
+        cause = "hardware" if hw.height else "software"
+        c0 = culprits.row(0, named=True)
+        seq = int(first["min_comp"]) + 1
+        where = ", ".join(rank_at(r["rank"], r["node"], r["gpu"]) for r in culprits.head(4).iter_rows(named=True))
+        more = f" and {culprits.height - 4} more" if culprits.height > 4 else ""
+        why = f"XID {', '.join(map(str, xids))} on {', '.join(sorted(set(hw['node'].to_list())))}" if xids else ("its process stopped reporting" if silent else "stuck in a kernel before the collective: enqueued, never started" if in_kernel else "it never entered the collective")
+        return Finding(
+            kind=FindingKind.COLLECTIVE_HANG,
+            severity=Severity.PAGE,
+            ts=now,
+            job=job,
+            ranks=culprits["rank"].to_list(),
+            culprit_ranks=culprits["rank"].to_list(),
+            node=c0["node"] if len(culprit_nodes) == 1 else culprit_nodes[0],
+            gpu=c0["gpu"] if culprits.height == 1 else None,
+            cause=cause,
+            source=self.name,
+            evidence={
+                "pending_seq": seq,
+                "op": next((o for o in job_rows["current_op"].to_list() if o), None),
+                "stalled_seconds": round(float(first["stalled_seconds"]), 1),
+                "threshold_seconds": round(float(first["threshold"]), 2),
+                "step_time_seconds": round(float(first["step_time"] or 0.0), 3),
+                "waiting_ranks": int(job_rows.height - culprits.height),
+                "world_size": int(first["n_ranks"]),
+                "culprit_nodes": culprit_nodes,
+                "silent_ranks": silent,
+                "not_started_ranks": in_kernel,
+                "xids": xids,
+            },
+            summary=(
+                f"{job} is hung in collective #{seq}: {where}{more} did not join ({why}); "
+                f"{job_rows.height - culprits.height} ranks have waited {first['stalled_seconds']:.0f} s."
+            ),
+        )
 
     def _all_entered(self, job_rows: pl.DataFrame, first: dict[str, Any], events: pl.DataFrame, now: float) -> Finding:
         job = first["job"]

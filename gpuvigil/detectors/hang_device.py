@@ -122,12 +122,26 @@ class DeviceHangDetector(Declared):
         self._bn[at] = upd.get_column("bn").to_numpy()
 
     def detect(self, window: Window) -> list[Finding]:
-        c = self.config
         now = window.now
         fresh = window.fresh("gpu_samples")
         alloc = window.get("allocations")
         if fresh.height == 0 or alloc.height == 0:
             return []
+        fresh, slots = self._latest_samples(fresh)
+        g = self._mark_gpus(self._allocated_gpus(alloc, fresh, slots))
+        cand_jobs = self._waiting_jobs(g, now)
+        if not cand_jobs:
+            return []
+        events = window.get("events").filter(implicates_hardware(now - self.config.hardware_lookback_seconds))
+        findings = []
+        for rows in g.filter(pl.col("job").is_in(list(cand_jobs))).partition_by("job"):
+            finding = self._job_finding(rows, events, now)
+            if finding is not None:
+                findings.append(finding)
+        return findings
+
+    def _latest_samples(self, fresh: pl.DataFrame) -> tuple[pl.DataFrame, np.ndarray]:
+        """Each GPU's latest sample this tick and its slot; the busy baselines take them in."""
         # (rows without a node or a GPU never match an allocation: they were never read)
         if fresh.get_column("node").null_count() or fresh.get_column("gpu").null_count():
             fresh = fresh.filter(pl.col("node").is_not_null() & pl.col("gpu").is_not_null())
@@ -137,6 +151,10 @@ class DeviceHangDetector(Declared):
         n = len(self._slots)
         self._bp, self._bl, self._bn = grow(self._bp, n, 0.0), grow(self._bl, n, 0.0), grow(self._bn, n, 0)
         self._update_baseline(fresh, slots)
+        return fresh, slots
+
+    def _allocated_gpus(self, alloc: pl.DataFrame, fresh: pl.DataFrame, slots: np.ndarray) -> pl.DataFrame:
+        """One row per allocated rank: job, rank, node, gpu, its GPU's latest sample (or nulls) and baseline."""
         # Each allocated GPU's latest sample this tick (none: null) and its baseline.
         alloc = alloc.select("job", "rank", "node", "gpu")
         placed = (alloc.get_column("node").is_not_null() & alloc.get_column("gpu").is_not_null()).to_numpy()
@@ -157,7 +175,11 @@ class DeviceHangDetector(Declared):
         base = self._baseline_at(np.maximum(a_slot, 0)).with_columns(pl.Series("_placed", placed)).select(
             pl.when(pl.col("_placed")).then(pl.col(x)).otherwise(None).alias(x) for x in ("bp", "bl", "bn")
         )
-        g = pl.concat([alloc, vals, base], how="horizontal")
+        return pl.concat([alloc, vals, base], how="horizontal")
+
+    def _mark_gpus(self, g: pl.DataFrame) -> pl.DataFrame:
+        """Each GPU silent (no sample), waiting (pinned util on little power and traffic) or absent (idle)."""
+        c = self.config
         link = _nz("nvlink_tx_bytes_per_second") + _nz("nvlink_rx_bytes_per_second") + _nz("pcie_tx_bytes_per_second") + _nz("pcie_rx_bytes_per_second")
         has_link = pl.any_horizontal([pl.col(x).is_not_null() for x in ("nvlink_tx_bytes_per_second", "pcie_tx_bytes_per_second")])
         quiet = (
@@ -167,11 +189,15 @@ class DeviceHangDetector(Declared):
             & (pl.col("tensor_active_ratio").is_null() | (pl.col("tensor_active_ratio") <= c.quiet_tensor_active))
             & (~has_link | (pl.col("bl") <= 0) | (link <= c.quiet_link_ratio * pl.col("bl")))
         )
-        g = g.with_columns(
+        return g.with_columns(
             pl.col("util_ratio").is_null().alias("silent"),
             ((pl.col("util_ratio") >= c.util_pinned) & quiet).fill_null(False).alias("waiting"),
             (pl.col("util_ratio") <= c.util_absent).fill_null(False).alias("absent"),
         )
+
+    def _waiting_jobs(self, g: pl.DataFrame, now: float) -> set[str]:
+        """Jobs whose GPUs all wait, idle or went silent; a job that stopped being one ends its phase."""
+        c = self.config
         per_job = g.group_by("job").agg(
             pl.len().alias("n"),
             pl.col("waiting").sum().alias("n_wait"),
@@ -189,70 +215,67 @@ class DeviceHangDetector(Declared):
                 # The waiting phase ended by itself: remember how long such phases last.
                 run = self._last_cand.get(job, now) - self._since.pop(job)
                 self._recovered[job] = max(self._recovered.get(job, 0.0), run)
-        if not cand_jobs:
-            return []
-        events = window.get("events").filter(implicates_hardware(now - c.hardware_lookback_seconds))
-        findings = []
-        for rows in g.filter(pl.col("job").is_in(list(cand_jobs))).partition_by("job"):
-            job = rows["job"][0]
-            since = self._since.setdefault(job, now)
-            self._last_cand[job] = now
-            hold = min(c.max_hold_seconds, max(c.hold_seconds, c.recovered_factor * self._recovered.get(job, 0.0)))
-            stalled = now - since
-            if stalled < hold:
-                continue
-            waiting = rows.filter(pl.col("waiting"))
-            odd = rows.filter(~pl.col("waiting")).sort("rank")
-            culprit_ranks = odd["rank"].to_list()
-            nodes = node_names(odd["node"])
-            hw = events.filter(pl.col("node").is_in(nodes)) if nodes else events.clear()
-            # No telemetry from a GPU it was placed on: the GPU is gone (hardware). A rank placed on
-            # no GPU yet never started: the job waits for it, which requeueing fixes (software).
-            unplaced = odd.filter(pl.col("node").is_null() | pl.col("gpu").is_null())["rank"].to_list()
-            silent = odd.filter(pl.col("silent") & pl.col("node").is_not_null() & pl.col("gpu").is_not_null())["rank"].to_list()
-            cause = "hardware" if (silent or hw.height) else ("software" if culprit_ranks else None)
-            first = odd.row(0, named=True) if odd.height else None
-            where = ", ".join(rank_at(r["rank"], r["node"], r["gpu"]) for r in odd.head(4).iter_rows(named=True))
-            if culprit_ranks:
-                why = "no telemetry: the GPU is gone" if silent else ("not placed on a GPU: its rank never started" if unplaced else "util 0: its rank never entered the collective")
-                head = f"{where}{' and more' if odd.height > 4 else ''} differ(s) ({why})"
-            else:
-                head = "every GPU waits alike: the culprit is inside a device kernel or the network (L0 cannot name it; L1 Flight Recorder can)"
-            wp = waiting["power_w"].median()
-            bp = waiting["bp"].median()
-            findings.append(
-                Finding(
-                    kind=FindingKind.COLLECTIVE_HANG,
-                    severity=Severity.PAGE,
-                    ts=now,
-                    job=job,
-                    ranks=culprit_ranks,
-                    culprit_ranks=culprit_ranks,
-                    node=first["node"] if first else None,
-                    gpu=first["gpu"] if first and odd.height == 1 else None,
-                    cause=cause,
-                    source=self.name,
-                    evidence={
-                        "level": "L0",
-                        "stalled_seconds": round(stalled, 1),
-                        "hold_seconds": round(hold, 1),
-                        "waiting_gpus": int(waiting.height),
-                        "gpus": int(rows.height),
-                        "culprit_gpus": [f"{r['node']}:{r['gpu']}" for r in odd.head(16).iter_rows(named=True)],
-                        "silent_ranks": silent,
-                        "waiting_util_median": _r(waiting["util_ratio"].median()),
-                        "waiting_power_w_median": _r(wp),
-                        "busy_power_w_median": _r(bp),
-                        "waiting_sm_active_median": _r(waiting["sm_active_ratio"].median()),
-                        "xids": sorted({int(x) for x in hw["xid"].drop_nulls().to_list()}),
-                    },
-                    summary=(
-                        f"{job} looks hung from its GPUs (L0): {waiting.height} of {rows.height} GPUs spin at "
-                        f"{100 * (waiting['util_ratio'].median() or 0):.0f}% util on {_r(wp)} W (busy: {_r(bp)} W) for {stalled:.0f} s; {head}."
-                    ),
-                )
-            )
-        return findings
+        return cand_jobs
+
+    def _job_finding(self, rows: pl.DataFrame, events: pl.DataFrame, now: float) -> Finding | None:
+        """The hang finding of a waiting job's GPUs, once it has waited past its hold."""
+        c = self.config
+        job = rows["job"][0]
+        since = self._since.setdefault(job, now)
+        self._last_cand[job] = now
+        hold = min(c.max_hold_seconds, max(c.hold_seconds, c.recovered_factor * self._recovered.get(job, 0.0)))
+        stalled = now - since
+        if stalled < hold:
+            return None
+        waiting = rows.filter(pl.col("waiting"))
+        odd = rows.filter(~pl.col("waiting")).sort("rank")
+        culprit_ranks = odd["rank"].to_list()
+        nodes = node_names(odd["node"])
+        hw = events.filter(pl.col("node").is_in(nodes)) if nodes else events.clear()
+        # No telemetry from a GPU it was placed on: the GPU is gone (hardware). A rank placed on
+        # no GPU yet never started: the job waits for it, which requeueing fixes (software).
+        unplaced = odd.filter(pl.col("node").is_null() | pl.col("gpu").is_null())["rank"].to_list()
+        silent = odd.filter(pl.col("silent") & pl.col("node").is_not_null() & pl.col("gpu").is_not_null())["rank"].to_list()
+        cause = "hardware" if (silent or hw.height) else ("software" if culprit_ranks else None)
+        first = odd.row(0, named=True) if odd.height else None
+        where = ", ".join(rank_at(r["rank"], r["node"], r["gpu"]) for r in odd.head(4).iter_rows(named=True))
+        if culprit_ranks:
+            why = "no telemetry: the GPU is gone" if silent else ("not placed on a GPU: its rank never started" if unplaced else "util 0: its rank never entered the collective")
+            head = f"{where}{' and more' if odd.height > 4 else ''} differ(s) ({why})"
+        else:
+            head = "every GPU waits alike: the culprit is inside a device kernel or the network (L0 cannot name it; L1 Flight Recorder can)"
+        wp = waiting["power_w"].median()
+        bp = waiting["bp"].median()
+        return Finding(
+            kind=FindingKind.COLLECTIVE_HANG,
+            severity=Severity.PAGE,
+            ts=now,
+            job=job,
+            ranks=culprit_ranks,
+            culprit_ranks=culprit_ranks,
+            node=first["node"] if first else None,
+            gpu=first["gpu"] if first and odd.height == 1 else None,
+            cause=cause,
+            source=self.name,
+            evidence={
+                "level": "L0",
+                "stalled_seconds": round(stalled, 1),
+                "hold_seconds": round(hold, 1),
+                "waiting_gpus": int(waiting.height),
+                "gpus": int(rows.height),
+                "culprit_gpus": [f"{r['node']}:{r['gpu']}" for r in odd.head(16).iter_rows(named=True)],
+                "silent_ranks": silent,
+                "waiting_util_median": _r(waiting["util_ratio"].median()),
+                "waiting_power_w_median": _r(wp),
+                "busy_power_w_median": _r(bp),
+                "waiting_sm_active_median": _r(waiting["sm_active_ratio"].median()),
+                "xids": sorted({int(x) for x in hw["xid"].drop_nulls().to_list()}),
+            },
+            summary=(
+                f"{job} looks hung from its GPUs (L0): {waiting.height} of {rows.height} GPUs spin at "
+                f"{100 * (waiting['util_ratio'].median() or 0):.0f}% util on {_r(wp)} W (busy: {_r(bp)} W) for {stalled:.0f} s; {head}."
+            ),
+        )
 
 
 def _r(v: Any) -> float | None:

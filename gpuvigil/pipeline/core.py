@@ -303,6 +303,41 @@ class Pipeline:
 
     def tick(self, now: float) -> TickResult:
         t0 = time.perf_counter()
+        ingested, errors = self._collect(now)
+        reported, suppressed, det_seconds = self._detect(now)
+        self._retain()
+        self._add_own_findings(reported, now)
+        # Clear what went quiet first: a cause that comes back later is a new finding.
+        reported_now = {f.id for f in reported}
+        cleared, expired = self._clear_quiet(now, reported_now)
+        self._forget_hints(now)
+        self._group_incidents(reported, cleared, now)
+        new, escalated, new_hints = self._admit(reported, reported_now, now)
+
+        self._previous_tick = now
+        self.ticks += 1
+        self.samples_ingested_total += ingested
+        result = TickResult(
+            now=now,
+            new_findings=new,
+            escalated_findings=escalated,
+            active_findings=list(self.active.values()),
+            cleared_findings=cleared,
+            new_hints=new_hints,
+            expired_hints=expired,
+            duration_seconds=time.perf_counter() - t0,
+            samples_ingested=ingested,
+            collector_errors=errors,
+            detector_seconds=det_seconds,
+            suppressed_findings=suppressed,
+            job_levels=self.levels.job_levels(),
+        )
+        for sink in self.sinks:
+            sink.on_tick(result, self.window)
+        return result
+
+    def _collect(self, now: float) -> tuple[int, dict[str, int]]:
+        """Every collector's rows into the window, sealed at `now`: (rows ingested, errors per collector)."""
         ingested = 0
         # A collector that raises or whose targets fail is tracked, never fatal to the tick.
         # The node's own GPU → job map fills job/rank of per-GPU rows (pipeline/jobjoin.py).
@@ -312,7 +347,10 @@ class Pipeline:
         errors = {collector.name: collector.errors for collector in self.collectors}
         self.window.seal(now)
         self.levels.observe(self.window)
+        return ingested, errors
 
+    def _detect(self, now: float) -> tuple[list[Finding], list[Finding], dict[str, float]]:
+        """Run the detectors that are due: (findings reported, findings suppressed by level, seconds per detector)."""
         reported: list[Finding] = []
         suppressed: list[Finding] = []
         det_seconds: dict[str, float] = {}
@@ -336,7 +374,9 @@ class Pipeline:
             reported.extend(kept)
             suppressed.extend(dropped)
             det_seconds[detector.name] = time.perf_counter() - d0
+        return reported, suppressed, det_seconds
 
+    def _retain(self) -> None:
         # The older history a detector keeps only for some keys (declared_retention), from the
         # next seal on.
         # A window set from outside (tests compare against a whole window) keeps every row.
@@ -345,6 +385,8 @@ class Pipeline:
             for stream, rule in declared_retention(self.detectors, self.levels.needed, self._retention_keys).items():
                 retain(stream, *(rule if rule is not None else (0.0, None)))
 
+    def _add_own_findings(self, reported: list[Finding], now: float) -> None:
+        """Collector health and named components join the detectors' findings; all are classified."""
         reported.extend(self.health.findings(now))
         if self.components is not None:
             # Named components are reported like any finding, before clearing: one that goes on
@@ -354,14 +396,14 @@ class Pipeline:
         for finding in reported:
             self.hint_policy.classify(finding)
 
-        # Clear what went quiet first: a cause that comes back later is a new finding.
+    def _clear_quiet(self, now: float, reported_now: set[str]) -> tuple[list[Finding], list[Hint]]:
+        """Clear the active findings that went quiet: (findings cleared, their hints expired)."""
         cleared: list[Finding] = []
         expired: list[Hint] = []
         recovered = set(self.health.recovered)  # a collector back up clears at once
         # A finding reported on this tick and on the previous one never went quiet, however far
         # apart the ticks are (a replay of 60 s history ticks every 60 s): quiet means a tick passed
         # without it, for longer than its clear time.
-        reported_now = {f.id for f in reported}
         for key, finding in list(self.active.items()):
             continuous = key in reported_now and self.last_seen[key] == self._previous_tick
             if key in recovered or (not continuous and now - self.last_seen[key] > self._clear_after(finding)):
@@ -370,7 +412,9 @@ class Pipeline:
                 # A cause that comes back later is a new finding: nothing of this one is kept.
                 self.first_seen.pop(key, None)
                 self.last_seen.pop(key, None)
-        self._forget_hints(now)
+        return cleared, expired
+
+    def _group_incidents(self, reported: list[Finding], cleared: list[Finding], now: float) -> None:
         self.incidents.forget(f.id for f in cleared)
         self.incidents.expire(now)
         # Every reported finding gets its incident and role before any sink sees it.
@@ -380,6 +424,8 @@ class Pipeline:
                 if named.finding is not None:
                     self.incidents.absorb(named.finding, self.components.member_findings(named))
 
+    def _admit(self, reported: list[Finding], reported_now: set[str], now: float) -> tuple[list[Finding], list[Finding], list[Hint]]:
+        """Make the reported findings active, with the hints of new ones: (new, escalated, new hints)."""
         new: list[Finding] = []
         escalated: list[Finding] = []
         new_hints: list[Hint] = []
@@ -404,25 +450,4 @@ class Pipeline:
                 self.all_hints.extend(hints)
             self.active[key] = finding
             self.last_seen[key] = now
-
-        self._previous_tick = now
-        self.ticks += 1
-        self.samples_ingested_total += ingested
-        result = TickResult(
-            now=now,
-            new_findings=new,
-            escalated_findings=escalated,
-            active_findings=list(self.active.values()),
-            cleared_findings=cleared,
-            new_hints=new_hints,
-            expired_hints=expired,
-            duration_seconds=time.perf_counter() - t0,
-            samples_ingested=ingested,
-            collector_errors=errors,
-            detector_seconds=det_seconds,
-            suppressed_findings=suppressed,
-            job_levels=self.levels.job_levels(),
-        )
-        for sink in self.sinks:
-            sink.on_tick(result, self.window)
-        return result
+        return new, escalated, new_hints

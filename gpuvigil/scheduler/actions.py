@@ -401,8 +401,44 @@ def preempt(ssn: Session) -> None:
     """Evict lower-priority (or borrowed) jobs for blocked jobs that may preempt them."""
     sched = ssn.scheduler
     now = ssn.now
-    # First, preemptions whose grace period is over, or whose victims all saved a checkpoint
-    # since their notice (the grace period was for that).
+    _end_grace_periods(ssn, now)
+    plugins = sched.plugins.preempts
+    if not plugins:
+        return
+    prio = sched.plugin("priority")
+    rank = prio.rank if prio is not None else sched.config.priority.rank
+    # A preemptor that found no victims makes equal-or-larger plain jobs of its class and tenant
+    # hopeless too (their candidate victims are the same) until something changes.
+    hopeless: dict[tuple[str, str], list[tuple[int, int, int, int, int]]] = {}
+    for js in list(ssn.blocked):
+        if js.state != "pending" or js.awaiting_victims:
+            continue
+        group = (js.spec.priority, js.spec.tenant)
+        if _plain(js) and _dominated(_shape(js), hopeless.get(group, [])):
+            continue
+        grace, via = _victim_graces(js, ssn, plugins)
+        if not grace:
+            if _plain(js):
+                hopeless.setdefault(group, []).append(_shape(js))
+            continue
+        candidates = _victims_in_order(sched, grace, rank, now)
+        plan, chosen = _plan_with_victims(js, candidates, ssn)
+        if plan is None:
+            if _plain(js):
+                hopeless.setdefault(group, []).append(_shape(js))
+            continue
+        hopeless.clear()
+        if not chosen:
+            # Room appeared since allocate (an eviction above): no victim needed.
+            try_place_unrecorded(js, ssn)
+            continue
+        _evict_or_give_notice(js, plan, chosen, grace, via, ssn, now)
+
+
+def _end_grace_periods(ssn: Session, now: float) -> None:
+    """Preemptions whose grace period is over, or whose victims all saved a checkpoint since
+    their notice (the grace period was for that): the victims go, the preemptor is placed."""
+    sched = ssn.scheduler
     early = ssn.cfg.preemption.end_grace_on_checkpoint
     for js in list(ssn.pending):
         if js.awaiting_deadline is None or js.state != "pending":
@@ -418,87 +454,73 @@ def preempt(ssn: Session) -> None:
             sched.sync_view()
             ssn.bump()
             try_place_unrecorded(js, ssn)
-    plugins = sched.plugins.preempts
-    if not plugins:
-        return
-    prio = sched.plugin("priority")
-    rank = prio.rank if prio is not None else sched.config.priority.rank
-    # A preemptor that found no victims makes equal-or-larger plain jobs of its class and tenant
-    # hopeless too (their candidate victims are the same) until something changes.
-    hopeless: dict[tuple[str, str], list[tuple[int, int, int, int, int]]] = {}
-    for js in list(ssn.blocked):
-        if js.state != "pending" or js.awaiting_victims:
-            continue
-        group = (js.spec.priority, js.spec.tenant)
-        if _plain(js) and _dominated(_shape(js), hopeless.get(group, [])):
-            continue
-        grace: dict[str, float] = {}
-        via: dict[str, str] = {}  # victim → the plugin whose (shortest) grace applies
-        for p in plugins:
-            g = p.grace_seconds(js, ssn)
-            for victim in p.victims(js, ssn):
-                if victim.state == "running" and victim.preempt_deadline is None and victim is not js:
-                    name = victim.spec.name
-                    if g < grace.get(name, float("inf")):
-                        grace[name], via[name] = g, p.name
-        if not grace:
-            if _plain(js):
-                hopeless.setdefault(group, []).append(_shape(js))
-            continue
-        candidates = sorted(
-            (sched.jobs[n] for n in grace),
-            key=lambda v: (
-                -rank(v.spec.priority),
-                not v.borrowed,
-                sched.work_since_checkpoint(v, now),
-                -(v.start_ts or 0.0),
-                v.spec.name,
+
+
+def _victim_graces(js, ssn: Session, plugins) -> tuple[dict[str, float], dict[str, str]]:
+    """Each running job some preempt plugin offers as a victim of `js`: (its shortest grace, the plugin giving it)."""
+    grace: dict[str, float] = {}
+    via: dict[str, str] = {}  # victim → the plugin whose (shortest) grace applies
+    for p in plugins:
+        g = p.grace_seconds(js, ssn)
+        for victim in p.victims(js, ssn):
+            if victim.state == "running" and victim.preempt_deadline is None and victim is not js:
+                name = victim.spec.name
+                if g < grace.get(name, float("inf")):
+                    grace[name], via[name] = g, p.name
+    return grace, via
+
+
+def _victims_in_order(sched, grace: dict[str, float], rank, now: float) -> list:
+    """Victims cheapest first: lowest priority, borrowed, least work since a checkpoint, newest."""
+    return sorted(
+        (sched.jobs[n] for n in grace),
+        key=lambda v: (
+            -rank(v.spec.priority),
+            not v.borrowed,
+            sched.work_since_checkpoint(v, now),
+            -(v.start_ts or 0.0),
+            v.spec.name,
+        ),
+    )
+
+
+def _evict_or_give_notice(js, plan: Plan, chosen: list, grace: dict[str, float], via: dict[str, str], ssn: Session, now: float) -> None:
+    """Evict the chosen victims now (no grace), or give them notice and hold their nodes for `js`."""
+    sched = ssn.scheduler
+    wait = max(grace[v.spec.name] for v in chosen)
+    notice = ssn.cfg.preemption.checkpoint_notice_seconds
+    if wait <= 0 < notice and any(sched.work_since_checkpoint(v, now) > 0 for v in chosen):
+        # "At once" would throw away their work since the last checkpoint: a short notice
+        # to save it first (ended by their checkpoint report, see _end_grace_periods).
+        wait = notice
+    if wait <= 0:
+        for v in chosen:
+            sched._requeue(v, now, f"preempted by {js.spec.name} ({js.spec.priority}; {via[v.spec.name]}, 0 s grace)", kind="preempted")
+        sched.sync_view()
+        ssn.bump()
+        try_place_unrecorded(js, ssn)
+    else:
+        js.awaiting_victims = [v.spec.name for v in chosen]
+        js.awaiting_deadline = now + wait
+        ssn.bump()
+        record(
+            ssn,
+            js,
+            Decision(
+                now,
+                "preempting",
+                f"preempting {', '.join(v.spec.name for v in chosen)} ({wait:.0f} s grace, until t={now + wait:.0f})",
+                nodes=[ssn.view.names[n] for n in plan.nodes()],
+                blocker="victims in their grace period",
             ),
         )
-        plan, chosen = _plan_with_victims(js, candidates, ssn)
-        if plan is None:
-            if _plain(js):
-                hopeless.setdefault(group, []).append(_shape(js))
-            continue
-        hopeless.clear()
-        if not chosen:
-            # Room appeared since allocate (an eviction above): no victim needed.
-            try_place_unrecorded(js, ssn)
-            continue
-        wait = max(grace[v.spec.name] for v in chosen)
-        notice = ssn.cfg.preemption.checkpoint_notice_seconds
-        if wait <= 0 < notice and any(sched.work_since_checkpoint(v, now) > 0 for v in chosen):
-            # "At once" would throw away their work since the last checkpoint: a short notice
-            # to save it first (ended by their checkpoint report, see above).
-            wait = notice
-        if wait <= 0:
-            for v in chosen:
-                sched._requeue(v, now, f"preempted by {js.spec.name} ({js.spec.priority}; {via[v.spec.name]}, 0 s grace)", kind="preempted")
-            sched.sync_view()
-            ssn.bump()
-            try_place_unrecorded(js, ssn)
-        else:
-            js.awaiting_victims = [v.spec.name for v in chosen]
-            js.awaiting_deadline = now + wait
-            ssn.bump()
-            record(
-                ssn,
-                js,
-                Decision(
-                    now,
-                    "preempting",
-                    f"preempting {', '.join(v.spec.name for v in chosen)} ({wait:.0f} s grace, until t={now + wait:.0f})",
-                    nodes=[ssn.view.names[n] for n in plan.nodes()],
-                    blocker="victims in their grace period",
-                ),
+        js.awaiting_nodes = [ssn.view.names[n] for n in plan.nodes()]
+        hold(ssn, js, js.awaiting_nodes)
+        for v in chosen:
+            v.preempt_deadline, v.preempted_by, v.preempt_via, v.preempt_notice_ts = now + wait, js.spec.name, via[v.spec.name], now
+            sched.actions.append(
+                Action(now, "preempt_notice", job=v.spec.name, detail=f"will be preempted by {js.spec.name} at t={now + wait:.0f} ({wait:.0f} s grace): checkpoint now")
             )
-            js.awaiting_nodes = [ssn.view.names[n] for n in plan.nodes()]
-            hold(ssn, js, js.awaiting_nodes)
-            for v in chosen:
-                v.preempt_deadline, v.preempted_by, v.preempt_via, v.preempt_notice_ts = now + wait, js.spec.name, via[v.spec.name], now
-                sched.actions.append(
-                    Action(now, "preempt_notice", job=v.spec.name, detail=f"will be preempted by {js.spec.name} at t={now + wait:.0f} ({wait:.0f} s grace): checkpoint now")
-                )
 
 
 def _checkpointed_since_notice(v) -> bool:

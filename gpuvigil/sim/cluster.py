@@ -580,89 +580,115 @@ class SimulatedCluster:
     def _emit_job(self, job: SimJob, now: float, rp: dict, al: dict, gpu_mem: np.ndarray, gpu_busy: np.ndarray) -> None:
         cfg = job.cfg
         n = cfg.gpus
-        C = cfg.collectives_per_step
-        idx = job.gpu_idx
         allocated, peak_alloc, reserved = self._memory(job)
+        foreign = self.foreign_bytes[job.gpu_idx]
+        if self._raise_oom(job, peak_alloc, foreign):
+            return
+
+        step = int(math.floor(job.phase))
+        frac = job.phase - step
+        running = job.startup_left <= 0 and job.ckpt_left <= 0 and now >= job.long_ckpt_until
+        hung_ops = None
+        if job.hang_culprits or job.dead_ranks:
+            enq, comp, started, step_now, wait, hung_ops = self._hung_progress(job, step, frac)
+        else:
+            enq, comp, started, step_now, wait = self._running_progress(job, step, frac, running)
+        alive = np.ones(n, dtype=bool)
+        alive[list(job.dead_ranks)] = False
+        ranks = np.arange(n)[alive]
+        nodes = [job.placement[r][0] for r in ranks]
+        gpus = [job.placement[r][1] for r in ranks]
+        rows = (now, ranks, nodes, gpus, alive)
+        self._emit_rank_progress(job, rp, rows, enq, comp, started, step_now, wait, hung_ops)
+        self._emit_allocator_stats(job, al, rows, allocated, peak_alloc, reserved, foreign)
+        self._emit_device(job, rows, foreign, comp, wait, running, frac, step, gpu_mem, gpu_busy)
+        if self.fr_folder is not None:
+            self._emit_flight_recorder(job, now, ranks, nodes, comp, enq)
+
+    def _raise_oom(self, job: SimJob, peak_alloc: np.ndarray, foreign: np.ndarray) -> bool:
+        """Crash the job with a CUDA OOM if a rank's step no longer fits; True if it did."""
         capacity = self.gpu_memory_bytes
-        foreign = self.foreign_bytes[idx]
         # PyTorch's allocator, on a failed cudaMalloc, releases every cached segment that holds no
         # live block and retries; it raises the OOM only if that fails too (sim/faults.py). So
         # the healthy slack never causes an OOM; the live tensors, the step's request and the
         # slivers of split segments (fragmentation, not releasable) do.
         held_min = peak_alloc + job.fragmented
         over = np.nonzero(held_min + CONTEXT_BYTES + foreign > capacity)[0]
-        if len(over) and not job.dead_ranks:
-            r = int(over[0])
-            request = self._request_bytes(job)
-            # The failing allocation is the step's next recurring one; after the release the
-            # process holds its live tensors plus the unreleasable slivers.
-            live = peak_alloc[r] - request
-            held = live + job.fragmented[r]
-            # Worded as one of the PyTorch releases / libraries would (sim/faults.py), sometimes
-            # without figures at all (cuBLAS, NCCL), sometimes split over lines.
-            wording, message = faults.oom_message(
-                self.rng, request=request, capacity=capacity, process_in_use=held + CONTEXT_BYTES, allocated=live,
-                unallocated=float(job.fragmented[r]), foreign=float(foreign[r]), rank=r,
-            )
-            cause = "foreign_process" if foreign[r] > 0 else "fragmentation" if job.fragmented[r] > job.leaked[r] else "capacity"
-            node, gpu = job.placement[r]
-            self.oom_events.append({"ts": self.now, "job": job.cfg.name, "rank": r, "node": node, "gpu": gpu, "cause": cause})
-            self.oom_wordings.append(wording)
-            self._crash(job, f"CUDA out of memory on rank {r}", rank=r, oom_message=message)
-            return
+        if not (len(over) and not job.dead_ranks):
+            return False
+        r = int(over[0])
+        request = self._request_bytes(job)
+        # The failing allocation is the step's next recurring one; after the release the
+        # process holds its live tensors plus the unreleasable slivers.
+        live = peak_alloc[r] - request
+        held = live + job.fragmented[r]
+        # Worded as one of the PyTorch releases / libraries would (sim/faults.py), sometimes
+        # without figures at all (cuBLAS, NCCL), sometimes split over lines.
+        wording, message = faults.oom_message(
+            self.rng, request=request, capacity=capacity, process_in_use=held + CONTEXT_BYTES, allocated=live,
+            unallocated=float(job.fragmented[r]), foreign=float(foreign[r]), rank=r,
+        )
+        cause = "foreign_process" if foreign[r] > 0 else "fragmentation" if job.fragmented[r] > job.leaked[r] else "capacity"
+        node, gpu = job.placement[r]
+        self.oom_events.append({"ts": self.now, "job": job.cfg.name, "rank": r, "node": node, "gpu": gpu, "cause": cause})
+        self.oom_wordings.append(wording)
+        self._crash(job, f"CUDA out of memory on rank {r}", rank=r, oom_message=message)
+        return True
 
-        step = int(math.floor(job.phase))
-        frac = job.phase - step
-        running = job.startup_left <= 0 and job.ckpt_left <= 0 and now >= job.long_ckpt_until
-        if job.hang_culprits or job.dead_ranks:
-            if job.hung_seq is None or job.generation != getattr(job, "_hung_gen", None):
-                job.hung_seq = step * C + int(frac * C)
-                job._hung_gen = job.generation  # type: ignore[attr-defined]
-            done = job.hung_seq
-            stuck = job.hang_culprits or sorted(job.dead_ranks)
-            # The hang's shape (sim/faults.py): culprits missing, a p2p stage stopped, or stuck
-            # inside a kernel every rank entered; peers ran 0-3 collectives ahead first.
-            key = (job.generation, done)
-            if getattr(job, "_hang_shape_key", None) != key:
-                shape = faults.draw_hang_shape(self.rng, n, stuck)
-                if job.dead_ranks and not job.hang_culprits:
-                    shape["shape"] = "missing"  # a dead rank enters nothing
-                elif getattr(job, "_hang_mode_fixed", False):
-                    shape["shape"] = "in_kernel" if job.hang_mode == "inside" else "missing"
-                else:
-                    job.hang_mode = "inside" if shape["shape"] == "in_kernel" else "outside"
-                job._hang_shape = shape  # type: ignore[attr-defined]
-                job._hang_shape_key = key  # type: ignore[attr-defined]
-            enq, comp, hung_ops = faults.hang_progress(job._hang_shape, n, done, stuck)  # type: ignore[attr-defined]
-            # Started: the pending collective's kernel runs (spinning) on every rank that entered
-            # it, not on one stuck in a kernel before it; nothing later starts behind it.
-            started = np.where(enq > done, done + 1, done)
-            if job._hang_shape["shape"] == "in_kernel":  # type: ignore[attr-defined]
-                started[stuck] = done
-            step_now = done // C
-            wait = np.zeros(n)
-        else:
-            job.hung_seq = None
-            thermal = self._thermal_slowdown(job)
-            per_rank = cfg.step_time_seconds * job.slowdown * thermal
-            step_len = float(per_rank.max())
-            if running:
-                tau = frac * step_len
-                entered = np.minimum(C, np.floor(tau * C / per_rank)).astype(np.int64)
-                enq = step * C + entered
-                comp = np.full(n, step * C + int(entered.min()))
+    def _hung_progress(self, job: SimJob, step: int, frac: float) -> tuple:
+        """Sequence numbers of a hung job: (enqueued, completed, started, step, wait, current ops)."""
+        n = job.cfg.gpus
+        C = job.cfg.collectives_per_step
+        if job.hung_seq is None or job.generation != getattr(job, "_hung_gen", None):
+            job.hung_seq = step * C + int(frac * C)
+            job._hung_gen = job.generation  # type: ignore[attr-defined]
+        done = job.hung_seq
+        stuck = job.hang_culprits or sorted(job.dead_ranks)
+        # The hang's shape (sim/faults.py): culprits missing, a p2p stage stopped, or stuck
+        # inside a kernel every rank entered; peers ran 0-3 collectives ahead first.
+        key = (job.generation, done)
+        if getattr(job, "_hang_shape_key", None) != key:
+            shape = faults.draw_hang_shape(self.rng, n, stuck)
+            if job.dead_ranks and not job.hang_culprits:
+                shape["shape"] = "missing"  # a dead rank enters nothing
+            elif getattr(job, "_hang_mode_fixed", False):
+                shape["shape"] = "in_kernel" if job.hang_mode == "inside" else "missing"
             else:
-                enq = np.full(n, step * C)
-                comp = enq.copy()
-            started = enq
-            step_now = step
-            wait = np.clip(job.last_step_seconds - per_rank, 0, None) if job.last_step_seconds else np.zeros(n)
-            wait = wait * (1.0 + self.scenario.noise * self.rng.standard_normal(n)).clip(0.5, 1.5)
-        alive = np.ones(n, dtype=bool)
-        alive[list(job.dead_ranks)] = False
-        ranks = np.arange(n)[alive]
-        nodes = [job.placement[r][0] for r in ranks]
-        gpus = [job.placement[r][1] for r in ranks]
+                job.hang_mode = "inside" if shape["shape"] == "in_kernel" else "outside"
+            job._hang_shape = shape  # type: ignore[attr-defined]
+            job._hang_shape_key = key  # type: ignore[attr-defined]
+        enq, comp, hung_ops = faults.hang_progress(job._hang_shape, n, done, stuck)  # type: ignore[attr-defined]
+        # Started: the pending collective's kernel runs (spinning) on every rank that entered
+        # it, not on one stuck in a kernel before it; nothing later starts behind it.
+        started = np.where(enq > done, done + 1, done)
+        if job._hang_shape["shape"] == "in_kernel":  # type: ignore[attr-defined]
+            started[stuck] = done
+        return enq, comp, started, done // C, np.zeros(n), hung_ops
+
+    def _running_progress(self, job: SimJob, step: int, frac: float, running: bool) -> tuple:
+        """Sequence numbers of a job that is not hung: (enqueued, completed, started, step, wait)."""
+        cfg = job.cfg
+        n = cfg.gpus
+        C = cfg.collectives_per_step
+        job.hung_seq = None
+        thermal = self._thermal_slowdown(job)
+        per_rank = cfg.step_time_seconds * job.slowdown * thermal
+        step_len = float(per_rank.max())
+        if running:
+            tau = frac * step_len
+            entered = np.minimum(C, np.floor(tau * C / per_rank)).astype(np.int64)
+            enq = step * C + entered
+            comp = np.full(n, step * C + int(entered.min()))
+        else:
+            enq = np.full(n, step * C)
+            comp = enq.copy()
+        wait = np.clip(job.last_step_seconds - per_rank, 0, None) if job.last_step_seconds else np.zeros(n)
+        wait = wait * (1.0 + self.scenario.noise * self.rng.standard_normal(n)).clip(0.5, 1.5)
+        return enq, comp, enq, step, wait
+
+    def _emit_rank_progress(self, job: SimJob, rp: dict, rows: tuple, enq, comp, started, step_now, wait, hung_ops) -> None:
+        cfg = job.cfg
+        now, ranks, nodes, gpus, alive = rows
         rp["ts"].extend([now] * len(ranks))
         rp["job"].extend([cfg.name] * len(ranks))
         rp["rank"].extend(ranks.tolist())
@@ -680,6 +706,10 @@ class SimulatedCluster:
         rp["collective_wait_seconds"].extend(wait[alive].tolist())
         rp["last_started_seq"].extend(started[alive].tolist())
 
+    def _emit_allocator_stats(self, job: SimJob, al: dict, rows: tuple, allocated, peak_alloc, reserved, foreign) -> None:
+        cfg = job.cfg
+        capacity = self.gpu_memory_bytes
+        now, ranks, nodes, gpus, alive = rows
         frag = reserved - peak_alloc
         retries = job.retries
         # cudaMalloc is retried (after freeing the cache) when no cached block fits the step's
@@ -708,6 +738,14 @@ class SimulatedCluster:
         al["device_capacity_bytes"].extend([capacity] * len(ranks))
         al["foreign_used_bytes"].extend(foreign[alive].astype(np.int64).tolist())
 
+    def _emit_device(self, job: SimJob, rows: tuple, foreign, comp, wait, running: bool, frac: float, step: int, gpu_mem: np.ndarray, gpu_busy: np.ndarray) -> None:
+        """The device's view of the job: memory footprint, utilisation, process and inspector rows."""
+        cfg = job.cfg
+        n = cfg.gpus
+        C = cfg.collectives_per_step
+        idx = job.gpu_idx
+        capacity = self.gpu_memory_bytes
+        now, ranks, nodes, gpus, alive = rows
         # The device's view: the allocator's footprint in whole segments above its healthy
         # plateau, plus the context; NVML never sees the sawtooth inside it.
         scale = self.scheduler.jobs[cfg.name].memory_scale
@@ -731,18 +769,21 @@ class SimulatedCluster:
         self.device.process_rows(now, cfg.name, ranks, nodes, gpus, uuids, footprint[alive] + CONTEXT_BYTES, 100000 + 2000 * max(job.generation, 0))
         if self.inspector:
             self.device.inspector_rows(now, cfg.name, ranks, nodes, gpus, comp[alive], wait[alive] / C, n)
-        if self.fr_folder is not None:
-            pipes = self.device.pipe_rows(now, cfg.name, job.generation, ranks, nodes)
-            if pipes is not None:
-                self._pipes.append(pipes)
-            hung = bool(job.hang_culprits or job.dead_ranks)
-            if hung and job.hang_since is None:
-                job.hang_since = now
-            timeout = hung and not job.timeout_dumped and job.hang_since is not None and now - job.hang_since >= self.fr_watchdog_seconds
-            if cfg.name in self._fr_requests or timeout:
-                # TORCH_NCCL_DUMP_ON_TIMEOUT: the watchdog dumps every rank when it fires.
-                job.timeout_dumped = job.timeout_dumped or timeout
-                self._fr_dump(job, now, int(comp.min()), enq)
+
+    def _emit_flight_recorder(self, job: SimJob, now: float, ranks, nodes, comp, enq) -> None:
+        """NCCL pipe rows, and the Flight Recorder's dumps: on request, or when the watchdog fires."""
+        cfg = job.cfg
+        pipes = self.device.pipe_rows(now, cfg.name, job.generation, ranks, nodes)
+        if pipes is not None:
+            self._pipes.append(pipes)
+        hung = bool(job.hang_culprits or job.dead_ranks)
+        if hung and job.hang_since is None:
+            job.hang_since = now
+        timeout = hung and not job.timeout_dumped and job.hang_since is not None and now - job.hang_since >= self.fr_watchdog_seconds
+        if cfg.name in self._fr_requests or timeout:
+            # TORCH_NCCL_DUMP_ON_TIMEOUT: the watchdog dumps every rank when it fires.
+            job.timeout_dumped = job.timeout_dumped or timeout
+            self._fr_dump(job, now, int(comp.min()), enq)
 
     def _device_states(self, job: SimJob, running: bool, frac: float, step: int, C: int, k: int = 8) -> np.ndarray:
         """What each rank's GPU did over the sample period: (k sub-samples, ranks) of
