@@ -20,7 +20,6 @@ ALLOWED = {
     # detectors
     "gpuvigil/detectors/oom.py::OomPredictor.detect",
     "gpuvigil/detectors/oom_device.py::_trend_fits",
-    "gpuvigil/detectors/ecc.py::EccDetector.detect",
     # collectors
     "gpuvigil/collectors/nccl_log.py::findings",
     "gpuvigil/collectors/flight_recorder.py::_analyze_group",
