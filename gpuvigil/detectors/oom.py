@@ -39,7 +39,7 @@ from pydantic import BaseModel, Field, model_validator
 
 from gpuvigil.detectors.base import HISTORY, Declared, DetectorSpec
 from gpuvigil.detectors.common import covered_jobs, rank_at, settings
-from gpuvigil.detectors.incremental import KeyIndex, SlidingRows
+from gpuvigil.detectors.incremental import BlockSums, KeyIndex, SlidingRows, resized
 from gpuvigil.model import Finding, FindingKind, Severity
 from gpuvigil.window import Window
 
@@ -176,15 +176,6 @@ def _ends(idx: np.ndarray, ts: np.ndarray, unique: bool) -> tuple[np.ndarray, np
     return ks[start], order[start], order[end]
 
 
-class _BlockSums:
-    """Block mode: per block index, the (len(BLOCK_SUMS) + 2, keys) array of its sums (tau from
-    the block's start), oldest ts and oldest retries per key. Only the look-back's ~lookback_blocks
-    + 1 blocks are held: a block leaves whole."""
-
-    def __init__(self) -> None:
-        self.blocks: dict[int, np.ndarray] = {}
-
-
 class OomPredictor(Declared):
     spec = DetectorSpec(
         name="oom",
@@ -228,45 +219,29 @@ class OomPredictor(Declared):
         self._job = np.zeros(0, np.int64)  # the job number (self._jobs) of each key
         self._live = np.zeros(0, bool)
         self._start_of_job = np.zeros(0)  # NaN: no start known (every row counts)
-        self._blocks = _BlockSums() if self._rows.B > 0 else None
+        # Block mode: per block, its sums (tau from the block's start), oldest ts and oldest retries.
+        self._blocks = BlockSums(len(BLOCK_SUMS), 2) if self._rows.B > 0 else None
         # Rows still in the fit's late half, per tick of arrival: key numbers (or their slice),
         # ts (or the one ts they share), y (null: NaN).
         self._late: list[tuple[np.ndarray | slice, np.ndarray | np.float64, np.ndarray]] = []
-
-    @property
-    def _blk(self) -> dict[int, np.ndarray]:
-        return self._blocks.blocks if self._blocks is not None else {}
 
     def _grow(self) -> None:
         """Room for every numbered key (1/8 headroom), new keys empty."""
         n = self._keys.n
         if n > self._cap:
             cap = max(n + n // 8, 64)
-            pad = cap - self._cap
-
-            def more(a: np.ndarray, fill: float | int | bool) -> np.ndarray:
-                extra = np.full((*a.shape[:-1], pad), fill, dtype=a.dtype)
-                return np.concatenate([a, extra], axis=-1)
-
-            self._S, self._E = more(self._S, 0.0), more(self._E, np.nan)
-            self._capacity, self._node, self._gpu, self._job = more(self._capacity, NO_INT), more(self._node, 0), more(self._gpu, NO_INT), more(self._job, 0)
-            self._live = more(self._live, False)
+            self._S, self._E = resized(self._S, cap, 0.0, axis=-1), resized(self._E, cap, np.nan, axis=-1)
+            self._capacity, self._node, self._gpu, self._job = resized(self._capacity, cap, NO_INT), resized(self._node, cap, 0), resized(self._gpu, cap, NO_INT), resized(self._job, cap, 0)
+            self._live = resized(self._live, cap, False)
             self._cap = cap
-        for k, a in self._blk.items():
-            if a.shape[1] < n:
-                self._blk[k] = np.concatenate([a, self._empty_block(n - a.shape[1])], axis=1)
+        if self._blocks is not None:
+            self._blocks.pad(n)
         if self._job_numbered < n:
             new = self._keys.table.slice(self._job_numbered)
             self._job[self._job_numbered : n] = self._jobs.index(new.select("job"))
             self._job_numbered = n
         if self._start_of_job.size < self._jobs.n:
             self._start_of_job = np.concatenate([self._start_of_job, np.full(self._jobs.n - self._start_of_job.size, np.nan)])
-
-    @staticmethod
-    def _empty_block(width: int) -> np.ndarray:
-        a = np.zeros((len(BLOCK_SUMS) + 2, width))
-        a[B_TS:] = np.nan
-        return a
 
     def _index(self, df: pl.DataFrame) -> tuple[np.ndarray, bool, slice | None]:
         """Key numbers of df's rows, whether each key appears once, and the slice they form if any."""
@@ -304,8 +279,8 @@ class OomPredictor(Declared):
         self._live = self._live[:n][live]
         self._cap = alive
         self._job_numbered = alive
-        for k, a in self._blk.items():
-            self._blk[k] = a[:, : min(n, a.shape[1])][:, live[: a.shape[1]]]
+        if self._blocks is not None:
+            self._blocks.keep(live)
         self._late = [(remap[i], t, y) for i, t, y in self._late]  # a slice's numbers become an array
         self._grow()
 
@@ -360,9 +335,7 @@ class OomPredictor(Declared):
             i, t0 = (idx, ts) if m is None else (idx[m], ts[m])
             y, g, p, f, rt = (r.y0, r.gap0, r.peak0, r.foreign, r.retries) if m is None else (r.y0[m], r.gap0[m], r.peak0[m], r.foreign[m], r.retries[m])
             tau = t0 - float(k) * B
-            a = self._blk.get(k)
-            if a is None:
-                a = self._blk[k] = self._empty_block(self._keys.n)
+            a = self._blocks.at(k, self._keys.n)
             one = np.ones_like(tau)
             _add(a, i, [one, tau, tau * tau, y, tau * y, y * y, g, tau * g, p, tau * p, f, tau * f], run if m is None else None)
             keys, first, _ = _ends(i, t0, unique)
@@ -526,8 +499,7 @@ class OomPredictor(Declared):
         (t = tau + d, d = start - now). Every row of such a block is older than now - W, so in
         the fit's early half (config check): the early sums lose the same amounts."""
         S = self._S
-        for k in sorted(b for b in self._blk if b < lo_block):
-            a = self._blk.pop(k)
+        for k, a in self._blocks.leaving(lo_block):
             w = a.shape[1]
             d = float(k) * self._rows.B - now
             n, st, stt, sy, sty, syy, sg, stg, sp, stp, sf, stf = a[: len(BLOCK_SUMS)]
@@ -563,10 +535,9 @@ class OomPredictor(Declared):
         E = self._E
         if self._rows.B > 0:
             todo = keys
-            for k in sorted(self._blk):
+            for a in self._blocks.oldest_first():
                 if todo.size == 0:
                     break
-                a = self._blk[k]
                 inside = todo[todo < a.shape[1]]
                 has = ~np.isnan(a[B_TS, inside])
                 got = inside[has]
@@ -588,11 +559,8 @@ class OomPredictor(Declared):
         n = self._keys.n
         keys = np.isin(self._job[:n], codes)
         self._forget(np.flatnonzero(keys))
-        for a in self._blk.values():
-            w = min(a.shape[1], n)
-            m = keys[:w]
-            a[: len(BLOCK_SUMS), :w][:, m] = 0.0
-            a[B_TS:, :w][:, m] = np.nan
+        if self._blocks is not None:
+            self._blocks.clear(keys)
         self._late = [(i[~keys[i]], t[~keys[i]], y[~keys[i]]) for i, t, y in map(_expand, self._late)]
         self._fold(self._rows.rows_for_rebuild(window, jobs), now)
 
