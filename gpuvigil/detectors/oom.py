@@ -176,6 +176,14 @@ def _ends(idx: np.ndarray, ts: np.ndarray, unique: bool) -> tuple[np.ndarray, np
     return ks[start], order[start], order[end]
 
 
+def _slope(n: np.ndarray, st: np.ndarray, stt: np.ndarray, sy: np.ndarray, sty: np.ndarray) -> np.ndarray:
+    """The least-squares slope from running sums (NaN: no fit)."""
+    den = n * stt - st * st
+    # Fewer than 3 samples (e.g. a half with no data) is no fit: NaN fails every test.
+    ok = (n >= 3) & (den > 0)
+    return np.where(ok, (n * sty - st * sy) / np.where(ok, den, 1.0), np.nan)
+
+
 class OomPredictor(Declared):
     spec = DetectorSpec(
         name="oom",
@@ -572,30 +580,32 @@ class OomPredictor(Declared):
         # the device's OOM detector, running beside this one, is held back for them.
         self.healthy_jobs = covered_jobs(window.get("allocator_stats"), now, c.fit_window_seconds / 2, (c.min_samples + 1) / 2)
         self.ingest(window)
-        n_keys = self._keys.n
-        keys = np.flatnonzero(self._live[:n_keys])
+        keys = np.flatnonzero(self._live[: self._keys.n])
         if keys.size == 0:
             return []
-        # Least squares from running sums (O(new rows) per tick, see ingest): y in GiB keeps the
-        # sums of squares well conditioned. The window's two halves are fitted too: growth must
-        # hold in both the last min_span/2 seconds and before them (a one-off step, warm-up or a
-        # new phase of training, is not a trend). NaN stands for the polars fit's null (no fit).
+        fit = self._fit(keys, now)
+        if not fit["ok"].any():
+            return []
+        fits = self._hits(keys, fit)
+        return [self._finding(rows, now) for rows in fits.partition_by("job", maintain_order=True)]
+
+    def _fit(self, keys: np.ndarray, now: float) -> dict[str, np.ndarray]:
+        """Least squares from running sums (O(new rows) per tick, see ingest): y in GiB keeps the
+        sums of squares well conditioned. The window's two halves are fitted too: growth must
+        hold in both the last min_span/2 seconds and before them (a one-off step, warm-up or a
+        new phase of training, is not a trend). NaN stands for the polars fit's null (no fit).
+        Returns the keys' sums and edges (S, E), the fit's terms and `ok`: the keys that warn."""
+        c = self.config
+        n_keys = self._keys.n
         every = keys.size == n_keys  # then views, not copies
         S = self._S[:, :n_keys] if every else self._S[:, keys]
         E = self._E[:, :n_keys] if every else self._E[:, keys]
         n, st, stt, sy, sty, syy = S[N], S[ST], S[STT], S[SY], S[STY], S[SYY]
-
-        def slope(n: np.ndarray, st: np.ndarray, stt: np.ndarray, sy: np.ndarray, sty: np.ndarray) -> np.ndarray:
-            den = n * stt - st * st
-            # Fewer than 3 samples (e.g. a half with no data) is no fit: NaN fails every test.
-            ok = (n >= 3) & (den > 0)
-            return np.where(ok, (n * sty - st * sy) / np.where(ok, den, 1.0), np.nan)
-
         with np.errstate(divide="ignore", invalid="ignore", over="ignore"):
             span = (E[TS_LAST] - now) - (E[TS_FIRST] - now)
-            growth = slope(n, st, stt, sy, sty) * GIB
-            early = slope(S[NE], S[STE], S[STTE], S[SYE], S[STYE]) * GIB
-            late = slope(n - S[NE], st - S[STE], stt - S[STTE], sy - S[SYE], sty - S[STYE]) * GIB
+            growth = _slope(n, st, stt, sy, sty) * GIB
+            early = _slope(S[NE], S[STE], S[STTE], S[SYE], S[STYE]) * GIB
+            late = _slope(n - S[NE], st - S[STE], stt - S[STTE], sy - S[SYE], sty - S[STYE]) * GIB
             sxy = n * sty - st * sy
             syd = n * syy - sy * sy
             r2 = np.where(syd > 0, sxy * sxy / ((n * stt - st * st) * syd), np.nan)
@@ -614,78 +624,79 @@ class OomPredictor(Declared):
                 & (growth * span >= c.min_rise_bytes)
                 & (tto <= c.predict_horizon_seconds)
             )
-        if not ok.any():
-            return []
-        hit = np.flatnonzero(ok)
+        return {"S": S, "E": E, "growth": growth, "r2": r2, "footprint": footprint, "capacity": capacity, "headroom": headroom, "tto": tto, "ok": ok}
+
+    def _hits(self, keys: np.ndarray, fit: dict[str, np.ndarray]) -> pl.DataFrame:
+        """The keys that warn, one row each with what the finding says, soonest OOM first."""
+        hit = np.flatnonzero(fit["ok"])
         k = keys[hit]
-        Sk = S[:, hit]
+        Sk, E = fit["S"][:, hit], fit["E"]
         with np.errstate(divide="ignore", invalid="ignore", over="ignore"):
-            gap_slope = slope(Sk[N], Sk[ST], Sk[STT], Sk[SG], Sk[STG]) * GIB
-            peak_slope = slope(Sk[N], Sk[ST], Sk[STT], Sk[SP], Sk[STP]) * GIB
-            foreign_slope = slope(Sk[N], Sk[ST], Sk[STT], Sk[SF], Sk[STF]) * GIB
+            gap_slope = _slope(Sk[N], Sk[ST], Sk[STT], Sk[SG], Sk[STG]) * GIB
+            peak_slope = _slope(Sk[N], Sk[ST], Sk[STT], Sk[SP], Sk[STP]) * GIB
+            foreign_slope = _slope(Sk[N], Sk[ST], Sk[STT], Sk[SF], Sk[STF]) * GIB
         gpu = self._gpu[k]
-        fits = (
+        return (
             self._keys.table[k]
             .select("job", "rank")
             .with_columns(
-                pl.Series("tto", tto[hit]),
-                pl.Series("slope", growth[hit]),
+                pl.Series("tto", fit["tto"][hit]),
+                pl.Series("slope", fit["growth"][hit]),
                 pl.Series("gap_slope", gap_slope),
                 pl.Series("peak_slope", peak_slope),
                 pl.Series("foreign_slope", foreign_slope),
-                pl.Series("r2", r2[hit]),
+                pl.Series("r2", fit["r2"][hit]),
                 pl.Series("gap", E[GAP_LAST, hit] * GIB),
-                pl.Series("footprint", footprint[hit]),
-                pl.Series("headroom", headroom[hit]),
-                pl.Series("capacity", capacity[hit]),
+                pl.Series("footprint", fit["footprint"][hit]),
+                pl.Series("headroom", fit["headroom"][hit]),
+                pl.Series("capacity", fit["capacity"][hit]),
                 pl.Series("retries_delta", E[R_LAST, hit] - E[R_FIRST, hit]),
                 self._nodes.table["node"].gather(self._node[k]).alias("node"),
                 pl.Series("gpu", [None if v == NO_INT else int(v) for v in gpu], dtype=pl.Int32),
             )
             .sort(["tto", "job", "rank"])  # job, rank break ties: same input, same finding
         )
-        findings = []
-        for rows in fits.partition_by("job", maintain_order=True):
-            worst = rows.row(0, named=True)
-            if worst["foreign_slope"] >= c.fragmentation_share * worst["slope"]:
-                cause, what = "foreign_process", "another process on the GPU is taking memory"
-            elif worst["gap_slope"] >= c.fragmentation_share * worst["slope"] or worst["retries_delta"] > 0 and worst["gap_slope"] > worst["peak_slope"]:
-                cause, what = "fragmentation", "the caching allocator is fragmenting (reserved but unallocated memory keeps growing)"
-            else:
-                cause, what = "leak", "allocated memory grows every step (a leak or growing activations)"
-            tto = float(worst["tto"])
-            findings.append(
-                Finding(
-                    kind=FindingKind.OOM_PREDICTED,
-                    severity=Severity.PAGE if tto <= c.page_within_seconds else Severity.TICKET,
-                    ts=now,
-                    job=worst["job"],
-                    ranks=sorted(rows["rank"].to_list()),
-                    node=worst["node"],
-                    gpu=worst["gpu"],
-                    cause=cause,
-                    source=self.name,
-                    evidence={
-                        "time_to_oom_seconds": round(tto, 1),
-                        "rank": int(worst["rank"]),
-                        "growth_bytes_per_second": round(float(worst["slope"])),
-                        "fragmentation_growth_bytes_per_second": round(float(worst["gap_slope"])),
-                        # (null when the newest sample had no reserved reading: the footprint then is the peak)
-                        "reserved_unallocated_bytes": None if worst["gap"] is None or math.isnan(worst["gap"]) else int(worst["gap"]),
-                        "footprint_bytes": int(worst["footprint"]),
-                        "headroom_bytes": int(worst["headroom"]),
-                        "capacity_bytes": int(worst["capacity"]),
-                        "alloc_retries_delta": int(worst["retries_delta"]),
-                        "fit_r2": round(float(worst["r2"]), 3),
-                        "ranks_at_risk": rows.height,
-                    },
-                    summary=(
-                        f"{worst['job']} {rank_at(worst['rank'], worst['node'], worst['gpu'])} will run out of GPU memory in about "
-                        f"{tto / 60:.1f} min: {what}, +{worst['slope'] / GIB * 60:.2f} GiB/min, {worst['headroom'] / GIB:.1f} GiB left."
-                    ),
-                )
-            )
-        return findings
+
+    def _finding(self, rows: pl.DataFrame, now: float) -> Finding:
+        """One job's finding, from its ranks that warn (soonest first)."""
+        c = self.config
+        worst = rows.row(0, named=True)
+        if worst["foreign_slope"] >= c.fragmentation_share * worst["slope"]:
+            cause, what = "foreign_process", "another process on the GPU is taking memory"
+        elif worst["gap_slope"] >= c.fragmentation_share * worst["slope"] or worst["retries_delta"] > 0 and worst["gap_slope"] > worst["peak_slope"]:
+            cause, what = "fragmentation", "the caching allocator is fragmenting (reserved but unallocated memory keeps growing)"
+        else:
+            cause, what = "leak", "allocated memory grows every step (a leak or growing activations)"
+        tto = float(worst["tto"])
+        return Finding(
+            kind=FindingKind.OOM_PREDICTED,
+            severity=Severity.PAGE if tto <= c.page_within_seconds else Severity.TICKET,
+            ts=now,
+            job=worst["job"],
+            ranks=sorted(rows["rank"].to_list()),
+            node=worst["node"],
+            gpu=worst["gpu"],
+            cause=cause,
+            source=self.name,
+            evidence={
+                "time_to_oom_seconds": round(tto, 1),
+                "rank": int(worst["rank"]),
+                "growth_bytes_per_second": round(float(worst["slope"])),
+                "fragmentation_growth_bytes_per_second": round(float(worst["gap_slope"])),
+                # (null when the newest sample had no reserved reading: the footprint then is the peak)
+                "reserved_unallocated_bytes": None if worst["gap"] is None or math.isnan(worst["gap"]) else int(worst["gap"]),
+                "footprint_bytes": int(worst["footprint"]),
+                "headroom_bytes": int(worst["headroom"]),
+                "capacity_bytes": int(worst["capacity"]),
+                "alloc_retries_delta": int(worst["retries_delta"]),
+                "fit_r2": round(float(worst["r2"]), 3),
+                "ranks_at_risk": rows.height,
+            },
+            summary=(
+                f"{worst['job']} {rank_at(worst['rank'], worst['node'], worst['gpu'])} will run out of GPU memory in about "
+                f"{tto / 60:.1f} min: {what}, +{worst['slope'] / GIB * 60:.2f} GiB/min, {worst['headroom'] / GIB:.1f} GiB left."
+            ),
+        )
 
     def lookback_seconds(self) -> dict[str, float]:
         """History of allocator_stats read from the window (pipeline/core.py: declared_horizons).

@@ -843,91 +843,113 @@ def _trend_fits(bk: _Buckets, slots: np.ndarray, lo: np.ndarray, now: float, c: 
         settled = ~(now - bk.idle_ts[slots] < c.startup_seconds)
     best = np.full(slots.size, np.inf)  # the soonest projected OOM
     out = {name: np.full(slots.size, np.nan) for name in TREND_FIELDS}
-    target_all = bk.capacity[slots] - c.safety_margin_bytes
+    target = bk.capacity[slots] - c.safety_margin_bytes
     for bb in sorted(set(per_block)):
-        n = bb * q  # buckets in the window
-        k = bb // unit
-        blocks = np.empty((q, um.shape[1]), np.float32)  # oldest first
-        for b in range(q):
-            blocks[q - 1 - b] = um[b * k]
-            for u in range(b * k + 1, (b + 1) * k):
-                np.fmax(blocks[q - 1 - b], um[u], out=blocks[q - 1 - b])
-        start = (bk.top - n + 1) * w
-        with np.errstate(invalid="ignore"):
-            rises = np.zeros(um.shape[1], np.int64)
-            for b in range(1, q):
-                rises += (blocks[b] - blocks[b - 1]) > c.trend_rise_bytes
-            # every block has a sample (NaN propagates through the sum)
-            total = blocks[0].copy()
-            for b in range(1, q):
-                total += blocks[b]
-            whole = ~np.isnan(total)
-            cand = (
-                settled
-                & whole
-                & (start >= lo)
-                & (start > bk.idle_ts[slots])
-                & (rises >= c.trend_min_block_rises)
-                & (blocks[-1] - blocks[0] >= c.trend_min_growth_bytes)
-                & ~np.isnan(target_all)
-            )
-        idx = np.flatnonzero(cand)
+        idx = _trend_candidates(bk, _block_maxima(um, q, bb // unit), bb, slots, lo, settled & ~np.isnan(target), c)
         if idx.size == 0:
             continue
-        ids = np.arange(bk.top - n + 1, bk.top + 1)
-        ring = ids % bk.length
-        v = bk.vmax[ring][:, slots[idx]].astype(np.float64)  # (n, m) bucket maxima, oldest first
-        counts = bk.cnt[ring][:, slots[idx]].sum(axis=0)
-        centre = np.minimum((ids + 0.5) * w, now)
-        # Each block's maximum and when it came (the centre of its bucket).
-        vb = np.where(np.isnan(v), -np.inf, v).reshape(q, bb, -1)
-        arg = vb.argmax(axis=1)  # (q, m)
-        m_q = np.take_along_axis(vb, arg[:, None, :], axis=1)[:, 0, :]
-        t_q = centre[(np.arange(q) * bb)[:, None] + arg]
-        # Theil-Sen over the block maxima: the median of the pairwise slopes.
-        i, j = np.triu_indices(q, 1)
-        slope = np.median((m_q[j] - m_q[i]) / (t_q[j] - t_q[i]), axis=0)
-        intercept = np.median(m_q + slope * (now - t_q), axis=0)  # the line at now
-        scatter = np.median(np.abs(m_q - (intercept - slope * (now - t_q))), axis=0)
-        growth = slope * n * w
-        recent = m_q[-1] - m_q[-2]
-        step_rise = np.maximum(slope * bb * w * c.trend_min_rise_share, float(c.trend_rise_bytes))
-        rose = ((m_q[1:] - m_q[:-1]) > step_rise).sum(axis=0)
-        # Kendall's tau of the bucket maxima against time: how steadily the envelope grows.
-        ok = ~np.isnan(v)
-        a, b = np.triu_indices(n, 1)
-        sign = np.sign(v[b] - v[a])
-        both = ok[a] & ok[b]
-        pairs = both.sum(axis=0)
-        with np.errstate(invalid="ignore", divide="ignore"):
-            tau = np.where(pairs > 0, np.nansum(np.where(both, sign, 0.0), axis=0) / pairs, 0.0)
-            target = target_all[idx]
-            tto = np.maximum(target - intercept, 0.0) / slope
-            good = (
-                (slope > 0)
-                & (rose >= c.trend_min_block_rises)
-                & (growth >= c.trend_min_growth_bytes)
-                & (growth >= c.trend_min_signal_to_noise * scatter)
-                & (recent >= c.trend_min_recent_share * slope * bb * w)
-                & (tau >= c.trend_min_confidence)
-                & (tto <= c.predict_horizon_seconds)
-            )
-        sooner = good & (tto < best[idx])
+        fit = _theil_sen(bk, slots[idx], bb, now, target[idx], c)
+        sooner = fit.pop("good") & (fit["tto"] < best[idx])
         if not sooner.any():
             continue
         at = idx[sooner]
-        best[at] = tto[sooner]
-        for name, val in (
-            ("fit_start_ts", np.full(at.size, start)),
-            ("slope", slope[sooner]),
-            ("intercept", intercept[sooner]),
-            ("tto", tto[sooner]),
-            ("confidence", np.clip(tau[sooner], 0.0, 1.0)),
-            ("interval", np.where(counts[sooner] > 0, n * w / np.maximum(counts[sooner], 1), np.nan)),
-            ("window", np.full(at.size, n * w)),
-            ("used", bk.used[slots[at]]),
-            ("capacity", bk.capacity[slots[at]]),
-        ):
-            out[name][at] = val
+        best[at] = fit["tto"][sooner]
+        for name, val in fit.items():
+            out[name][at] = val[sooner]
     pos = np.flatnonzero(np.isfinite(best))
     return pos, {name: v[pos] for name, v in out.items()}
+
+
+def _block_maxima(um: np.ndarray, q: int, k: int) -> np.ndarray:
+    """(q, slots) maxima of the window's q blocks of k units each, oldest first (`um`: the units'
+    maxima, newest first)."""
+    blocks = np.empty((q, um.shape[1]), np.float32)
+    for b in range(q):
+        blocks[q - 1 - b] = um[b * k]
+        for u in range(b * k + 1, (b + 1) * k):
+            np.fmax(blocks[q - 1 - b], um[u], out=blocks[q - 1 - b])
+    return blocks
+
+
+def _trend_candidates(bk: _Buckets, blocks: np.ndarray, bb: int, slots: np.ndarray, lo: np.ndarray, able: np.ndarray, c: OomDeviceConfig) -> np.ndarray:
+    """Positions in `slots` whose window of `bb`-bucket blocks may hold a trend: every block has
+    a sample, the window starts after the fit may (lo) and after the GPU was last idle, and its
+    block maxima rose often and far enough. `able`: settled and of known capacity."""
+    q = c.trend_blocks
+    start = (bk.top - bb * q + 1) * c.trend_bucket_seconds
+    with np.errstate(invalid="ignore"):
+        rises = np.zeros(blocks.shape[1], np.int64)
+        for b in range(1, q):
+            rises += (blocks[b] - blocks[b - 1]) > c.trend_rise_bytes
+        # every block has a sample (NaN propagates through the sum)
+        total = blocks[0].copy()
+        for b in range(1, q):
+            total += blocks[b]
+        cand = (
+            able
+            & ~np.isnan(total)
+            & (start >= lo)
+            & (start > bk.idle_ts[slots])
+            & (rises >= c.trend_min_block_rises)
+            & (blocks[-1] - blocks[0] >= c.trend_min_growth_bytes)
+        )
+    return np.flatnonzero(cand)
+
+
+def _theil_sen(bk: _Buckets, gpus: np.ndarray, bb: int, now: float, target: np.ndarray, c: OomDeviceConfig) -> dict[str, np.ndarray]:
+    """The trend of each slot of `gpus` over the window of `bb`-bucket blocks: a Theil-Sen line
+    through its block maxima, and `good` where it holds (grows steadily, well above its scatter,
+    still rising) and reaches `target` within the horizon; the other values as TREND_FIELDS."""
+    q, w = c.trend_blocks, c.trend_bucket_seconds
+    n = bb * q  # buckets in the window
+    ids = np.arange(bk.top - n + 1, bk.top + 1)
+    ring = ids % bk.length
+    v = bk.vmax[ring][:, gpus].astype(np.float64)  # (n, m) bucket maxima, oldest first
+    counts = bk.cnt[ring][:, gpus].sum(axis=0)
+    centre = np.minimum((ids + 0.5) * w, now)
+    # Each block's maximum and when it came (the centre of its bucket).
+    vb = np.where(np.isnan(v), -np.inf, v).reshape(q, bb, -1)
+    arg = vb.argmax(axis=1)  # (q, m)
+    m_q = np.take_along_axis(vb, arg[:, None, :], axis=1)[:, 0, :]
+    t_q = centre[(np.arange(q) * bb)[:, None] + arg]
+    # Theil-Sen over the block maxima: the median of the pairwise slopes.
+    i, j = np.triu_indices(q, 1)
+    slope = np.median((m_q[j] - m_q[i]) / (t_q[j] - t_q[i]), axis=0)
+    intercept = np.median(m_q + slope * (now - t_q), axis=0)  # the line at now
+    scatter = np.median(np.abs(m_q - (intercept - slope * (now - t_q))), axis=0)
+    growth = slope * n * w
+    recent = m_q[-1] - m_q[-2]
+    step_rise = np.maximum(slope * bb * w * c.trend_min_rise_share, float(c.trend_rise_bytes))
+    rose = ((m_q[1:] - m_q[:-1]) > step_rise).sum(axis=0)
+    # Kendall's tau of the bucket maxima against time: how steadily the envelope grows.
+    ok = ~np.isnan(v)
+    a, b = np.triu_indices(n, 1)
+    sign = np.sign(v[b] - v[a])
+    both = ok[a] & ok[b]
+    pairs = both.sum(axis=0)
+    with np.errstate(invalid="ignore", divide="ignore"):
+        tau = np.where(pairs > 0, np.nansum(np.where(both, sign, 0.0), axis=0) / pairs, 0.0)
+        tto = np.maximum(target - intercept, 0.0) / slope
+        good = (
+            (slope > 0)
+            & (rose >= c.trend_min_block_rises)
+            & (growth >= c.trend_min_growth_bytes)
+            & (growth >= c.trend_min_signal_to_noise * scatter)
+            & (recent >= c.trend_min_recent_share * slope * bb * w)
+            & (tau >= c.trend_min_confidence)
+            & (tto <= c.predict_horizon_seconds)
+        )
+        interval = np.where(counts > 0, n * w / np.maximum(counts, 1), np.nan)
+    start = (bk.top - n + 1) * w
+    return {
+        "good": good,
+        "fit_start_ts": np.full(gpus.size, start),
+        "slope": slope,
+        "intercept": intercept,
+        "tto": tto,
+        "confidence": np.clip(tau, 0.0, 1.0),
+        "interval": interval,
+        "window": np.full(gpus.size, n * w),
+        "used": bk.used[gpus],
+        "capacity": bk.capacity[gpus],
+    }
