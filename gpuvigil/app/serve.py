@@ -34,6 +34,7 @@ import polars as pl
 from gpuvigil import config
 from gpuvigil.config import deploy as deployconfig
 from gpuvigil.alerts.settings import AlertSettings, load_settings
+from gpuvigil.detectors import registry
 from gpuvigil.errors import UserError
 from gpuvigil.exporter.metrics import Snapshot, TickStats
 from gpuvigil.scheduler.core import NodeSpec
@@ -119,6 +120,9 @@ class Server:
     def __init__(self, args: argparse.Namespace):
         from gpuvigil.config import deploy as deployconfig
 
+        # A detector that misses a declaration (its kind's policy, hint rule, config block) would
+        # run half-wired: refuse to start and name what is missing.
+        registry.validate()
         _check_args(args)
         self.args = args
         try:

@@ -46,8 +46,7 @@ from pydantic import BaseModel, Field
 
 from gpuvigil.detectors.base import HISTORY, Declared, DetectorSpec
 from gpuvigil.detectors.common import rank_at, settings
-from gpuvigil.detectors.incremental import KEYS, SlidingRows, edges_from_rows
-from gpuvigil.detectors.per_gpu import resized
+from gpuvigil.detectors.incremental import KEYS, SlidingRows, edges_from_rows, resized
 from gpuvigil.model import Finding, FindingKind, Severity
 from gpuvigil.window import Window
 

@@ -18,11 +18,16 @@ arrival; for rows that arrive in time order this is the window's arrival order.
 Block mode (`blocks` > 0, for memory at 100,000 GPUs): the look-back's far edge moves in
 steps of B = W / blocks seconds. The rows read are those with ts >= lo = floor((now - W) / B) * B
 (between W and W + B seconds back), and the detector keeps per-(job, rank) aggregates of each
-block [kB, (k+1)B) of its look-back (oom and fragmentation_allocator: numpy arrays per block)
+block [kB, (k+1)B) of its look-back (oom: `BlockSums`; fragmentation_allocator: a ring of per-block arrays)
 instead of reading rows leaving it from the window: a whole block leaves at once, when lo passes
 its end. So the window needs to keep only
 the rows the detector still reads raw (its `reach`: e.g. the OOM fit's late half), not the whole
 look-back. A rebuild reads the look-back's rows from the window, as many as it still holds.
+
+The per-key state the detectors keep is built from the helpers here, each once: key numbers
+(`KeyIndex`), the recent rows of each key in a ring (`KeyRing`), per-block sums (`BlockSums`),
+each slot's samples in time order (`SlotSamples`) and arrays that gain keys (`grow`,
+`resized`, `headroom`).
 """
 
 from __future__ import annotations
@@ -245,10 +250,23 @@ class KeyRing:
 
     def __init__(self, floats: Sequence[str], ints: Sequence[str], capacity: int = 8, slack: float | None = None):
         self.float_names, self.int_names = list(floats), list(ints)
-        self.keys = pl.DataFrame(schema={"job": pl.Utf8, "rank": pl.Int32, "_k": pl.Int64})
-        self.n = 0
+        self._index = KeyIndex({"job": pl.Utf8(), "rank": pl.Int32()})
         self.slack = slack
         self._alloc(0, capacity)
+
+    @property
+    def keys(self) -> pl.DataFrame:
+        """The (job, rank) of each key row, and its number `_k`."""
+        return self._index.table
+
+    @property
+    def n(self) -> int:
+        """Keys numbered so far."""
+        return self._index.n
+
+    @n.setter
+    def n(self, rows: int) -> None:
+        self._index.n = rows
 
     def _alloc(self, rows: int, cap: int) -> None:
         self.cap = cap
@@ -267,14 +285,14 @@ class KeyRing:
             return
         if not exact:
             rows = max(rows, 2 * have, 64)
-        pad = rows - have
-        self.ts = np.concatenate([self.ts, np.full((pad, self.cap), np.nan)])
-        for c in self.f:  # one buffer at a time (the old one is freed before the next grows)
-            self.f[c] = np.concatenate([self.f[c], np.full((pad, self.cap), np.nan)])
+        # One buffer at a time (the old one is freed before the next grows).
+        self.ts = resized(self.ts, rows, np.nan)
+        for c in self.f:
+            self.f[c] = resized(self.f[c], rows, np.nan)
         for c in self.i:
-            self.i[c] = np.concatenate([self.i[c], np.zeros((pad, self.cap), np.int32)])
-        self.head = np.concatenate([self.head, np.zeros(pad, np.int64)])
-        self.last_ts = np.concatenate([self.last_ts, np.full(pad, -np.inf)])
+            self.i[c] = resized(self.i[c], rows, 0)
+        self.head = resized(self.head, rows, 0)
+        self.last_ts = resized(self.last_ts, rows, -np.inf)
 
     def _grow_capacity(self, cap: int) -> None:
         """Unroll every ring (oldest first) into a wider buffer."""
@@ -299,7 +317,7 @@ class KeyRing:
         """Room for keys 0..rows-1 (for a caller numbering its own keys), with 1/8 headroom."""
         have = self.ts.shape[0]
         if rows > have:
-            self._grow_keys(max(rows, have + have // 8, 64), exact=True)
+            self._grow_keys(headroom(rows, have), exact=True)
 
     def clear(self, rows: np.ndarray) -> None:
         """Empty these keys' rings (their rows are forgotten; the keys stay numbered)."""
@@ -315,15 +333,9 @@ class KeyRing:
 
     def key_index(self, keys: pl.DataFrame) -> np.ndarray:
         """Index of each row's (job, rank); keys not seen before are added."""
-        k = keys.join(self.keys, on=["job", "rank"], how="left", maintain_order="left", nulls_equal=True)["_k"]
-        if k.null_count():
-            new = keys.filter(k.is_null()).unique(maintain_order=True)
-            new = new.with_columns(pl.int_range(self.n, self.n + new.height, dtype=pl.Int64).alias("_k"))
-            self.keys = pl.concat([self.keys, new], how="vertical_relaxed")
-            self.n += new.height
-            self._grow_keys(self.n)
-            k = keys.join(self.keys, on=["job", "rank"], how="left", maintain_order="left", nulls_equal=True)["_k"]
-        return k.to_numpy()
+        k = self._index.index(keys, shape=False)
+        self._grow_keys(self.n)
+        return k
 
     def insert(self, key: np.ndarray, ts: np.ndarray, floats: dict[str, np.ndarray], ints: dict[str, np.ndarray], keep_from: float) -> None:
         """Append rows (in arrival order) to their keys' rings; rows older than keep_from are
@@ -420,8 +432,9 @@ class KeyIndex:
         self.run: slice | None = None  # the last frame's numbers, when they are lo, lo + 1, ... (a slice of the arrays)
         self._last: tuple[pl.DataFrame, np.ndarray, bool, slice | None] | None = None
 
-    def index(self, keys: pl.DataFrame) -> np.ndarray:
-        """Number of each row's key; keys not seen before are appended."""
+    def index(self, keys: pl.DataFrame, shape: bool = True) -> np.ndarray:
+        """Number of each row's key; keys not seen before are appended. `shape`: also tell
+        whether each key came once (`unique`) and the slice the numbers form (`run`)."""
         last = self._last
         if last is not None and last[0].height == keys.height and all(last[0][c].equals(keys[c]) for c in self.cols):
             self.unique, self.run = last[2], last[3]
@@ -434,6 +447,9 @@ class KeyIndex:
             self.n += new.height
             k = self._join(keys)
         idx = k.to_numpy()
+        if not shape:
+            self._last = None
+            return idx
         self.unique = bool(keys.height < 2 or not keys.is_duplicated().any())
         step = np.diff(idx)
         self.run = slice(int(idx[0]), int(idx[-1]) + 1) if idx.size and bool((step == 1).all()) else None
@@ -451,3 +467,278 @@ class KeyIndex:
         self.n = self.table.height
         self._last = None
         return remap
+
+
+# --- growth: per-key arrays that gain keys ---
+
+
+def headroom(rows: int, have: int) -> int:
+    """How many key rows to allocate for `rows` keys when `have` are allocated: 1/8 more than
+    held (at least 64), so keys arriving one tick at a time reallocate O(log n) times."""
+    return max(rows, have + have // 8, 64)
+
+
+def grow(arr: np.ndarray, n: int, fill: float | int | bool) -> np.ndarray:
+    """`arr` extended to at least `n` slots with `fill` (amortised doubling)."""
+    if arr.shape[0] >= n:
+        return arr
+    out = np.full(max(n, 2 * arr.shape[0], 64), fill, dtype=arr.dtype)
+    out[: arr.shape[0]] = arr
+    return out
+
+
+def resized(a: np.ndarray, n: int, fill: float | int | bool, axis: int = 0) -> np.ndarray:
+    """A copy of `a` with exactly `n` entries along `axis`, the new ones `fill` (`grow` doubles;
+    this is for callers that choose the size themselves)."""
+    shape = list(a.shape)
+    shape[axis] = n
+    out = np.full(shape, fill, dtype=a.dtype)
+    out[tuple(slice(0, s) for s in a.shape)] = a
+    return out
+
+
+# --- block sums: a look-back kept as per-block aggregates ---
+
+
+class BlockSums:
+    """Block mode's per-key aggregates (module doc): per block index k (rows with ts in
+    [kB, (k+1)B)), a (sums + firsts, keys) array whose first `sums` rows are running sums (0:
+    nothing yet) and whose last `firsts` rows describe each key's oldest row of the block (NaN:
+    none). Only the look-back's blocks are held: a block leaves whole (`leaving`)."""
+
+    def __init__(self, sums: int, firsts: int) -> None:
+        self.sums, self.firsts = sums, firsts
+        self.blocks: dict[int, np.ndarray] = {}
+
+    def empty(self, width: int) -> np.ndarray:
+        a = np.zeros((self.sums + self.firsts, width))
+        a[self.sums :] = np.nan
+        return a
+
+    def at(self, k: int, width: int) -> np.ndarray:
+        """Block k's array (a new one, `width` keys wide, when it holds nothing yet)."""
+        a = self.blocks.get(k)
+        if a is None:
+            a = self.blocks[k] = self.empty(width)
+        return a
+
+    def pad(self, width: int) -> None:
+        """Every block at least `width` keys wide (new keys empty)."""
+        for k, a in self.blocks.items():
+            if a.shape[1] < width:
+                self.blocks[k] = np.concatenate([a, self.empty(width - a.shape[1])], axis=1)
+
+    def keep(self, live: np.ndarray) -> None:
+        """Keep the keys where `live` (renumbered in order, as KeyIndex.keep)."""
+        n = live.size
+        for k, a in self.blocks.items():
+            self.blocks[k] = a[:, : min(n, a.shape[1])][:, live[: a.shape[1]]]
+
+    def clear(self, keys: np.ndarray) -> None:
+        """Empty the keys where `keys` (a mask over key numbers) in every block."""
+        for a in self.blocks.values():
+            w = min(a.shape[1], keys.size)
+            m = keys[:w]
+            a[: self.sums, :w][:, m] = 0.0
+            a[self.sums :, :w][:, m] = np.nan
+
+    def leaving(self, lo_block: int) -> list[tuple[int, np.ndarray]]:
+        """The blocks below `lo_block` (they left the look-back), oldest first, no longer held."""
+        return [(k, self.blocks.pop(k)) for k in sorted(b for b in self.blocks if b < lo_block)]
+
+    def oldest_first(self) -> list[np.ndarray]:
+        return [self.blocks[k] for k in sorted(self.blocks)]
+
+
+# --- per-slot samples in time order (oom_device) ---
+
+class SlotSamples:
+    """Per slot (a row of the arrays, numbered by the caller), its samples of a look-back: `ts`
+    and one 2-D float64 array per value column (`v[name]`), in slots [0, n) of the row (NaN
+    beyond), in ts order (ties: arrival order; a slot that received a row older than its newest
+    is sorted by `sort_unsorted` before it is read). Per slot too: whether a `tracked` column ever
+    had a value (`seen[name]`), the newest row's `latest` values (`last[name]`) and a `floor`
+    (rows with ts <= floor may be missing: the caller refills the slot). The row length grows to
+    what the look-back holds (its ticks + slack); rows below the look-back are dropped when a
+    slot runs out of room (`compact`), or a block of slots at a time (`tidy`).
+
+    oom_device keeps each allocated GPU's samples of its fit window here.
+    """
+
+    def __init__(self, values: Sequence[str], latest: Sequence[str] = (), tracked: Sequence[str] = (), chunk: int = 8192) -> None:
+        self.value_names, self.latest_names, self.tracked_names = list(values), list(latest), list(tracked)
+        self.chunk = chunk  # slots moved at once: bounds the temporaries (chunk x row length float64 each)
+        self.cap = 0
+        self.slack = 0  # the room beyond what the fit window held when the rows last grew
+        self._tidy = 0  # the next slot `tidy` compacts
+        self._empty(0)
+
+    def _empty(self, rows: int) -> None:
+        self.ts = np.full((rows, self.cap), np.nan)
+        self.v = {name: np.full((rows, self.cap), np.nan) for name in self.value_names}
+        self.n = np.zeros(rows, np.int64)
+        self.last_in = np.full(rows, -np.inf)  # the newest ts folded in (a row older: unsorted)
+        self.unsorted = np.zeros(rows, bool)
+        self.seen = {name: np.zeros(rows, bool) for name in self.tracked_names}
+        self.new_ts = np.full(rows, -np.inf)  # the newest row's ts, and its `latest` values
+        self.last = {name: np.full(rows, np.nan) for name in self.latest_names}
+        # Rows with ts <= floor may be missing (the slot started empty or lost its newest rows):
+        # +inf or a floor at or above the start of what the caller reads refills it.
+        self.floor = np.full(rows, -np.inf)
+
+    @property
+    def rows(self) -> int:
+        return int(self.n.size)
+
+    def chunks(self, rows: np.ndarray) -> list[np.ndarray]:
+        return [rows[i : i + self.chunk] for i in range(0, rows.size, self.chunk)]
+
+    def _grids(self) -> list[np.ndarray]:
+        return [self.ts, *self.v.values()]
+
+    def grow_rows(self, rows: int) -> None:
+        have = self.rows
+        if rows <= have:
+            return
+        rows = headroom(rows, have)
+        self.ts = resized(self.ts, rows, np.nan)
+        self.v = {name: resized(a, rows, np.nan) for name, a in self.v.items()}
+        self.n = resized(self.n, rows, 0)
+        self.last_in, self.new_ts, self.floor = (resized(a, rows, -np.inf) for a in (self.last_in, self.new_ts, self.floor))
+        self.unsorted = resized(self.unsorted, rows, False)
+        self.seen = {name: resized(a, rows, False) for name, a in self.seen.items()}
+        self.last = {name: resized(a, rows, np.nan) for name, a in self.last.items()}
+
+    def _widen(self, cap: int) -> None:
+        self.ts = resized(self.ts, cap, np.nan, axis=1)
+        self.v = {name: resized(a, cap, np.nan, axis=1) for name, a in self.v.items()}
+        self.cap = cap
+
+    def clear(self, slots: np.ndarray) -> None:
+        if slots.size == 0:
+            return
+        for a in self._grids():
+            a[slots] = np.nan
+        self.n[slots] = 0
+        self.last_in[slots] = -np.inf
+        self.unsorted[slots] = False
+        for a in self.seen.values():
+            a[slots] = False
+        self.new_ts[slots] = -np.inf
+        for a in self.last.values():
+            a[slots] = np.nan
+        self.floor[slots] = -np.inf
+
+    def remove(self, slots: np.ndarray, dead: np.ndarray, newest: bool = False) -> None:
+        """Drop the rows marked `dead` (within [0, n)) from `slots`, keeping the others' order.
+        `newest`: the newest row may be among them while older ones stay."""
+        count = dead.sum(axis=1)
+        hit = count > 0
+        if not hit.any():
+            return
+        slots, dead, count = slots[hit], dead[hit], count[hit]
+        j = np.arange(self.cap)
+        prefix = (dead == (j[None, :] < count[:, None])).all(axis=1)
+        for d in np.unique(count[prefix]):
+            for q in self.chunks(slots[prefix & (count == d)]):
+                lo, hi = int(q[0]), int(q[-1]) + 1
+                rows = slice(lo, hi) if hi - lo == q.size and (q[1:] > q[:-1]).all() else q  # a run of slots: no copy
+                for a in self._grids():
+                    a[rows, : self.cap - d] = a[rows, d:]
+                    a[rows, self.cap - d :] = np.nan
+        rest, rdead = slots[~prefix], dead[~prefix]
+        if rest.size:
+            order = np.argsort(rdead, axis=1, kind="stable")
+            left = self.n[rest] - count[~prefix]
+            for a in self._grids():
+                moved = np.take_along_axis(a[rest], order, axis=1)
+                moved[j[None, :] >= left[:, None]] = np.nan
+                a[rest] = moved
+        self.n[slots] -= count
+        # A slot that lost its newest row (thinned) is refilled from the window when evaluated.
+        gone = slots[self.n[slots] == 0]
+        self.new_ts[gone] = -np.inf
+        for a in self.last.values():
+            a[gone] = np.nan
+        left_slots = slots[self.n[slots] > 0]
+        if newest and left_slots.size:
+            lost = np.nanmax(self.ts[left_slots], axis=1) < self.new_ts[left_slots]
+            self.floor[left_slots[lost]] = np.inf
+
+    def compact(self, slots: np.ndarray, keep_from: float) -> None:
+        """Drop the rows of `slots` older than keep_from (they left the fit window for good)."""
+        for q in self.chunks(np.sort(slots)):
+            lo, hi = int(q[0]), int(q[-1]) + 1
+            self.remove(q, self.ts[lo:hi] < keep_from if hi - lo == q.size else self.ts[q] < keep_from)
+
+    def tidy(self, keep_from: float) -> None:
+        """Compact the next block of slots (round robin), so that slots filled at the same pace
+        do not all run out of room on the same tick (a tick's cost stays O(new rows))."""
+        if self.rows == 0 or self.cap == 0:
+            return
+        start = self._tidy % self.rows
+        size = -(-self.rows // max(1, self.slack - 2))  # every slot once before its room runs out
+        self._tidy = start + size
+        q = np.arange(start, min(start + size, self.rows))
+        q = q[self.n[q] > self.cap - self.slack]
+        if q.size:
+            self.compact(q, keep_from)
+
+    def thin(self, slots: np.ndarray, judged: float, cut: float) -> None:
+        """The window's retention rule at this seal: rows of `slots` with judged <= ts < cut go."""
+        for q in self.chunks(slots):
+            t = self.ts[q]
+            self.remove(q, (t >= judged) & (t < cut), newest=True)
+
+    def insert(self, k: np.ndarray, ts: np.ndarray, values: dict[str, np.ndarray], latest: dict[str, np.ndarray], keep_from: float, ticks: float | None) -> None:
+        """Append rows (in arrival order) to their slots; rows older than keep_from are not kept.
+        `ticks`: how many ticks the look-back spans (sizes the rows when they must grow)."""
+        ok = ts >= keep_from
+        if not ok.all():
+            k, ts = k[ok], ts[ok]
+            values = {name: a[ok] for name, a in values.items()}
+            latest = {name: a[ok] for name, a in latest.items()}
+        if k.size == 0:
+            return
+        order = np.lexsort((ts, k))  # by slot, then ts; stable: ties keep arrival order
+        k, ts = k[order], ts[order]
+        values = {name: a[order] for name, a in values.items()}
+        latest = {name: a[order] for name, a in latest.items()}
+        first = np.flatnonzero(np.r_[True, k[1:] != k[:-1]])
+        counts = np.diff(np.r_[first, k.size])
+        uk = k[first]
+        need = self.n[uk] + counts
+        if need.max() > self.cap:
+            self.compact(uk[need > self.cap], keep_from)
+            need = self.n[uk] + counts
+            if need.max() > self.cap:
+                want = int(need.max())
+                if ticks is not None:
+                    want = max(want, int(counts.max()) * (math.floor(ticks) + 2))
+                self.slack = max(8, want // 8)
+                self._widen(want + self.slack)
+        self.unsorted[uk] |= ts[first] < self.last_in[uk]
+        pos = np.repeat(self.n[uk], counts) + (np.arange(k.size) - np.repeat(first, counts))
+        self.ts[k, pos] = ts
+        for name, a in values.items():
+            self.v[name][k, pos] = a
+        self.n[uk] += counts
+        for name, flags in self.seen.items():
+            has = ~np.isnan(values[name])
+            if has.any():
+                flags[k[has]] = True
+        last = first + counts - 1  # each slot's newest row of the batch (ties: the later arrival)
+        self.last_in[uk] = np.maximum(self.last_in[uk], ts[last])
+        newer = ts[last] >= self.new_ts[uk]
+        up, li = uk[newer], last[newer]
+        self.new_ts[up] = ts[li]
+        for name, a in latest.items():
+            self.last[name][up] = a[li]
+
+    def sort_unsorted(self) -> None:
+        rows = np.flatnonzero(self.unsorted)
+        for q in self.chunks(rows):
+            order = np.argsort(self.ts[q], axis=1, kind="stable")  # NaN (empty) last
+            for a in self._grids():
+                a[q] = np.take_along_axis(a[q], order, axis=1)
+        self.unsorted[rows] = False

@@ -39,7 +39,7 @@ from pydantic import BaseModel, Field, model_validator
 
 from gpuvigil.detectors.base import HISTORY, Declared, DetectorSpec
 from gpuvigil.detectors.common import covered_jobs, rank_at, settings
-from gpuvigil.detectors.incremental import KeyIndex, SlidingRows
+from gpuvigil.detectors.incremental import BlockSums, KeyIndex, SlidingRows, resized
 from gpuvigil.model import Finding, FindingKind, Severity
 from gpuvigil.window import Window
 
@@ -176,13 +176,12 @@ def _ends(idx: np.ndarray, ts: np.ndarray, unique: bool) -> tuple[np.ndarray, np
     return ks[start], order[start], order[end]
 
 
-class _BlockSums:
-    """Block mode: per block index, the (len(BLOCK_SUMS) + 2, keys) array of its sums (tau from
-    the block's start), oldest ts and oldest retries per key. Only the look-back's ~lookback_blocks
-    + 1 blocks are held: a block leaves whole."""
-
-    def __init__(self) -> None:
-        self.blocks: dict[int, np.ndarray] = {}
+def _slope(n: np.ndarray, st: np.ndarray, stt: np.ndarray, sy: np.ndarray, sty: np.ndarray) -> np.ndarray:
+    """The least-squares slope from running sums (NaN: no fit)."""
+    den = n * stt - st * st
+    # Fewer than 3 samples (e.g. a half with no data) is no fit: NaN fails every test.
+    ok = (n >= 3) & (den > 0)
+    return np.where(ok, (n * sty - st * sy) / np.where(ok, den, 1.0), np.nan)
 
 
 class OomPredictor(Declared):
@@ -228,45 +227,29 @@ class OomPredictor(Declared):
         self._job = np.zeros(0, np.int64)  # the job number (self._jobs) of each key
         self._live = np.zeros(0, bool)
         self._start_of_job = np.zeros(0)  # NaN: no start known (every row counts)
-        self._blocks = _BlockSums() if self._rows.B > 0 else None
+        # Block mode: per block, its sums (tau from the block's start), oldest ts and oldest retries.
+        self._blocks = BlockSums(len(BLOCK_SUMS), 2) if self._rows.B > 0 else None
         # Rows still in the fit's late half, per tick of arrival: key numbers (or their slice),
         # ts (or the one ts they share), y (null: NaN).
         self._late: list[tuple[np.ndarray | slice, np.ndarray | np.float64, np.ndarray]] = []
-
-    @property
-    def _blk(self) -> dict[int, np.ndarray]:
-        return self._blocks.blocks if self._blocks is not None else {}
 
     def _grow(self) -> None:
         """Room for every numbered key (1/8 headroom), new keys empty."""
         n = self._keys.n
         if n > self._cap:
             cap = max(n + n // 8, 64)
-            pad = cap - self._cap
-
-            def more(a: np.ndarray, fill: float | int | bool) -> np.ndarray:
-                extra = np.full((*a.shape[:-1], pad), fill, dtype=a.dtype)
-                return np.concatenate([a, extra], axis=-1)
-
-            self._S, self._E = more(self._S, 0.0), more(self._E, np.nan)
-            self._capacity, self._node, self._gpu, self._job = more(self._capacity, NO_INT), more(self._node, 0), more(self._gpu, NO_INT), more(self._job, 0)
-            self._live = more(self._live, False)
+            self._S, self._E = resized(self._S, cap, 0.0, axis=-1), resized(self._E, cap, np.nan, axis=-1)
+            self._capacity, self._node, self._gpu, self._job = resized(self._capacity, cap, NO_INT), resized(self._node, cap, 0), resized(self._gpu, cap, NO_INT), resized(self._job, cap, 0)
+            self._live = resized(self._live, cap, False)
             self._cap = cap
-        for k, a in self._blk.items():
-            if a.shape[1] < n:
-                self._blk[k] = np.concatenate([a, self._empty_block(n - a.shape[1])], axis=1)
+        if self._blocks is not None:
+            self._blocks.pad(n)
         if self._job_numbered < n:
             new = self._keys.table.slice(self._job_numbered)
             self._job[self._job_numbered : n] = self._jobs.index(new.select("job"))
             self._job_numbered = n
         if self._start_of_job.size < self._jobs.n:
             self._start_of_job = np.concatenate([self._start_of_job, np.full(self._jobs.n - self._start_of_job.size, np.nan)])
-
-    @staticmethod
-    def _empty_block(width: int) -> np.ndarray:
-        a = np.zeros((len(BLOCK_SUMS) + 2, width))
-        a[B_TS:] = np.nan
-        return a
 
     def _index(self, df: pl.DataFrame) -> tuple[np.ndarray, bool, slice | None]:
         """Key numbers of df's rows, whether each key appears once, and the slice they form if any."""
@@ -304,8 +287,8 @@ class OomPredictor(Declared):
         self._live = self._live[:n][live]
         self._cap = alive
         self._job_numbered = alive
-        for k, a in self._blk.items():
-            self._blk[k] = a[:, : min(n, a.shape[1])][:, live[: a.shape[1]]]
+        if self._blocks is not None:
+            self._blocks.keep(live)
         self._late = [(remap[i], t, y) for i, t, y in self._late]  # a slice's numbers become an array
         self._grow()
 
@@ -360,9 +343,7 @@ class OomPredictor(Declared):
             i, t0 = (idx, ts) if m is None else (idx[m], ts[m])
             y, g, p, f, rt = (r.y0, r.gap0, r.peak0, r.foreign, r.retries) if m is None else (r.y0[m], r.gap0[m], r.peak0[m], r.foreign[m], r.retries[m])
             tau = t0 - float(k) * B
-            a = self._blk.get(k)
-            if a is None:
-                a = self._blk[k] = self._empty_block(self._keys.n)
+            a = self._blocks.at(k, self._keys.n)
             one = np.ones_like(tau)
             _add(a, i, [one, tau, tau * tau, y, tau * y, y * y, g, tau * g, p, tau * p, f, tau * f], run if m is None else None)
             keys, first, _ = _ends(i, t0, unique)
@@ -526,8 +507,7 @@ class OomPredictor(Declared):
         (t = tau + d, d = start - now). Every row of such a block is older than now - W, so in
         the fit's early half (config check): the early sums lose the same amounts."""
         S = self._S
-        for k in sorted(b for b in self._blk if b < lo_block):
-            a = self._blk.pop(k)
+        for k, a in self._blocks.leaving(lo_block):
             w = a.shape[1]
             d = float(k) * self._rows.B - now
             n, st, stt, sy, sty, syy, sg, stg, sp, stp, sf, stf = a[: len(BLOCK_SUMS)]
@@ -563,10 +543,9 @@ class OomPredictor(Declared):
         E = self._E
         if self._rows.B > 0:
             todo = keys
-            for k in sorted(self._blk):
+            for a in self._blocks.oldest_first():
                 if todo.size == 0:
                     break
-                a = self._blk[k]
                 inside = todo[todo < a.shape[1]]
                 has = ~np.isnan(a[B_TS, inside])
                 got = inside[has]
@@ -588,11 +567,8 @@ class OomPredictor(Declared):
         n = self._keys.n
         keys = np.isin(self._job[:n], codes)
         self._forget(np.flatnonzero(keys))
-        for a in self._blk.values():
-            w = min(a.shape[1], n)
-            m = keys[:w]
-            a[: len(BLOCK_SUMS), :w][:, m] = 0.0
-            a[B_TS:, :w][:, m] = np.nan
+        if self._blocks is not None:
+            self._blocks.clear(keys)
         self._late = [(i[~keys[i]], t[~keys[i]], y[~keys[i]]) for i, t, y in map(_expand, self._late)]
         self._fold(self._rows.rows_for_rebuild(window, jobs), now)
 
@@ -604,30 +580,32 @@ class OomPredictor(Declared):
         # the device's OOM detector, running beside this one, is held back for them.
         self.healthy_jobs = covered_jobs(window.get("allocator_stats"), now, c.fit_window_seconds / 2, (c.min_samples + 1) / 2)
         self.ingest(window)
-        n_keys = self._keys.n
-        keys = np.flatnonzero(self._live[:n_keys])
+        keys = np.flatnonzero(self._live[: self._keys.n])
         if keys.size == 0:
             return []
-        # Least squares from running sums (O(new rows) per tick, see ingest): y in GiB keeps the
-        # sums of squares well conditioned. The window's two halves are fitted too: growth must
-        # hold in both the last min_span/2 seconds and before them (a one-off step, warm-up or a
-        # new phase of training, is not a trend). NaN stands for the polars fit's null (no fit).
+        fit = self._fit(keys, now)
+        if not fit["ok"].any():
+            return []
+        fits = self._hits(keys, fit)
+        return [self._finding(rows, now) for rows in fits.partition_by("job", maintain_order=True)]
+
+    def _fit(self, keys: np.ndarray, now: float) -> dict[str, np.ndarray]:
+        """Least squares from running sums (O(new rows) per tick, see ingest): y in GiB keeps the
+        sums of squares well conditioned. The window's two halves are fitted too: growth must
+        hold in both the last min_span/2 seconds and before them (a one-off step, warm-up or a
+        new phase of training, is not a trend). NaN stands for the polars fit's null (no fit).
+        Returns the keys' sums and edges (S, E), the fit's terms and `ok`: the keys that warn."""
+        c = self.config
+        n_keys = self._keys.n
         every = keys.size == n_keys  # then views, not copies
         S = self._S[:, :n_keys] if every else self._S[:, keys]
         E = self._E[:, :n_keys] if every else self._E[:, keys]
         n, st, stt, sy, sty, syy = S[N], S[ST], S[STT], S[SY], S[STY], S[SYY]
-
-        def slope(n: np.ndarray, st: np.ndarray, stt: np.ndarray, sy: np.ndarray, sty: np.ndarray) -> np.ndarray:
-            den = n * stt - st * st
-            # Fewer than 3 samples (e.g. a half with no data) is no fit: NaN fails every test.
-            ok = (n >= 3) & (den > 0)
-            return np.where(ok, (n * sty - st * sy) / np.where(ok, den, 1.0), np.nan)
-
         with np.errstate(divide="ignore", invalid="ignore", over="ignore"):
             span = (E[TS_LAST] - now) - (E[TS_FIRST] - now)
-            growth = slope(n, st, stt, sy, sty) * GIB
-            early = slope(S[NE], S[STE], S[STTE], S[SYE], S[STYE]) * GIB
-            late = slope(n - S[NE], st - S[STE], stt - S[STTE], sy - S[SYE], sty - S[STYE]) * GIB
+            growth = _slope(n, st, stt, sy, sty) * GIB
+            early = _slope(S[NE], S[STE], S[STTE], S[SYE], S[STYE]) * GIB
+            late = _slope(n - S[NE], st - S[STE], stt - S[STTE], sy - S[SYE], sty - S[STYE]) * GIB
             sxy = n * sty - st * sy
             syd = n * syy - sy * sy
             r2 = np.where(syd > 0, sxy * sxy / ((n * stt - st * st) * syd), np.nan)
@@ -646,78 +624,79 @@ class OomPredictor(Declared):
                 & (growth * span >= c.min_rise_bytes)
                 & (tto <= c.predict_horizon_seconds)
             )
-        if not ok.any():
-            return []
-        hit = np.flatnonzero(ok)
+        return {"S": S, "E": E, "growth": growth, "r2": r2, "footprint": footprint, "capacity": capacity, "headroom": headroom, "tto": tto, "ok": ok}
+
+    def _hits(self, keys: np.ndarray, fit: dict[str, np.ndarray]) -> pl.DataFrame:
+        """The keys that warn, one row each with what the finding says, soonest OOM first."""
+        hit = np.flatnonzero(fit["ok"])
         k = keys[hit]
-        Sk = S[:, hit]
+        Sk, E = fit["S"][:, hit], fit["E"]
         with np.errstate(divide="ignore", invalid="ignore", over="ignore"):
-            gap_slope = slope(Sk[N], Sk[ST], Sk[STT], Sk[SG], Sk[STG]) * GIB
-            peak_slope = slope(Sk[N], Sk[ST], Sk[STT], Sk[SP], Sk[STP]) * GIB
-            foreign_slope = slope(Sk[N], Sk[ST], Sk[STT], Sk[SF], Sk[STF]) * GIB
+            gap_slope = _slope(Sk[N], Sk[ST], Sk[STT], Sk[SG], Sk[STG]) * GIB
+            peak_slope = _slope(Sk[N], Sk[ST], Sk[STT], Sk[SP], Sk[STP]) * GIB
+            foreign_slope = _slope(Sk[N], Sk[ST], Sk[STT], Sk[SF], Sk[STF]) * GIB
         gpu = self._gpu[k]
-        fits = (
+        return (
             self._keys.table[k]
             .select("job", "rank")
             .with_columns(
-                pl.Series("tto", tto[hit]),
-                pl.Series("slope", growth[hit]),
+                pl.Series("tto", fit["tto"][hit]),
+                pl.Series("slope", fit["growth"][hit]),
                 pl.Series("gap_slope", gap_slope),
                 pl.Series("peak_slope", peak_slope),
                 pl.Series("foreign_slope", foreign_slope),
-                pl.Series("r2", r2[hit]),
+                pl.Series("r2", fit["r2"][hit]),
                 pl.Series("gap", E[GAP_LAST, hit] * GIB),
-                pl.Series("footprint", footprint[hit]),
-                pl.Series("headroom", headroom[hit]),
-                pl.Series("capacity", capacity[hit]),
+                pl.Series("footprint", fit["footprint"][hit]),
+                pl.Series("headroom", fit["headroom"][hit]),
+                pl.Series("capacity", fit["capacity"][hit]),
                 pl.Series("retries_delta", E[R_LAST, hit] - E[R_FIRST, hit]),
                 self._nodes.table["node"].gather(self._node[k]).alias("node"),
                 pl.Series("gpu", [None if v == NO_INT else int(v) for v in gpu], dtype=pl.Int32),
             )
             .sort(["tto", "job", "rank"])  # job, rank break ties: same input, same finding
         )
-        findings = []
-        for rows in fits.partition_by("job", maintain_order=True):
-            worst = rows.row(0, named=True)
-            if worst["foreign_slope"] >= c.fragmentation_share * worst["slope"]:
-                cause, what = "foreign_process", "another process on the GPU is taking memory"
-            elif worst["gap_slope"] >= c.fragmentation_share * worst["slope"] or worst["retries_delta"] > 0 and worst["gap_slope"] > worst["peak_slope"]:
-                cause, what = "fragmentation", "the caching allocator is fragmenting (reserved but unallocated memory keeps growing)"
-            else:
-                cause, what = "leak", "allocated memory grows every step (a leak or growing activations)"
-            tto = float(worst["tto"])
-            findings.append(
-                Finding(
-                    kind=FindingKind.OOM_PREDICTED,
-                    severity=Severity.PAGE if tto <= c.page_within_seconds else Severity.TICKET,
-                    ts=now,
-                    job=worst["job"],
-                    ranks=sorted(rows["rank"].to_list()),
-                    node=worst["node"],
-                    gpu=worst["gpu"],
-                    cause=cause,
-                    source=self.name,
-                    evidence={
-                        "time_to_oom_seconds": round(tto, 1),
-                        "rank": int(worst["rank"]),
-                        "growth_bytes_per_second": round(float(worst["slope"])),
-                        "fragmentation_growth_bytes_per_second": round(float(worst["gap_slope"])),
-                        # (null when the newest sample had no reserved reading: the footprint then is the peak)
-                        "reserved_unallocated_bytes": None if worst["gap"] is None or math.isnan(worst["gap"]) else int(worst["gap"]),
-                        "footprint_bytes": int(worst["footprint"]),
-                        "headroom_bytes": int(worst["headroom"]),
-                        "capacity_bytes": int(worst["capacity"]),
-                        "alloc_retries_delta": int(worst["retries_delta"]),
-                        "fit_r2": round(float(worst["r2"]), 3),
-                        "ranks_at_risk": rows.height,
-                    },
-                    summary=(
-                        f"{worst['job']} {rank_at(worst['rank'], worst['node'], worst['gpu'])} will run out of GPU memory in about "
-                        f"{tto / 60:.1f} min: {what}, +{worst['slope'] / GIB * 60:.2f} GiB/min, {worst['headroom'] / GIB:.1f} GiB left."
-                    ),
-                )
-            )
-        return findings
+
+    def _finding(self, rows: pl.DataFrame, now: float) -> Finding:
+        """One job's finding, from its ranks that warn (soonest first)."""
+        c = self.config
+        worst = rows.row(0, named=True)
+        if worst["foreign_slope"] >= c.fragmentation_share * worst["slope"]:
+            cause, what = "foreign_process", "another process on the GPU is taking memory"
+        elif worst["gap_slope"] >= c.fragmentation_share * worst["slope"] or worst["retries_delta"] > 0 and worst["gap_slope"] > worst["peak_slope"]:
+            cause, what = "fragmentation", "the caching allocator is fragmenting (reserved but unallocated memory keeps growing)"
+        else:
+            cause, what = "leak", "allocated memory grows every step (a leak or growing activations)"
+        tto = float(worst["tto"])
+        return Finding(
+            kind=FindingKind.OOM_PREDICTED,
+            severity=Severity.PAGE if tto <= c.page_within_seconds else Severity.TICKET,
+            ts=now,
+            job=worst["job"],
+            ranks=sorted(rows["rank"].to_list()),
+            node=worst["node"],
+            gpu=worst["gpu"],
+            cause=cause,
+            source=self.name,
+            evidence={
+                "time_to_oom_seconds": round(tto, 1),
+                "rank": int(worst["rank"]),
+                "growth_bytes_per_second": round(float(worst["slope"])),
+                "fragmentation_growth_bytes_per_second": round(float(worst["gap_slope"])),
+                # (null when the newest sample had no reserved reading: the footprint then is the peak)
+                "reserved_unallocated_bytes": None if worst["gap"] is None or math.isnan(worst["gap"]) else int(worst["gap"]),
+                "footprint_bytes": int(worst["footprint"]),
+                "headroom_bytes": int(worst["headroom"]),
+                "capacity_bytes": int(worst["capacity"]),
+                "alloc_retries_delta": int(worst["retries_delta"]),
+                "fit_r2": round(float(worst["r2"]), 3),
+                "ranks_at_risk": rows.height,
+            },
+            summary=(
+                f"{worst['job']} {rank_at(worst['rank'], worst['node'], worst['gpu'])} will run out of GPU memory in about "
+                f"{tto / 60:.1f} min: {what}, +{worst['slope'] / GIB * 60:.2f} GiB/min, {worst['headroom'] / GIB:.1f} GiB left."
+            ),
+        )
 
     def lookback_seconds(self) -> dict[str, float]:
         """History of allocator_stats read from the window (pipeline/core.py: declared_horizons).

@@ -51,7 +51,7 @@ one-off allocation by another process is no trend. Fragmentation cannot be seen 
 segments, and only the allocator's own statistics (L2) tell reserved-but-unallocated apart.
 
 Cost at scale (100,000 GPUs): O(new rows) per tick, not a refit of the window. Each allocated GPU
-(a row of the allocation snapshot) keeps, in numpy rings (`_Rings`), its samples of the last
+(a row of the allocation snapshot) keeps, in numpy rings (`incremental.SlotSamples`), its samples of the last
 `fit_window_seconds`: ts, the job's own memory and the other processes' (NaN: no process list
 at that sample), folded in from each tick's fresh rows (`ingest` on the ticks the detector is not
 due, and `detect`), attributed as the refit attributes them (a process is the job's when its
@@ -107,14 +107,15 @@ from pydantic import BaseModel, Field, model_validator
 
 from gpuvigil.detectors.base import HISTORY, Declared, DetectorSpec
 from gpuvigil.detectors.common import allocated_gpu_retention, rank_at, settings
-from gpuvigil.detectors.incremental import TickCursor
+from gpuvigil.detectors.incremental import SlotSamples, TickCursor, headroom, resized
 from gpuvigil.model import Finding, FindingKind, Severity
 from gpuvigil.window import Window
+
+BLOCK = 8192  # GPUs evaluated at once: bounds the temporaries (BLOCK x ring length float64 each)
 
 GIB = float(1 << 30)
 NOT_AT_L0 = "fragmentation cannot be seen at L0 (device memory shows the allocator's footprint, not what is free inside it)"
 GPU_KEY = ["node", "gpu"]
-BLOCK = 8192  # GPUs evaluated at once: bounds the temporaries (BLOCK x ring length float64 each)
 
 
 class OomDeviceConfig(BaseModel):
@@ -210,7 +211,9 @@ class DeviceOomPredictor(Declared):
 
     # -- running state -------------------------------------------------------------------------
     def _reset(self) -> None:
-        self._rings = _Rings()
+        # Per allocated GPU, its samples of the fit window: the job's own memory, the other
+        # processes' (NaN: no process list), and the newest sample's used memory and capacity.
+        self._rings = SlotSamples(("own", "frn"), latest=("used", "capacity"), tracked=("frn",), chunk=BLOCK)
         c = self.config
         self._buckets = _Buckets(c.trend_bucket_seconds, math.ceil(max(c.trend_windows_seconds) / c.trend_bucket_seconds) + 1)
         self._keys = pl.DataFrame(schema={"node": pl.Utf8, "gpu": pl.Int32, "job": pl.Utf8, "rank": pl.Int32, "_k": pl.Int64})
@@ -375,7 +378,8 @@ class DeviceOomPredictor(Declared):
         per_tick = None if dt is None else c.fit_window_seconds / dt
         if dt is not None:
             self._rings.tidy(since)
-        self._rings.insert(*cols, keep_from=since, ticks=per_tick)
+        k, ts, own, frn, used, capacity = cols
+        self._rings.insert(k, ts, {"own": own, "frn": frn}, {"used": used, "capacity": capacity}, keep_from=since, ticks=per_tick)
 
     def _slots_of(self, at: pl.DataFrame, keys: pl.DataFrame) -> np.ndarray:
         """The slot of each (node, gpu) row of `at` (-1: not allocated). A tick's samples come in
@@ -412,7 +416,7 @@ class DeviceOomPredictor(Declared):
         if stale.any():
             self._refill(window, keys.filter(pl.Series(stale)))
         rings.sort_unsorted()
-        pos, agg = rings.evaluate(slots, lo, c)
+        pos, agg = _evaluate(rings, slots, lo, c)
         bk = self._buckets
         with np.errstate(invalid="ignore"):
             warming = now - bk.idle_ts[slots] < c.startup_seconds
@@ -610,235 +614,50 @@ def _trend(per: pl.DataFrame, e: str, c: OomDeviceConfig) -> pl.DataFrame:
     )
 
 
-class _Rings:
-    """Per slot (an allocated GPU), its samples of the fit window: ts, the job's own memory
-    (`own`) and the other processes' (`frn`, NaN: no process list at that sample), in slots
-    [0, n) of a row of 2-D float64 arrays (NaN beyond), in ts order (ties: arrival order; a slot
-    that received a row older than its newest is sorted before the next evaluation). Plus the
-    newest row's used memory and capacity (the refit's last row). The row length grows to what
-    the fit window holds (fit_window / tick + slack); rows below the fit window are dropped
-    when a slot runs out of room (`compact`)."""
+def _evaluate(rings: SlotSamples, slots: np.ndarray, lo: np.ndarray, c: OomDeviceConfig) -> tuple[np.ndarray, dict[str, np.ndarray]]:
+    """The refit's per-GPU aggregates (detect) from the GPUs' samples (`rings`), for the GPUs (positions in `slots`) whose own
+    or other processes' envelope rose in at least min_rises steps (the others cannot warn).
 
-    def __init__(self) -> None:
-        self.cap = 0
-        self.slack = 0  # the room beyond what the fit window held when the rows last grew
-        self._tidy = 0  # the next slot `tidy` compacts
-        self._empty(0)
+    Rows are sorted, so those a fit at lo reads (ts >= lo) are slots [a, n). A step of the
+    envelope is a rise of more than rise_bytes from one sample to the next, so GPUs with
+    fewer such rises in [a, n) are passed over first (the usual GPU: a plateau); the others
+    are evaluated in full (`_aggregate`)."""
+    rise_b = float(c.rise_bytes)
+    order = np.argsort(slots, kind="stable")  # slot order: a block of consecutive slots is a view
+    slots, lo = slots[order], lo[order]
+    pos_all, parts = [], []
+    for b in range(0, slots.size, BLOCK):
+        q, low = slots[b : b + BLOCK], lo[b : b + BLOCK]
+        n = rings.n[q]
+        m = int(n.max())
+        if m == 0:
+            continue
+        whole = int(q[-1]) - int(q[0]) + 1 == q.size
+        take = (lambda a: a[int(q[0]) : int(q[-1]) + 1, :m]) if whole else (lambda a: a[q, :m])  # noqa: E731
+        ts, own = take(rings.ts), take(rings.v["own"])
+        a = (ts < low[:, None]).sum(axis=1)  # NaN (empty) slots are not below
+        pair = np.arange(1, m)[None, :] > a[:, None]  # (j - 1, j) both read
+        with np.errstate(invalid="ignore"):
+            cand = (a < n) & ((((own[:, 1:] - own[:, :-1]) > rise_b) & pair).sum(axis=1) >= c.min_rises)
+            procs = np.flatnonzero((a < n) & rings.seen["frn"][q])
+            if procs.size:
+                f0 = np.nan_to_num(take(rings.v["frn"])[procs], nan=0.0)
+                cand[procs[((((f0[:, 1:] - f0[:, :-1]) > rise_b) & pair[procs]).sum(axis=1) >= c.min_rises)]] = True
+        rows = np.flatnonzero(cand)
+        if rows.size == 0:
+            continue
+        keep, agg = _aggregate(ts[rows], own[rows], take(rings.v["frn"])[rows], n[rows], a[rows], c)
+        rows = rows[keep]
+        if rows.size == 0:
+            continue
+        agg["gpu_used"] = rings.last["used"][q[rows]]
+        agg["capacity"] = rings.last["capacity"][q[rows]]
+        pos_all.append(order[b + rows])
+        parts.append(agg)
+    if not parts:
+        return np.zeros(0, np.int64), {}
+    return np.concatenate(pos_all), {name: np.concatenate([p[name] for p in parts]) for name in parts[0]}
 
-    def _empty(self, rows: int) -> None:
-        self.ts = np.full((rows, self.cap), np.nan)
-        self.own = np.full((rows, self.cap), np.nan)
-        self.frn = np.full((rows, self.cap), np.nan)
-        self.n = np.zeros(rows, np.int64)
-        self.last_in = np.full(rows, -np.inf)  # the newest ts folded in (a row older: unsorted)
-        self.unsorted = np.zeros(rows, bool)
-        self.any_frn = np.zeros(rows, bool)  # a process list was seen (the other processes' envelope can rise)
-        self.new_ts = np.full(rows, -np.inf)  # the newest row's ts, used memory and capacity
-        self.used = np.full(rows, np.nan)
-        self.capacity = np.full(rows, np.nan)
-        # Rows with ts <= floor may be missing (the slot started empty, module doc): +inf or a
-        # floor at or above a slot's fit start refills it from the window.
-        self.floor = np.full(rows, -np.inf)
-
-    @property
-    def rows(self) -> int:
-        return int(self.n.size)
-
-    def _grids(self) -> list[np.ndarray]:
-        return [self.ts, self.own, self.frn]
-
-    def grow_rows(self, rows: int) -> None:
-        have = self.rows
-        if rows <= have:
-            return
-        rows = max(rows, have + have // 8, 64)
-        pad = rows - have
-
-        def more(a: np.ndarray, fill: Any) -> np.ndarray:
-            return np.concatenate([a, np.full((pad, *a.shape[1:]), fill, a.dtype)])
-
-        self.ts, self.own, self.frn = (more(a, np.nan) for a in self._grids())
-        self.n = more(self.n, 0)
-        self.last_in, self.new_ts, self.floor = (more(a, -np.inf) for a in (self.last_in, self.new_ts, self.floor))
-        self.unsorted, self.any_frn = more(self.unsorted, False), more(self.any_frn, False)
-        self.used, self.capacity = (more(a, np.nan) for a in (self.used, self.capacity))
-
-    def _widen(self, cap: int) -> None:
-        rows = self.rows
-
-        def wider(a: np.ndarray) -> np.ndarray:
-            out = np.full((rows, cap), np.nan)
-            out[:, : self.cap] = a
-            return out
-
-        self.ts, self.own, self.frn = (wider(a) for a in self._grids())
-        self.cap = cap
-
-    def clear(self, slots: np.ndarray) -> None:
-        if slots.size == 0:
-            return
-        for a in self._grids():
-            a[slots] = np.nan
-        self.n[slots] = 0
-        self.last_in[slots] = -np.inf
-        self.unsorted[slots] = False
-        self.any_frn[slots] = False
-        self.new_ts[slots] = -np.inf
-        self.used[slots] = np.nan
-        self.capacity[slots] = np.nan
-        self.floor[slots] = -np.inf
-
-    def remove(self, slots: np.ndarray, dead: np.ndarray, newest: bool = False) -> None:
-        """Drop the rows marked `dead` (within [0, n)) from `slots`, keeping the others' order.
-        `newest`: the newest row may be among them while older ones stay."""
-        count = dead.sum(axis=1)
-        hit = count > 0
-        if not hit.any():
-            return
-        slots, dead, count = slots[hit], dead[hit], count[hit]
-        j = np.arange(self.cap)
-        prefix = (dead == (j[None, :] < count[:, None])).all(axis=1)
-        for d in np.unique(count[prefix]):
-            for q in _blocks(slots[prefix & (count == d)]):
-                lo, hi = int(q[0]), int(q[-1]) + 1
-                rows = slice(lo, hi) if hi - lo == q.size and (q[1:] > q[:-1]).all() else q  # a run of slots: no copy
-                for a in self._grids():
-                    a[rows, : self.cap - d] = a[rows, d:]
-                    a[rows, self.cap - d :] = np.nan
-        rest, rdead = slots[~prefix], dead[~prefix]
-        if rest.size:
-            order = np.argsort(rdead, axis=1, kind="stable")
-            left = self.n[rest] - count[~prefix]
-            for a in self._grids():
-                moved = np.take_along_axis(a[rest], order, axis=1)
-                moved[j[None, :] >= left[:, None]] = np.nan
-                a[rest] = moved
-        self.n[slots] -= count
-        # A slot that lost its newest row (thinned) is refilled from the window when evaluated.
-        gone = slots[self.n[slots] == 0]
-        self.new_ts[gone] = -np.inf
-        self.used[gone] = self.capacity[gone] = np.nan
-        left_slots = slots[self.n[slots] > 0]
-        if newest and left_slots.size:
-            lost = np.nanmax(self.ts[left_slots], axis=1) < self.new_ts[left_slots]
-            self.floor[left_slots[lost]] = np.inf
-
-    def compact(self, slots: np.ndarray, keep_from: float) -> None:
-        """Drop the rows of `slots` older than keep_from (they left the fit window for good)."""
-        for q in _blocks(np.sort(slots)):
-            lo, hi = int(q[0]), int(q[-1]) + 1
-            self.remove(q, self.ts[lo:hi] < keep_from if hi - lo == q.size else self.ts[q] < keep_from)
-
-    def tidy(self, keep_from: float) -> None:
-        """Compact the next block of slots (round robin), so that slots filled at the same pace
-        do not all run out of room on the same tick (a tick's cost stays O(new rows))."""
-        if self.rows == 0 or self.cap == 0:
-            return
-        start = self._tidy % self.rows
-        size = -(-self.rows // max(1, self.slack - 2))  # every slot once before its room runs out
-        self._tidy = start + size
-        q = np.arange(start, min(start + size, self.rows))
-        q = q[self.n[q] > self.cap - self.slack]
-        if q.size:
-            self.compact(q, keep_from)
-
-    def thin(self, slots: np.ndarray, judged: float, cut: float) -> None:
-        """The window's retention rule at this seal: rows of `slots` with judged <= ts < cut go."""
-        for q in _blocks(slots):
-            t = self.ts[q]
-            self.remove(q, (t >= judged) & (t < cut), newest=True)
-
-    def insert(self, k: np.ndarray, ts: np.ndarray, own: np.ndarray, frn: np.ndarray, used: np.ndarray, capacity: np.ndarray, keep_from: float, ticks: float | None) -> None:
-        """Append rows (in arrival order) to their slots; rows older than keep_from are not kept.
-        `ticks`: how many ticks the fit window spans (sizes the rows when they must grow)."""
-        ok = ts >= keep_from
-        if not ok.all():
-            k, ts, own, frn, used, capacity = (a[ok] for a in (k, ts, own, frn, used, capacity))
-        if k.size == 0:
-            return
-        order = np.lexsort((ts, k))  # by slot, then ts; stable: ties keep arrival order
-        k, ts, own, frn, used, capacity = (a[order] for a in (k, ts, own, frn, used, capacity))
-        first = np.flatnonzero(np.r_[True, k[1:] != k[:-1]])
-        counts = np.diff(np.r_[first, k.size])
-        uk = k[first]
-        need = self.n[uk] + counts
-        if need.max() > self.cap:
-            self.compact(uk[need > self.cap], keep_from)
-            need = self.n[uk] + counts
-            if need.max() > self.cap:
-                want = int(need.max())
-                if ticks is not None:
-                    want = max(want, int(counts.max()) * (math.floor(ticks) + 2))
-                self.slack = max(8, want // 8)
-                self._widen(want + self.slack)
-        self.unsorted[uk] |= ts[first] < self.last_in[uk]
-        pos = np.repeat(self.n[uk], counts) + (np.arange(k.size) - np.repeat(first, counts))
-        self.ts[k, pos] = ts
-        self.own[k, pos] = own
-        self.frn[k, pos] = frn
-        self.n[uk] += counts
-        seen = ~np.isnan(frn)
-        if seen.any():
-            self.any_frn[k[seen]] = True
-        last = first + counts - 1  # each slot's newest row of the batch (ties: the later arrival)
-        self.last_in[uk] = np.maximum(self.last_in[uk], ts[last])
-        newer = ts[last] >= self.new_ts[uk]
-        up, li = uk[newer], last[newer]
-        self.new_ts[up] = ts[li]
-        self.used[up] = used[li]
-        self.capacity[up] = capacity[li]
-
-    def sort_unsorted(self) -> None:
-        rows = np.flatnonzero(self.unsorted)
-        for q in _blocks(rows):
-            order = np.argsort(self.ts[q], axis=1, kind="stable")  # NaN (empty) last
-            for a in self._grids():
-                a[q] = np.take_along_axis(a[q], order, axis=1)
-        self.unsorted[rows] = False
-
-    def evaluate(self, slots: np.ndarray, lo: np.ndarray, c: OomDeviceConfig) -> tuple[np.ndarray, dict[str, np.ndarray]]:
-        """The refit's per-GPU aggregates (detect), for the GPUs (positions in `slots`) whose own
-        or other processes' envelope rose in at least min_rises steps (the others cannot warn).
-
-        Rows are sorted, so those a fit at lo reads (ts >= lo) are slots [a, n). A step of the
-        envelope is a rise of more than rise_bytes from one sample to the next, so GPUs with
-        fewer such rises in [a, n) are passed over first (the usual GPU: a plateau); the others
-        are evaluated in full (`_aggregate`)."""
-        rise_b = float(c.rise_bytes)
-        order = np.argsort(slots, kind="stable")  # slot order: a block of consecutive slots is a view
-        slots, lo = slots[order], lo[order]
-        pos_all, parts = [], []
-        for b in range(0, slots.size, BLOCK):
-            q, low = slots[b : b + BLOCK], lo[b : b + BLOCK]
-            n = self.n[q]
-            m = int(n.max())
-            if m == 0:
-                continue
-            whole = int(q[-1]) - int(q[0]) + 1 == q.size
-            take = (lambda a: a[int(q[0]) : int(q[-1]) + 1, :m]) if whole else (lambda a: a[q, :m])  # noqa: E731
-            ts, own = take(self.ts), take(self.own)
-            a = (ts < low[:, None]).sum(axis=1)  # NaN (empty) slots are not below
-            pair = np.arange(1, m)[None, :] > a[:, None]  # (j - 1, j) both read
-            with np.errstate(invalid="ignore"):
-                cand = (a < n) & ((((own[:, 1:] - own[:, :-1]) > rise_b) & pair).sum(axis=1) >= c.min_rises)
-                procs = np.flatnonzero((a < n) & self.any_frn[q])
-                if procs.size:
-                    f0 = np.nan_to_num(take(self.frn)[procs], nan=0.0)
-                    cand[procs[((((f0[:, 1:] - f0[:, :-1]) > rise_b) & pair[procs]).sum(axis=1) >= c.min_rises)]] = True
-            rows = np.flatnonzero(cand)
-            if rows.size == 0:
-                continue
-            keep, agg = _aggregate(ts[rows], own[rows], take(self.frn)[rows], n[rows], a[rows], c)
-            rows = rows[keep]
-            if rows.size == 0:
-                continue
-            agg["gpu_used"] = self.used[q[rows]]
-            agg["capacity"] = self.capacity[q[rows]]
-            pos_all.append(order[b + rows])
-            parts.append(agg)
-        if not parts:
-            return np.zeros(0, np.int64), {}
-        return np.concatenate(pos_all), {name: np.concatenate([p[name] for p in parts]) for name in parts[0]}
 
 
 def _aggregate(ts: np.ndarray, own: np.ndarray, frn: np.ndarray, n: np.ndarray, a: np.ndarray, c: OomDeviceConfig) -> tuple[np.ndarray, dict[str, np.ndarray]]:
@@ -891,10 +710,6 @@ def _aggregate(ts: np.ndarray, own: np.ndarray, frn: np.ndarray, n: np.ndarray, 
     return keep, {name: v[keep] for name, v in out.items()}
 
 
-def _blocks(rows: np.ndarray) -> list[np.ndarray]:
-    return [rows[i : i + BLOCK] for i in range(0, rows.size, BLOCK)]
-
-
 class _Buckets:
     """Per slot (an allocated GPU), the upper envelope of its used memory over the longest trend
     window: the maximum of each `width`-second bucket of a grid shared by every slot (bucket b:
@@ -928,13 +743,12 @@ class _Buckets:
         have = self.rows
         if rows <= have:
             return
-        rows = max(rows, have + have // 8, 64)
-        pad = rows - have
-        self.vmax = np.concatenate([self.vmax, np.full((self.length, pad), np.nan, np.float32)], axis=1)
-        self.cnt = np.concatenate([self.cnt, np.zeros((self.length, pad), np.uint16)], axis=1)
-        self.last_ts, self.idle_ts = (np.concatenate([a, np.full(pad, -np.inf)]) for a in (self.last_ts, self.idle_ts))
-        self.used, self.capacity = (np.concatenate([a, np.full(pad, np.nan)]) for a in (self.used, self.capacity))
-        self.since = np.concatenate([self.since, np.full(pad, np.inf)])
+        rows = headroom(rows, have)
+        self.vmax = resized(self.vmax, rows, np.nan, axis=1)
+        self.cnt = resized(self.cnt, rows, 0, axis=1)
+        self.last_ts, self.idle_ts = (resized(a, rows, -np.inf) for a in (self.last_ts, self.idle_ts))
+        self.used, self.capacity = (resized(a, rows, np.nan) for a in (self.used, self.capacity))
+        self.since = resized(self.since, rows, np.inf)
 
     def clear(self, slots: np.ndarray) -> None:
         if slots.size == 0:
@@ -1029,91 +843,113 @@ def _trend_fits(bk: _Buckets, slots: np.ndarray, lo: np.ndarray, now: float, c: 
         settled = ~(now - bk.idle_ts[slots] < c.startup_seconds)
     best = np.full(slots.size, np.inf)  # the soonest projected OOM
     out = {name: np.full(slots.size, np.nan) for name in TREND_FIELDS}
-    target_all = bk.capacity[slots] - c.safety_margin_bytes
+    target = bk.capacity[slots] - c.safety_margin_bytes
     for bb in sorted(set(per_block)):
-        n = bb * q  # buckets in the window
-        k = bb // unit
-        blocks = np.empty((q, um.shape[1]), np.float32)  # oldest first
-        for b in range(q):
-            blocks[q - 1 - b] = um[b * k]
-            for u in range(b * k + 1, (b + 1) * k):
-                np.fmax(blocks[q - 1 - b], um[u], out=blocks[q - 1 - b])
-        start = (bk.top - n + 1) * w
-        with np.errstate(invalid="ignore"):
-            rises = np.zeros(um.shape[1], np.int64)
-            for b in range(1, q):
-                rises += (blocks[b] - blocks[b - 1]) > c.trend_rise_bytes
-            # every block has a sample (NaN propagates through the sum)
-            total = blocks[0].copy()
-            for b in range(1, q):
-                total += blocks[b]
-            whole = ~np.isnan(total)
-            cand = (
-                settled
-                & whole
-                & (start >= lo)
-                & (start > bk.idle_ts[slots])
-                & (rises >= c.trend_min_block_rises)
-                & (blocks[-1] - blocks[0] >= c.trend_min_growth_bytes)
-                & ~np.isnan(target_all)
-            )
-        idx = np.flatnonzero(cand)
+        idx = _trend_candidates(bk, _block_maxima(um, q, bb // unit), bb, slots, lo, settled & ~np.isnan(target), c)
         if idx.size == 0:
             continue
-        ids = np.arange(bk.top - n + 1, bk.top + 1)
-        ring = ids % bk.length
-        v = bk.vmax[ring][:, slots[idx]].astype(np.float64)  # (n, m) bucket maxima, oldest first
-        counts = bk.cnt[ring][:, slots[idx]].sum(axis=0)
-        centre = np.minimum((ids + 0.5) * w, now)
-        # Each block's maximum and when it came (the centre of its bucket).
-        vb = np.where(np.isnan(v), -np.inf, v).reshape(q, bb, -1)
-        arg = vb.argmax(axis=1)  # (q, m)
-        m_q = np.take_along_axis(vb, arg[:, None, :], axis=1)[:, 0, :]
-        t_q = centre[(np.arange(q) * bb)[:, None] + arg]
-        # Theil-Sen over the block maxima: the median of the pairwise slopes.
-        i, j = np.triu_indices(q, 1)
-        slope = np.median((m_q[j] - m_q[i]) / (t_q[j] - t_q[i]), axis=0)
-        intercept = np.median(m_q + slope * (now - t_q), axis=0)  # the line at now
-        scatter = np.median(np.abs(m_q - (intercept - slope * (now - t_q))), axis=0)
-        growth = slope * n * w
-        recent = m_q[-1] - m_q[-2]
-        step_rise = np.maximum(slope * bb * w * c.trend_min_rise_share, float(c.trend_rise_bytes))
-        rose = ((m_q[1:] - m_q[:-1]) > step_rise).sum(axis=0)
-        # Kendall's tau of the bucket maxima against time: how steadily the envelope grows.
-        ok = ~np.isnan(v)
-        a, b = np.triu_indices(n, 1)
-        sign = np.sign(v[b] - v[a])
-        both = ok[a] & ok[b]
-        pairs = both.sum(axis=0)
-        with np.errstate(invalid="ignore", divide="ignore"):
-            tau = np.where(pairs > 0, np.nansum(np.where(both, sign, 0.0), axis=0) / pairs, 0.0)
-            target = target_all[idx]
-            tto = np.maximum(target - intercept, 0.0) / slope
-            good = (
-                (slope > 0)
-                & (rose >= c.trend_min_block_rises)
-                & (growth >= c.trend_min_growth_bytes)
-                & (growth >= c.trend_min_signal_to_noise * scatter)
-                & (recent >= c.trend_min_recent_share * slope * bb * w)
-                & (tau >= c.trend_min_confidence)
-                & (tto <= c.predict_horizon_seconds)
-            )
-        sooner = good & (tto < best[idx])
+        fit = _theil_sen(bk, slots[idx], bb, now, target[idx], c)
+        sooner = fit.pop("good") & (fit["tto"] < best[idx])
         if not sooner.any():
             continue
         at = idx[sooner]
-        best[at] = tto[sooner]
-        for name, val in (
-            ("fit_start_ts", np.full(at.size, start)),
-            ("slope", slope[sooner]),
-            ("intercept", intercept[sooner]),
-            ("tto", tto[sooner]),
-            ("confidence", np.clip(tau[sooner], 0.0, 1.0)),
-            ("interval", np.where(counts[sooner] > 0, n * w / np.maximum(counts[sooner], 1), np.nan)),
-            ("window", np.full(at.size, n * w)),
-            ("used", bk.used[slots[at]]),
-            ("capacity", bk.capacity[slots[at]]),
-        ):
-            out[name][at] = val
+        best[at] = fit["tto"][sooner]
+        for name, val in fit.items():
+            out[name][at] = val[sooner]
     pos = np.flatnonzero(np.isfinite(best))
     return pos, {name: v[pos] for name, v in out.items()}
+
+
+def _block_maxima(um: np.ndarray, q: int, k: int) -> np.ndarray:
+    """(q, slots) maxima of the window's q blocks of k units each, oldest first (`um`: the units'
+    maxima, newest first)."""
+    blocks = np.empty((q, um.shape[1]), np.float32)
+    for b in range(q):
+        blocks[q - 1 - b] = um[b * k]
+        for u in range(b * k + 1, (b + 1) * k):
+            np.fmax(blocks[q - 1 - b], um[u], out=blocks[q - 1 - b])
+    return blocks
+
+
+def _trend_candidates(bk: _Buckets, blocks: np.ndarray, bb: int, slots: np.ndarray, lo: np.ndarray, able: np.ndarray, c: OomDeviceConfig) -> np.ndarray:
+    """Positions in `slots` whose window of `bb`-bucket blocks may hold a trend: every block has
+    a sample, the window starts after the fit may (lo) and after the GPU was last idle, and its
+    block maxima rose often and far enough. `able`: settled and of known capacity."""
+    q = c.trend_blocks
+    start = (bk.top - bb * q + 1) * c.trend_bucket_seconds
+    with np.errstate(invalid="ignore"):
+        rises = np.zeros(blocks.shape[1], np.int64)
+        for b in range(1, q):
+            rises += (blocks[b] - blocks[b - 1]) > c.trend_rise_bytes
+        # every block has a sample (NaN propagates through the sum)
+        total = blocks[0].copy()
+        for b in range(1, q):
+            total += blocks[b]
+        cand = (
+            able
+            & ~np.isnan(total)
+            & (start >= lo)
+            & (start > bk.idle_ts[slots])
+            & (rises >= c.trend_min_block_rises)
+            & (blocks[-1] - blocks[0] >= c.trend_min_growth_bytes)
+        )
+    return np.flatnonzero(cand)
+
+
+def _theil_sen(bk: _Buckets, gpus: np.ndarray, bb: int, now: float, target: np.ndarray, c: OomDeviceConfig) -> dict[str, np.ndarray]:
+    """The trend of each slot of `gpus` over the window of `bb`-bucket blocks: a Theil-Sen line
+    through its block maxima, and `good` where it holds (grows steadily, well above its scatter,
+    still rising) and reaches `target` within the horizon; the other values as TREND_FIELDS."""
+    q, w = c.trend_blocks, c.trend_bucket_seconds
+    n = bb * q  # buckets in the window
+    ids = np.arange(bk.top - n + 1, bk.top + 1)
+    ring = ids % bk.length
+    v = bk.vmax[ring][:, gpus].astype(np.float64)  # (n, m) bucket maxima, oldest first
+    counts = bk.cnt[ring][:, gpus].sum(axis=0)
+    centre = np.minimum((ids + 0.5) * w, now)
+    # Each block's maximum and when it came (the centre of its bucket).
+    vb = np.where(np.isnan(v), -np.inf, v).reshape(q, bb, -1)
+    arg = vb.argmax(axis=1)  # (q, m)
+    m_q = np.take_along_axis(vb, arg[:, None, :], axis=1)[:, 0, :]
+    t_q = centre[(np.arange(q) * bb)[:, None] + arg]
+    # Theil-Sen over the block maxima: the median of the pairwise slopes.
+    i, j = np.triu_indices(q, 1)
+    slope = np.median((m_q[j] - m_q[i]) / (t_q[j] - t_q[i]), axis=0)
+    intercept = np.median(m_q + slope * (now - t_q), axis=0)  # the line at now
+    scatter = np.median(np.abs(m_q - (intercept - slope * (now - t_q))), axis=0)
+    growth = slope * n * w
+    recent = m_q[-1] - m_q[-2]
+    step_rise = np.maximum(slope * bb * w * c.trend_min_rise_share, float(c.trend_rise_bytes))
+    rose = ((m_q[1:] - m_q[:-1]) > step_rise).sum(axis=0)
+    # Kendall's tau of the bucket maxima against time: how steadily the envelope grows.
+    ok = ~np.isnan(v)
+    a, b = np.triu_indices(n, 1)
+    sign = np.sign(v[b] - v[a])
+    both = ok[a] & ok[b]
+    pairs = both.sum(axis=0)
+    with np.errstate(invalid="ignore", divide="ignore"):
+        tau = np.where(pairs > 0, np.nansum(np.where(both, sign, 0.0), axis=0) / pairs, 0.0)
+        tto = np.maximum(target - intercept, 0.0) / slope
+        good = (
+            (slope > 0)
+            & (rose >= c.trend_min_block_rises)
+            & (growth >= c.trend_min_growth_bytes)
+            & (growth >= c.trend_min_signal_to_noise * scatter)
+            & (recent >= c.trend_min_recent_share * slope * bb * w)
+            & (tau >= c.trend_min_confidence)
+            & (tto <= c.predict_horizon_seconds)
+        )
+        interval = np.where(counts > 0, n * w / np.maximum(counts, 1), np.nan)
+    start = (bk.top - n + 1) * w
+    return {
+        "good": good,
+        "fit_start_ts": np.full(gpus.size, start),
+        "slope": slope,
+        "intercept": intercept,
+        "tto": tto,
+        "confidence": np.clip(tau, 0.0, 1.0),
+        "interval": interval,
+        "window": np.full(gpus.size, n * w),
+        "used": bk.used[gpus],
+        "capacity": bk.capacity[gpus],
+    }

@@ -11,6 +11,8 @@ from __future__ import annotations
 import numpy as np
 import polars as pl
 
+from gpuvigil.detectors.incremental import grow
+
 
 class GpuSlots:
     """(node, gpu) -> a slot index into per-GPU arrays that grow as GPUs appear."""
@@ -44,25 +46,6 @@ class GpuSlots:
         )
         self._last[cache] = (node, gpu, idx)
         return idx
-
-
-def grow(arr: np.ndarray, n: int, fill: float | int | bool) -> np.ndarray:
-    """`arr` extended to at least `n` slots with `fill` (amortised doubling)."""
-    if arr.shape[0] >= n:
-        return arr
-    out = np.full(max(n, 2 * arr.shape[0], 64), fill, dtype=arr.dtype)
-    out[: arr.shape[0]] = arr
-    return out
-
-
-def resized(a: np.ndarray, n: int, fill: float | int | bool, axis: int = 0) -> np.ndarray:
-    """A copy of `a` with exactly `n` entries along `axis`, the new ones `fill` (`grow` doubles;
-    this is for callers that choose the size themselves)."""
-    shape = list(a.shape)
-    shape[axis] = n
-    out = np.full(shape, fill, dtype=a.dtype)
-    out[tuple(slice(0, s) for s in a.shape)] = a
-    return out
 
 
 def last_per_slot(idx: np.ndarray, ts: np.ndarray) -> tuple[np.ndarray, np.ndarray]:

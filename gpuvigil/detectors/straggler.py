@@ -24,7 +24,7 @@ from pydantic import BaseModel, Field
 
 from gpuvigil.detectors.base import HISTORY, Declared, DetectorSpec
 from gpuvigil.detectors.common import covered_jobs, current_run, rank_at, settings
-from gpuvigil.detectors.incremental import KeyRing, SlidingRows, TickCursor, masked_median
+from gpuvigil.detectors.incremental import KeyIndex, KeyRing, SlidingRows, TickCursor, masked_median
 from gpuvigil.model import Finding, FindingKind, Severity
 from gpuvigil.window import Window
 
@@ -92,8 +92,7 @@ class StragglerDetector(Declared):
     def _reset(self) -> None:
         self._long_jobs = pl.DataFrame(schema={"job": pl.Utf8})
         self._ring = KeyRing(["wait", "step"], ["node", "gpu"])
-        self._node_codes = pl.DataFrame(schema={"node": pl.Utf8, "_n": pl.Int32})
-        self._node_names: list[str | None] = []
+        self._nodes = KeyIndex({"node": pl.Utf8()})  # node names as the ring's int column
         self._seconds: list[pl.DataFrame] = []  # per (job, second of ts): counts of step times
 
     def _spans(self, window: Window) -> tuple[float, float, float]:
@@ -144,19 +143,13 @@ class StragglerDetector(Declared):
         df = df.filter(pl.col("ts") >= keep_from)
         if df.height == 0:
             return
-        codes = df.select("node").join(self._node_codes, on="node", how="left", maintain_order="left", nulls_equal=True)["_n"]
-        if codes.null_count():
-            new = df.filter(codes.is_null()).select("node").unique(maintain_order=True)
-            first = len(self._node_names)
-            self._node_names += new["node"].to_list()
-            self._node_codes = pl.concat([self._node_codes, new.with_columns(pl.int_range(first, first + new.height, dtype=pl.Int32).alias("_n"))])
-            codes = df.select("node").join(self._node_codes, on="node", how="left", maintain_order="left", nulls_equal=True)["_n"]
+        codes = self._nodes.index(df.select("node"), shape=False)
         key = self._ring.key_index(df.select(pl.col("job").cast(pl.Utf8), pl.col("rank").cast(pl.Int32)))
         self._ring.insert(
             key,
             df["ts"].to_numpy(),
             {"wait": df["collective_wait_seconds"].to_numpy(), "step": df["step_time_seconds"].cast(pl.Float64).fill_null(np.nan).to_numpy()},
-            {"node": codes.to_numpy(), "gpu": df["gpu"].fill_null(NO_GPU).to_numpy().astype(np.int32)},
+            {"node": codes.astype(np.int32), "gpu": df["gpu"].fill_null(NO_GPU).to_numpy().astype(np.int32)},
             keep_from,
         )
 
@@ -222,9 +215,9 @@ class StragglerDetector(Declared):
             step[cand] = masked_median(ring.f["step"][krows], cvalid)[0]
             slot = ring.newest(krows, cvalid)
             gpu[cand] = ring.i["gpu"][krows, slot]
-            names = self._node_names
-            for i, code in zip(cand.tolist(), ring.i["node"][krows, slot].tolist(), strict=True):
-                node[i] = names[code]
+            names = self._nodes.table["node"].gather(ring.i["node"][krows, slot]).to_list()
+            for i, name in zip(cand.tolist(), names, strict=True):
+                node[i] = name
         idx = per["_i"]
         return per.drop("_i").with_columns(
             pl.Series("step", step).gather(idx).fill_nan(None),
