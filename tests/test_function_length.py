@@ -18,8 +18,6 @@ MAX_LINES = 80
 # test fails on an entry that is no longer long (or no longer exists), so the list only shrinks.
 ALLOWED = {
     # detectors
-    "gpuvigil/detectors/oom.py::OomPredictor.detect",
-    "gpuvigil/detectors/oom_device.py::_trend_fits",
     # collectors
     "gpuvigil/collectors/nccl_log.py::findings",
     "gpuvigil/collectors/flight_recorder.py::_analyze_group",
