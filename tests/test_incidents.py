@@ -67,15 +67,19 @@ CASES = [
 ]
 
 
-@pytest.mark.parametrize("what, stream, expected", CASES, ids=[c[0] for c in CASES])
-def test_incident_rule(what, stream, expected):
-    tracker = IncidentTracker(settings=IncidentsConfig())
+def _run(tracker: IncidentTracker, stream: list[tuple[float, Finding]]) -> None:
     by_tick: dict[float, list[Finding]] = {}
     for t, f in stream:
         by_tick.setdefault(t, []).append(f)
     for t in sorted(by_tick):
         tracker.expire(t)
         tracker.observe(by_tick[t], t)
+
+
+@pytest.mark.parametrize("what, stream, expected", CASES, ids=[c[0] for c in CASES])
+def test_incident_rule(what, stream, expected):
+    tracker = IncidentTracker(settings=IncidentsConfig())
+    _run(tracker, stream)
     # incidents numbered in the order they were opened
     opened_order: dict[str | None, int] = {}
     for _t, f in sorted(stream, key=lambda x: x[0]):
@@ -104,15 +108,6 @@ def test_a_placed_finding_keeps_its_incident_and_role_while_reported():
     later = F(K.STRAGGLER)
     tracker.observe([later], 1302.0)
     assert later.incident != first.incident and later.incident_role == "opened"
-
-
-def _run(tracker: IncidentTracker, stream: list[tuple[float, Finding]]) -> None:
-    by_tick: dict[float, list[Finding]] = {}
-    for t, f in stream:
-        by_tick.setdefault(t, []).append(f)
-    for t in sorted(by_tick):
-        tracker.expire(t)
-        tracker.observe(by_tick[t], t)
 
 
 @pytest.mark.parametrize("what, stream, expected", CASES, ids=[c[0] for c in CASES])

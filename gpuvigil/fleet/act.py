@@ -210,21 +210,12 @@ class Ledger:
     async def load_incidents(self) -> dict[str, dict[str, Any]]:
         """Every finding's incident record in the bucket (the start of a term). Records that do
         not read as one are skipped: an unreadable record names no incident."""
-        try:
-            keys = [k for k in await self.kv.keys() if k.startswith(INCIDENT_PREFIX)]
-        except Exception as exc:  # noqa: BLE001 - NoKeysError: none recorded yet
-            if type(exc).__name__ != "NoKeysError":
-                raise
-            keys = []
+        from gpuvigil.fleet.hints import entries
+
         out: dict[str, dict[str, Any]] = {}
-        for k in keys:
+        for k, value in await entries(self.kv, INCIDENT_PREFIX):
             try:
-                entry = await self.kv.get(k)
-            except Exception as exc:  # noqa: BLE001 - deleted meanwhile
-                log.debug("ledger: %s: %s", k, exc)
-                continue
-            try:
-                doc = json.loads(entry.value or b"")
+                doc = json.loads(value)
             except ValueError:
                 doc = None
             rec = _incident_record(doc)
