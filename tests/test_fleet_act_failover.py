@@ -19,6 +19,7 @@ import json
 import sqlite3
 import threading
 import time
+from contextlib import ExitStack
 
 import httpx
 import pytest
@@ -70,6 +71,10 @@ class Detect:
                 pass
             self.stop.wait(0.5)
 
+    def close(self) -> None:
+        self.stop.set()
+        self.thread.join(5)
+
 
 def firing(webhook: WebhookSink) -> list[dict]:
     return [a for _p, payload in webhook.notifications("/page") for a in payload.get("alerts", []) if a.get("status") == "firing"]
@@ -105,28 +110,32 @@ def delivered(proc: Proc) -> float:
 def test_act_failover_re_sends_the_same_alerts_and_pages_nothing_twice(tmp_path):
     nats_binary()
     binary("prometheus-alertmanager", "alertmanager")
-    cluster = NatsCluster(tmp_path, 1)
-    webhook = WebhookSink().__enter__()
-    procs: list[Proc] = []
-    probe = am = detect = None
-    try:
+    with ExitStack() as stack:
+        cluster = NatsCluster(tmp_path, 1)
+        stack.callback(cluster.stop)
+        webhook = stack.enter_context(WebhookSink())
         cluster.wait_ready()
         am = start_alertmanager({
             "route": {"receiver": "page", "group_by": ["..."], "group_wait": f"{GROUP_WAIT:g}s", "group_interval": "1h", "repeat_interval": "4h"},
             "receivers": [{"name": "page", "webhook_configs": [{"url": f"{webhook.url}/page", "send_resolved": False}]}],
         }, tmp_path / "alertmanager")
+        stack.callback(am.stop)
         fleet = Fleet(servers=cluster.urls, partitions=4, lease_ttl_seconds=LEASE_TTL)
         (tmp_path / "fleet.yaml").write_text(yaml.safe_dump({"fleet": fleet.model_dump(), "alerts": {"resend_seconds": RESEND, "end_after_seconds": 60}}))
         probe = Probe(cluster.urls)
+        stack.callback(probe.close)
 
         def act(name: str) -> Proc:
-            return Proc(name, ["act", "--config", "fleet.yaml", "--log-level", "info", "--id", name, "--metrics-port", "0",
+            proc = Proc(name, ["act", "--config", "fleet.yaml", "--log-level", "info", "--id", name, "--metrics-port", "0",
                                "--alertmanager", am.url, "--outbox", f"{name}-outbox.sqlite"], tmp_path)
+            stack.callback(proc.stop)
+            return proc
 
-        procs.append(act("act-1"))
+        procs = [act("act-1")]
         wait_for(lambda: probe.holders().get("act.leader") == "act-1", 60, 0.2, "act-1 leading")
         procs.append(act("act-2"))  # the standby
         detect = Detect(probe)
+        stack.callback(detect.close)
         try:
             wait_for(lambda: len(firing(webhook)) == 1, 60, 0.2, "the straggler paged")
             detect.kinds = [straggler, xid]
@@ -154,15 +163,3 @@ def test_act_failover_re_sends_the_same_alerts_and_pages_nothing_twice(tmp_path)
         assert sorted(a["annotations"]["finding_id"] for a in pages) == sorted(first), [a["labels"] for a in pages]
         assert sent_labels(tmp_path / "act-2-outbox.sqlite") == first
         assert "adopted" in procs[1].text()
-    finally:
-        if detect is not None:
-            detect.stop.set()
-            detect.thread.join(5)
-        for p in procs:
-            p.stop()
-        if probe is not None:
-            probe.close()
-        if am is not None:
-            am.stop()
-        webhook.__exit__(None, None, None)
-        cluster.stop()
