@@ -208,3 +208,37 @@ def test_a_new_leader_adopts_the_incidents_the_ledger_records(tmp_path):
     finally:
         old.close()
         new.close()
+
+
+def test_no_alert_is_sent_before_its_incident_is_in_the_ledger(tmp_path):
+    """A tick whose incident records the ledger does not take sends nothing (a next leader could
+    not name those alerts as this one did); the next tick that can record them sends them."""
+    import json
+
+    class Refusing(MemoryKV):
+        refuse = True
+
+        async def put(self, key: str, value: bytes) -> int:
+            if self.refuse and key.startswith("incident."):
+                raise TimeoutError("nats: timeout")
+            return await super().put(key, value)
+
+    kv = Refusing()
+    a = act_mod.Act(parse(["--id", "a1", "--outbox", str(tmp_path / "a1.sqlite"), "--alertmanager", "http://127.0.0.1:9"]))
+    try:
+        a._open_outputs()
+        ledger = act_mod.Ledger(kv, "a1")
+        f = hang()
+        feed(a, 10.0, [f])
+        with pytest.raises(TimeoutError):
+            tick(a, 10.0, ledger)
+        assert a.pusher.enqueued_total == 0 and not [k for k in kv.data if k.startswith("incident.")]
+        kv.refuse = False
+        feed(a, 11.0, [f])
+        tick(a, 11.0, ledger)
+        assert a.pusher.enqueued_total >= 1
+        with a.pusher._lock:
+            sent = json.loads(a.pusher.db.execute("SELECT alert_json FROM sent").fetchone()[0])
+        assert sent["labels"]["incident"] == json.loads(kv.data[f"incident.{f.id}"])["incident"]
+    finally:
+        a.close()

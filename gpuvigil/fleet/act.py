@@ -232,17 +232,28 @@ class Ledger:
         `awaiting` (adopted, not reported yet). Runs before any alert is sent, so the next leader
         finds every incident an alert named."""
         active: set[str] = set()
+        changed: dict[str, dict[str, Any]] = {}
         for f in result.active_findings:
             if not f.incident:
                 continue
             active.add(f.id)
             doc = {"incident": f.incident, "role": f.incident_role, "opened_at": opened_at.get(f.incident, f.ts), "team": teams.get(f.incident)}
             if self.incidents.get(f.id) != doc:
-                await self.record(f"{INCIDENT_PREFIX}{f.id}", doc)
-                self.incidents[f.id] = doc
-        for fid in [fid for fid in self.incidents if fid not in active and fid not in awaiting]:
-            await self.kv.delete(f"{INCIDENT_PREFIX}{fid}")
-            del self.incidents[fid]
+                changed[f.id] = doc
+        gone = [fid for fid in self.incidents if fid not in active and fid not in awaiting]
+        # Together, not one round trip after another: a fault seen by many findings at once
+        # (a switch, a storm) must not hold its pages back.
+        done = await asyncio.gather(*(self.record(f"{INCIDENT_PREFIX}{fid}", doc) for fid, doc in changed.items()),
+                                    *(self.kv.delete(f"{INCIDENT_PREFIX}{fid}") for fid in gone), return_exceptions=True)
+        for (fid, doc), r in zip(changed.items(), done, strict=False):
+            if not isinstance(r, BaseException):
+                self.incidents[fid] = doc
+        for fid, r in zip(gone, done[len(changed):], strict=True):
+            if not isinstance(r, BaseException):
+                del self.incidents[fid]
+        failed = [r for r in done if isinstance(r, BaseException)]
+        if failed:
+            raise failed[0]
 
     async def claim(self, key: str, doc: dict[str, Any]) -> bool:
         from nats.js.errors import KeyWrongLastSequenceError
