@@ -32,6 +32,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from benchmarks.natscluster import NatsCluster
 from benchmarks.ports import free_port
 
 DOC = Path(__file__).resolve().parent.parent / "docs" / "scale.md"
@@ -112,17 +113,6 @@ def encoded_messages(nodes: int, ticks: int, workdir: Path) -> tuple[list[tuple[
     return out, sum(a.rows for a in agents)
 
 
-def _nats(workdir: Path, mapping: str, name: str = "n") -> tuple[subprocess.Popen, str]:
-    exe = shutil.which("nats-server")
-    if exe is None:
-        raise RuntimeError("nats-server not installed (make system-deps)")
-    port = free_port()
-    conf = workdir / f"{name}.conf"
-    conf.write_text(f'listen: 127.0.0.1:{port}\njetstream {{ store_dir: "{workdir / (name + "-js")}" }}\n{mapping}\n')
-    proc = subprocess.Popen([exe, "-c", str(conf)], stdout=(workdir / f"{name}.log").open("w"), stderr=subprocess.STDOUT)
-    return proc, f"nats://127.0.0.1:{port}"
-
-
 def nats_cost(msgs: list[tuple[str, bytes, dict[str, str]]], workdir: Path) -> dict[str, Any]:
     """Publish the messages to a real nats-server (acked JetStream publishes, 64 in flight), then
     fetch them with detect's pull consumer: messages/s and client CPU of each side."""
@@ -130,8 +120,8 @@ def nats_cost(msgs: list[tuple[str, bytes, dict[str, str]]], workdir: Path) -> d
     from gpuvigil.fleet import connection, transport
 
     fleet = Fleet(partitions=1)
-    proc, url = _nats(workdir, transport.nats_mapping(fleet), "bench")
-    fleet = fleet.model_copy(update={"servers": [url]})
+    server = NatsCluster(workdir, 1, transport.nats_mapping(fleet), max_file_store="4GB")
+    fleet = fleet.model_copy(update={"servers": server.urls})
 
     async def go() -> dict[str, Any]:
         nc = await connection.connect(fleet, "bench")  # retries until the server listens
@@ -161,66 +151,10 @@ def nats_cost(msgs: list[tuple[str, bytes, dict[str, str]]], workdir: Path) -> d
                 "mb_per_s_published": sum(len(m[1]) for m in msgs) / pub_wall / 1e6}
 
     try:
+        server.wait_ready()
         return asyncio.run(go())
     finally:
-        proc.terminate()
-        proc.wait(10)
-
-
-class _Cluster:
-    """Three nats-servers clustered with JetStream on loopback (R3 streams, as shipped)."""
-
-    def __init__(self, workdir: Path, mapping: str, n: int = 3):
-        exe = shutil.which("nats-server")
-        if exe is None:
-            raise RuntimeError("nats-server not installed (make system-deps)")
-        self.workdir = workdir
-        self.ports = [free_port() for _ in range(n)]
-        routes = [free_port() for _ in range(n)]
-        self.http = [free_port() for _ in range(n)]
-        self.procs: list[subprocess.Popen | None] = []
-        for i in range(n):
-            others = ", ".join(f"nats-route://127.0.0.1:{p}" for j, p in enumerate(routes) if j != i)
-            conf = workdir / f"nats{i}.conf"
-            conf.write_text(f'server_name: n{i}\nlisten: 127.0.0.1:{self.ports[i]}\nhttp: 127.0.0.1:{self.http[i]}\n'
-                            f'jetstream {{ store_dir: "{workdir / f"js{i}"}", max_memory_store: 64MB, max_file_store: 4GB }}\n'
-                            f"cluster {{ name: bench, listen: 127.0.0.1:{routes[i]}, routes: [{others}] }}\n{mapping}\n")
-            self.procs.append(subprocess.Popen([exe, "-c", str(conf)], stdout=(workdir / f"nats{i}.log").open("w"), stderr=subprocess.STDOUT))
-        self.urls = [f"nats://127.0.0.1:{p}" for p in self.ports]
-
-    def wait_ready(self, timeout: float = 60.0) -> None:
-        import urllib.request
-
-        deadline = time.monotonic() + timeout
-        for port in self.http:
-            while True:
-                try:
-                    with urllib.request.urlopen(f"http://127.0.0.1:{port}/healthz", timeout=1) as r:
-                        if r.status == 200:
-                            break
-                except OSError:
-                    pass
-                if time.monotonic() > deadline:
-                    raise TimeoutError("nats cluster not healthy")
-                time.sleep(0.2)
-
-    def kill(self, i: int) -> None:
-        proc = self.procs[i]
-        if proc is not None:
-            proc.send_signal(signal.SIGKILL)
-            proc.wait(10)
-            self.procs[i] = None
-
-    def stop(self) -> None:
-        for proc in self.procs:
-            if proc is not None and proc.poll() is None:
-                proc.terminate()
-        for proc in self.procs:
-            if proc is not None:
-                try:
-                    proc.wait(10)
-                except subprocess.TimeoutExpired:
-                    proc.kill()
+        server.stop()
 
 
 class _Webhook:
@@ -321,7 +255,7 @@ def e2e_run(workdir: Path, nodes: int, speed: float, wall_limit: float, log=prin
     shipped = Fleet()
     fleet = Fleet(partitions=8, replicas=3, replay_seconds=300, rows_max_age_seconds=600)
     assert fleet.lease_ttl_seconds == shipped.lease_ttl_seconds and fleet.findings_refresh_seconds == shipped.findings_refresh_seconds
-    cluster = _Cluster(workdir, transport.nats_mapping(fleet))
+    cluster = NatsCluster(workdir, 3, transport.nats_mapping(fleet), name="bench", max_file_store="4GB")
     hook = _Webhook()
     am_proc, am_url = _alertmanager(workdir, hook.url)
     procs: dict[str, subprocess.Popen] = {}

@@ -20,6 +20,7 @@ from typing import Any
 import httpx
 import pytest
 
+from benchmarks import natscluster
 from services import free_port
 
 
@@ -31,64 +32,11 @@ def nats_binary() -> str:
     return path
 
 
-class NatsCluster:
+class NatsCluster(natscluster.NatsCluster):
+    """The benchmarks' cluster (benchmarks/natscluster.py); the test skips without nats-server or nats-py."""
+
     def __init__(self, workdir: Path, n: int = 3, mapping: str = ""):
-        exe = nats_binary()
-        self.workdir = workdir
-        self.client_ports = [free_port() for _ in range(n)]
-        self.route_ports = [free_port() for _ in range(n)]
-        self.http_ports = [free_port() for _ in range(n)]
-        self.procs: list[subprocess.Popen | None] = []
-        for i in range(n):
-            routes = ", ".join(f"nats-route://127.0.0.1:{p}" for j, p in enumerate(self.route_ports) if j != i)
-            store = workdir / f"js{i}"
-            conf = workdir / f"nats{i}.conf"
-            conf.write_text(
-                f'server_name: n{i}\nlisten: 127.0.0.1:{self.client_ports[i]}\nhttp: 127.0.0.1:{self.http_ports[i]}\n'
-                f'jetstream {{ store_dir: "{store}", max_memory_store: 64MB, max_file_store: 2GB }}\n'
-                + (f'cluster {{ name: gvtest, listen: 127.0.0.1:{self.route_ports[i]}, routes: [{routes}] }}\n' if n > 1 else "")  # one node: no cluster
-                + f"{mapping}\n"
-            )
-            log = (workdir / f"nats{i}.log").open("ab")
-            self.procs.append(subprocess.Popen([exe, "-c", str(conf)], stdout=log, stderr=subprocess.STDOUT))
-        self.urls = [f"nats://127.0.0.1:{p}" for p in self.client_ports]
-
-    def wait_ready(self, timeout: float = 60.0) -> None:
-        """Every node answers /healthz (JetStream included: a meta leader was elected)."""
-        deadline = time.monotonic() + timeout
-        for i, port in enumerate(self.http_ports):
-            while True:
-                proc = self.procs[i]
-                if proc is not None and proc.poll() is not None:
-                    raise RuntimeError(f"nats-server n{i} exited: {(self.workdir / f'nats{i}.log').read_text()[-2000:]}")
-                try:
-                    if httpx.get(f"http://127.0.0.1:{port}/healthz", timeout=1.0).status_code == 200:
-                        break
-                except httpx.HTTPError:
-                    pass
-                if time.monotonic() > deadline:
-                    raise TimeoutError(f"nats-server n{i} not healthy after {timeout}s")
-                time.sleep(0.2)
-
-    def kill(self, i: int) -> None:
-        proc = self.procs[i]
-        if proc is not None:
-            proc.send_signal(signal.SIGKILL)
-            proc.wait(10)
-            self.procs[i] = None
-
-    def stop(self) -> None:
-        for proc in self.procs:
-            if proc is not None and proc.poll() is None:
-                proc.terminate()
-        for i, proc in enumerate(self.procs):
-            if proc is not None:
-                try:
-                    proc.wait(10)
-                except subprocess.TimeoutExpired:
-                    proc.kill()
-                    proc.wait(5)
-            self.procs[i] = None
+        super().__init__(workdir, n, mapping, exe=nats_binary())
 
 
 class Probe:

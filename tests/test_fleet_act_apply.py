@@ -41,6 +41,18 @@ class MemoryKV:
     async def delete(self, key: str) -> None:
         self.data.pop(key, None)
 
+    async def keys(self) -> list[str]:
+        from nats.js.errors import NoKeysError
+
+        if not self.data:
+            raise NoKeysError
+        return list(self.data)
+
+    async def get(self, key: str):
+        from types import SimpleNamespace
+
+        return SimpleNamespace(key=key, value=self.data[key])
+
 
 def parse(argv: list[str]) -> argparse.Namespace:
     p = argparse.ArgumentParser()
@@ -159,3 +171,74 @@ def test_act_on_kubernetes_without_credentials_fails_at_start(tmp_path, monkeypa
     assert main(["act", "--scheduler", "kubernetes", "--act", "on", "--outbox", str(tmp_path / "o.sqlite")]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "cannot act" in err[0], err
+
+
+def test_a_new_leader_adopts_the_incidents_the_ledger_records(tmp_path):
+    """The leader records each active finding's incident in the ledger before its sinks run; a
+    new leader adopts them (records that do not read as one are skipped) and names the finding's
+    incident as the old one did, though it first sees it later; once the finding clears, its
+    record goes."""
+    import json
+
+    kv = MemoryKV()
+    old = act_mod.Act(parse(["--id", "a1", "--outbox", str(tmp_path / "a1.sqlite")]))
+    new = act_mod.Act(parse(["--id", "a2", "--outbox", str(tmp_path / "a2.sqlite")]))
+    try:
+        f = hang()
+        feed(old, 10.0, [f])
+        tick(old, 10.0, act_mod.Ledger(kv, "a1"))
+        named = old.pipeline.active[f.id]
+        rec = json.loads(kv.data[f"incident.{f.id}"])
+        assert (rec["incident"], rec["role"], rec["opened_at"], rec["by"]) == (named.incident, "opened", 10.0, "a1")
+        kv.data["incident.garbage"] = b"\xff not json"
+        kv.data["incident.wrong"] = json.dumps({"incident": 5, "role": "opened", "opened_at": 1.0}).encode()
+        kv.data["incident.nan"] = json.dumps({"incident": "i", "role": "opened", "opened_at": float("nan")}).encode()
+
+        ledger = act_mod.Ledger(kv, "a2")
+        assert asyncio.run(new._adopt_incidents(ledger)) == 1
+        feed(new, 40.0, [f])
+        tick(new, 40.0, ledger)
+        assert (new.pipeline.active[f.id].incident, new.pipeline.active[f.id].incident_role) == (named.incident, "opened")
+        assert json.loads(kv.data[f"incident.{f.id}"])["by"] == "a1"  # the same record: nothing rewritten
+
+        new.relay.update("gv.findings.part.3", 41.0, [])
+        for now in (41.0, 4000.0):
+            tick(new, now, ledger)
+        assert f.id not in new.pipeline.active and f"incident.{f.id}" not in kv.data
+    finally:
+        old.close()
+        new.close()
+
+
+def test_no_alert_is_sent_before_its_incident_is_in_the_ledger(tmp_path):
+    """A tick whose incident records the ledger does not take sends nothing (a next leader could
+    not name those alerts as this one did); the next tick that can record them sends them."""
+    import json
+
+    class Refusing(MemoryKV):
+        refuse = True
+
+        async def put(self, key: str, value: bytes) -> int:
+            if self.refuse and key.startswith("incident."):
+                raise TimeoutError("nats: timeout")
+            return await super().put(key, value)
+
+    kv = Refusing()
+    a = act_mod.Act(parse(["--id", "a1", "--outbox", str(tmp_path / "a1.sqlite"), "--alertmanager", "http://127.0.0.1:9"]))
+    try:
+        a._open_outputs()
+        ledger = act_mod.Ledger(kv, "a1")
+        f = hang()
+        feed(a, 10.0, [f])
+        with pytest.raises(TimeoutError):
+            tick(a, 10.0, ledger)
+        assert a.pusher.enqueued_total == 0 and not [k for k in kv.data if k.startswith("incident.")]
+        kv.refuse = False
+        feed(a, 11.0, [f])
+        tick(a, 11.0, ledger)
+        assert a.pusher.enqueued_total >= 1
+        with a.pusher._lock:
+            sent = json.loads(a.pusher.db.execute("SELECT alert_json FROM sent").fetchone()[0])
+        assert sent["labels"]["incident"] == json.loads(kv.data[f"incident.{f.id}"])["incident"]
+    finally:
+        a.close()

@@ -11,7 +11,9 @@ Asserts:
 - detect publishes findings and holds leases but cannot write the ledger; act owns the ledger
   but cannot publish findings; nobody can delete a stream;
 - a real `gpuvigil agent` with its credential from flags ships rows that detect's credential
-  reads; with a wrong password it exits at once with one line.
+  reads; with a wrong password it exits at once with one line;
+- with nkey users (seeds made in the test), the same: each role signs in with its seed under its
+  permissions, and a seed the server does not list, or no user seed at all, is one line.
 """
 
 from __future__ import annotations
@@ -254,3 +256,91 @@ def test_permissions_follow_the_prefix():
     assert "$KV.blue_act_ledger.>" in security.permissions(f, "act")["publish"]["allow"]
     assert "$KV.blue_act_ledger.>" in security.permissions(f, "detect")["publish"]["deny"]
     assert Path(REPO / "docs" / "security.md").read_text().count("NATS") >= 3
+
+
+def _user_seed(path: Path) -> str:
+    """A new user nkey (nacl's Ed25519 key, nkeys' encoding) with its seed written to `path`;
+    returns the public key (U...)."""
+    import nkeys
+    from nacl.signing import SigningKey
+
+    seed = nkeys.encode_seed(bytes(SigningKey.generate()), nkeys.PREFIX_BYTE_USER)
+    path.write_bytes(seed + b"\n")
+    return nkeys.from_seed(bytearray(seed)).public_key.decode()
+
+
+def test_nkey_seeds_sign_in_with_their_roles_permissions_and_a_wrong_seed_exits_in_one_line(tmp_path):
+    """Each role signs in with an nkey seed; the server lists the roles' public nkeys with the
+    permissions gpuvigil generates (`accounts_block`, public keys from the environment)."""
+    nkeys = pytest.importorskip("nkeys", reason="nkeys not installed (pip install 'gpuvigil[fleet]')")
+    nats_binary()
+    public = {role: _user_seed(tmp_path / f"{role}.nk") for role in security.ROLES}
+    fleet = Fleet.model_validate({"partitions": 4, "credentials": {role: {"nkey_seed": str(tmp_path / f"{role}.nk")} for role in security.ROLES}})
+    body = security.accounts_block(fleet)
+    assert "password" not in body.split("SYS")[0] and all(f"nkey: ${security.NKEY_ENV[r]}" in body for r in security.ROLES)
+    server = NatsServer(tmp_path, body, {security.NKEY_ENV[r]: key for r, key in public.items()} | {"NATS_ADMIN_PASSWORD": "admin-secret"})
+    try:
+        fleet = fleet.model_copy(update={"servers": [server.url()]})
+        s = Subjects(fleet)
+
+        async def go() -> dict[str, Any]:
+            out: dict[str, Any] = {}
+            detect = await connection.connect(fleet, "gpuvigil-detect-test", role="detect")
+            djs = detect.jetstream(timeout=5)
+            await transport.ensure(djs, fleet)
+            out["detect findings"] = (await djs.publish(s.findings_part(1), transport.findings_payload("detect", 1.0, [], partition=1))).stream
+            agent = await connection.connect(fleet, "gpuvigil-agent-test", role="agent")
+            ajs = agent.jetstream(timeout=2)
+            out["agent rows"] = (await ajs.publish(s.rows("train-a"), b"rows", headers={"Gv-Now": "1.0"})).stream
+            try:
+                await ajs.publish(s.findings_part(0), transport.findings_payload("detect", 1.0, [], partition=0))
+                out["agent forged findings"] = "accepted"
+            except Exception as exc:  # noqa: BLE001 - refused: a timeout after the server's -ERR
+                out["agent forged findings"] = f"refused {type(exc).__name__}"
+            info = await djs.stream_info(s.findings_stream, subjects_filter=f"{s.prefix}.findings.>")
+            out["findings subjects"] = sorted((info.state.subjects or {}).keys())
+            for nc in (agent, detect):
+                await nc.close()
+            return out
+
+        out = run(go())
+        assert out["detect findings"] == "GV_FINDINGS" and out["agent rows"] == "GV_ROWS"
+        assert out["agent forged findings"].startswith("refused") and out["findings subjects"] == ["gv.findings.part.1"], out
+
+        # A seed the server does not list (another user's key), and a file that is no seed: refused
+        # at once, in one line.
+        _user_seed(tmp_path / "stranger.nk")
+        (tmp_path / "garbage.nk").write_text("SUnot-a-seed\n")
+        (tmp_path / "account.nk").write_bytes(nkeys.encode_seed(b"\0" * 32, nkeys.PREFIX_BYTE_ACCOUNT) + b"\n")
+        for name, message in (("stranger", "refused gpuvigil-agent-test"), ("garbage", "not an nkey seed"), ("account", "not of a user")):
+            bad = fleet.model_copy(update={"credentials": {**fleet.credentials, "agent": fleet.credentials["agent"].model_copy(update={"nkey_seed": str(tmp_path / f"{name}.nk")})}})
+            t0 = time.monotonic()
+            with pytest.raises(UserError) as err:
+                run(connection.connect(bad, "gpuvigil-agent-test", first_connect_seconds=30, role="agent"))
+            assert time.monotonic() - t0 < 15 and message in str(err.value) and "\n" not in str(err.value), (name, str(err.value))
+
+        # The agent process, its seed from a flag: the stranger's exits with one line, its own
+        # ships rows.
+        (tmp_path / "fleet.yaml").write_text(yaml.safe_dump({"fleet": {"partitions": 4, "servers": fleet.servers}}))
+        env = {"PYTHONPATH": str(REPO), "PATH": "/usr/bin:/bin"}
+
+        def agent(seed: str, *extra: str) -> subprocess.CompletedProcess:
+            return subprocess.run([sys.executable, "-m", "gpuvigil", "agent", "--config", "fleet.yaml", "--port", "-1", "--nats-nkey-seed", seed,
+                                   "--nodes", "2", *extra], cwd=tmp_path, capture_output=True, text=True, timeout=90, env=env)
+
+        refused = agent("stranger.nk")
+        errors = [ln for ln in refused.stderr.splitlines() if ln.strip()]
+        assert refused.returncode != 0 and errors and "refused gpuvigil-agent-" in errors[-1] and "Traceback" not in refused.stderr, refused.stderr[-2000:]
+
+        async def stored() -> int:
+            nc = await connection.connect(fleet, "gpuvigil-detect-test", role="detect")
+            n = (await nc.jetstream(timeout=5).stream_info(s.rows_stream)).state.messages
+            await nc.close()
+            return n
+
+        before = run(stored())
+        good = agent("agent.nk", "--speed", "5", "--duration", "4")
+        assert good.returncode == 0, good.stdout[-2000:] + good.stderr[-2000:]
+        assert run(stored()) > before
+    finally:
+        server.stop()

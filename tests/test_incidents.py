@@ -12,7 +12,7 @@ from gpuvigil import config
 from gpuvigil.alerts.pusher import AlertPusher
 from gpuvigil.model import Finding, FindingKind, Severity
 from gpuvigil.pipeline.core import PipelineConfig
-from gpuvigil.pipeline.incidents import IncidentsConfig, IncidentTracker
+from gpuvigil.pipeline.incidents import IncidentsConfig, IncidentTracker, Placement
 from obs_helpers import alert_settings_for_tests, tiny_runtime
 
 K = FindingKind
@@ -67,15 +67,19 @@ CASES = [
 ]
 
 
-@pytest.mark.parametrize("what, stream, expected", CASES, ids=[c[0] for c in CASES])
-def test_incident_rule(what, stream, expected):
-    tracker = IncidentTracker(settings=IncidentsConfig())
+def _run(tracker: IncidentTracker, stream: list[tuple[float, Finding]]) -> None:
     by_tick: dict[float, list[Finding]] = {}
     for t, f in stream:
         by_tick.setdefault(t, []).append(f)
     for t in sorted(by_tick):
         tracker.expire(t)
         tracker.observe(by_tick[t], t)
+
+
+@pytest.mark.parametrize("what, stream, expected", CASES, ids=[c[0] for c in CASES])
+def test_incident_rule(what, stream, expected):
+    tracker = IncidentTracker(settings=IncidentsConfig())
+    _run(tracker, stream)
     # incidents numbered in the order they were opened
     opened_order: dict[str | None, int] = {}
     for _t, f in sorted(stream, key=lambda x: x[0]):
@@ -104,6 +108,51 @@ def test_a_placed_finding_keeps_its_incident_and_role_while_reported():
     later = F(K.STRAGGLER)
     tracker.observe([later], 1302.0)
     assert later.incident != first.incident and later.incident_role == "opened"
+
+
+@pytest.mark.parametrize("what, stream, expected", CASES, ids=[c[0] for c in CASES])
+def test_a_tracker_taking_over_names_every_incident_as_the_first_did(what, stream, expected):
+    """A second tracker (a new act leader) sees the first one's live findings again, all in one
+    tick and later: placed afresh it would name them otherwise (and, seen at once, order them
+    otherwise); adopting the first one's placements, it gives each the incident and role it had."""
+    first = IncidentTracker(settings=IncidentsConfig())
+    _run(first, stream)
+    live = {f.id: f for _t, f in stream if first.incident_of(f.id) is not None}
+    placements = {fid: Placement(f.incident, f.incident_role, first.incident_of(fid).opened_at) for fid, f in live.items()}
+    later = max(t for t, _f in stream) + 30.0
+
+    def again() -> list[Finding]:
+        return [f.model_copy(update={"incident": None, "incident_role": None}) for f in reversed(live.values())]
+
+    fresh = again()
+    IncidentTracker(settings=IncidentsConfig()).observe(fresh, later)
+    assert {f.incident for f in fresh}.isdisjoint({f.incident for f in live.values()}), what  # the failure adopting prevents
+
+    second = IncidentTracker(settings=IncidentsConfig())
+    second.adopt(placements)
+    taken = again()
+    second.expire(later)
+    second.observe(taken, later)
+    assert {f.id: (f.incident, f.incident_role) for f in taken} == {fid: (f.incident, f.incident_role) for fid, f in live.items()}, what
+    for inc in {f.incident for f in taken}:
+        assert second.live[inc].opened_at == first.live[inc].opened_at
+    assert not second.adopted  # each adopted placement is used once
+
+
+def test_adopted_placements_yield_to_own_ones_and_expire():
+    tracker = IncidentTracker(settings=IncidentsConfig(window_seconds=60))
+    mine = F(K.XID, sev="page")
+    tracker.observe([mine], 10.0)
+    own = (mine.incident, mine.incident_role)
+    tracker.adopt({mine.id: Placement("elsewhere", "update", 0.0), F(K.ECC, node="n9").id: Placement("gone", "opened", 0.0)})
+    again = F(K.XID, sev="page")
+    tracker.observe([again], 11.0)
+    assert (again.incident, again.incident_role) == own  # placed here already: it keeps its place
+    tracker.expire(20.0)  # the first tick after the adoption starts its clock
+    tracker.expire(20.0 + 61.0)
+    late = F(K.ECC, node="n9")
+    tracker.observe([late], 82.0)
+    assert not tracker.adopted and late.incident != "gone" and late.incident_role == "opened"
 
 
 def test_window_and_ranks_are_config_data():
@@ -140,6 +189,33 @@ def test_evidence_is_never_pushed_and_updates_say_so(tmp_path):
     # one incident, one team: the hang's (the job's tenant, research), for the straggler too
     assert by_kind["straggler"]["team"] == by_kind["collective_hang"]["team"] == "ml-research"
     pusher.close()
+
+
+def test_a_pusher_taking_over_routes_an_incident_to_the_team_it_was_opened_for(tmp_path):
+    """The incident's opener has cleared; its update (a hardware finding) is still active. The
+    pusher that sent the opener gave the update the opener's team; a new pusher (a new act
+    leader) that never saw the opener does the same once it adopts the incident's team."""
+    from types import SimpleNamespace
+
+    import polars as pl
+
+    settings = alert_settings_for_tests("http://127.0.0.1:9")
+    hang = Finding(kind=K.COLLECTIVE_HANG, severity=Severity.PAGE, ts=0.0, job="train", node="n1", gpu=6, ranks=[6], culprit_ranks=[6], summary="hang")
+    lost = F(K.XID, sev="page", gpu=6, ranks=(6,))
+    hang.incident, hang.incident_role, lost.incident, lost.incident_role = "inc", "opened", "inc", "update"
+    window = {"jobs": pl.DataFrame({"job": ["train"], "tenant": ["research"]})}
+    first = AlertPusher("http://127.0.0.1:9", tmp_path / "a.sqlite", settings)
+    second = AlertPusher("http://127.0.0.1:9", tmp_path / "b.sqlite", settings)
+    try:
+        assert first.incident_teams(SimpleNamespace(active_findings=[hang, lost]), window) == {"inc": "ml-research"}
+        assert first.incident_teams(SimpleNamespace(active_findings=[lost]), window) == {"inc": "ml-research"}
+        only_update = SimpleNamespace(active_findings=[lost])
+        assert second.incident_teams(only_update, window) == {"inc": settings.hardware_team}  # what adopting prevents
+        second.adopt_incident_teams({"inc": "ml-research"})
+        assert second.incident_teams(only_update, window) == {"inc": "ml-research"}
+    finally:
+        first.close()
+        second.close()
 
 
 def test_api_finding_reads_carry_the_incident(tmp_path):

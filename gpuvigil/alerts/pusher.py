@@ -200,6 +200,7 @@ class AlertPusher:
         self.timer_resends_total = 0
         self._resend_failing = False
         self._incident_team: dict[str, str] = {}
+        self._adopted_teams: dict[str, str] = {}  # incident → team, as an earlier pusher sent it
         # The timer re-sends only findings a tick of this process confirmed: after a restart, the
         # alerts of findings the new pipeline does not see again resolve by their endsAt.
         self._started = self.clock()
@@ -227,10 +228,22 @@ class AlertPusher:
             self.write_failures_total += 1
             log.warning("alert outbox %s: cannot write this tick's alerts (%s); the next tick retries", self.path, exc)
 
+    def adopt_incident_teams(self, teams: dict[str, str]) -> None:
+        """The teams another pusher (an earlier act leader) gave incidents: an incident whose
+        opening finding this one never sees active keeps its team, so its later alerts carry the
+        labels the first ones were sent with."""
+        self._adopted_teams.update(teams)
+
+    def incident_teams(self, result: Any, window: Any) -> dict[str, str]:
+        """Incident → team for this tick's active findings (the `team` label of their alerts)."""
+        known = {**self._incident_team, **self._adopted_teams}  # an adopted team is the one its first message went to
+        self._incident_team = incident_teams(result.active_findings, self._tenants(window), self.settings, known)
+        return self._incident_team
+
     def _enqueue_tick(self, result: Any, window: Any) -> None:
         tenants = self._tenants(window)
         pushed = set(self.settings.push_severities)
-        self._incident_team = teams = incident_teams(result.active_findings, tenants, self.settings, self._incident_team)
+        teams = self.incident_teams(result, window)
         now = self.clock()
         with sqlitedb.transaction(self.db, self._lock):
             cur = self.db.cursor()

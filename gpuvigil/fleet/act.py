@@ -16,7 +16,14 @@ A finding processed twice never pages or acts twice:
   bucket, `rec.<id>`: gpuvigil.fleet.hints; `--hint-db` is the leader's working copy, loaded when
   its term starts). What acting did is recorded there too, so a new leader applies what an earlier
   one recorded but never applied, and repeats nothing it did. The ledger also records each
-  finding's episode (`finding.<id>`: firing or resolved) for the record of who paged what.
+  finding's episode (`finding.<id>`: firing or resolved) for the record of who paged what;
+- incidents: a pipeline names an incident after its first finding and the time it first saw it,
+  so two replicas would name one fault differently, and a new name is a new alert (a second
+  page). The leader records each active finding's incident in the ledger (`incident.<id>`: the
+  incident's id, the finding's role in it, the incident's opening time and team) before any sink
+  sends an alert, and a new leader adopts those records when its term starts: the findings it
+  reads again join the same incidents with the same roles and teams, and their alerts carry the
+  labels the old leader sent.
 """
 
 from __future__ import annotations
@@ -44,6 +51,7 @@ from gpuvigil.model import Finding
 
 log = logging.getLogger("gpuvigil.fleet")
 NAME = "act"
+INCIDENT_PREFIX = "incident."
 
 
 def add_parser(sub) -> None:
@@ -189,13 +197,63 @@ class TenantFeed:
 
 
 class Ledger:
-    """Claims in the ledger bucket: each hint is issued by exactly one leader, once."""
+    """Claims in the ledger bucket: each hint is issued by exactly one leader, once; and where
+    each active finding was placed (its incident), for the next leader to adopt."""
 
     def __init__(self, kv: Any, owner: str):
         self.kv = kv
         self.owner = owner
         self.claimed = 0
         self.skipped = 0
+        self.incidents: dict[str, dict[str, Any]] = {}  # finding id → its `incident.<id>` record, as the bucket holds it
+
+    async def load_incidents(self) -> dict[str, dict[str, Any]]:
+        """Every finding's incident record in the bucket (the start of a term). Records that do
+        not read as one are skipped: an unreadable record names no incident."""
+        from gpuvigil.fleet.hints import entries
+
+        out: dict[str, dict[str, Any]] = {}
+        for k, value in await entries(self.kv, INCIDENT_PREFIX):
+            try:
+                doc = json.loads(value)
+            except ValueError:
+                doc = None
+            rec = _incident_record(doc)
+            if rec is None:
+                log.warning("ledger: unreadable incident record %s: skipped", k)
+                continue
+            out[k.removeprefix(INCIDENT_PREFIX)] = rec
+        self.incidents = out
+        return out
+
+    async def name_incidents(self, result: Any, opened_at: dict[str, float], teams: dict[str, str], awaiting: set[str]) -> None:
+        """Record the incident (id, role, opening time, team) of every active finding whose record
+        is missing or says otherwise; delete the records of findings neither active nor still
+        `awaiting` (adopted, not reported yet). Runs before any alert is sent, so the next leader
+        finds every incident an alert named."""
+        active: set[str] = set()
+        changed: dict[str, dict[str, Any]] = {}
+        for f in result.active_findings:
+            if not f.incident:
+                continue
+            active.add(f.id)
+            doc = {"incident": f.incident, "role": f.incident_role, "opened_at": opened_at.get(f.incident, f.ts), "team": teams.get(f.incident)}
+            if self.incidents.get(f.id) != doc:
+                changed[f.id] = doc
+        gone = [fid for fid in self.incidents if fid not in active and fid not in awaiting]
+        # Together, not one round trip after another: a fault seen by many findings at once
+        # (a switch, a storm) must not hold its pages back.
+        done = await asyncio.gather(*(self.record(f"{INCIDENT_PREFIX}{fid}", doc) for fid, doc in changed.items()),
+                                    *(self.kv.delete(f"{INCIDENT_PREFIX}{fid}") for fid in gone), return_exceptions=True)
+        for (fid, doc), r in zip(changed.items(), done, strict=False):
+            if not isinstance(r, BaseException):
+                self.incidents[fid] = doc
+        for fid, r in zip(gone, done[len(changed):], strict=True):
+            if not isinstance(r, BaseException):
+                del self.incidents[fid]
+        failed = [r for r in done if isinstance(r, BaseException)]
+        if failed:
+            raise failed[0]
 
     async def claim(self, key: str, doc: dict[str, Any]) -> bool:
         from nats.js.errors import KeyWrongLastSequenceError
@@ -231,6 +289,20 @@ class Ledger:
                         await self.kv.delete(f"hint.{h.id}")
                     except Exception:  # noqa: BLE001
                         pass
+
+
+def _incident_record(doc: Any) -> dict[str, Any] | None:
+    """An `incident.<id>` record as `Ledger.name_incidents` writes it (its writer left out), or
+    None when `doc` is not one."""
+    from gpuvigil.pipeline.incidents import EVIDENCE, OPENED, UPDATE
+
+    if not isinstance(doc, dict):
+        return None
+    inc, role, opened, team = doc.get("incident"), doc.get("role"), doc.get("opened_at"), doc.get("team")
+    if not (isinstance(inc, str) and inc and role in (OPENED, UPDATE, EVIDENCE) and isinstance(opened, int | float)
+            and not isinstance(opened, bool) and math.isfinite(opened) and (team is None or isinstance(team, str))):
+        return None
+    return {"incident": inc, "role": role, "opened_at": opened, "team": team}
 
 
 class Act:
@@ -424,6 +496,10 @@ class Act:
             self.store.on_tick(result, self.pipeline.window)
             recorded = await self._push_hints()
         await ledger.gate(result)
+        # Before any alert names an incident: the next leader must find the name to send it again.
+        live = self.pipeline.incidents.live
+        teams = self.pusher.incident_teams(result, self.pipeline.window) if self.pusher is not None else {}
+        await ledger.name_incidents(result, {i: inc.opened_at for i, inc in live.items()}, teams, set(self.pipeline.incidents.adopted))
         for f in result.new_findings:
             log.info("act %s: finding %s %s: %s", self.id, f.severity.value, f.kind.value, f.summary)
         self.stats.on_tick(self, result, now)
@@ -437,6 +513,20 @@ class Act:
             if self.shared is not None:
                 await self._push_hints()  # what was applied or noted: the next leader does not repeat it
         self.ticks += 1
+
+    async def _adopt_incidents(self, ledger: Ledger) -> int:
+        """Take over the incidents earlier leaders named (the ledger's `incident.<id>` records):
+        a finding read again joins its incident under the same id and role, and its alerts go to
+        the same team."""
+        from gpuvigil.pipeline.incidents import Placement
+
+        records = await ledger.load_incidents()
+        self.pipeline.incidents.adopt({fid: Placement(r["incident"], r["role"], float(r["opened_at"])) for fid, r in records.items()})
+        if self.pusher is not None:
+            self.pusher.adopt_incident_teams({r["incident"]: r["team"] for r in records.values() if r["team"]})
+        if records:
+            log.info("act %s: %d finding(s) of earlier leaders' incidents adopted", self.id, len(records))
+        return len(records)
 
     async def _push_hints(self) -> bool:
         try:
@@ -486,6 +576,14 @@ class Act:
                             except Exception as exc:  # noqa: BLE001 - NATS failing over: retried
                                 log.warning("act %s: cannot load the fleet's hint store yet: %s", self.id, exc)
                                 await asyncio.sleep(0.5)
+                    adopted = False
+                    while not adopted and leases.valid(LEADER_KEY) and not self.stop_event.is_set():
+                        try:  # the incidents earlier leaders paged, before this one sends anything
+                            await self._adopt_incidents(ledger)
+                            adopted = True
+                        except Exception as exc:  # noqa: BLE001 - NATS failing over: retried
+                            log.warning("act %s: cannot read the ledger's incidents yet: %s", self.id, exc)
+                            await asyncio.sleep(0.5)
                     reader = asyncio.gather(
                         self._read(self.subjects.findings_stream, f"{self.subjects.prefix}.findings.>", self._on_findings, "findings"),
                         self._read(self.subjects.cluster_stream, f"{self.subjects.prefix}.cluster.>", self._on_cluster, "cluster"),

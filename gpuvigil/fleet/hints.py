@@ -33,6 +33,26 @@ def key(hint_id: str) -> str:
     return f"{PREFIX}{hint_id}"
 
 
+async def entries(kv: Any, prefix: str) -> list[tuple[str, bytes]]:
+    """(key, value) of every key of a bucket that starts with `prefix` (none in an empty bucket;
+    a key deleted while they are read is left out). Raises when the bucket cannot be read."""
+    try:
+        keys = [k for k in await kv.keys() if k.startswith(prefix)]
+    except Exception as exc:  # noqa: BLE001 - NoKeysError: an empty bucket
+        if type(exc).__name__ != "NoKeysError":
+            raise
+        return []
+    out = []
+    for k in keys:
+        try:
+            e = await kv.get(k)
+        except Exception as exc:  # noqa: BLE001 - deleted meanwhile
+            log.debug("%s: %s", k, exc)
+            continue
+        out.append((k, e.value or b""))
+    return out
+
+
 def import_records(store: Any, records: list[Any]) -> int:
     """Write records (HintRecord) into a HintStore as they are, replacing its own copies; each
     import is one entry of the hint's history. Returns how many changed the store."""
@@ -77,21 +97,10 @@ class SharedHints:
         """Every record of the bucket into the local copy (at the start of a term)."""
         from gpuvigil.api.store import HintRecord
 
-        try:
-            keys = [k for k in await self.kv.keys() if k.startswith(PREFIX)]
-        except Exception as exc:  # noqa: BLE001 - NoKeysError: an empty bucket
-            if type(exc).__name__ != "NoKeysError":
-                raise
-            keys = []
         records = []
-        for k in keys:
+        for k, value in await entries(self.kv, PREFIX):
             try:
-                e = await self.kv.get(k)
-            except Exception as exc:  # noqa: BLE001 - deleted meanwhile
-                log.debug("hint store: %s: %s", k, exc)
-                continue
-            try:
-                records.append(HintRecord.model_validate_json(e.value))
+                records.append(HintRecord.model_validate_json(value))
             except ValueError as exc:
                 log.warning("hint store: unreadable record %s: %s", k, exc)
         self.loaded = await asyncio.to_thread(import_records, self.store, records)

@@ -28,6 +28,9 @@ ROLES = ("agent", "detect", "act")
 ACCOUNT = "GPUVIGIL"
 # Environment variables nats-server reads each role's password from (the config names them).
 PASSWORD_ENV = {"agent": "GV_AGENT_PASSWORD", "detect": "GV_DETECT_PASSWORD", "act": "GV_ACT_PASSWORD"}
+# ... and the public nkey (U...) of a role that signs with an nkey seed (`nkey_seed`): the config
+# names the variable, so it is generated without the seeds.
+NKEY_ENV = {"agent": "GV_AGENT_NKEY", "detect": "GV_DETECT_NKEY", "act": "GV_ACT_NKEY"}
 _DESTRUCTIVE = ["$JS.API.STREAM.DELETE.>", "$JS.API.STREAM.PURGE.>", "$JS.API.STREAM.MSG.DELETE.>", "$JS.API.ACCOUNT.PURGE.>"]
 
 
@@ -68,11 +71,27 @@ def connect_options(fleet: Fleet, role: str | None) -> dict[str, Any]:
         path = cred.creds or cred.nkey_seed
         if not Path(path).is_file():  # type: ignore[arg-type]
             raise UserError(f"fleet.credentials.{role}: {path}: no such file")
+        if cred.nkey_seed:
+            _check_seed(cred.nkey_seed, role)
         out["user_credentials" if cred.creds else "nkeys_seed"] = path
     else:
         out["user"] = cred.user
         out["password"] = _read(cred.password_file, f"fleet.credentials.{role}.password_file")  # type: ignore[arg-type]
     return out
+
+
+def _check_seed(path: str, role: str) -> None:
+    """A seed file nats-py cannot sign with fails inside its connect, which retries it like an
+    unreachable server: say so at once instead."""
+    import nkeys
+
+    seed = _read(path, f"fleet.credentials.{role}.nkey_seed")
+    try:
+        nkeys.from_seed(bytearray(seed.encode()))
+    except Exception:  # noqa: BLE001 - nkeys' errors (bad prefix, checksum, length, base32) share no base class
+        raise UserError(f"fleet.credentials.{role}.nkey_seed {path}: not an nkey seed (expected one line starting with SU)") from None
+    if not seed.startswith("SU"):
+        raise UserError(f"fleet.credentials.{role}.nkey_seed {path}: the seed of a {seed[1:2]!r} key, not of a user (SU...)")
 
 
 def permissions(fleet: Fleet, role: str) -> dict[str, Any]:
@@ -111,18 +130,27 @@ def _conf_value(value: Any, indent: int) -> str:
     return '"' + str(value).replace("\\", "\\\\").replace('"', '\\"') + '"'
 
 
+def _signs_with_nkey(fleet: Fleet, role: str) -> bool:
+    cred = fleet.credential(role)
+    return cred is not None and cred.nkey_seed is not None
+
+
 def accounts_block(fleet: Fleet) -> str:
     """The `accounts` block: the fleet's account (JetStream, the partition mapping) and one user
-    per role with its permissions. Passwords come from the environment (PASSWORD_ENV), so the
-    file holds no secret."""
+    per role with its permissions: a user name and password, or, for a role whose credential is
+    an nkey seed, its public nkey. Both come from the environment (PASSWORD_ENV, NKEY_ENV), so the
+    file holds no secret and is generated without the seeds."""
     from gpuvigil.fleet.transport import nats_mapping
 
     users = []
     for role in ROLES:
         cred = fleet.credential(role)
-        name = cred.user if cred is not None and cred.user else f"{fleet.prefix}-{role}"
-        users.append("      { user: " + _conf_value(name, 0) + ", password: $" + PASSWORD_ENV[role]
-                     + ",\n        permissions: " + _conf_value(permissions(fleet, role), 4) + " }")
+        if _signs_with_nkey(fleet, role):
+            who = "nkey: $" + NKEY_ENV[role]
+        else:
+            name = cred.user if cred is not None and cred.user else f"{fleet.prefix}-{role}"
+            who = "user: " + _conf_value(name, 0) + ", password: $" + PASSWORD_ENV[role]
+        users.append("      { " + who + ",\n        permissions: " + _conf_value(permissions(fleet, role), 4) + " }")
     return (
         "accounts {\n"
         f"  {ACCOUNT} {{\n"
@@ -145,14 +173,15 @@ def server_config(fleet: Fleet, *, verify_clients: bool = True) -> str:
     from urllib.parse import urlsplit
 
     hosts = [urlsplit(u).hostname for u in fleet.servers]
+    env = [(NKEY_ENV if _signs_with_nkey(fleet, r) else PASSWORD_ENV)[r] for r in ROLES]
     routes = ", ".join(f'"nats-route://{h}:6222"' for h in hosts)
     tls = ('  cert_file: "/etc/nats/tls/server.crt"\n  key_file: "/etc/nats/tls/server.key"\n  ca_file: "/etc/nats/tls/ca.crt"\n'
            + ("  verify: true\n" if verify_clients else ""))
     return (
         f"# nats-server for the gpuvigil fleet (prefix {fleet.prefix}, {fleet.partitions} partitions).\n"
         "# Generated: gpuvigil agent --config fleet.yaml --print-nats-config (docs/security.md).\n"
-        "# Environment: SERVER_NAME (this node: nats-0, nats-1, nats-2), GV_AGENT_PASSWORD,\n"
-        "# GV_DETECT_PASSWORD, GV_ACT_PASSWORD, NATS_ADMIN_PASSWORD.\n"
+        f"# Environment: SERVER_NAME (this node: nats-0, nats-1, nats-2), {env[0]},\n"
+        f"# {', '.join(env[1:])}, NATS_ADMIN_PASSWORD.\n"
         "server_name: $SERVER_NAME\n"
         "listen: 0.0.0.0:4222\n"
         "http: 0.0.0.0:8222\n"

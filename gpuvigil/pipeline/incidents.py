@@ -21,6 +21,12 @@ fault. The rule that groups them lives here, and only here:
 Findings first raised in the same tick are placed best-explained first, so a fault two detectors
 see at once opens one incident titled by the known kind. Every finding carries its incident's id
 (`Finding.incident`) and role for the sinks: alerts, the API store, the demo, replay.
+
+An incident's id is a digest of its first finding and the time this tracker first saw it, so two
+trackers name the same fault differently. Where one tracker takes over from another (the fleet's act
+replicas: gpuvigil.fleet.act), it `adopt`s the placements the other one recorded: a finding it has
+not placed yet joins the incident, under the id and role, that the earlier tracker gave it, so every
+message keeps the labels it was first sent with.
 """
 
 from __future__ import annotations
@@ -93,6 +99,15 @@ class Incident:
     known: set[tuple[Any, ...]] = field(default_factory=set)  # places named by known kinds
 
 
+@dataclass(frozen=True)
+class Placement:
+    """Where another tracker placed a finding: its incident (id, opening time) and its role."""
+
+    incident: str
+    role: str
+    opened_at: float
+
+
 class IncidentTracker:
     """Assigns each finding to an incident (see the module's docstring). Bounded: an incident is
     forgotten `window_seconds` after its findings were last reported."""
@@ -102,6 +117,17 @@ class IncidentTracker:
         self.live: dict[str, Incident] = {}
         self._by_key: dict[tuple[Any, ...], str] = {}
         self._of_finding: dict[str, str] = {}  # finding id → incident id, while it is active
+        # Placements adopted from an earlier tracker, for findings not placed here yet; forgotten
+        # `window_seconds` after the first tick that follows their adoption.
+        self.adopted: dict[str, Placement] = {}
+        self._adopted_since: float | None = None
+
+    def adopt(self, placements: dict[str, Placement]) -> None:
+        """Placements an earlier tracker made (finding id → Placement): each of these findings,
+        when first reported here, joins that incident with that role instead of being placed anew.
+        A finding already placed here keeps its place."""
+        self.adopted.update({fid: p for fid, p in placements.items() if fid not in self._of_finding and p.role in (OPENED, UPDATE, EVIDENCE)})
+        self._adopted_since = None
 
     def rank(self, f: Finding) -> int:
         e = self.config.explains
@@ -119,16 +145,24 @@ class IncidentTracker:
             f.incident, f.incident_role = inc.id, inc.roles[f.id]
             inc.findings[f.id] = f
             inc.last_seen = max(inc.last_seen, now)
-        for f in sorted(fresh, key=lambda f: (-self.rank(f), -SEVERITY_RANK[f.severity])):
-            self._place(f, now)
+        # Adopted placements first: the incidents they name take their keys before a fresh one
+        # could open a second incident over the same GPU or job.
+        for f in sorted(fresh, key=lambda f: (f.id not in self.adopted, -self.rank(f), -SEVERITY_RANK[f.severity])):
+            self._place(f, now, self.adopted.pop(f.id, None))
 
     def forget(self, finding_ids: Iterable[str]) -> None:
         """Cleared findings: a later report of the same cause is placed again (it may rejoin the
         same incident, as evidence or an update)."""
         for fid in finding_ids:
             self._of_finding.pop(fid, None)
+            self.adopted.pop(fid, None)
 
     def expire(self, now: float) -> list[Incident]:
+        if self.adopted:
+            if self._adopted_since is None:
+                self._adopted_since = now
+            elif now - self._adopted_since > self.config.window_seconds:
+                self.adopted.clear()  # findings that never came back: their incidents are over
         gone = [inc for inc in self.live.values() if now - inc.last_seen > self.config.window_seconds]
         for inc in gone:
             del self.live[inc.id]
@@ -140,12 +174,24 @@ class IncidentTracker:
                     del self._of_finding[fid]
         return gone
 
-    def _place(self, f: Finding, now: float) -> None:
+    def _place(self, f: Finding, now: float, adopted: Placement | None = None) -> None:
         keys = _keys(f)
         joined = [self.live[i] for i in {self._by_key[k] for k in keys if k in self._by_key} if i in self.live]
         where = places(f)
         known = f.kind != FindingKind.ANOMALY
-        if not joined:
+        if adopted is not None:
+            inc = self.live.get(adopted.incident)
+            if inc is None:
+                inc = Incident(id=adopted.incident, opened_at=adopted.opened_at, last_seen=now, title=f, severity=f.severity.value)
+                self.live[inc.id] = inc
+            else:
+                inc.last_seen = max(inc.last_seen, now)
+                if self.rank(f) > self.rank(inc.title):
+                    inc.title = f
+                if SEVERITY_RANK[f.severity] > SEVERITY_RANK[Severity(inc.severity)]:
+                    inc.severity = f.severity.value
+            role = adopted.role
+        elif not joined:
             inc = Incident(id=_digest("incident", f.id, now), opened_at=now, last_seen=now, title=f, severity=f.severity.value)
             self.live[inc.id] = inc
             role = OPENED
@@ -191,4 +237,4 @@ class IncidentTracker:
         return self.live.get(self._of_finding.get(finding_id, ""))
 
 
-__all__ = ["EVIDENCE", "MESSAGE_ROLES", "OPENED", "UPDATE", "Incident", "IncidentTracker", "IncidentsConfig", "places"]
+__all__ = ["EVIDENCE", "MESSAGE_ROLES", "OPENED", "UPDATE", "Incident", "IncidentTracker", "IncidentsConfig", "Placement", "places"]
