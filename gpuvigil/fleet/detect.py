@@ -120,6 +120,9 @@ class Partition:
         self.state_at = float("-inf")  # data time of the last state snapshot taken
         self.state_rev = 0  # the state bucket's revision of part.<p> last read or written by us (0: none)
         self.state_body: tuple[int | None, bytes] | None = None  # a snapshot (epoch, value) not written yet
+        # Until its state snapshot has been read: no claim yet, so that the previous owner's last
+        # findings message is still the newest on the partition's subject when it is judged.
+        self.restoring = True
 
 
 class Detect:
@@ -223,9 +226,6 @@ class Detect:
         pipeline, feed = self._pipeline()
         part = Partition(p, pipeline, feed)
         part.epoch = self.leases.epoch.get(f"part.{p}") if self.leases is not None else None
-        # Before the partition is ours to tick (and to claim): the previous owner's last findings
-        # message is still the newest on its subject.
-        await self.restore(part)
         self.parts[p] = part
         part.task = asyncio.create_task(self._consume(part))
 
@@ -394,6 +394,10 @@ class Detect:
         return await self.js.pull_subscribe(self.subjects.part(part.p), durable=durable, stream=self.subjects.rows_stream_of(part.p), config=cfg)
 
     async def _consume(self, part: Partition) -> None:
+        try:
+            await self.restore(part)
+        finally:
+            part.restoring = False
         replay = True
         errors = idle = 0
         while True:
@@ -484,6 +488,8 @@ class Detect:
         c0 = time.thread_time()
         out = []
         for part in list(self.parts.values()):
+            if part.restoring:
+                continue
             if not part.caught_up:
                 # Never judge a half-replayed window; claim the partition meanwhile, so readers
                 # fence its previous owner off and keep its findings until ours are ready.
