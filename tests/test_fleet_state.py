@@ -10,7 +10,8 @@
   written under our own lease epoch or a later one, one from an owner older than the last one that
   published the partition's findings, and garbage are ignored, each with a log line and a count
   in the replica's /metrics families. A write is fenced: never under a lease no longer valid,
-  never over a later owner's snapshot, and over an earlier (paused) owner's late one.
+  never over a later owner's snapshot, and over an earlier (paused) owner's late one; a clean
+  handover writes the state as of the last tick.
 """
 
 from __future__ import annotations
@@ -186,6 +187,14 @@ def test_takeover_restores_a_fresh_snapshot_ignores_stale_ones_and_fences_writes
             # owner's, nor once our lease is no longer valid.
             mine = snapshot(ours, time.time(), owner="d-new")
             out["write"] = (await d._save(p, ours, mine), (await kv.get("part.0")).value == mine)
+            # A clean handover writes the partition's state as of its last tick.
+            p.caught_up = True
+            p.pipeline.tick(41.0)
+            d.parts[0] = p
+            await d.handover(0)
+            del d.parts[0]
+            stamps, state = transport.decode_state((await kv.get("part.0")).value)
+            out["handover"] = (stamps["owner"], stamps["epoch"] == ours, state["now"], [(f["finding"]["id"], f["first_seen"]) for f in state["findings"]])
             await kv.put("part.0", snapshot(ours - 1, time.time(), owner="d-paused"))
             out["over an earlier owner"] = (await d._save(p, ours, mine), (await kv.get("part.0")).value == mine)
             later = snapshot(ours + 9, time.time(), owner="d-later")
@@ -208,6 +217,7 @@ def test_takeover_restores_a_fresh_snapshot_ignores_stale_ones_and_fences_writes
     assert out["newer publisher"][:3] == ({"age": 1, "epoch": 3, "undecodable": 1}, 1, {})
     assert out["after a claim"][:3] == ({"age": 1, "epoch": 3, "undecodable": 1}, 2, {FINDING.id: 12.0})
     assert out["write"] == (True, True)
+    assert out["handover"] == ("d-new", True, 41.0, [(FINDING.id, 12.0)])
     assert out["over an earlier owner"] == (True, True)
     assert out["under a later owner"] == (False, True, 1)
     assert out["lease gone"] == (False, 2)
