@@ -21,8 +21,11 @@ import asyncio
 import logging
 import time
 
+import polars as pl
 import pytest
 import yaml
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from gpuvigil import config
 from gpuvigil.config.deploy import Fleet
@@ -43,6 +46,10 @@ SCENARIO = {
     ],
     "faults": [{"type": "nccl_hang", "at": 10, "job": "train-a", "ranks": [5], "mode": "outside"}],
 }
+
+
+FINDING = Finding(kind=FindingKind.COLLECTIVE_HANG, severity=Severity.PAGE, ts=40.0, job="train-a", ranks=[5], culprit_ranks=[5], node="node-000",
+                  gpu=5, summary="train-a is hung", source="hang", incident="inc1", incident_role="opened")
 
 
 def hang(pipe: Pipeline) -> Finding:
@@ -107,9 +114,22 @@ def test_decode_state_refuses_garbage():
             transport.decode_state(data)
 
 
+@settings(max_examples=60, deadline=None)
+@given(st.dictionaries(st.sampled_from(["owner", "epoch", "wall"]), st.one_of(st.integers(), st.text(max_size=8)), max_size=3),
+       st.lists(st.floats(allow_nan=False, allow_infinity=False), max_size=5), st.floats(0.0, 1.0, exclude_max=True))
+def test_decode_state_round_trips_and_refuses_a_truncated_copy(stamps, since, cut):
+    frame = pl.DataFrame({"job": ["a"] * len(since), "since": since}, schema={"job": pl.Utf8, "since": pl.Float64})
+    state = {"now": 40.0, "findings": [{"finding": FINDING.to_json_dict(), "first_seen": 12.0, "last_seen": 40.0}], "detectors": {"hang": {"state": frame}}}
+    body = transport.encode_state(stamps, state)
+    got_stamps, got = transport.decode_state(body)
+    assert {k: got_stamps[k] for k in stamps} == stamps and got["findings"] == state["findings"] and got["now"] == 40.0
+    assert got["detectors"]["hang"]["state"].equals(frame)
+    # A copy cut anywhere (a damaged value) is refused, never taken half-read.
+    with pytest.raises(ValueError):
+        transport.decode_state(body[: int(cut * len(body))])
+
+
 # -- on a real nats-server ------------------------------------------------------------------------
-FINDING = Finding(kind=FindingKind.COLLECTIVE_HANG, severity=Severity.PAGE, ts=40.0, job="train-a", ranks=[5], culprit_ranks=[5], node="node-000",
-                  gpu=5, summary="train-a is hung", source="hang", incident="inc1", incident_role="opened")
 
 
 def snapshot(epoch: int, wall: float, owner: str = "d-old") -> bytes:
