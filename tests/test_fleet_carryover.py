@@ -46,7 +46,7 @@ def hangs(doc: dict) -> list[dict]:
 def test_a_hang_older_than_the_replay_keeps_its_start_and_first_report_across_a_takeover(tmp_path):
     nats_binary()
     fleet = Fleet(partitions=PARTITIONS, replicas=1, lease_ttl_seconds=3.0, replay_seconds=REPLAY, rows_max_age_seconds=120,
-                  findings_refresh_seconds=1, findings_stale_seconds=30)
+                  findings_refresh_seconds=1, findings_stale_seconds=30, state_snapshot_seconds=2)
     cluster = NatsCluster(tmp_path, 1, nats_mapping(fleet))
     procs: list[Proc] = []
     probe = None
