@@ -203,8 +203,13 @@ def test_takeover_restores_a_fresh_snapshot_ignores_stale_ones_and_fences_writes
             await d.restore(p)
             out["after a claim"] = (dict(d.state_ignored), d.state_restored, dict(p.pipeline.first_seen), p.state_rev)
 
-            # Writes: over what we read; over an earlier owner's late write; never over a later
-            # owner's, nor once our lease is no longer valid.
+            # A deleted snapshot is none (nothing restored, nothing ignored).
+            await kv.delete("part.0")
+            await d.restore(part())
+            out["deleted"] = (dict(d.state_ignored), d.state_restored)
+
+            # Writes: over what we read (here deleted since); over an earlier owner's late write;
+            # never over a later owner's, nor once our lease is no longer valid.
             mine = snapshot(ours, time.time(), owner="d-new")
             out["write"] = (await d._save(p, ours, mine), (await kv.get("part.0")).value == mine)
             # A clean handover writes the partition's state as of its last tick.
@@ -236,6 +241,7 @@ def test_takeover_restores_a_fresh_snapshot_ignores_stale_ones_and_fences_writes
     assert out["garbage"][:3] == ({"age": 1, "epoch": 2, "undecodable": 1}, 1, {})
     assert out["newer publisher"][:3] == ({"age": 1, "epoch": 3, "undecodable": 1}, 1, {})
     assert out["after a claim"][:3] == ({"age": 1, "epoch": 3, "undecodable": 1}, 2, {FINDING.id: 12.0})
+    assert out["deleted"] == ({"age": 1, "epoch": 3, "undecodable": 1}, 2)
     assert out["write"] == (True, True)
     assert out["handover"] == ("d-new", True, 41.0, [(FINDING.id, 12.0)])
     assert out["over an earlier owner"] == (True, True)

@@ -282,11 +282,11 @@ class Detect:
         log.warning("detect %s: partition %d: state snapshot ignored: %s; rebuilding from the replay alone", self.id, part.p, why)
 
     async def _state_entry(self, key: str) -> Any:
-        from nats.js.errors import KeyNotFoundError
+        from nats.js.errors import KeyDeletedError, KeyNotFoundError
 
         try:
             return await self.state_kv.get(key)
-        except KeyNotFoundError:  # none yet, deleted, or expired with the rows it described
+        except (KeyNotFoundError, KeyDeletedError):  # none yet, deleted, or expired with the rows it described
             return None
 
     async def _last_findings(self, p: int) -> dict[str, Any] | None:
@@ -308,8 +308,8 @@ class Detect:
         stamps = {"owner": self.id, "epoch": part.epoch, "partition": part.p, "wall": time.time(), "last_seq": part.last_seq}
         body = transport.encode_state(stamps, state)
         if len(body) > self.fleet.state_max_bytes:
-            # The findings' first reports are small and always fit; the detectors' state of a huge
-            # job may not: the next owner then times that job from its replay.
+            # The findings are small (about 1 kB each); the detectors' state of a job of many
+            # thousand ranks may not be: the next owner then times that job from its replay.
             self.state_trimmed += 1
             log.warning("detect %s: partition %d: state snapshot of %d bytes exceeds fleet.state_max_bytes %d; written without the detectors' state (%s)",
                         self.id, part.p, len(body), self.fleet.state_max_bytes, ", ".join(sorted(state["detectors"])))
@@ -339,7 +339,7 @@ class Detect:
         only over what we read or wrote last (a compare-and-set on the key's revision). A write
         found in between is overwritten only when it comes from an earlier lease (an owner paused
         past its own, waking); a later lease's means the partition is no longer ours."""
-        from nats.js.errors import KeyNotFoundError, KeyWrongLastSequenceError
+        from nats.js.errors import KeyDeletedError, KeyNotFoundError, KeyWrongLastSequenceError
 
         key = f"part.{part.p}"
         for _ in range(3):
@@ -354,7 +354,7 @@ class Detect:
             except KeyWrongLastSequenceError:
                 try:
                     entry = await asyncio.wait_for(self.state_kv.get(key), self.leases.call_timeout)
-                except KeyNotFoundError as exc:  # deleted or expired: a tombstone's revision, or none
+                except (KeyNotFoundError, KeyDeletedError) as exc:  # deleted or expired: a tombstone's revision, or none
                     entry = getattr(exc, "entry", None)
                 try:
                     theirs = transport.decode_state(entry.value or b"")[0] if entry is not None and entry.value else {}
