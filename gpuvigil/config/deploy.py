@@ -375,6 +375,11 @@ class Fleet(BaseModel):
     rows_max_bytes: int | None = Field(None, ge=2**20, description="bytes each rows stream keeps (per replica); the oldest rows are dropped past it")
     spool_max_bytes: int = Field(1 << 30, ge=1 << 20, description="an agent's `--spool` keeps at most this much of what NATS could not take (oldest dropped)")
     replay_seconds: float = Field(600.0, gt=0, description="a replica that takes a partition replays this much of it (the detectors' window)")
+    # What a replay of replay_seconds cannot rebuild (a hang's start, a finding's first report),
+    # snapshotted per partition into the KV bucket <prefix>_<state_bucket> (gpuvigil.fleet.detect).
+    state_bucket: str = Field("detect_state", pattern=r"^[A-Za-z0-9_-]{1,64}$", description="KV bucket (after '<prefix>_') holding each partition's carried-over detector state")
+    state_snapshot_seconds: float = Field(5.0, gt=0, description="a detect replica snapshots each held partition's carried-over state this often (data time) and on a clean handover")
+    state_max_bytes: int = Field(512 * 1024, ge=1024, le=8 * 2**20, description="a larger snapshot carries the findings only, without the detectors' state (NATS max_payload bounds it)")
     lease_ttl_seconds: float = Field(10.0, ge=1, le=3600, description="a lease not renewed for this long expires and another replica takes it")
     findings_refresh_seconds: float = Field(5.0, gt=0, description="agents and detect replicas republish unchanged active findings this often")
     findings_stale_seconds: float = Field(60.0, gt=0, description="act forgets a source that has said nothing for this long")

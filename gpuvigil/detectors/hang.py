@@ -68,6 +68,30 @@ class HangDetector(Declared):
         # findings for these jobs back (their device view is the weaker evidence).
         self.healthy_jobs: set[str] = set()
 
+    def carry_over(self) -> dict[str, pl.DataFrame]:
+        """The state a replay of the last minutes cannot rebuild, for the next owner of a fleet
+        partition (`restore`): the latest report of every rank of the jobs someone waits in, with
+        when its completed counter last moved, and when those jobs last had nobody waiting. A
+        replay alone would time a stall older than itself from its own first row, and lose a
+        rank silent since before it. Jobs nobody waits in rebuild exactly from the replay."""
+        state = self._state
+        if state is None or state.height == 0:
+            return {}
+        waiting = state.group_by("job").agg(pl.col("last_enqueued_seq").max().alias("_enq"), pl.col("last_completed_seq").min().alias("_comp"))
+        waiting = waiting.filter(pl.col("_enq") > pl.col("_comp")).select("job")
+        if waiting.height == 0:
+            return {}
+        return {"state": state.join(waiting, on="job", how="semi"), "idle": self._idle.join(waiting, on="job", how="semi")}
+
+    def restore(self, frames: dict[str, pl.DataFrame]) -> None:
+        """Take `carry_over()`'s frames before the first detect: the replay's reports then continue
+        them (a rank whose completed counter has not moved keeps the time it last moved)."""
+        state, idle = frames.get("state"), frames.get("idle")
+        if state is not None and state.height and {"job", "rank", "ts", "last_completed_seq", "since"} <= set(state.columns):
+            self._state = state
+        if idle is not None and idle.height and set(idle.columns) == {"job", "idle_ts"}:
+            self._idle = idle.cast({"job": pl.Utf8, "idle_ts": pl.Float64})
+
     def _update_state(self, window: Window) -> pl.DataFrame:
         """Per (job, rank): the latest report and when its completed counter last moved.
 

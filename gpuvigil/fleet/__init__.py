@@ -7,5 +7,7 @@ others publish, plus the cluster-scope `fragmentation_cluster` over the agents' 
 outbox (`alerts.pusher`) and the hint store (`api.store`) are the ones `serve` runs. Only what
 feeds the windows (rows from the stream) and what carries the findings (the findings stream)
 change. The stream is the state: a replica that takes a partition rebuilds its windows by
-replaying the partition's last `replay_seconds`. docs/scale.md has the model and measurements.
+replaying the partition's last `replay_seconds`, after restoring what a replay cannot rebuild (a
+hang older than it, the findings' first reports) from the partition's snapshot in the state
+bucket. docs/scale.md has the model and measurements.
 """

@@ -7,7 +7,11 @@ its fair share, ceil(partitions / live replicas). For every partition it holds i
 fed by a durable pull consumer on `gv.part.<p>.>` of the rows stream that stores p
 (`Subjects.rows_stream_of`: `GV_ROWS`, or `GV_ROWS_<p % rows_streams>`). Taking a partition (at start or from a replica
 whose lease expired) recreates that consumer from `now - replay_seconds`: the stream is the state,
-and the partition's windows are rebuilt from it before its first findings are published. The
+and the partition's windows are rebuilt from it before its first findings are published. What a
+replay cannot rebuild (a hang that began before it, a finding's first report and incident) the
+holder snapshots every `state_snapshot_seconds` and on a clean handover into the KV bucket
+`<prefix>_<state_bucket>` (key `part.<p>`, fenced by the lease epoch), and the next owner
+restores it before it judges the replay (`Pipeline.carry_over` / `restore`). The
 active findings of each partition go to `gv.findings.part.<p>`. `--metrics-port` serves
 /metrics (gpuvigil.fleet.metrics: partitions, leases, messages and rows per stream, lag).
 """
@@ -16,10 +20,12 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import json
 import logging
 import math
 import os
 import socket
+import threading
 import time
 from datetime import UTC, datetime
 from typing import Any
@@ -111,6 +117,12 @@ class Partition:
         self.epoch: int | None = None  # the lease's fencing token (Leases.epoch) stamped on what it publishes
         self.target_seq: int | None = None  # the stream's last sequence when it was taken: the replay reads up to it at least
         self.claimed_at = float("-inf")  # data time of the last claim published while catching up
+        self.state_at = float("-inf")  # data time of the last state snapshot taken
+        self.state_rev = 0  # the state bucket's revision of part.<p> last read or written by us (0: none)
+        self.state_body: tuple[int | None, bytes] | None = None  # a snapshot (epoch, value) not written yet
+        # Until its state snapshot has been read: no claim yet, so that the previous owner's last
+        # findings message is still the newest on the partition's subject when it is judged.
+        self.restoring = True
 
 
 class Detect:
@@ -137,6 +149,15 @@ class Detect:
         self.stream_rows: dict[str, int] = {}
         self.findings_published = 0
         self.fenced = 0  # messages not published: the lease was no longer valid (or taken) when they were ready
+        self.state_kv: Any = None
+        # Ticks (a worker thread) and handover snapshots read and change the partitions' pipelines.
+        self.tick_lock = threading.Lock()
+        self.state_saving: asyncio.Task | None = None
+        self.state_written = 0
+        self.state_fenced = 0  # snapshots not written: the lease was lost, or a newer owner wrote one
+        self.state_restored = 0
+        self.state_ignored: dict[str, int] = {}  # reason → snapshots found at takeover and not restored
+        self.state_trimmed = 0  # snapshots over state_max_bytes, written with the findings only
         self.metrics_port: int | None = None
 
     def _pipeline(self) -> tuple[Any, Feed]:
@@ -181,6 +202,7 @@ class Detect:
         share = math.ceil(self.fleet.partitions / members)
         if len(self.parts) > share:  # a replica joined: hand back the surplus
             for p in sorted(self.parts)[share:]:
+                await self.handover(p)
                 await self.drop(p)
                 await leases.release(f"part.{p}")
         start = abs(hash(self.id)) % self.fleet.partitions
@@ -212,6 +234,143 @@ class Detect:
         if part is not None and part.task is not None:
             part.task.cancel()
 
+    # -- carried-over state -----------------------------------------------------------------------
+    async def restore(self, part: Partition) -> None:
+        """Take the partition's state snapshot, unless it is stale: written under our own lease or
+        a later one, older than the replay (rows between it and the replay's start nobody would
+        see), or from an owner older than the last one that published the partition's findings."""
+        if self.state_kv is None:
+            return
+        key = f"part.{part.p}"
+        try:
+            entry, last = await asyncio.wait_for(asyncio.gather(self._state_entry(key), self._last_findings(part.p)), self.fleet.lease_ttl_seconds / 2)
+        except Exception as exc:  # noqa: BLE001 - NATS does not answer: the replay alone, as before
+            log.info("detect %s: partition %d: state snapshot not read (%s); rebuilding from the replay alone", self.id, part.p, exc)
+            return
+        if entry is None:
+            return
+        part.state_rev = int(entry.revision or 0)
+        try:
+            doc, state = transport.decode_state(entry.value or b"")
+            epoch, wall = doc.get("epoch"), float(doc.get("wall"))
+        except Exception as exc:  # noqa: BLE001 - written by another version, or damaged
+            self._ignore(part, "undecodable", f"undecodable ({exc})")
+            return
+        owner = doc.get("owner")
+        if isinstance(epoch, int) and part.epoch is not None and epoch >= part.epoch:
+            self._ignore(part, "epoch", f"written by {owner} under lease epoch {epoch}, not before ours ({part.epoch})")
+            return
+        if last is not None and not last.get("claim") and isinstance(last.get("epoch"), int) and isinstance(epoch, int) and last["epoch"] > epoch:
+            self._ignore(part, "epoch", f"written by {owner} under lease epoch {epoch}, but {last.get('owner')} published the partition's findings under epoch {last['epoch']} since")
+            return
+        age = time.time() - wall
+        if age > self.fleet.replay_seconds:
+            self._ignore(part, "age", f"written by {owner} {age:.0f}s ago, before the {self.fleet.replay_seconds:g}s the replay reads (the rows between are not seen)")
+            return
+        try:
+            n = part.pipeline.restore(state)
+        except Exception as exc:  # noqa: BLE001 - a snapshot that decodes but does not fit this version
+            self._ignore(part, "undecodable", f"not restorable ({exc})")
+            part.pipeline, part.feed = self._pipeline()
+            return
+        self.state_restored += 1
+        log.info("detect %s: restored partition %d from the state snapshot of %s (lease epoch %s, %.1fs old, data time %s): %d findings, detector state of %s",
+                 self.id, part.p, owner, epoch, age, state.get("now"), n, ", ".join(sorted(state.get("detectors", {}))) or "none")
+
+    def _ignore(self, part: Partition, reason: str, why: str) -> None:
+        self.state_ignored[reason] = self.state_ignored.get(reason, 0) + 1
+        log.warning("detect %s: partition %d: state snapshot ignored: %s; rebuilding from the replay alone", self.id, part.p, why)
+
+    async def _state_entry(self, key: str) -> Any:
+        from nats.js.errors import KeyDeletedError, KeyNotFoundError
+
+        try:
+            return await self.state_kv.get(key)
+        except (KeyNotFoundError, KeyDeletedError):  # none yet, deleted, or expired with the rows it described
+            return None
+
+    async def _last_findings(self, p: int) -> dict[str, Any] | None:
+        from nats.js.errors import NotFoundError
+
+        try:
+            msg = await self.js.get_last_msg(self.subjects.findings_stream, self.subjects.findings_part(p))
+        except NotFoundError:
+            return None
+        try:
+            doc = json.loads(msg.data)
+        except ValueError:
+            return None
+        return doc if isinstance(doc, dict) else None
+
+    def _snapshot(self, part: Partition) -> tuple[int | None, bytes]:
+        """The partition's state as one KV value (under `tick_lock`: the pipeline is not ticking)."""
+        state = part.pipeline.carry_over()
+        stamps = {"owner": self.id, "epoch": part.epoch, "partition": part.p, "wall": time.time(), "last_seq": part.last_seq}
+        body = transport.encode_state(stamps, state)
+        if len(body) > self.fleet.state_max_bytes:
+            # The findings are small (about 1 kB each); the detectors' state of a job of many
+            # thousand ranks may not be: the next owner then times that job from its replay.
+            self.state_trimmed += 1
+            log.warning("detect %s: partition %d: state snapshot of %d bytes exceeds fleet.state_max_bytes %d; written without the detectors' state (%s)",
+                        self.id, part.p, len(body), self.fleet.state_max_bytes, ", ".join(sorted(state["detectors"])))
+            body = transport.encode_state(stamps, {**state, "detectors": {}})
+        return part.epoch, body
+
+    def _snapshot_locked(self, part: Partition) -> tuple[int | None, bytes]:
+        with self.tick_lock:
+            return self._snapshot(part)
+
+    async def handover(self, p: int) -> None:
+        """A clean handover: the partition's state as of now, for its next owner."""
+        part = self.parts.get(p)
+        if part is None or not part.caught_up or not part.pipeline.ticks or self.state_kv is None:
+            return
+        epoch, body = await asyncio.to_thread(self._snapshot_locked, part)
+        await self._save(part, epoch, body)
+
+    async def _save_pending(self) -> None:
+        for part in list(self.parts.values()):
+            pending, part.state_body = part.state_body, None
+            if pending is not None:
+                await self._save(part, *pending)
+
+    async def _save(self, part: Partition, epoch: int | None, body: bytes) -> bool:
+        """Write a snapshot under the lease it was taken under: only while that lease is valid, and
+        only over what we read or wrote last (a compare-and-set on the key's revision). A write
+        found in between is overwritten only when it comes from an earlier lease (an owner paused
+        past its own, waking); a later lease's means the partition is no longer ours."""
+        from nats.js.errors import KeyDeletedError, KeyNotFoundError, KeyWrongLastSequenceError
+
+        key = f"part.{part.p}"
+        for _ in range(3):
+            if self.leases is None or part.epoch != epoch or not self.leases.valid(key):
+                self.state_fenced += 1
+                log.info("detect %s: partition %d: lease no longer valid, state snapshot not written", self.id, part.p)
+                return False
+            try:
+                part.state_rev = await asyncio.wait_for(self.state_kv.update(key, body, last=part.state_rev), self.leases.call_timeout)
+                self.state_written += 1
+                return True
+            except KeyWrongLastSequenceError:
+                try:
+                    entry = await asyncio.wait_for(self.state_kv.get(key), self.leases.call_timeout)
+                except (KeyNotFoundError, KeyDeletedError) as exc:  # deleted or expired: a tombstone's revision, or none
+                    entry = getattr(exc, "entry", None)
+                try:
+                    theirs = transport.decode_state(entry.value or b"")[0] if entry is not None and entry.value else {}
+                except Exception:  # noqa: BLE001 - damaged: overwritten
+                    theirs = {}
+                if isinstance(theirs.get("epoch"), int) and epoch is not None and theirs["epoch"] > epoch:
+                    self.state_fenced += 1
+                    log.warning("detect %s: partition %d: %s wrote its state under lease epoch %d (ours %d): not overwritten",
+                                self.id, part.p, theirs.get("owner"), theirs["epoch"], epoch)
+                    return False
+                part.state_rev = int(entry.revision or 0) if entry is not None else 0
+            except Exception as exc:  # noqa: BLE001 - written again at the next interval
+                log.info("detect %s: partition %d: state snapshot not written: %s", self.id, part.p, exc)
+                return False
+        return False
+
     # -- rows ------------------------------------------------------------------------------------
     async def _subscribe(self, part: Partition, replay: bool) -> Any:
         from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
@@ -235,6 +394,10 @@ class Detect:
         return await self.js.pull_subscribe(self.subjects.part(part.p), durable=durable, stream=self.subjects.rows_stream_of(part.p), config=cfg)
 
     async def _consume(self, part: Partition) -> None:
+        try:
+            await self.restore(part)
+        finally:
+            part.restoring = False
         replay = True
         errors = idle = 0
         while True:
@@ -318,9 +481,15 @@ class Detect:
     # -- ticks -----------------------------------------------------------------------------------
     def tick(self, now: float) -> list[tuple[int, int | None, str, bytes]]:
         """Each held partition's message: (partition, lease epoch, subject, body)."""
+        with self.tick_lock:
+            return self._tick(now)
+
+    def _tick(self, now: float) -> list[tuple[int, int | None, str, bytes]]:
         c0 = time.thread_time()
         out = []
         for part in list(self.parts.values()):
+            if part.restoring:
+                continue
             if not part.caught_up:
                 # Never judge a half-replayed window; claim the partition meanwhile, so readers
                 # fence its previous owner off and keep its findings until ours are ready.
@@ -339,8 +508,14 @@ class Detect:
                 jobs = part.pipeline.window.get("jobs")
                 # Tenants of the partition's jobs: act routes alerts by tenant (alerts.team_of_tenant).
                 tenants = dict(zip(jobs["job"].to_list(), jobs["tenant"].to_list(), strict=True)) if jobs.height else {}
+                # first_seen: when each finding was first reported (its age), kept across takeovers.
+                first_seen = {f.id: part.pipeline.first_seen[f.id] for f in active}
                 out.append((part.p, part.epoch, self.subjects.findings_part(part.p),
-                            transport.findings_payload("detect", now, active, partition=part.p, owner=self.id, epoch=part.epoch, tenants=tenants)))
+                            transport.findings_payload("detect", now, active, partition=part.p, owner=self.id, epoch=part.epoch, tenants=tenants,
+                                                       first_seen=first_seen)))
+            if self.state_kv is not None and now - part.state_at >= self.fleet.state_snapshot_seconds:
+                part.state_at = now
+                part.state_body = self._snapshot(part)
         self.ticks += 1
         self.tick_cpu_seconds += time.thread_time() - c0
         return out
@@ -352,6 +527,7 @@ class Detect:
             await transport.ensure(self.js, self.fleet)
             await self.clock.subscribe(nc, self.subjects)
             kv = await self.js.key_value(self.subjects.leases_bucket)
+            self.state_kv = await self.js.key_value(self.subjects.state_bucket)
             self.leases = leases = Leases(kv, self.id, self.fleet.lease_ttl_seconds)
             renew_every = self.fleet.lease_ttl_seconds / 4
 
@@ -386,6 +562,9 @@ class Detect:
                             self.findings_published += 1
                         except Exception as exc:  # noqa: BLE001 - republished on the next refresh
                             log.info("detect %s: findings publish failed: %s", self.id, exc)
+                    # Its own task: a slow KV write (a NATS node failing over) never delays a tick.
+                    if any(part.state_body is not None for part in self.parts.values()) and (self.state_saving is None or self.state_saving.done()):
+                        self.state_saving = asyncio.create_task(self._save_pending())
                 try:
                     await asyncio.wait_for(self.stop_event.wait(), 0.1)
                 except TimeoutError:
@@ -395,6 +574,13 @@ class Detect:
             # Collected, so a clean stop logs no "exception was never retrieved" traceback.
             await asyncio.gather(*lease_tasks, return_exceptions=True)
             held = list(self.parts)
+            if self.state_saving is not None:
+                self.state_saving.cancel()
+            # The state as of the last tick, for the next owners (bounded: SIGTERM exits within 5 s).
+            try:
+                await asyncio.wait_for(asyncio.gather(*(self.handover(p) for p in held), return_exceptions=True), 1.5)
+            except TimeoutError:
+                log.info("detect %s: state snapshots at stop cut short after 1.5s (the last periodic ones stand)", self.id)
             for p in held:
                 await self.drop(p)
             # A clean stop hands the partitions over at once (bounded: SIGTERM exits within 5 s).

@@ -250,6 +250,15 @@ def detect_families(d: Any) -> Iterable[Any]:
     yield active
     yield _counter("gpuvigil_detect_findings_published", "Findings messages published to the findings stream.", d.findings_published, rid)
     yield _counter("gpuvigil_detect_fenced_messages", "Findings messages not published: the partition's lease was no longer valid when they were ready.", d.fenced, rid)
+    yield _counter("gpuvigil_detect_state_snapshots_written", "Partition state snapshots written to the state bucket (fleet.state_bucket).", d.state_written, rid)
+    yield _counter("gpuvigil_detect_state_snapshots_fenced", "Partition state snapshots not written: the lease was no longer valid, or a later owner had written one.", d.state_fenced, rid)
+    yield _counter("gpuvigil_detect_state_snapshots_trimmed", "Partition state snapshots over fleet.state_max_bytes, written with the findings only.", d.state_trimmed, rid)
+    yield _counter("gpuvigil_detect_state_restored", "Partitions taken over with their state snapshot restored.", d.state_restored, rid)
+    ignored = CounterMetricFamily("gpuvigil_detect_state_snapshots_ignored", "State snapshots found at a takeover and not restored, by reason (age, epoch, undecodable).",
+                                  labels=["replica", "reason"])
+    for reason in ("age", "epoch", "undecodable"):
+        ignored.add_metric([d.id, reason], d.state_ignored.get(reason, 0))
+    yield ignored
     yield _counter("gpuvigil_detect_lease_writes_recovered", "Lease writes whose acknowledgement was lost (a NATS server died) recognised as this replica's own.",
                    d.leases.adopted if d.leases is not None else 0, rid)
     yield from clock_families("detect", d.clock, rid)

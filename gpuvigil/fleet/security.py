@@ -7,7 +7,8 @@ Roles and what NATS lets each of them do (`permissions`):
   no JetStream API rights beyond reading stream info: it cannot publish a detect partition's
   findings (a forged page), write a lease or the act ledger, or change or delete a stream. With a
   credential the agent leaves the streams' creation to detect and act.
-- detect: read the rows (pull consumers), hold leases, publish its partitions' findings.
+- detect: read the rows (pull consumers), hold leases, publish its partitions' findings and
+  snapshot their carried-over state.
 - act: read findings and node summaries, hold the leader lease, and own the act ledger.
 
 Destructive JetStream calls (delete or purge a stream, delete a stored message) are denied to
@@ -100,19 +101,20 @@ def permissions(fleet: Fleet, role: str) -> dict[str, Any]:
     p = s.prefix
     leases = f"$KV.{s.leases_bucket}.>"
     ledger = f"$KV.{s.ledger_bucket}.>"
+    state = f"$KV.{s.state_bucket}.>"
     if role == "agent":
         # The server checks the subject after the partition mapping (rows.<job> → part.<p>.<job>).
         pub = [f"{p}.rows.*", f"{p}.part.*.*", f"{p}.findings.node.*", f"{p}.cluster.node.*", f"{p}.clock.*", "$JS.API.INFO", "$JS.API.STREAM.INFO.*"]
         return {"publish": {"allow": pub}, "subscribe": {"allow": ["_INBOX.>"]}}
     # detect and act run JetStream consumers and manage the streams' limits; what they may
-    # write is their own findings or the ledger, and the leases.
+    # write is their own findings (and detect's partition state) or the ledger, and the leases.
     api = ["$JS.API.>", "$JS.ACK.>", "$JS.FC.>"]
     if role == "detect":
-        pub = [f"{p}.findings.part.*", leases, *api]
+        pub = [f"{p}.findings.part.*", leases, state, *api]
         deny = [ledger, *_DESTRUCTIVE]
     elif role == "act":
         pub = [leases, ledger, *api]
-        deny = [f"{p}.findings.>", f"{p}.rows.>", *_DESTRUCTIVE]
+        deny = [f"{p}.findings.>", f"{p}.rows.>", state, *_DESTRUCTIVE]
     else:
         raise ValueError(role)
     return {"publish": {"allow": pub, "deny": deny}, "subscribe": {"allow": ["_INBOX.>", f"{p}.clock.>"]}}

@@ -75,6 +75,7 @@ class Subjects:
         self.findings_stream = f"{p.upper()}_FINDINGS"
         self.leases_bucket = f"{p}_leases"
         self.ledger_bucket = f"{p}_act_ledger"
+        self.state_bucket = f"{p}_{fleet.state_bucket}"
 
     def rows_stream_of(self, partition: int) -> str:
         """The rows stream that stores `partition` (deterministic: p % rows_streams)."""
@@ -140,6 +141,38 @@ def decode_frames(body: bytes, index: str) -> dict[str, pl.DataFrame]:
         a, n = int(start), int(length)
         out[name] = pl.read_ipc_stream(io.BytesIO(body[a : a + n]))
     return out
+
+
+# -- a partition's carried-over state (detect's state bucket) --------------------------------------
+def encode_state(stamps: dict[str, Any], state: dict[str, Any]) -> bytes:
+    """`Pipeline.carry_over()` with the writer's stamps → one KV value: '<header length>\n', a JSON
+    header (stamps, findings, the frames' index), then the detectors' frames (Arrow IPC)."""
+    frames = {f"{det}/{name}": df for det, own in state.get("detectors", {}).items() for name, df in own.items()}
+    body, index = encode_frames(frames)
+    head = json.dumps({**stamps, "now": state.get("now"), "findings": state.get("findings", []), "frames": index}, sort_keys=True).encode()
+    return b"%d\n" % len(head) + head + body
+
+
+def decode_state(data: bytes) -> tuple[dict[str, Any], dict[str, Any]]:
+    """A KV value of `encode_state` → (its stamps and findings, the `Pipeline.restore` state).
+    Raises ValueError (or an Arrow error) on anything else: the bucket is writable by any detect
+    replica, of any version."""
+    size, sep, rest = data.partition(b"\n")
+    if not sep or not size.isdigit() or int(size) > len(rest):
+        raise ValueError("not a partition state snapshot")
+    doc = json.loads(rest[: int(size)])
+    if not isinstance(doc, dict) or not isinstance(doc.get("findings", []), list):
+        raise ValueError("not a partition state snapshot")
+    body = rest[int(size) :]
+    detectors: dict[str, dict[str, pl.DataFrame]] = {}
+    for item in filter(None, str(doc.pop("frames", "")).split(",")):
+        name, start, length = item.rsplit(":", 2)
+        det, _, own = name.partition("/")
+        a, n = int(start), int(length)
+        if a < 0 or n < 0 or a + n > len(body):
+            raise ValueError(f"frame {name} outside the snapshot")
+        detectors.setdefault(det, {})[own] = pl.read_ipc_stream(io.BytesIO(body[a : a + n]))
+    return doc, {"now": doc.get("now"), "findings": doc.get("findings", []), "detectors": detectors}
 
 
 def findings_payload(origin: str, now: float, findings: list[Finding], **extra: Any) -> bytes:
@@ -220,7 +253,9 @@ async def ensure(js: Any, fleet: Fleet, *, attempts: int = 60) -> None:
                     continue
                 await apply_limits(js, info.config, {"max_age": cfg.max_age, "max_bytes": cfg.max_bytes or -1, "num_replicas": cfg.num_replicas},
                                    "fleet.rows_max_age_seconds / rows_max_bytes / replicas" if cfg.name in rows else "fleet.replicas")
-            for bucket, ttl in ((s.leases_bucket, fleet.lease_ttl_seconds), (s.ledger_bucket, 0.0)):
+            # A partition's state snapshot older than the rows stream describes rows nobody can
+            # replay any more: it expires with them.
+            for bucket, ttl in ((s.leases_bucket, fleet.lease_ttl_seconds), (s.ledger_bucket, 0.0), (s.state_bucket, fleet.rows_max_age_seconds)):
                 try:
                     info = await js.stream_info(f"KV_{bucket}")
                 except NotFoundError:
@@ -229,7 +264,7 @@ async def ensure(js: Any, fleet: Fleet, *, attempts: int = 60) -> None:
                 # A bucket's TTL is its stream's max_age: a changed lease_ttl_seconds is applied
                 # to the bucket in place (create_key_value would refuse the other config).
                 await apply_limits(js, info.config, {"max_age": ttl, "num_replicas": fleet.replicas},
-                                   "fleet.lease_ttl_seconds / replicas" if ttl else "fleet.replicas")
+                                   {s.leases_bucket: "fleet.lease_ttl_seconds / replicas", s.state_bucket: "fleet.rows_max_age_seconds / replicas"}.get(bucket, "fleet.replicas"))
             return
         except Exception as exc:  # noqa: BLE001 - JetStream not ready yet (no meta leader): retry
             from gpuvigil.errors import UserError

@@ -216,6 +216,41 @@ class Pipeline:
         self.jobjoin = JobJoin()
         self.levels = LevelSelector(self.detectors, **config.section("levels", LevelsConfig, cfg).model_dump())
 
+    def carry_over(self) -> dict[str, Any]:
+        """What a replay of recent rows cannot rebuild, for another process to `restore` (a fleet
+        partition's next owner): the active findings with their first and last report, and each
+        detector's own declared state (its `carry_over()`, frames). Bounded by what is active."""
+        return {
+            "now": self._previous_tick,
+            "findings": [{"finding": f.to_json_dict(), "first_seen": self.first_seen[k], "last_seen": self.last_seen[k]} for k, f in self.active.items()],
+            "detectors": {d.name: own for d in self.detectors if callable(getattr(d, "carry_over", None)) and (own := d.carry_over())},
+        }
+
+    def restore(self, state: dict[str, Any]) -> int:
+        """Before the first tick: take `carry_over()`'s state. Restored findings are active as of
+        the state's last tick: one the detectors report again on the next tick keeps its first
+        report (its age) and incident and raises no new hint; one they no longer report clears
+        after its clear time. Returns the findings restored."""
+        now = state.get("now")
+        if self.ticks or now is None:
+            return 0
+        restored: list[Finding] = []
+        for item in state.get("findings", []):
+            d = dict(item["finding"])
+            d.pop("id", None)
+            f = Finding.model_validate(d)
+            self.active[f.id] = f
+            self.first_seen[f.id] = float(item["first_seen"])
+            self.last_seen[f.id] = float(item["last_seen"])
+            restored.append(f)
+        self._previous_tick = float(now)
+        self.incidents.restore(restored, self.first_seen, float(now))
+        for d in self.detectors:
+            own = state.get("detectors", {}).get(d.name)
+            if own and callable(getattr(d, "restore", None)):
+                d.restore(own)
+        return len(restored)
+
     def _retention_keys(self, detector: Any, stream: str, name: str) -> pl.DataFrame | None:
         """declared_retention's named keys: "allocated", the (node, gpu) in `allocations` of the
         jobs whose findings from `detector` the level selection keeps now or within its look-back."""

@@ -233,6 +233,32 @@ class IncidentTracker:
             inc.roles[f.id] = EVIDENCE
             f.incident, f.incident_role = inc.id, EVIDENCE
 
+    def restore(self, findings: Iterable[Finding], first_seen: dict[str, float], now: float) -> None:
+        """Incidents as an earlier holder of the findings placed them (a fleet partition's previous
+        owner): each restored finding keeps its incident and role, so its alerts stay one group."""
+        by_incident: dict[str, list[Finding]] = {}
+        for f in findings:
+            if f.incident and f.incident_role:
+                by_incident.setdefault(f.incident, []).append(f)
+        for iid, members in by_incident.items():
+            members.sort(key=lambda f: first_seen.get(f.id, now))
+            title = max(members, key=self.rank)  # the first of the best-explaining kind
+            inc = Incident(id=iid, opened_at=first_seen.get(members[0].id, now), last_seen=now, title=title,
+                           severity=max((f.severity for f in members), key=SEVERITY_RANK.__getitem__).value)
+            for f in members:
+                keys, where = _keys(f), places(f)
+                inc.keys |= keys
+                for k in keys:
+                    self._by_key.setdefault(k, iid)
+                if f.kind != FindingKind.ANOMALY:
+                    inc.known |= where
+                if f.incident_role in MESSAGE_ROLES:
+                    inc.messaged |= where
+                inc.findings[f.id] = f
+                inc.roles[f.id] = f.incident_role  # type: ignore[assignment]
+                self._of_finding[f.id] = iid
+            self.live[iid] = inc
+
     def incident_of(self, finding_id: str) -> Incident | None:
         return self.live.get(self._of_finding.get(finding_id, ""))
 
