@@ -536,6 +536,49 @@ class Act:
             return False
         return True
 
+    async def _take_office(self, ledger: Ledger, leases: Leases) -> asyncio.Future:
+        """A new leader loads what earlier leaders left (hints, paged incidents) before it ticks,
+        serves or sends anything, then reads the findings and cluster streams."""
+        self.leader_since = time.monotonic()
+        log.warning("act %s: leader now", self.id)
+        print(f"gpuvigil act {self.id}: leader", flush=True)
+        self.stats.leader_terms += 1
+        self._open_outputs()
+        if self.store is not None:
+            from gpuvigil.fleet.hints import SharedHints
+
+            self.shared = SharedHints(ledger.kv, self.store, self.stats.hint_store)
+            await self._while_leader(leases, self.shared.load, "cannot load the fleet's hint store yet")
+        await self._while_leader(leases, lambda: self._adopt_incidents(ledger), "cannot read the ledger's incidents yet")
+        return asyncio.gather(
+            self._read(self.subjects.findings_stream, f"{self.subjects.prefix}.findings.>", self._on_findings, "findings"),
+            self._read(self.subjects.cluster_stream, f"{self.subjects.prefix}.cluster.>", self._on_cluster, "cluster"),
+        )
+
+    async def _while_leader(self, leases: Leases, step: Any, failing: str) -> None:
+        """Retries `step` until it succeeds, this replica stops leading, or it is asked to stop."""
+        while leases.valid(LEADER_KEY) and not self.stop_event.is_set():
+            try:
+                await step()
+                return
+            except Exception as exc:  # noqa: BLE001 - NATS failing over: retried
+                log.warning("act %s: %s: %s", self.id, failing, exc)
+                await asyncio.sleep(0.5)
+
+    def _stand_down(self, reader: asyncio.Future | None) -> None:
+        """Lost the lease (NATS unreachable for a TTL, or taken): stop acting at once."""
+        log.error("act %s: lost the leader lease; standing by", self.id)
+        self.leader_since = None
+        if reader is not None:
+            reader.cancel()
+        self.stats.end_term(self)
+        self.close()
+        self.sinks = []
+        self.acting = None
+        self.pusher = None
+        self.store = self.shared = None
+
+
     async def run(self) -> None:
         nc = await connection.connect(self.fleet, f"gpuvigil-act-{self.id}", role=NAME)
         self.js = nc.jetstream(timeout=5)
@@ -559,47 +602,9 @@ class Act:
             while not self.stop_event.is_set() and (deadline is None or time.monotonic() < deadline):
                 leader = state["leader"] and leases.valid(LEADER_KEY)
                 if leader and self.leader_since is None:
-                    self.leader_since = time.monotonic()
-                    log.warning("act %s: leader now", self.id)
-                    print(f"gpuvigil act {self.id}: leader", flush=True)
-                    self.stats.leader_terms += 1
-                    self._open_outputs()
-                    if self.store is not None:
-                        from gpuvigil.fleet.hints import SharedHints
-
-                        self.shared = SharedHints(ledger.kv, self.store, self.stats.hint_store)
-                        loaded = False
-                        while not loaded and leases.valid(LEADER_KEY) and not self.stop_event.is_set():
-                            try:  # every earlier leader's hints, before this one ticks or serves
-                                await self.shared.load()
-                                loaded = True
-                            except Exception as exc:  # noqa: BLE001 - NATS failing over: retried
-                                log.warning("act %s: cannot load the fleet's hint store yet: %s", self.id, exc)
-                                await asyncio.sleep(0.5)
-                    adopted = False
-                    while not adopted and leases.valid(LEADER_KEY) and not self.stop_event.is_set():
-                        try:  # the incidents earlier leaders paged, before this one sends anything
-                            await self._adopt_incidents(ledger)
-                            adopted = True
-                        except Exception as exc:  # noqa: BLE001 - NATS failing over: retried
-                            log.warning("act %s: cannot read the ledger's incidents yet: %s", self.id, exc)
-                            await asyncio.sleep(0.5)
-                    reader = asyncio.gather(
-                        self._read(self.subjects.findings_stream, f"{self.subjects.prefix}.findings.>", self._on_findings, "findings"),
-                        self._read(self.subjects.cluster_stream, f"{self.subjects.prefix}.cluster.>", self._on_cluster, "cluster"),
-                    )
+                    reader = await self._take_office(ledger, leases)
                 elif not leader and self.leader_since is not None:
-                    # Lost the lease (NATS unreachable for a TTL, or taken): stop at once.
-                    log.error("act %s: lost the leader lease; standing by", self.id)
-                    self.leader_since = None
-                    if reader is not None:
-                        reader.cancel()
-                    self.stats.end_term(self)
-                    self.close()
-                    self.sinks = []
-                    self.acting = None
-                    self.pusher = None
-                    self.store = self.shared = None
+                    self._stand_down(reader)
                 if self.leader_since is not None and leases.valid(LEADER_KEY):
                     now = self.clock.now
                     if math.isfinite(now) and now - self.last_tick >= self.pipeline.config.tick_seconds:
