@@ -153,8 +153,10 @@ class Server:
             raise
 
     def _start(self) -> None:
+        from gpuvigil.app.compose import Outputs
+
         args = self.args
-        sinks: list[Any] = [self.stats]
+        outputs = Outputs(stats=self.stats)
         self.alertmanagers = list(args.alertmanager or self.alert_settings.alertmanagers)
         if self.alertmanagers:
             from gpuvigil.alerts.pusher import AlertPusher, DeliveryLoop
@@ -162,22 +164,22 @@ class Server:
             self.pusher = AlertPusher(self.alertmanagers, args.outbox, self.alert_settings)
             self._stack.callback(self.pusher.close)
             self._stack.callback(self._count_left_in_outbox)  # runs after the final flush
-            sinks.append(self.pusher)
+            outputs.alerts = self.pusher
             self.delivery = DeliveryLoop(self.pusher).start()
             self._stack.callback(self.delivery.stop)
         src = self.sources_cfg
         acting_wanted = not self.simulated and src.scheduler != "none" and src.act != "off"
         if args.api_port is not None or acting_wanted:
             self.store = self._open_store()
-            sinks.append(self.store)
+            outputs.store = self.store
         if args.api_port is not None:
             self._start_api(self.store)
         if self.simulated:
             from gpuvigil.app import runtime as runtime_mod
 
-            self.runtime = runtime_mod.build_simulated(args.scenario, nodes=args.nodes, seed=args.seed, cfg=self.cfg, sinks=sinks)
+            self.runtime = runtime_mod.build_simulated(args.scenario, nodes=args.nodes, seed=args.seed, cfg=self.cfg, outputs=outputs)
         else:
-            self._start_real(sinks)
+            self._start_real(outputs)
         extra = [self._source_families, self.trimmer.families]
         if self.pusher is not None:
             from gpuvigil.alerts.pusher import pusher_families
@@ -202,10 +204,9 @@ class Server:
             self.otel = otlp_exporter(self.snapshot, args.otlp_endpoint, interval_seconds=args.otlp_interval)
             self._stack.callback(self.otel.shutdown)
 
-    def _start_real(self, sinks: list[Any]) -> None:
+    def _start_real(self, outputs: Any) -> None:
+        from gpuvigil.app import compose
         from gpuvigil.app import sources as deploysources
-        from gpuvigil.detectors.registry import default_detectors
-        from gpuvigil.pipeline.core import Pipeline
         from gpuvigil.app.runtime import Runtime
         from gpuvigil.scheduler.core import Scheduler, SchedulerStateCollector
 
@@ -220,12 +221,9 @@ class Server:
         if src.scheduler == "none":
             # No real scheduler: the built-in one's view is the only job/node map there is.
             collectors.append(SchedulerStateCollector(scheduler))
-        detectors = default_detectors(self.cfg)
-        sinks.extend(s.sink for s in self.sources if getattr(s, "sink", None) is not None)
         if src.scheduler != "none":
-            self.acting = self._make_acting(src)
-            sinks.append(self.acting)
-        pipeline = Pipeline(collectors, detectors, sinks=[scheduler, *sinks], cfg=self.cfg)
+            self.acting = outputs.acting = self._make_acting(src)
+        pipeline = compose.build(self.cfg, "serve", collectors, scheduler=scheduler, outputs=outputs, sources=self.sources)
         for s in self.sources:  # a source's `up` is its collector's health in the pipeline
             s.health = pipeline.health
             if s.collector is not None:  # its state changes are logged under the source's name

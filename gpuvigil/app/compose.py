@@ -1,0 +1,164 @@
+"""The composition root: what each run mode runs, decided in one place.
+
+`serve`, the fleet's `agent`, `detect` and `act`, `replay` and `analyze` build their pipelines
+here from the config, their role and their sources. The role decides:
+
+- which detectors run: those whose declaration (detectors/base.py `DetectorSpec.placement`)
+  places them in a stage the role covers (`PLACEMENTS`). The single-process modes run every
+  stage; in the fleet a detector runs in exactly one of agent, detect and act.
+  `fleet.agent_detectors` moves detectors to the agent; it is applied here, for every role;
+- the sinks and their order (`SINK_ORDER`): the built-in scheduler first (it mirrors the hints
+  the outputs then see), tick statistics, alerts, the hint store, the sources' own sinks (the
+  Flight Recorder trigger), the scheduler adapter that acts last, on what the store holds;
+- how a suspected hang asks the job's ranks for Flight Recorder dumps (`DUMP_TRIGGER`): in
+  `serve` the trigger is a sink that writes the pipes itself; in the fleet the hang detectors
+  run in `detect`, whose trigger sends each request to the agents of the nodes holding the job's
+  ranks (`gv.fr.request.<node>`), and the agent's Flight Recorder source writes the pipes.
+
+What differs between the modes is a parameter here (the detectors put first, such as act's
+relay; the collectors, such as replay's recorded rows), never a copy of the assembly.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass
+from typing import Any, Literal
+
+from gpuvigil.detectors.base import Detector, Placement
+from gpuvigil.detectors.registry import placement, registered
+from gpuvigil.errors import UserError
+from gpuvigil.pipeline.core import Pipeline, Sink
+
+Role = Literal["serve", "agent", "detect", "act", "replay", "analyze"]
+
+# The fleet stages whose detectors each role runs.
+PLACEMENTS: dict[str, tuple[Placement, ...]] = {
+    "serve": ("agent", "detect", "act"),
+    "replay": ("agent", "detect", "act"),
+    "analyze": ("agent", "detect", "act"),
+    "agent": ("agent",),
+    "detect": ("detect",),
+    "act": ("act",),
+}
+ROLES: tuple[str, ...] = tuple(PLACEMENTS)
+
+# The order in which sinks see each tick's result.
+SINK_ORDER = ("scheduler", "stats", "alerts", "store", "extra", "sources", "acting")
+
+# sink: the Flight Recorder source's trigger is a pipeline sink that decides and writes the pipes;
+# ask_agents: a trigger sink that decides and sends each request to the agents of the job's nodes;
+# on_request: the Flight Recorder source's trigger writes the pipes detect asks for.
+DUMP_TRIGGER: dict[str, str] = {"serve": "sink", "detect": "ask_agents", "agent": "on_request"}
+
+
+def _check(role: str) -> None:
+    if role not in PLACEMENTS:
+        raise ValueError(f"unknown role {role!r}; roles: {', '.join(ROLES)}")
+
+
+def stage_of(agent_detectors: Sequence[str] | None = None) -> dict[str, Placement]:
+    """Detector name -> the fleet stage that runs it, `fleet.agent_detectors` applied."""
+    placed = placement()
+    if agent_detectors is None:
+        return dict(placed)
+    unknown = sorted(set(agent_detectors) - set(placed))
+    if unknown:
+        raise UserError(f"fleet.agent_detectors: unknown detector(s) {', '.join(unknown)}; known: {', '.join(sorted(placed))}")
+    chosen = set(agent_detectors)
+    return {name: "agent" if name in chosen else ("act" if where == "act" else "detect") for name, where in placed.items()}
+
+
+def detector_names(role: str, fleet: Any = None) -> list[str]:
+    """The detectors `role` runs, in the declared order."""
+    _check(role)
+    stages = stage_of(getattr(fleet, "agent_detectors", None))
+    return [cls.spec.name for cls in registered() if stages[cls.spec.name] in PLACEMENTS[role]]
+
+
+def detectors(cfg: dict[str, Any] | None, role: str, *, fleet: Any = None, only: Iterable[str] | None = None) -> list[Detector]:
+    """One instance of each detector `role` runs (of those named in `only`), built from `cfg`."""
+    names = set(detector_names(role, fleet))
+    if only is not None:
+        names &= set(only)
+    return [cls(cfg) for cls in registered() if cls.spec.name in names]  # type: ignore[call-arg]
+
+
+@dataclass
+class Outputs:
+    """What a process does with each tick's result; each None where the mode has none."""
+
+    stats: Sink | None = None  # tick statistics for /metrics
+    alerts: Sink | None = None  # the Alertmanager pusher (its durable outbox)
+    store: Sink | None = None  # the hint store of the feedback API and of acting
+    acting: Sink | None = None  # the scheduler adapter (drain, requeue)
+    extra: Sequence[Sink] = ()  # what a caller adds (benchmarks' probes, tests' recorders)
+
+
+def source_sinks(role: str, sources: Iterable[Any]) -> list[Sink]:
+    """The sinks the sources bring (the Flight Recorder trigger) where `role` attaches them."""
+    if DUMP_TRIGGER.get(role) != "sink":
+        return []
+    return [s.sink for s in sources if getattr(s, "sink", None) is not None]
+
+
+def sinks(role: str, outputs: Outputs | None = None, *, scheduler: Sink | None = None, sources: Iterable[Any] = (), dump_ask: Callable[[str], bool] | None = None) -> list[Sink]:
+    """The pipeline's sinks in `SINK_ORDER`."""
+    _check(role)
+    out = outputs or Outputs()
+    found: dict[str, list[Sink]] = {
+        "scheduler": [scheduler] if scheduler is not None else [],
+        "stats": [out.stats] if out.stats is not None else [],
+        "alerts": [out.alerts] if out.alerts is not None else [],
+        "store": [out.store] if out.store is not None else [],
+        "extra": list(out.extra),
+        "sources": source_sinks(role, sources) + ([fleet_dump_trigger(dump_ask)] if dump_ask is not None and DUMP_TRIGGER.get(role) == "ask_agents" else []),
+        "acting": [out.acting] if out.acting is not None else [],
+    }
+    return [s for part in SINK_ORDER for s in found[part]]
+
+
+def build(
+    cfg: dict[str, Any] | None,
+    role: str,
+    collectors: Sequence[Any],
+    *,
+    fleet: Any = None,
+    outputs: Outputs | None = None,
+    scheduler: Sink | None = None,
+    sources: Iterable[Any] = (),
+    lead: Sequence[Detector] = (),
+    dump_ask: Callable[[str], bool] | None = None,
+) -> Pipeline:
+    """The Pipeline of `role` over `collectors`. `lead`: detectors of the mode itself that run
+    before the declared ones (act's relay of the fleet's findings). `dump_ask(job)`: detect's
+    request to the agents of the job's nodes to write its ranks' debug-info pipes."""
+    return Pipeline(
+        collectors,
+        [*lead, *detectors(cfg, role, fleet=fleet)],
+        sinks=sinks(role, outputs, scheduler=scheduler, sources=sources, dump_ask=dump_ask),
+        cfg=cfg,
+    )
+
+
+def fleet_dump_trigger(ask: Callable[[str], bool]) -> Sink:
+    """serve's trigger (the same decision: an L0 hang suspicion, raised or suppressed, or an
+    Inspector stall), whose writer is a request to the job's agents instead of the pipes."""
+    from gpuvigil.collectors.fr_dumps import FrDumpTrigger, FrRequests
+
+    return FrDumpTrigger(ask, FrRequests())
+
+
+def dump_trigger_of(pipeline: Pipeline) -> Any:
+    """The Flight Recorder trigger among a pipeline's sinks, or None."""
+    from gpuvigil.collectors.fr_dumps import FrDumpTrigger
+
+    return next((s for s in pipeline.sinks if isinstance(s, FrDumpTrigger)), None)
+
+
+def dump_asker(role: str, sources: Iterable[Any]) -> Any:
+    """The Flight Recorder source's trigger where `role` writes the pipes on request (the agent):
+    its `ask(job, now, how)` writes the job's pipes and notes the request for the dump watcher."""
+    if DUMP_TRIGGER.get(role) != "on_request":
+        return None
+    return next((s.sink for s in sources if s.kind == "flight_recorder" and getattr(s, "sink", None) is not None), None)
