@@ -28,10 +28,8 @@ def declared(role: str, moved_to_agent: set[str] | None = None) -> list[str]:
     out = []
     for cls in registered():
         where = cls.spec.placement
-        if moved_to_agent is not None and where != "act":
-            where = "agent" if cls.spec.name in moved_to_agent else "detect"
-        if moved_to_agent is not None and cls.spec.name in moved_to_agent:
-            where = "agent"
+        if moved_to_agent is not None:  # fleet.agent_detectors: exactly these in the agent
+            where = "agent" if cls.spec.name in moved_to_agent else "act" if where == "act" else "detect"
         if where in STAGES[role]:
             out.append(cls.spec.name)
     return out

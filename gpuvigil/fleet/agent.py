@@ -10,6 +10,11 @@ serves /metrics, and publishes to NATS JetStream, per tick:
   the node's row, its GPUs' allocations and, where the agent sees the scheduler's queue, the
   pending jobs. The act leader runs `fragmentation_cluster` over the union of them.
 
+Its pipeline comes from the composition root (app/compose.py, role `agent`). With a Flight
+Recorder source it also listens on `gv.fr.request.<node>`: detect, which runs the hang detectors
+and the dump trigger, asks there for dumps of a job with ranks on this node, and the source's
+trigger writes the ranks' debug-info pipes, as serve's does.
+
 With `sources: sim: true` (or nothing configured) one process plays every node of the simulated
 cluster: one Pipeline and one publisher per node over a shared simulated world, so tests and
 benchmarks run the code a real node runs.

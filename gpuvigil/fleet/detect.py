@@ -8,7 +8,10 @@ fed by a durable pull consumer on `gv.part.<p>.>` of the rows stream that stores
 (`Subjects.rows_stream_of`: `GV_ROWS`, or `GV_ROWS_<p % rows_streams>`). Taking a partition (at start or from a replica
 whose lease expired) recreates that consumer from `now - replay_seconds`: the stream is the state,
 and the partition's windows are rebuilt from it before its first findings are published. The
-active findings of each partition go to `gv.findings.part.<p>`. `--metrics-port` serves
+active findings of each partition go to `gv.findings.part.<p>`. Each partition's Pipeline comes
+from the composition root (app/compose.py, role `detect`) with serve's Flight Recorder trigger,
+whose requests go to the agents of the nodes holding the suspected job's ranks
+(`gv.fr.request.<node>`). `--metrics-port` serves
 /metrics (gpuvigil.fleet.metrics: partitions, leases, messages and rows per stream, lag).
 """
 
