@@ -13,6 +13,7 @@ import threading
 import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
+import httpx
 import pytest
 import yaml
 
@@ -122,7 +123,7 @@ def test_a_hang_detect_suspects_makes_the_agent_of_its_node_write_the_ranks_pipe
         }
         (tmp_path / "fleet.yaml").write_text(yaml.safe_dump(cfg))
         common = ["--config", "fleet.yaml", "--log-level", "info"]
-        detect = Proc("detect", ["detect", *common, "--id", "detect-1"], tmp_path)
+        detect = Proc("detect", ["detect", *common, "--id", "detect-1", "--metrics-port", "0"], tmp_path)
         agent = Proc("agent", ["agent", *common, "--port", "-1"], tmp_path)
         procs += [detect, agent]
         probe = Probe(cluster.urls)
@@ -139,6 +140,9 @@ def test_a_hang_detect_suspects_makes_the_agent_of_its_node_write_the_ranks_pipe
         assert pipe.got.startswith(b"1")
         assert f"asks node {NODE} for Flight Recorder dumps of job {JOB}" in detect.text()
         assert f"detect asks Flight Recorder dumps of job {JOB} (on_demand): pipes written" in agent.text()
+        sent = httpx.get(detect.metrics_url(), timeout=10).text
+        assert any(line.startswith('gpuvigil_detect_fr_dump_requests_total{replica="detect-1"}') and float(line.split()[-1]) >= 1
+                   for line in sent.splitlines()), sent
     finally:
         if probe is not None:
             probe.close()
