@@ -151,3 +151,40 @@ def test_a_hang_detect_suspects_makes_the_agent_of_its_node_write_the_ranks_pipe
         pipe.close()
         exporter.close()
         cluster.stop()
+
+
+@pytest.mark.parametrize("data, written", [
+    (b'{"job": "job-7", "how": "on_demand"}', True),
+    (b'{"job": "../escape"}', False),  # a folder outside the Flight Recorder root
+    (b'{"job": "job-7/../../escape"}', False),
+    (b'{"job": ".."}', False),
+    (b'{"job": 7}', False),
+    (b'{"job": ""}', False),
+    (b'{"how": "on_demand"}', False),
+    (b"\x80\x81 not json", False),
+    (b'["job-7"]', False),
+])
+def test_a_dump_request_is_untrusted(tmp_path, data, written):
+    """Anyone on the bus could send one: only a job folder under the agent's Flight Recorder root
+    is written to, and garbage is logged and dropped."""
+    import asyncio
+    from types import SimpleNamespace
+
+    from gpuvigil.cli.main import build_parser
+    from gpuvigil.fleet.agent import Agent
+
+    root = tmp_path / "fr"
+    (root / JOB).mkdir(parents=True)
+    (tmp_path / "escape").mkdir()
+    inside, outside = PipeReader(root / JOB / "fr_pipe_0.pipe"), PipeReader(tmp_path / "escape" / "fr_pipe_0.pipe")
+    (tmp_path / "agent.yaml").write_text(yaml.safe_dump({"sources": {"node": NODE, "flight_recorder": str(root)}}))
+    argv = ["agent", "--config", str(tmp_path / "agent.yaml"), "--port", "-1"]
+    agent = Agent(build_parser(argv).parse_args(argv))
+    try:
+        asyncio.run(agent._on_dump_request(SimpleNamespace(subject=f"gv.fr.request.{NODE}", data=data), agent.dump_askers[NODE]))
+        assert (inside.read() != b"") is written and outside.read() == b""
+        assert (JOB in agent.dump_askers[NODE].requests.asked) is written
+    finally:
+        agent.close()
+        inside.close()
+        outside.close()
