@@ -151,6 +151,8 @@ def test_each_mode_s_pipeline_is_the_root_s(tmp_path, monkeypatch):
         assert names(pipe) == declared("serve")
         assert [type(s).__name__ for s in pipe.sinks] == ["Scheduler", "TickStats", "FrDumpTrigger"]
         assert isinstance(pipe.sinks[0], Scheduler)
+        (fr,) = server.sources  # its `up` is its collector's health in this pipeline, logged under its name
+        assert fr.health is pipe.health and pipe.health.labels[fr.collector.name] == ("source flight_recorder", str(tmp_path / "fr"))
     finally:
         server.close()
 

@@ -130,15 +130,23 @@ def build(
     lead: Sequence[Detector] = (),
     dump_ask: Callable[[str], bool] | None = None,
 ) -> Pipeline:
-    """The Pipeline of `role` over `collectors`. `lead`: detectors of the mode itself that run
-    before the declared ones (act's relay of the fleet's findings). `dump_ask(job)`: detect's
-    request to the agents of the job's nodes to write its ranks' debug-info pipes."""
-    return Pipeline(
+    """The Pipeline of `role` over `collectors`. `sources` (app/sources.py) bring their sinks,
+    and their `up` is their collector's health in this pipeline. `lead`: detectors of the mode
+    itself that run before the declared ones (act's relay of the fleet's findings).
+    `dump_ask(job)`: detect's request to the agents of the job's nodes to write its ranks'
+    debug-info pipes."""
+    sources = list(sources)
+    pipeline = Pipeline(
         collectors,
         [*lead, *detectors(cfg, role, fleet=fleet)],
         sinks=sinks(role, outputs, scheduler=scheduler, sources=sources, dump_ask=dump_ask),
         cfg=cfg,
     )
+    for s in sources:
+        s.health = pipeline.health
+        if s.collector is not None:  # its state changes are logged under the source's name
+            pipeline.health.labels[s.collector.name] = s.label
+    return pipeline
 
 
 def fleet_dump_trigger(ask: Callable[[str], bool]) -> Sink:

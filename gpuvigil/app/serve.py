@@ -224,10 +224,6 @@ class Server:
         if src.scheduler != "none":
             self.acting = outputs.acting = self._make_acting(src)
         pipeline = compose.build(self.cfg, "serve", collectors, scheduler=scheduler, outputs=outputs, sources=self.sources)
-        for s in self.sources:  # a source's `up` is its collector's health in the pipeline
-            s.health = pipeline.health
-            if s.collector is not None:  # its state changes are logged under the source's name
-                pipeline.health.labels[s.collector.name] = s.label
         self.runtime = Runtime(pipeline, scheduler, None, now=time.time())
 
     def _make_acting(self, src: Any):

@@ -387,8 +387,6 @@ class Agent:
         if self.src.scheduler == "none":
             collectors.append(SchedulerStateCollector(self.scheduler))
         pipeline = compose.build(self.cfg, NAME, collectors, fleet=self.fleet, sources=sources)
-        for s in sources:
-            s.health = pipeline.health
         asker = compose.dump_asker(NAME, sources)
         if asker is not None:
             self.dump_askers[node] = asker
