@@ -15,6 +15,9 @@ here from the config, their role and their sources. The role decides:
   run in `detect`, whose trigger sends each request to the agents of the nodes holding the job's
   ranks (`gv.fr.request.<node>`), and the agent's Flight Recorder source writes the pipes.
 
+`start_sources` starts a real node's `sources:` section (app/sources.py registry) and the
+built-in scheduler the same way for `serve` and the agent.
+
 What differs between the modes is a parameter here (the detectors put first, such as act's
 relay; the collectors, such as replay's recorded rows), never a copy of the assembly.
 """
@@ -147,6 +150,59 @@ def build(
         if s.collector is not None:  # its state changes are logged under the source's name
             pipeline.health.labels[s.collector.name] = s.label
     return pipeline
+
+
+@dataclass
+class Started:
+    """What a real node's `sources:` section started: its sources, their collectors (plus the
+    built-in scheduler's view where no real scheduler maps jobs) and the built-in scheduler."""
+
+    sources: list[Any]
+    collectors: list[Any]
+    scheduler: Any
+
+
+def start_sources(sources_cfg: Any, cfg: dict[str, Any]) -> Started:
+    """Start every configured source (app/sources.py registry, in its declared order) and the
+    built-in scheduler over the nodes and GPUs the GPU sources show at their first read: the same
+    for `serve` and the fleet's agent. A source that cannot start is a UserError naming it."""
+    from gpuvigil.app import sources as deploysources
+    from gpuvigil.scheduler.core import Scheduler, SchedulerStateCollector
+
+    started = deploysources.build(sources_cfg, cfg)
+    try:
+        nodes = nodes_from_probe([s.collector for s in started if s.kind in ("nvml", "dcgm")], sources_cfg.node_name())
+    except BaseException:
+        for s in started:
+            s.close()
+        raise
+    scheduler = Scheduler(nodes, cfg)
+    collectors = [s.collector for s in started if s.collector is not None]
+    if sources_cfg.scheduler == "none":
+        # No real scheduler: the built-in one's view is the only job/node map there is.
+        collectors.append(SchedulerStateCollector(scheduler))
+    return Started(started, collectors, scheduler)
+
+
+def nodes_from_probe(collectors: list[Any], node: str) -> list[Any]:
+    """GPU sources: learn nodes and GPU counts from one first collect."""
+    import time
+
+    import polars as pl
+
+    from gpuvigil.scheduler.core import NodeSpec
+
+    frames = [c.collect(time.time()).get("gpu_samples") for c in collectors]
+    frames = [f for f in frames if f is not None and f.height]
+    if not frames:
+        return [NodeSpec(node, n_gpus=0)]
+    per_node = (
+        pl.concat(frames, how="vertical_relaxed")
+        .group_by("node")
+        .agg(pl.col("gpu").n_unique().alias("n"), pl.col("memory_total_bytes").max().alias("mem"))
+        .sort("node")
+    )
+    return [NodeSpec(str(n), n_gpus=int(k), gpu_memory_bytes=int(mem or 0)) for n, k, mem in per_node.iter_rows()]
 
 
 def fleet_dump_trigger(ask: Callable[[str], bool]) -> Sink:

@@ -29,14 +29,12 @@ from contextlib import ExitStack
 from pathlib import Path
 from typing import Any
 
-import polars as pl
 
 from gpuvigil import config
 from gpuvigil.config import deploy as deployconfig
 from gpuvigil.alerts.settings import AlertSettings, load_settings
 from gpuvigil.errors import UserError
 from gpuvigil.exporter.metrics import Snapshot, TickStats
-from gpuvigil.scheduler.core import NodeSpec
 from gpuvigil.app.serve_memory import HeapTrimmer
 
 log = logging.getLogger("gpuvigil.app.serve")
@@ -96,21 +94,6 @@ def _check_args(args: argparse.Namespace) -> None:
     for url in args.alertmanager or ():
         if not url.startswith(("http://", "https://")):
             raise UserError(f"--alertmanager {url!r}: expected an http(s):// URL")
-
-
-def _nodes_from_probe(collectors: list[Any], node: str) -> list[NodeSpec]:
-    """GPU sources: learn nodes and GPU counts from one first collect."""
-    frames = [c.collect(time.time()).get("gpu_samples") for c in collectors]
-    frames = [f for f in frames if f is not None and f.height]
-    if not frames:
-        return [NodeSpec(node, n_gpus=0)]
-    per_node = (
-        pl.concat(frames, how="vertical_relaxed")
-        .group_by("node")
-        .agg(pl.col("gpu").n_unique().alias("n"), pl.col("memory_total_bytes").max().alias("mem"))
-        .sort("node")
-    )
-    return [NodeSpec(str(n), n_gpus=int(k), gpu_memory_bytes=int(mem or 0)) for n, k, mem in per_node.iter_rows()]
 
 
 class Server:
@@ -206,21 +189,14 @@ class Server:
 
     def _start_real(self, outputs: Any) -> None:
         from gpuvigil.app import compose
-        from gpuvigil.app import sources as deploysources
         from gpuvigil.app.runtime import Runtime
-        from gpuvigil.scheduler.core import Scheduler, SchedulerStateCollector
 
         src = self.sources_cfg
-        self.sources = deploysources.build(src, self.cfg)
+        started = compose.start_sources(src, self.cfg)
+        self.sources = started.sources
         for s in self.sources:
             self._stack.callback(s.close)
-        collectors = [s.collector for s in self.sources if s.collector is not None]
-        gpu_sources = [s.collector for s in self.sources if s.kind in ("nvml", "dcgm")]
-        nodes = _nodes_from_probe(gpu_sources, src.node_name())
-        scheduler = Scheduler(nodes, self.cfg)
-        if src.scheduler == "none":
-            # No real scheduler: the built-in one's view is the only job/node map there is.
-            collectors.append(SchedulerStateCollector(scheduler))
+        collectors, scheduler = started.collectors, started.scheduler
         if src.scheduler != "none":
             self.acting = outputs.acting = self._make_acting(src)
         pipeline = compose.build(self.cfg, "serve", collectors, scheduler=scheduler, outputs=outputs, sources=self.sources)

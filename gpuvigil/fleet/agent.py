@@ -375,18 +375,13 @@ class Agent:
 
     def _build_real(self) -> None:
         from gpuvigil.app import compose
-        from gpuvigil.app import sources as deploysources
-        from gpuvigil.scheduler.core import Scheduler, SchedulerStateCollector
-        from gpuvigil.app.serve import _nodes_from_probe
 
-        sources = deploysources.build(self.src, self.cfg)
+        started = compose.start_sources(self.src, self.cfg)
+        sources = started.sources
         self.closers += [s.close for s in sources]
-        collectors = [s.collector for s in sources if s.collector is not None]
         node = self.src.node_name()
-        self.scheduler = Scheduler(_nodes_from_probe([s.collector for s in sources if s.kind in ("nvml", "dcgm")], node), self.cfg)
-        if self.src.scheduler == "none":
-            collectors.append(SchedulerStateCollector(self.scheduler))
-        pipeline = compose.build(self.cfg, NAME, collectors, fleet=self.fleet, sources=sources)
+        self.scheduler = started.scheduler
+        pipeline = compose.build(self.cfg, NAME, started.collectors, fleet=self.fleet, sources=sources)
         asker = compose.dump_asker(NAME, sources)
         if asker is not None:
             self.dump_askers[node] = asker
