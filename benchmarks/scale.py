@@ -60,13 +60,13 @@ def _world(nodes: int, workdir: Path, cfg: dict[str, Any]):
 def agent_cost(nodes: int, ticks: int, workdir: Path) -> dict[str, Any]:
     from gpuvigil import config
     from gpuvigil.config.deploy import Fleet
-    from gpuvigil.fleet.agent import NodeAgent, NodeView, split_detectors
-    from gpuvigil.pipeline.core import Pipeline
+    from gpuvigil.app import compose
+    from gpuvigil.fleet.agent import NodeAgent, NodeView
 
     cfg = config.defaults()
     fleet = Fleet()
     world = _world(nodes, workdir, cfg)
-    agents = [NodeAgent(n, Pipeline([NodeView(world, n)], split_detectors(cfg, fleet)[0], cfg=cfg), fleet) for n in world.node_names]
+    agents = [NodeAgent(n, compose.build(cfg, "agent", [NodeView(world, n)], fleet=fleet), fleet) for n in world.node_names]
     cpu = 0.0
     timed = 0
     msgs = 0
@@ -96,13 +96,13 @@ def encoded_messages(nodes: int, ticks: int, workdir: Path) -> tuple[list[tuple[
     """The rows messages a simulated cluster's agents send over `ticks` seconds."""
     from gpuvigil import config
     from gpuvigil.config.deploy import Fleet
-    from gpuvigil.fleet.agent import NodeAgent, NodeView, split_detectors
-    from gpuvigil.pipeline.core import Pipeline
+    from gpuvigil.app import compose
+    from gpuvigil.fleet.agent import NodeAgent, NodeView
 
     cfg = config.defaults()
     fleet = Fleet(findings_refresh_seconds=1e9)
     world = _world(nodes, workdir, cfg)
-    agents = [NodeAgent(n, Pipeline([NodeView(world, n)], split_detectors(cfg, fleet)[0], cfg=cfg), fleet) for n in world.node_names]
+    agents = [NodeAgent(n, compose.build(cfg, "agent", [NodeView(world, n)], fleet=fleet), fleet) for n in world.node_names]
     out: list[tuple[str, bytes, dict[str, str]]] = []
     for t in range(1, ticks + 1):
         now = float(t)

@@ -14,7 +14,8 @@ from gpuvigil import config
 from gpuvigil.config.deploy import Fleet, fleet_from_config
 from gpuvigil.errors import UserError
 from gpuvigil.fleet import connection, transport
-from gpuvigil.fleet.agent import NodeView, SimWorld, cluster_detectors, job_rows, node_summary, split_detectors
+from gpuvigil.app import compose
+from gpuvigil.fleet.agent import NodeView, SimWorld, job_rows, node_summary
 from gpuvigil.fleet.detect import Feed
 from gpuvigil.pipeline.core import Pipeline
 from gpuvigil.app.runtime import build_simulated
@@ -39,15 +40,14 @@ def test_detectors_split_is_serves_set():
     cfg = config.defaults()
     from gpuvigil.detectors.registry import default_detectors
 
-    agent, detect = split_detectors(cfg, Fleet())
-    cluster = cluster_detectors(cfg)
+    agent, detect, cluster = (compose.detectors(cfg, role, fleet=Fleet()) for role in ("agent", "detect", "act"))
     assert {d.name for d in agent} == {"xid", "ecc", "thermal", "pcie", "anomaly", "nvlink_crc", "infiniband", "nvlink_fabric", "memory_repair"}
     assert [d.name for d in cluster] == ["fragmentation_cluster"]  # run by the act leader
     # Every detector serve runs runs somewhere in the fleet, and in one place only.
     names = [d.name for d in (*agent, *detect, *cluster)]
     assert sorted(names) == sorted(d.name for d in default_detectors(cfg))
     with pytest.raises(UserError, match="unknown detector"):
-        split_detectors(cfg, Fleet(agent_detectors=["xid", "thermo"]))
+        compose.detectors(cfg, "agent", fleet=Fleet(agent_detectors=["xid", "thermo"]))
 
 
 def test_frames_round_trip_and_tokens():
@@ -134,9 +134,9 @@ def test_same_findings_as_serve(tmp_path, scenario, horizon, kind):
         serve_found = [(f.kind.value, f.job, f.node, f.gpu, tuple(f.culprit_ranks), f.source, rt.now) for f in new]
 
     world = SimWorld(scenario, None, 3, cfg)
-    nodes = {n: Pipeline([NodeView(world, n)], split_detectors(cfg, fleet)[0], cfg=cfg) for n in world.node_names}
+    nodes = {n: compose.build(cfg, "agent", [NodeView(world, n)], fleet=fleet) for n in world.node_names}
     feeds = {p: Feed() for p in range(fleet.partitions)}
-    parts = {p: Pipeline([feeds[p]], split_detectors(cfg, fleet)[1], cfg=cfg) for p in feeds}
+    parts = {p: compose.build(cfg, "detect", [feeds[p]], fleet=fleet) for p in feeds}
     fleet_found = []
     now = 0.0
     while now < horizon and not fleet_found:
@@ -237,9 +237,9 @@ def test_fragmentation_cluster_at_act_as_in_serve():
         serve_found = [key(f, rt.now) for f in new if f.kind.value == "fragmentation_cluster"]
 
     world = SimWorld("cluster_fragmentation", None, 1, cfg)
-    nodes = {n: Pipeline([NodeView(world, n)], split_detectors(cfg, fleet)[0], cfg=cfg) for n in world.node_names}
+    nodes = {n: compose.build(cfg, "agent", [NodeView(world, n)], fleet=fleet) for n in world.node_names}
     relay, view = Relay(stale_seconds=60), ClusterView(stale_seconds=60)
-    act = Pipeline([TenantFeed(relay, view)], [relay, *cluster_detectors(cfg)], cfg=cfg)
+    act = compose.build(cfg, "act", [TenantFeed(relay, view)], fleet=fleet, lead=[relay])
     fleet_found, hints = [], []
     now = 0.0
     while now < horizon and not fleet_found:

@@ -1,4 +1,5 @@
-"""Wiring: collectors + pipeline + detectors + scheduler, for the demo, `serve` and benchmarks."""
+"""The runtime of the single-process modes (the demo, `serve`, benchmarks): collectors, pipeline,
+detectors and the built-in scheduler, assembled by the composition root (app/compose.py)."""
 
 from __future__ import annotations
 
@@ -7,9 +8,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from gpuvigil import config
+from gpuvigil.app import compose
 from gpuvigil.collectors.base import Collector
 from gpuvigil.collectors.simulated import SimulatedCollector
-from gpuvigil.detectors.registry import default_detectors
 from gpuvigil.pipeline.core import Pipeline, Sink, TickResult
 from gpuvigil.scheduler.core import NodeSpec, Scheduler, SchedulerStateCollector
 from gpuvigil.sim import scenario as scenario_mod
@@ -50,7 +51,9 @@ def build_simulated(
     seed: int = 0,
     cfg: dict[str, Any] | None = None,
     sinks: Iterable[Sink] = (),
+    outputs: compose.Outputs | None = None,
 ) -> Runtime:
+    """The simulated cluster under serve's pipeline. `sinks`: extra sinks after the outputs."""
     sc = scenario if isinstance(scenario, scenario_mod.Scenario) else scenario_mod.load(scenario)
     if nodes is not None:
         sc = scenario_mod.with_nodes(sc, nodes)
@@ -64,7 +67,7 @@ def build_simulated(
     scheduler = Scheduler(node_specs(sc), cfg)
     cluster = SimulatedCluster(sc, scheduler, seed=seed)
     collectors: list[Collector] = [SimulatedCollector(cluster), SchedulerStateCollector(scheduler)]
-    pipeline = Pipeline(collectors, default_detectors(cfg), sinks=[scheduler, *sinks], cfg=cfg)
+    pipeline = compose.build(cfg, "serve", collectors, scheduler=scheduler, outputs=_with_extra(outputs, sinks))
     scheduler.cycle(0.0)
     return Runtime(pipeline, scheduler, cluster)
 
@@ -75,9 +78,16 @@ def build_real(
     cfg: dict[str, Any] | None = None,
     sinks: Iterable[Sink] = (),
     now: float = 0.0,
+    outputs: compose.Outputs | None = None,
 ) -> Runtime:
     """A runtime over real collectors (NVML, DCGM, logs); the built-in scheduler mirrors hints."""
     cfg = config.defaults() if cfg is None else cfg
     scheduler = Scheduler(list(nodes), cfg)
-    pipeline = Pipeline([*collectors, SchedulerStateCollector(scheduler)], default_detectors(cfg), sinks=[scheduler, *sinks], cfg=cfg)
+    pipeline = compose.build(cfg, "serve", [*collectors, SchedulerStateCollector(scheduler)], scheduler=scheduler, outputs=_with_extra(outputs, sinks))
     return Runtime(pipeline, scheduler, None, now=now)
+
+
+def _with_extra(outputs: compose.Outputs | None, sinks: Iterable[Sink]) -> compose.Outputs:
+    out = outputs or compose.Outputs()
+    extra = list(sinks)
+    return compose.Outputs(out.stats, out.alerts, out.store, out.acting, [*out.extra, *extra]) if extra else out

@@ -29,7 +29,6 @@ from contextlib import ExitStack
 from pathlib import Path
 from typing import Any
 
-import polars as pl
 
 from gpuvigil import config
 from gpuvigil.config import deploy as deployconfig
@@ -37,7 +36,6 @@ from gpuvigil.alerts.settings import AlertSettings, load_settings
 from gpuvigil.detectors import registry
 from gpuvigil.errors import UserError
 from gpuvigil.exporter.metrics import Snapshot, TickStats
-from gpuvigil.scheduler.core import NodeSpec
 from gpuvigil.app.serve_memory import HeapTrimmer
 
 log = logging.getLogger("gpuvigil.app.serve")
@@ -99,21 +97,6 @@ def _check_args(args: argparse.Namespace) -> None:
             raise UserError(f"--alertmanager {url!r}: expected an http(s):// URL")
 
 
-def _nodes_from_probe(collectors: list[Any], node: str) -> list[NodeSpec]:
-    """GPU sources: learn nodes and GPU counts from one first collect."""
-    frames = [c.collect(time.time()).get("gpu_samples") for c in collectors]
-    frames = [f for f in frames if f is not None and f.height]
-    if not frames:
-        return [NodeSpec(node, n_gpus=0)]
-    per_node = (
-        pl.concat(frames, how="vertical_relaxed")
-        .group_by("node")
-        .agg(pl.col("gpu").n_unique().alias("n"), pl.col("memory_total_bytes").max().alias("mem"))
-        .sort("node")
-    )
-    return [NodeSpec(str(n), n_gpus=int(k), gpu_memory_bytes=int(mem or 0)) for n, k, mem in per_node.iter_rows()]
-
-
 class Server:
     """Everything `serve` runs, startable and stoppable from tests without a subprocess."""
 
@@ -157,8 +140,10 @@ class Server:
             raise
 
     def _start(self) -> None:
+        from gpuvigil.app.compose import Outputs
+
         args = self.args
-        sinks: list[Any] = [self.stats]
+        outputs = Outputs(stats=self.stats)
         self.alertmanagers = list(args.alertmanager or self.alert_settings.alertmanagers)
         if self.alertmanagers:
             from gpuvigil.alerts.pusher import AlertPusher, DeliveryLoop
@@ -166,22 +151,22 @@ class Server:
             self.pusher = AlertPusher(self.alertmanagers, args.outbox, self.alert_settings)
             self._stack.callback(self.pusher.close)
             self._stack.callback(self._count_left_in_outbox)  # runs after the final flush
-            sinks.append(self.pusher)
+            outputs.alerts = self.pusher
             self.delivery = DeliveryLoop(self.pusher).start()
             self._stack.callback(self.delivery.stop)
         src = self.sources_cfg
         acting_wanted = not self.simulated and src.scheduler != "none" and src.act != "off"
         if args.api_port is not None or acting_wanted:
             self.store = self._open_store()
-            sinks.append(self.store)
+            outputs.store = self.store
         if args.api_port is not None:
             self._start_api(self.store)
         if self.simulated:
             from gpuvigil.app import runtime as runtime_mod
 
-            self.runtime = runtime_mod.build_simulated(args.scenario, nodes=args.nodes, seed=args.seed, cfg=self.cfg, sinks=sinks)
+            self.runtime = runtime_mod.build_simulated(args.scenario, nodes=args.nodes, seed=args.seed, cfg=self.cfg, outputs=outputs)
         else:
-            self._start_real(sinks)
+            self._start_real(outputs)
         extra = [self._source_families, self.trimmer.families]
         if self.pusher is not None:
             from gpuvigil.alerts.pusher import pusher_families
@@ -206,34 +191,19 @@ class Server:
             self.otel = otlp_exporter(self.snapshot, args.otlp_endpoint, interval_seconds=args.otlp_interval)
             self._stack.callback(self.otel.shutdown)
 
-    def _start_real(self, sinks: list[Any]) -> None:
-        from gpuvigil.app import sources as deploysources
-        from gpuvigil.detectors.registry import default_detectors
-        from gpuvigil.pipeline.core import Pipeline
+    def _start_real(self, outputs: Any) -> None:
+        from gpuvigil.app import compose
         from gpuvigil.app.runtime import Runtime
-        from gpuvigil.scheduler.core import Scheduler, SchedulerStateCollector
 
         src = self.sources_cfg
-        self.sources = deploysources.build(src, self.cfg)
+        started = compose.start_sources(src, self.cfg)
+        self.sources = started.sources
         for s in self.sources:
             self._stack.callback(s.close)
-        collectors = [s.collector for s in self.sources if s.collector is not None]
-        gpu_sources = [s.collector for s in self.sources if s.kind in ("nvml", "dcgm")]
-        nodes = _nodes_from_probe(gpu_sources, src.node_name())
-        scheduler = Scheduler(nodes, self.cfg)
-        if src.scheduler == "none":
-            # No real scheduler: the built-in one's view is the only job/node map there is.
-            collectors.append(SchedulerStateCollector(scheduler))
-        detectors = default_detectors(self.cfg)
-        sinks.extend(s.sink for s in self.sources if getattr(s, "sink", None) is not None)
+        collectors, scheduler = started.collectors, started.scheduler
         if src.scheduler != "none":
-            self.acting = self._make_acting(src)
-            sinks.append(self.acting)
-        pipeline = Pipeline(collectors, detectors, sinks=[scheduler, *sinks], cfg=self.cfg)
-        for s in self.sources:  # a source's `up` is its collector's health in the pipeline
-            s.health = pipeline.health
-            if s.collector is not None:  # its state changes are logged under the source's name
-                pipeline.health.labels[s.collector.name] = s.label
+            self.acting = outputs.acting = self._make_acting(src)
+        pipeline = compose.build(self.cfg, "serve", collectors, scheduler=scheduler, outputs=outputs, sources=self.sources)
         self.runtime = Runtime(pipeline, scheduler, None, now=time.time())
 
     def _make_acting(self, src: Any):

@@ -417,6 +417,7 @@ def _flight_recorder(folder: str, node: str) -> Source:
     requests = FrRequests()
     src = Source("flight_recorder", str(path), FrDumpWatcher(path, node=node, requests=requests),
                  "<job>/ dumps analysed across ranks as they appear; debug-info pipes written when a hang is suspected")
-    # The sink that asks a suspected-hung job's ranks to dump (serve adds it after the store).
+    # The trigger that asks a suspected-hung job's ranks to dump: a sink of serve's pipeline, and
+    # in the fleet's agent what writes the pipes detect asks for (app/compose.py DUMP_TRIGGER).
     src.sink = FrDumpTrigger(pipe_writer(path), requests)  # type: ignore[attr-defined]
     return src

@@ -285,7 +285,15 @@ class FrDumpTrigger:
                     continue
                 self._asks[job] = self._asks.get(job, 0) + 1
             self._last[job] = now
-            if self.writer(job):
-                self.requests.asked[job] = now
-                self.requests.how[job] = how
-                self.requested += 1
+            self.ask(job, now, how)
+
+    def ask(self, job: str, now: float, how: str = "on_demand") -> bool:
+        """Write the job's pipes now and note the request, so the watcher labels the dumps that
+        answer it (`how`). Called by `on_tick`, and by the fleet's agent for the requests detect
+        sends."""
+        if not self.writer(job):
+            return False
+        self.requests.asked[job] = now
+        self.requests.how[job] = how
+        self.requested += 1
+        return True

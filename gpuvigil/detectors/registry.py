@@ -3,8 +3,8 @@
 A detector registers by declaring itself (detectors/base.py: `Declared`, `DetectorSpec`); nothing
 here names one. What follows from the declarations:
 
-- `default_detectors(cfg)`: the set `serve`, the fleet, `replay` and the benchmarks run, in the
-  declared `order`, each built from its block of the `detectors` config section;
+- `default_detectors(cfg)`: every registered detector, in the declared `order`, each built from
+  its block of the `detectors` config section (app/compose.py picks each run mode's share of it);
 - `config_models()`: that section's blocks and their models (config/__init__.py validates them);
 - `placement()`: where each runs in the fleet (the node agent, a detect replica, the act leader);
 - `every_seconds()`: how often each runs by default (`pipeline.detector_every_seconds`);

@@ -309,7 +309,6 @@ class Act:
     def __init__(self, args: argparse.Namespace):
         from gpuvigil import config
         from gpuvigil.alerts.settings import load_settings
-        from gpuvigil.pipeline.core import Pipeline
 
         self.args = args
         self.cfg, self.fleet = load(args)
@@ -344,11 +343,12 @@ class Act:
         self.relay = Relay(self.fleet.findings_stale_seconds)
         self.fence = Fence()
         self.cluster = ClusterView(self.fleet.findings_stale_seconds)
-        # The relay, plus the detectors of serve's set that need the whole cluster
-        # (fragmentation_cluster), over the agents' node summaries.
-        from gpuvigil.fleet.agent import cluster_detectors
+        # The relay, then the detectors placed in act (those that need the whole cluster, such
+        # as fragmentation_cluster), over the agents' node summaries. Its outputs are the
+        # leader's (`_open_outputs`), applied after each tick.
+        from gpuvigil.app import compose
 
-        self.pipeline = Pipeline([TenantFeed(self.relay, self.cluster)], [self.relay, *cluster_detectors(self.cfg)], cfg=self.cfg)
+        self.pipeline = compose.build(self.cfg, NAME, [TenantFeed(self.relay, self.cluster)], fleet=self.fleet, lead=[self.relay])
         self.stats = ActStats()
         self.leases: Leases | None = None
         self.ledger: Ledger | None = None

@@ -10,6 +10,11 @@ serves /metrics, and publishes to NATS JetStream, per tick:
   the node's row, its GPUs' allocations and, where the agent sees the scheduler's queue, the
   pending jobs. The act leader runs `fragmentation_cluster` over the union of them.
 
+Its pipeline comes from the composition root (app/compose.py, role `agent`). With a Flight
+Recorder source it also listens on `gv.fr.request.<node>`: detect, which runs the hang detectors
+and the dump trigger, asks there for dumps of a job with ranks on this node, and the source's
+trigger writes the ranks' debug-info pipes, as serve's does.
+
 With `sources: sim: true` (or nothing configured) one process plays every node of the simulated
 cluster: one Pipeline and one publisher per node over a shared simulated world, so tests and
 benchmarks run the code a real node runs.
@@ -107,29 +112,6 @@ def load(args: argparse.Namespace) -> tuple[dict[str, Any], Fleet]:
     return cfg, fleet
 
 
-def split_detectors(cfg: dict[str, Any], fleet: Fleet) -> tuple[list[Any], list[Any]]:
-    """(agent detectors, detect detectors) from the one default set `serve` runs. The cluster-wide
-    fragmentation detector needs every node's state: it runs in the act leader over the agents'
-    node summaries (`cluster_detectors`)."""
-    from gpuvigil.detectors.registry import default_detectors, names_placed
-
-    dets = default_detectors(cfg)
-    names = {d.name for d in dets}
-    at_agent = names_placed("agent") if fleet.agent_detectors is None else fleet.agent_detectors
-    unknown = sorted(set(at_agent) - names)
-    if unknown:
-        raise UserError(f"fleet.agent_detectors: unknown detector(s) {', '.join(unknown)}; known: {', '.join(sorted(names))}")
-    at_act = set(names_placed("act"))
-    agent = [d for d in dets if d.name in at_agent]
-    detect = [d for d in dets if d.name not in at_agent and d.name not in at_act]
-    return agent, detect
-
-
-def cluster_detectors(cfg: dict[str, Any]) -> list[Any]:
-    """The detectors of serve's default set that need the whole cluster: run by the act leader."""
-    from gpuvigil.detectors.registry import default_detectors, names_placed
-
-    return [d for d in default_detectors(cfg) if d.name in names_placed("act")]
 _QUEUE_COLUMNS = ("job", "tenant", "priority", "n_gpus", "gpus_per_node", "state", "submit_ts")
 
 
@@ -353,8 +335,8 @@ class Agent:
         self.cfg, self.fleet = load(args)
         if args.speed <= 0:
             raise UserError(f"--speed {args.speed}: must be > 0")
+        from gpuvigil.app import compose
         from gpuvigil.config import deploy as deployconfig
-        from gpuvigil.pipeline.core import Pipeline
 
         self.src = deployconfig.from_config(self.cfg, argparse.Namespace(node=args.node), where=args.config or "config")
         self.simulated = not self.src.real
@@ -363,12 +345,14 @@ class Agent:
         self.closers: list[Any] = []
         self.world: SimWorld | None = None
         self.agents: list[NodeAgent] = []
+        # node -> its Flight Recorder source's trigger, which writes the pipes detect asks for.
+        self.dump_askers: dict[str, Any] = {}
         if self.simulated:
             self.world = SimWorld(args.scenario, args.nodes, args.seed, self.cfg)
             for i, node in enumerate(self.world.node_names):
-                agent_dets, _ = split_detectors(self.cfg, self.fleet)
                 # One node reports the simulated scheduler's queue, as one Slurm reader would.
-                self.agents.append(NodeAgent(node, Pipeline([NodeView(self.world, node)], agent_dets, cfg=self.cfg), self.fleet,
+                pipeline = compose.build(self.cfg, NAME, [NodeView(self.world, node)], fleet=self.fleet)
+                self.agents.append(NodeAgent(node, pipeline, self.fleet,
                                              queue=self.world.queue if i == 0 else None))
             self.scheduler = self.world.scheduler
         else:
@@ -390,22 +374,17 @@ class Agent:
                 log.warning("agent: %d messages (%d bytes) left in the spool by the last run; replaying them first", self.spool.count, self.spool.bytes)
 
     def _build_real(self) -> None:
-        from gpuvigil.app import sources as deploysources
-        from gpuvigil.pipeline.core import Pipeline
-        from gpuvigil.scheduler.core import Scheduler, SchedulerStateCollector
-        from gpuvigil.app.serve import _nodes_from_probe
+        from gpuvigil.app import compose
 
-        sources = deploysources.build(self.src, self.cfg)
+        started = compose.start_sources(self.src, self.cfg)
+        sources = started.sources
         self.closers += [s.close for s in sources]
-        collectors = [s.collector for s in sources if s.collector is not None]
         node = self.src.node_name()
-        self.scheduler = Scheduler(_nodes_from_probe([s.collector for s in sources if s.kind in ("nvml", "dcgm")], node), self.cfg)
-        if self.src.scheduler == "none":
-            collectors.append(SchedulerStateCollector(self.scheduler))
-        agent_dets, _ = split_detectors(self.cfg, self.fleet)
-        pipeline = Pipeline(collectors, agent_dets, cfg=self.cfg)
-        for s in sources:
-            s.health = pipeline.health
+        self.scheduler = started.scheduler
+        pipeline = compose.build(self.cfg, NAME, started.collectors, fleet=self.fleet, sources=sources)
+        asker = compose.dump_asker(NAME, sources)
+        if asker is not None:
+            self.dump_askers[node] = asker
         # With a Slurm state source the window holds the cluster's queue: report its pending jobs.
         self.agents.append(NodeAgent(node, pipeline, self.fleet, queue=(lambda: pipeline.window.get("jobs")) if self.src.scheduler == "slurm" else None))
 
@@ -456,6 +435,12 @@ class Agent:
         js = nc.jetstream(timeout=5)
         subjects = Subjects(self.fleet)
         try:
+            for node, asker in self.dump_askers.items():
+
+                async def on_request(msg: Any, asker: Any = asker) -> None:
+                    await self._on_dump_request(msg, asker)
+
+                await nc.subscribe(subjects.fr_request(node), cb=on_request)
             if self.fleet.credential(NAME) is None:
                 # With a credential the agent may not manage streams (fleet.security): detect
                 # and act create them, and what is published before is retried.
@@ -486,6 +471,26 @@ class Agent:
                     pass
         finally:
             await transport.shutdown(nc)
+
+    async def _on_dump_request(self, msg: Any, asker: Any) -> None:
+        """detect suspects a hang of a job with ranks here: write its ranks' debug-info pipes, as
+        serve's trigger does. The request is untrusted: a job that is not one folder name under
+        the Flight Recorder root is refused."""
+        try:
+            doc = json.loads(msg.data)
+            job, how = doc["job"], str(doc.get("how") or "on_demand")
+        except (ValueError, KeyError, TypeError) as exc:
+            log.warning("agent: unreadable Flight Recorder dump request on %s: %s", msg.subject, exc)
+            return
+        if not isinstance(job, str) or not job or job in (".", "..") or "/" in job or "\0" in job or len(job) > 255:
+            log.warning("agent: Flight Recorder dump request for an invalid job name %r refused", job)
+            return
+        wrote = await asyncio.to_thread(self._ask_dump, asker, job, how[:32])
+        log.info("agent: detect asks Flight Recorder dumps of job %s (%s): %s", job, how, "pipes written" if wrote else "no pipe of it read here")
+
+    def _ask_dump(self, asker: Any, job: str, how: str) -> bool:
+        with self.lock:  # the dump watcher reads the requests in the tick
+            return bool(asker.ask(job, self.now, how))
 
     async def _publish(self, js: Any, msgs: list[tuple[str, bytes, dict[str, str]]]) -> None:
         """JetStream publishes with acks. Each message carries a `Nats-Msg-Id`, so one resent

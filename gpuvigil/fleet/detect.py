@@ -12,7 +12,10 @@ replay cannot rebuild (a hang that began before it, a finding's first report and
 holder snapshots every `state_snapshot_seconds` and on a clean handover into the KV bucket
 `<prefix>_<state_bucket>` (key `part.<p>`, fenced by the lease epoch), and the next owner
 restores it before it judges the replay (`Pipeline.carry_over` / `restore`). The
-active findings of each partition go to `gv.findings.part.<p>`. `--metrics-port` serves
+active findings of each partition go to `gv.findings.part.<p>`. Each partition's Pipeline comes
+from the composition root (app/compose.py, role `detect`) with serve's Flight Recorder trigger,
+whose requests go to the agents of the nodes holding the suspected job's ranks
+(`gv.fr.request.<node>`). `--metrics-port` serves
 /metrics (gpuvigil.fleet.metrics: partitions, leases, messages and rows per stream, lag).
 """
 
@@ -34,7 +37,7 @@ import polars as pl
 
 from gpuvigil import schemas
 from gpuvigil.fleet import connection, transport
-from gpuvigil.fleet.agent import add_common, add_metrics_args, install_signals, load, split_detectors
+from gpuvigil.fleet.agent import add_common, add_metrics_args, install_signals, load
 from gpuvigil.fleet.lease import Leases
 from gpuvigil.fleet.clock import from_fleet as clock_of
 from gpuvigil.fleet.transport import Subjects
@@ -94,6 +97,17 @@ class Feed:
             out["allocations"] = pl.concat([df for _, df in self.alloc.values()], how="vertical_relaxed") if self.alloc else schemas.empty("allocations")
             out["jobs"] = pl.concat([df for _, df in self.jobs.values()], how="vertical_relaxed") if self.jobs else schemas.empty("jobs")
         return out
+
+
+def job_nodes(window: Any, job: str) -> list[str]:
+    """The nodes holding a rank of `job`: its placement rows and the nodes its ranks' debug-info
+    pipes were seen on."""
+    nodes: set[str] = set()
+    for stream in ("allocations", "fr_pipes"):
+        df = window.get(stream)
+        if df.height and "node" in df.columns:
+            nodes.update(n for n in df.filter(pl.col("job") == job)["node"].unique().to_list() if n)
+    return sorted(nodes)
 
 
 class Partition:
@@ -159,13 +173,26 @@ class Detect:
         self.state_ignored: dict[str, int] = {}  # reason → snapshots found at takeover and not restored
         self.state_trimmed = 0  # snapshots over state_max_bytes, written with the findings only
         self.metrics_port: int | None = None
+        self._asks: list[tuple[str, str]] = []  # (job, node) the partition being ticked asks dumps of
+        self.dump_requests: list[tuple[int, int | None, str, bytes]] = []  # (partition, epoch, subject, body) to publish
+        self.dumps_asked = 0
 
     def _pipeline(self) -> tuple[Any, Feed]:
-        from gpuvigil.pipeline.core import Pipeline
+        from gpuvigil.app import compose
 
-        _, detect_dets = split_detectors(self.cfg, self.fleet)
         feed = Feed()
-        return Pipeline([feed], detect_dets, cfg=self.cfg), feed
+        held: list[Any] = []
+
+        def ask(job: str) -> bool:
+            # The trigger's writer: a request to each node that holds a rank of the job; its
+            # agent writes the pipes (the partition's tick publishes them, `dump_requests`).
+            nodes = job_nodes(held[0].window, job)
+            self._asks.extend((job, node) for node in nodes)
+            return bool(nodes)
+
+        pipeline = compose.build(self.cfg, NAME, [feed], fleet=self.fleet, dump_ask=ask)
+        held.append(pipeline)
+        return pipeline, feed
 
     # -- leases ----------------------------------------------------------------------------------
     async def balance(self, leases: Leases) -> None:
@@ -498,7 +525,9 @@ class Detect:
                     out.append((part.p, part.epoch, self.subjects.findings_part(part.p),
                                 transport.findings_payload("detect", now, [], partition=part.p, owner=self.id, epoch=part.epoch, claim=True)))
                 continue
+            self._asks = []
             result = part.pipeline.tick(now)
+            self._queue_dump_requests(part, now)
             for f in result.new_findings:
                 log.info("detect %s: p%d finding %s %s: %s", self.id, part.p, f.severity.value, f.kind.value, f.summary)
             active = sorted(part.pipeline.active.values(), key=lambda f: f.id)
@@ -519,6 +548,33 @@ class Detect:
         self.ticks += 1
         self.tick_cpu_seconds += time.thread_time() - c0
         return out
+
+    def _queue_dump_requests(self, part: Partition, now: float) -> None:
+        from gpuvigil.app.compose import dump_trigger_of
+
+        if not self._asks:
+            return
+        trigger = dump_trigger_of(part.pipeline)
+        for job, node in self._asks:
+            how = trigger.requests.how.get(job, "on_demand") if trigger is not None else "on_demand"
+            body = json.dumps({"job": job, "how": how, "now": now, "partition": part.p, "owner": self.id}).encode()
+            self.dump_requests.append((part.p, part.epoch, self.subjects.fr_request(node), body))
+            log.info("detect %s: p%d asks node %s for Flight Recorder dumps of job %s (%s)", self.id, part.p, node, job, how)
+        self._asks = []
+
+    async def _publish_dump_requests(self, leases: Leases) -> None:
+        """Core NATS, not stored: a request is worth something only now, and the trigger asks
+        again while the suspicion lasts."""
+        out, self.dump_requests = self.dump_requests, []
+        for p, epoch, subject, body in out:
+            part = self.parts.get(p)
+            if part is None or part.epoch != epoch or not leases.valid(f"part.{p}"):
+                continue
+            try:
+                await self.nc.publish(subject, body)
+                self.dumps_asked += 1
+            except Exception as exc:  # noqa: BLE001 - the trigger asks again while the suspicion lasts
+                log.info("detect %s: dump request not sent: %s", self.id, exc)
 
     async def run(self) -> None:
         self.nc = nc = await connection.connect(self.fleet, f"gpuvigil-detect-{self.id}", role=NAME)
@@ -562,6 +618,7 @@ class Detect:
                             self.findings_published += 1
                         except Exception as exc:  # noqa: BLE001 - republished on the next refresh
                             log.info("detect %s: findings publish failed: %s", self.id, exc)
+                    await self._publish_dump_requests(leases)
                     # Its own task: a slow KV write (a NATS node failing over) never delays a tick.
                     if any(part.state_body is not None for part in self.parts.values()) and (self.state_saving is None or self.state_saving.done()):
                         self.state_saving = asyncio.create_task(self._save_pending())

@@ -249,6 +249,8 @@ def detect_families(d: Any) -> Iterable[Any]:
     yield lag
     yield active
     yield _counter("gpuvigil_detect_findings_published", "Findings messages published to the findings stream.", d.findings_published, rid)
+    yield _counter("gpuvigil_detect_fr_dump_requests", "Flight Recorder dump requests sent to the agents of the nodes holding a suspected-hung job's ranks.",
+                   d.dumps_asked, rid)
     yield _counter("gpuvigil_detect_fenced_messages", "Findings messages not published: the partition's lease was no longer valid when they were ready.", d.fenced, rid)
     yield _counter("gpuvigil_detect_state_snapshots_written", "Partition state snapshots written to the state bucket (fleet.state_bucket).", d.state_written, rid)
     yield _counter("gpuvigil_detect_state_snapshots_fenced", "Partition state snapshots not written: the lease was no longer valid, or a later owner had written one.", d.state_fenced, rid)

@@ -3,12 +3,13 @@ nats-server configuration that gives each role only the subjects it needs (docs/
 
 Roles and what NATS lets each of them do (`permissions`):
 
-- agent: publish its rows, its node's findings and summary, and its clock; nothing else. It has
+- agent: publish its rows, its node's findings and summary, and its clock; receive detect's
+  requests for Flight Recorder dumps; nothing else. It has
   no JetStream API rights beyond reading stream info: it cannot publish a detect partition's
   findings (a forged page), write a lease or the act ledger, or change or delete a stream. With a
   credential the agent leaves the streams' creation to detect and act.
-- detect: read the rows (pull consumers), hold leases, publish its partitions' findings and
-  snapshot their carried-over state.
+- detect: read the rows (pull consumers), hold leases, publish its partitions' findings,
+  snapshot their carried-over state and ask agents for Flight Recorder dumps.
 - act: read findings and node summaries, hold the leader lease, and own the act ledger.
 
 Destructive JetStream calls (delete or purge a stream, delete a stored message) are denied to
@@ -105,12 +106,12 @@ def permissions(fleet: Fleet, role: str) -> dict[str, Any]:
     if role == "agent":
         # The server checks the subject after the partition mapping (rows.<job> → part.<p>.<job>).
         pub = [f"{p}.rows.*", f"{p}.part.*.*", f"{p}.findings.node.*", f"{p}.cluster.node.*", f"{p}.clock.*", "$JS.API.INFO", "$JS.API.STREAM.INFO.*"]
-        return {"publish": {"allow": pub}, "subscribe": {"allow": ["_INBOX.>"]}}
+        return {"publish": {"allow": pub}, "subscribe": {"allow": ["_INBOX.>", f"{p}.fr.request.*"]}}
     # detect and act run JetStream consumers and manage the streams' limits; what they may
     # write is their own findings (and detect's partition state) or the ledger, and the leases.
     api = ["$JS.API.>", "$JS.ACK.>", "$JS.FC.>"]
     if role == "detect":
-        pub = [f"{p}.findings.part.*", leases, state, *api]
+        pub = [f"{p}.findings.part.*", f"{p}.fr.request.*", leases, state, *api]
         deny = [ledger, *_DESTRUCTIVE]
     elif role == "act":
         pub = [leases, ledger, *api]

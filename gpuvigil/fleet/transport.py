@@ -14,6 +14,9 @@ Subjects (prefix `gv` by default):
   from an agent that reads the scheduler's queue, the pending jobs), on change and every
   `cluster_refresh_seconds`; the stream keeps the last one per node. The act leader runs
   `fragmentation_cluster`, the one detector that needs every node, over their union.
+- `gv.fr.request.<node>`: detect asks the agent of a node holding ranks of a job it suspects of
+  a hang to write the job's Flight Recorder debug-info pipes (core NATS, not stored: a request is
+  worth something only now, and the trigger asks again while the suspicion lasts).
 - `gv.clock.<node>`: each agent's tick time (core NATS, not stored). Detect and act tick on the
   fleet's data clock, so the simulator and real nodes run the same code.
 """
@@ -109,6 +112,9 @@ class Subjects:
 
     def findings_part(self, partition: int) -> str:
         return f"{self.prefix}.findings.part.{partition}"
+
+    def fr_request(self, node: str) -> str:
+        return f"{self.prefix}.fr.request.{token(node)}"
 
     def clock(self, node: str) -> str:
         return f"{self.prefix}.clock.{token(node)}"

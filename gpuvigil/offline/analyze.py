@@ -270,7 +270,7 @@ def findings_from_gpuvigil_scrape(text: str, display: str, ts: float) -> list[Fi
 def detect_once(names: Iterable[str], streams: dict[str, pl.DataFrame], ts: float, cfg: dict[str, Any] | None) -> list[Finding]:
     """Findings of the registered detectors `names` over one snapshot (one tick at `ts`): what a
     saved scrape or a copy of a sysfs tree says on its own, by the detectors serve runs."""
-    from gpuvigil.detectors.registry import default_detectors
+    from gpuvigil.app import compose
     from gpuvigil.window import Window
 
     window = Window(600.0)
@@ -278,7 +278,7 @@ def detect_once(names: Iterable[str], streams: dict[str, pl.DataFrame], ts: floa
         window.add(stream, df)
     window.seal(ts)
     out: list[Finding] = []
-    for detector in default_detectors(cfg, only=set(names)):
+    for detector in compose.detectors(cfg, "analyze", only=names):
         out.extend(detector.detect(window))
     return out
 

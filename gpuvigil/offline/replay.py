@@ -869,8 +869,7 @@ def run_replay(
 ) -> ReplayResult:
     """Tick the pipeline over [start, end]. `chunks`, if given, yields (until, streams): the
     recorded rows up to `until`, fetched lazily (a Prometheus replay of a month holds one chunk)."""
-    from gpuvigil.detectors.registry import default_detectors
-    from gpuvigil.pipeline.core import Pipeline
+    from gpuvigil.app import compose
     from gpuvigil.pipeline.hints import HintPolicy
 
     cfg = config.defaults() if cfg is None else cfg
@@ -883,7 +882,7 @@ def run_replay(
     if t1 < t0:
         raise UserError("--end is before --start")
     collector = ReplayCollector(streams)
-    pipeline = Pipeline([collector], default_detectors(cfg), cfg=cfg)
+    pipeline = compose.build(cfg, "replay", [collector])
     fired: list[Fired] = []
     hints: list[FiredHint] = []
     w0 = time.perf_counter()
