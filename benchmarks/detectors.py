@@ -110,7 +110,7 @@ class Case:
     # where listed (a shadow pipeline costs about as much CPU as the main one).
     levels: tuple[str, ...] = ("L0", "L1", "L2")
     hook_wait: bool = True  # False: the L2 hook rows carry no collective wait (as the real hook's)
-    hook_starts: bool = True  # False: no kernel starts in the hook rows (gloo, NCCL without timing)
+    hook_starts: bool = True  # False: kernel starts unknown in the hook rows (gloo, NCCL without timing)
 
 
 @dataclass
@@ -905,11 +905,13 @@ def markdown(summary: dict[str, Any], meta: dict[str, Any], cost: dict[str, Any]
         "samples, hook records and Inspector rows once per pipeline tick, every 1 s for steps ≤ 1 s, 2 s for steps up to 8 s and up to 5 s beyond (real "
         "dcgm-exporter refreshes every 30 s, NVML at 1 s); "
         + (
-            "`--hook-without-starts`: the hook rows record no kernel starts (-1), as with gloo or NCCL without TORCH_NCCL_ENABLE_TIMING, so the hook cannot "
-            "name a rank stuck in a kernel"
+            "`--hook-without-starts`: the hook rows mark kernel starts unknown, as the hook sends them on gloo, with `collective_timing=False`, or when it "
+            "started after an NCCL process group on a torch without the runtime switch, so the hook cannot name a rank stuck in a kernel (the gloo / late-start case)"
             if meta.get("hook_without_starts")
-            else "the simulated hook reports each rank's last started collective (NCCL with TORCH_NCCL_ENABLE_TIMING=1; gloo and NCCL without timing do "
-            "not, and an L2 job then relies on the L0/L1 detectors for a rank stuck in a kernel: `--hook-without-starts` measures that case)"
+            else "the simulated hook reports each rank's last started collective, as gpuvigil.hook.instrument provides it on NCCL when `gv.start()` runs "
+            "before the process group (it sets TORCH_NCCL_ENABLE_TIMING=1, which ProcessGroupNCCL reads when it is built) or through torch's runtime switch "
+            "on a group that exists; gloo records no starts, and the hook then marks them unknown, leaving a rank stuck in a kernel to the L0/L1 "
+            "detectors: `--hook-without-starts` measures that case"
         )
         + (
             "; `--hook-without-wait`: the L2 hook rows carry no collective wait, as the real hook sends them, so an L2 job's stragglers are left to the L0/L1 detectors."
@@ -1285,6 +1287,6 @@ def add_parser(sub) -> None:
     p.add_argument("--after", type=float, default=None, help="seconds a run goes on after the fault (default per case type)")
     p.add_argument("--levels", default=None, help="levels to observe, comma-separated (default L0,L1,L2; L2, the main runtime, always runs): fewer shadows cost less CPU")
     p.add_argument("--hook-without-wait", action="store_true", help="the L2 hook rows carry no collective wait, as the real hook sends them (the simulator fills it)")
-    p.add_argument("--hook-without-starts", action="store_true", help="the L2 hook rows record no kernel starts (-1), as with gloo or NCCL without TORCH_NCCL_ENABLE_TIMING")
+    p.add_argument("--hook-without-starts", action="store_true", help="the L2 hook rows mark kernel starts unknown, as the hook sends them on gloo or without TORCH_NCCL_ENABLE_TIMING")
     p.add_argument("--section", default=None, help="docs/benchmarks.md section to write (default: detectors), e.g. detectors-levels for a reduced per-level run beside the full one")
     p.set_defaults(func=cmd)

@@ -352,7 +352,7 @@ def test_l2_hang_targets_count_short_steps_and_ranks_stuck_inside_a_kernel():
 
 def test_recorder_can_send_the_hook_rows_as_the_real_hook_does():
     """--hook-without-wait / --hook-without-starts: the main runtime's rank_progress rows lose
-    the collective wait (null) and the kernel starts (-1), as the real hook on gloo sends them;
+    the collective wait (null) and the kernel starts (null: unknown), as the real hook on gloo sends them;
     the other streams pass as they are."""
     import polars as pl
 
@@ -369,6 +369,6 @@ def test_recorder_can_send_the_hook_rows_as_the_real_hook_does():
     as_sim = Recorder([Source()]).collect(1.0)["rank_progress"]
     assert as_sim.select("collective_wait_seconds", "last_started_seq").row(0) == (0.2, 7)
     out = Recorder([Source()], hook_wait=False, hook_starts=False).collect(1.0)
-    assert out["rank_progress"].select("collective_wait_seconds", "last_started_seq").row(0) == (None, -1)
+    assert out["rank_progress"].select("collective_wait_seconds", "last_started_seq").row(0) == (None, None)
     assert out["rank_progress"].schema == rows.schema and out["gpu_samples"].equals(gpu)
     assert isinstance(out["rank_progress"], pl.DataFrame)
