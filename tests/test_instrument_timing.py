@@ -115,6 +115,13 @@ def test_too_late_is_said_once_with_the_fix(env, tmp_path, caplog):
         _record(tmp_path, torch)
     [message] = [r.getMessage() for r in caplog.records if r.name == "gpuvigil.hook"]
     assert "Call start() before torch.distributed.init_process_group()" in message and "TORCH_NCCL_ENABLE_TIMING=1" in message
+    # On gloo the fix would not help (it records no starts): nothing is said.
+    caplog.clear()
+    env.delenv(gv.TIMING_ENV)  # (set by the start() above, for the groups built after it)
+    torch = fake_torch(env, live=True, backend="gloo", groups=(Group(switch=False),))
+    with caplog.at_level(logging.WARNING, logger="gpuvigil.hook"):
+        hook, record = _record(tmp_path, torch)
+    assert (hook.collective_timing, record["collective_starts"], [r for r in caplog.records if r.name == "gpuvigil.hook"]) == ("too_late", False, [])
 
 
 def test_a_hook_built_directly_keeps_the_raw_values_where_it_cannot_tell(env, tmp_path):

@@ -263,7 +263,11 @@ def enable_collective_timing(enabled: bool | None = None) -> str:
             pass
     if groups and switched == len(groups):
         return "runtime"
-    if not _late_start_logged:
+    try:
+        nccl = "nccl" in str(dist.get_backend()).lower()
+    except Exception:  # noqa: BLE001 - cannot tell: say it
+        nccl = True
+    if nccl and not _late_start_logged:  # (gloo records no starts, however timing is set)
         _late_start_logged = True
         import logging
 
