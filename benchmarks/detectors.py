@@ -110,7 +110,7 @@ class Case:
     # where listed (a shadow pipeline costs about as much CPU as the main one).
     levels: tuple[str, ...] = ("L0", "L1", "L2")
     hook_wait: bool = True  # False: the L2 hook rows carry no collective wait (as the real hook's)
-    hook_starts: bool = True  # False: no kernel starts in the hook rows (gloo, NCCL without timing)
+    hook_starts: bool = True  # False: kernel starts unknown in the hook rows (gloo, NCCL without timing)
 
 
 @dataclass
@@ -154,6 +154,7 @@ def make_case(
     levels: tuple[str, ...] = ("L0", "L1", "L2"),
     hook_wait: bool = True,
     hook_starts: bool = True,
+    hang_inside_share: float = 0.2,
 ) -> Case:
     """Case `index` of the suite: the type cycles through all types (or through `types`, where a
     repeated type weighs more), parameters are random.
@@ -198,7 +199,9 @@ def make_case(
     # telemetry the cluster has, how a hang's culprit looks, where a straggler is slow.
     lrng = np.random.default_rng([seed, index, 0x4C])
     telemetry = "nvml" if lrng.random() < 0.5 else "dcgm"
-    hang_mode = "outside" if lrng.random() < 0.8 else "inside"
+    # The same draw for any share, so that a share of 1 turns exactly the hang runs into ones
+    # whose culprit is stuck inside a kernel and leaves every other parameter as it was.
+    hang_mode = "outside" if lrng.random() < 1.0 - hang_inside_share else "inside"
     straggler_mode = "host" if lrng.random() < 0.5 else "gpu"
     if case_type in ("nccl_hang", "gpu_lost"):
         fault = {"type": case_type, "ranks": ranks}
@@ -905,16 +908,24 @@ def markdown(summary: dict[str, Any], meta: dict[str, Any], cost: dict[str, Any]
         "samples, hook records and Inspector rows once per pipeline tick, every 1 s for steps ≤ 1 s, 2 s for steps up to 8 s and up to 5 s beyond (real "
         "dcgm-exporter refreshes every 30 s, NVML at 1 s); "
         + (
-            "`--hook-without-starts`: the hook rows record no kernel starts (-1), as with gloo or NCCL without TORCH_NCCL_ENABLE_TIMING, so the hook cannot "
-            "name a rank stuck in a kernel"
+            "`--hook-without-starts`: the hook rows mark kernel starts unknown, as the hook sends them on gloo, with `collective_timing=False`, or when it "
+            "started after an NCCL process group on a torch without the runtime switch, so the hook cannot name a rank stuck in a kernel (the gloo / late-start case)"
             if meta.get("hook_without_starts")
-            else "the simulated hook reports each rank's last started collective (NCCL with TORCH_NCCL_ENABLE_TIMING=1; gloo and NCCL without timing do "
-            "not, and an L2 job then relies on the L0/L1 detectors for a rank stuck in a kernel: `--hook-without-starts` measures that case)"
+            else "the simulated hook reports each rank's last started collective, as gpuvigil.hook.instrument provides it on NCCL when `gv.start()` runs "
+            "before the process group (it sets TORCH_NCCL_ENABLE_TIMING=1, which ProcessGroupNCCL reads when it is built) or through torch's runtime switch "
+            "on a group that exists; gloo records no starts, and the hook then marks them unknown, leaving a rank stuck in a kernel to the L0/L1 "
+            "detectors: `--hook-without-starts` measures that case"
         )
         + (
             "; `--hook-without-wait`: the L2 hook rows carry no collective wait, as the real hook sends them, so an L2 job's stragglers are left to the L0/L1 detectors."
             if meta.get("hook_without_wait")
             else "; the simulated hook rows carry each rank's collective wait (the real hook does not send it: `--hook-without-wait` measures that case)."
+        )
+        + (
+            f" `--hang-inside-share {meta['hang_inside_share']:g}`: {meta['hang_inside_share']:.0%} of the nccl_hang runs have their culprit stuck inside a "
+            "kernel (20% by default), drawn as the default draws it."
+            if meta.get("hang_inside_share", 0.2) != 0.2
+            else ""
         ),
         "",
     ]
@@ -1169,7 +1180,10 @@ def cmd(args) -> int:
     if not set(levels) <= set(LEVELS):
         raise UserError(f"--levels: unknown level in {args.levels!r} (known: {', '.join(LEVELS)})")
     case_options = {"max_step": getattr(args, "max_step", None), "warmup": getattr(args, "warmup", None), "after_fault": getattr(args, "after", None), "levels": levels,
-                    "hook_wait": not getattr(args, "hook_without_wait", False), "hook_starts": not getattr(args, "hook_without_starts", False)}
+                    "hook_wait": not getattr(args, "hook_without_wait", False), "hook_starts": not getattr(args, "hook_without_starts", False),
+                    "hang_inside_share": getattr(args, "hang_inside_share", 0.2)}
+    if not 0.0 <= case_options["hang_inside_share"] <= 1.0:
+        raise UserError(f"--hang-inside-share must be in [0, 1], got {case_options['hang_inside_share']}")
     workers = args.workers or max(1, os.cpu_count() or 1)
     types = parse_cases(getattr(args, "cases", None))
     resolutions = parse_resolutions(getattr(args, "resolutions", None))
@@ -1236,6 +1250,7 @@ def _report(args, results: list[RunResult], wall: float = 0.0, workers: int = 1,
         "levels": tuple(sorted({"L2", *levels})),
         "hook_without_wait": bool(getattr(args, "hook_without_wait", False)),
         "hook_without_starts": bool(getattr(args, "hook_without_starts", False)),
+        "hang_inside_share": getattr(args, "hang_inside_share", 0.2),
         "max_gpus": getattr(args, "max_gpus", None),
         "max_step": getattr(args, "max_step", None),
         "command": ("gpuvigil bench detectors " + " ".join(sys.argv[sys.argv.index("detectors") + 1 :])) if "detectors" in sys.argv else None,
@@ -1285,6 +1300,8 @@ def add_parser(sub) -> None:
     p.add_argument("--after", type=float, default=None, help="seconds a run goes on after the fault (default per case type)")
     p.add_argument("--levels", default=None, help="levels to observe, comma-separated (default L0,L1,L2; L2, the main runtime, always runs): fewer shadows cost less CPU")
     p.add_argument("--hook-without-wait", action="store_true", help="the L2 hook rows carry no collective wait, as the real hook sends them (the simulator fills it)")
-    p.add_argument("--hook-without-starts", action="store_true", help="the L2 hook rows record no kernel starts (-1), as with gloo or NCCL without TORCH_NCCL_ENABLE_TIMING")
+    p.add_argument("--hook-without-starts", action="store_true", help="the L2 hook rows mark kernel starts unknown, as the hook sends them on gloo or without TORCH_NCCL_ENABLE_TIMING")
+    p.add_argument("--hang-inside-share", type=float, default=0.2, metavar="S",
+                   help="share of nccl_hang runs whose culprit is stuck inside a kernel (default 0.2; 1: all of them, to measure that case alone)")
     p.add_argument("--section", default=None, help="docs/benchmarks.md section to write (default: detectors), e.g. detectors-levels for a reduced per-level run beside the full one")
     p.set_defaults(func=cmd)

@@ -47,7 +47,7 @@ class Recorder:
         if not self.hook_wait and "rank_progress" in out:
             out["rank_progress"] = [df.with_columns(pl.lit(None, dtype=pl.Float64).alias("collective_wait_seconds")) for df in out["rank_progress"]]
         if not self.hook_starts and "rank_progress" in out:
-            out["rank_progress"] = [df.with_columns(pl.lit(-1, dtype=pl.Int64).alias("last_started_seq")) for df in out["rank_progress"]]
+            out["rank_progress"] = [df.with_columns(pl.lit(None, dtype=pl.Int64).alias("last_started_seq")) for df in out["rank_progress"]]
         self.frames = out
         # The main runtime (L2) does not read the L1 streams: keep its cost and figures as they were.
         return {s: (dfs[0] if len(dfs) == 1 else pl.concat(dfs, how="vertical_relaxed")) for s, dfs in out.items() if s not in L1_ONLY}

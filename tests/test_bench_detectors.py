@@ -337,6 +337,20 @@ def test_cheaper_cases_keep_every_other_draw():
         assert full.levels == ("L0", "L1", "L2") and full.onset >= 100.0
 
 
+def test_hang_inside_share_turns_hang_runs_into_kernel_hangs_and_keeps_the_rest():
+    """--hang-inside-share 1: every nccl_hang run's culprit is stuck inside a kernel; the job, its
+    ranks and the runs the default draws inside are those of the default suite."""
+    default = [make_case(i, seed=7, max_gpus=8, quick=True, types=["nccl_hang"]) for i in range(30)]
+    inside = [make_case(i, seed=7, max_gpus=8, quick=True, types=["nccl_hang"], hang_inside_share=1.0) for i in range(30)]
+    assert {c.scenario["faults"][0]["mode"] for c in inside} == {"inside"}
+    assert 0 < sum(c.scenario["faults"][0]["mode"] == "inside" for c in default) < 30
+    for a, b in zip(default, inside):
+        assert (a.gpus, a.step_time_seconds, a.onset, a.scenario["faults"][0]["ranks"]) == (b.gpus, b.step_time_seconds, b.onset, b.scenario["faults"][0]["ranks"])
+    assert [c.scenario["faults"][0]["mode"] for c in default] == [
+        c.scenario["faults"][0]["mode"] for c in (make_case(i, seed=7, max_gpus=8, quick=True, types=["nccl_hang"], hang_inside_share=0.2) for i in range(30))]
+    assert {make_case(i, seed=7, types=["nccl_hang"], hang_inside_share=0.0).scenario["faults"][0]["mode"] for i in range(30)} == {"outside"}
+
+
 def test_l2_hang_targets_count_short_steps_and_ranks_stuck_inside_a_kernel():
     runs = [_hang_run(i, 105.0, [2]) for i in range(8)] + [_hang_run(8, 112.0, [2]), _hang_run(9, 104.0, [])]
     runs[9].mode = "inside"
@@ -352,7 +366,7 @@ def test_l2_hang_targets_count_short_steps_and_ranks_stuck_inside_a_kernel():
 
 def test_recorder_can_send_the_hook_rows_as_the_real_hook_does():
     """--hook-without-wait / --hook-without-starts: the main runtime's rank_progress rows lose
-    the collective wait (null) and the kernel starts (-1), as the real hook on gloo sends them;
+    the collective wait (null) and the kernel starts (null: unknown), as the real hook on gloo sends them;
     the other streams pass as they are."""
     import polars as pl
 
@@ -369,6 +383,6 @@ def test_recorder_can_send_the_hook_rows_as_the_real_hook_does():
     as_sim = Recorder([Source()]).collect(1.0)["rank_progress"]
     assert as_sim.select("collective_wait_seconds", "last_started_seq").row(0) == (0.2, 7)
     out = Recorder([Source()], hook_wait=False, hook_starts=False).collect(1.0)
-    assert out["rank_progress"].select("collective_wait_seconds", "last_started_seq").row(0) == (None, -1)
+    assert out["rank_progress"].select("collective_wait_seconds", "last_started_seq").row(0) == (None, None)
     assert out["rank_progress"].schema == rows.schema and out["gpu_samples"].equals(gpu)
     assert isinstance(out["rank_progress"], pl.DataFrame)

@@ -150,10 +150,11 @@ def test_memory_record_becomes_allocator_stats():
 
 
 def test_last_started_collective_reaches_rank_progress():
-    """The hook publishes the Flight Recorder's last started collective per process group (-1
-    where no kernel start is recorded: gloo, NCCL without timing, as the real H200 dumps in
-    tests/test_instrument_stdlib.py show); the hang detector reads it to name a rank stuck in a
-    kernel before the pending collective. Anything but an integer is dropped to null."""
+    """The hook publishes the Flight Recorder's last started collective per process group (-1:
+    none started yet, as the dumps say it, e.g. the real H200 dumps in
+    tests/test_instrument_stdlib.py, taken without timing; null where the hook knows starts are
+    not recorded: tests/test_instrument_timing.py); the hang detector reads it to name a rank
+    stuck in a kernel before the pending collective. Anything but an integer is dropped to null."""
     record = {
         "ts": 5.0, "job": "j", "rank": 3, "step": 7,
         "pg_status": {"0": {"last_enqueued": 12, "last_started": 11, "last_completed": 11}, "1": {"last_enqueued": 2, "last_started": -1, "last_completed": 2},

@@ -370,3 +370,43 @@ def test_without_start_records_an_xid_on_one_rank_s_gpu_names_it():
     assert g.culprit_ranks == [] and g.cause == "hardware"
     [h] = run(in_kernel(started_known=False), times, events=xid_on("n9", [1]))[9]
     assert h.culprit_ranks == [] and h.cause == "software"
+
+
+def test_unknown_starts_never_name_a_rank_and_minus_one_is_a_start_record():
+    """A start of -1 is a start record (nothing started yet); null is unknown (the hook's rows on
+    gloo, with timing off, or from a hook started after the process group). Ranks 0-6 started
+    #11, rank 7 did not: with -1 it is the culprit, with null it is not named (its peers' starts
+    say nothing about it) and the job is paged later with no culprit, for the L0/L1 detectors."""
+    def rank7(value):
+        return lambda t: in_kernel(culprits=(7,))(t).with_columns(
+            pl.when(pl.col("rank") == 7).then(pl.lit(value, dtype=pl.Int64)).otherwise(pl.col("last_started_seq")).alias("last_started_seq"))
+
+    times = [float(t) for t in range(0, 11)]
+    found = run(rank7(-1), times)
+    assert found[6] and found[6][0].culprit_ranks == [7] and found[6][0].evidence["not_started_ranks"] == [7]
+    found = run(rank7(None), times)
+    assert [bool(f) for f in found] == [False] * 9 + [True] * 2
+    assert found[9][0].culprit_ranks == [] and found[9][0].evidence["all_started"] is False
+    assert "TORCH_NCCL_ENABLE_TIMING=1, set by gv.start() before init_process_group" in found[9][0].summary
+    # Unknown everywhere: the same page as with -1 everywhere.
+    none = lambda t: in_kernel(started_known=False)(t).with_columns(pl.lit(None, dtype=pl.Int64).alias("last_started_seq"))  # noqa: E731
+    assert [bool(f) for f in run(none, times)] == [False] * 9 + [True] * 2
+
+
+def test_first_collective_of_a_group_names_the_rank_that_never_started_it():
+    """A process group's first collective: enqueued #0 everywhere, nothing completed (-1);
+    ranks 1-7 started it (0), rank 0 is stuck in a kernel before it (-1: no start yet)."""
+    def first(t):
+        df = rank_rows(t, [0] * 8, [-1] * 8)
+        return df.with_columns(pl.Series("last_started_seq", [-1] + [0] * 7, dtype=pl.Int64))
+
+    found = run(first, T)
+    [f] = found[6]
+    assert f.culprit_ranks == [0] and f.evidence["pending_seq"] == 0 and f.evidence["not_started_ranks"] == [0]
+
+
+def test_every_rank_started_the_stuck_collective_says_so():
+    found = run(in_kernel(culprits=(), started_known=True), [float(t) for t in range(0, 10)])
+    [f] = found[9]
+    assert f.culprit_ranks == [] and f.evidence["all_started"] is True
+    assert "every rank started it: the collective itself is stuck" in f.summary

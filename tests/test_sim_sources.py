@@ -169,6 +169,26 @@ def test_a_hung_rank_publishes_nothing_from_step_but_does_from_a_thread():
     assert late.height >= 10 and (late["ts"].diff().drop_nulls() == 10).all()
 
 
+def test_a_hook_without_starts_marks_them_unknown_and_changes_nothing_else():
+    """sources.hook_without_starts_share: the share of jobs whose hook rows carry no collective
+    starts (gloo, timing off, a hook started late): null (unknown), not -1 (nothing started).
+    The default is the documented use, gv.start() before the process group: starts reported.
+    Chosen per job from its name, so the world and every other column stay as they were."""
+    two = {"jobs": [{**FAST["jobs"][0], "gpus": 8}, {**FAST["jobs"][0], "name": "x", "gpus": 8}]}
+    hang = [{"type": "nccl_hang", "at": 20, "job": "train", "ranks": [3], "mode": "inside"}]
+    base = _observe(_scenario(**two, faults=hang), 40)["rank_progress"]
+    assert base["last_started_seq"].null_count() == 0
+    hung = base.filter((pl.col("job") == "train") & (pl.col("ts") >= 30))
+    assert hung.filter(pl.col("rank") == 3)["last_started_seq"].to_list()[-1] < hung.filter(pl.col("rank") == 0)["last_started_seq"].to_list()[-1]
+    none = _observe(_scenario(**two, faults=hang, sources={"hook_without_starts_share": 1.0}), 40)["rank_progress"]
+    assert none["last_started_seq"].null_count() == none.height
+    assert none.drop("last_started_seq").equals(base.drop("last_started_seq"))
+    half = _observe(_scenario(**two, faults=hang, sources={"hook_without_starts_share": 0.5}), 40)["rank_progress"]
+    unknown = half.group_by("job").agg(pl.col("last_started_seq").null_count() == pl.len())
+    assert sorted(unknown.rows()) == [("train", True), ("x", False)]  # whole jobs, by name
+    assert half.drop("last_started_seq").equals(base.drop("last_started_seq"))
+
+
 def test_no_hook_means_no_hook_streams():
     rows = _observe(_scenario(sources={"hook": "none", "device_seconds": 30}), 120)
     assert rows["rank_progress"].height == 0 and rows["allocator_stats"].height == 0

@@ -6,8 +6,11 @@ Signals, all from `rank_progress` (the in-process hook's Flight Recorder `pg_sta
   allows: max(min_stall_seconds, step_time_factor × median step time);
 - the *culprits* are the ranks that never enqueued the pending collective, ranks whose
   reports stopped while their peers kept reporting (a dead process or a GPU off the bus), and,
-  where the Flight Recorder records kernel starts (NCCL with TORCH_NCCL_ENABLE_TIMING=1), ranks
-  that enqueued it but never started it while their peers did: stuck in a kernel before it.
+  where the Flight Recorder records kernel starts (NCCL with TORCH_NCCL_ENABLE_TIMING=1, which
+  the hook turns on when it starts before the process group), ranks that enqueued it but never
+  started it while their peers did: stuck in a kernel before it. A start of -1 is a start
+  record ("nothing started yet"); a missing one (null: gloo, timing off, a hook started too
+  late) is unknown and never makes a rank a culprit.
   Without start records such a rank looks like its peers: when every rank has entered the
   pending collective and none completes it for longer (`all_entered_*`), the job is paged hung;
   an XID or ECC event on the GPU of exactly one of its ranks names that rank (a GPU that failed
@@ -294,6 +297,9 @@ class HangDetector(Declared):
         bad = hw.select(pl.col("node").cast(pl.Utf8), pl.col("gpu").cast(pl.Int64)).drop_nulls().unique()
         on_bad = job_rows.with_columns(pl.col("node").cast(pl.Utf8), pl.col("gpu").cast(pl.Int64)).join(bad, on=["node", "gpu"], how="semi")
         culprits = [int(on_bad["rank"][0])] if bad.height == 1 and on_bad.height == 1 else []
+        # Every rank's start known and every rank started: the kernel that hangs is the
+        # collective's own (a network or peer-to-peer stall), not one before it.
+        all_started = bool((job_rows["last_started_seq"] > job_rows["min_comp"]).fill_null(False).all())
         where = rank_at(culprits[0], on_bad["node"][0], on_bad["gpu"][0]) if culprits else None
         return Finding(
             kind=FindingKind.COLLECTIVE_HANG,
@@ -315,6 +321,7 @@ class HangDetector(Declared):
                 "waiting_ranks": int(job_rows.height),
                 "world_size": int(first["n_ranks"]),
                 "all_entered": True,
+                "all_started": all_started,
                 "xids": xids,
             },
             summary=(
@@ -325,8 +332,11 @@ class HangDetector(Declared):
                     if culprits and xids
                     else f"{where} is stuck under a failed kernel (a hardware error on its GPU)."
                     if culprits
+                    else "every rank started it: the collective itself is stuck (network or a peer's link)."
+                    if all_started
                     else "a rank is stuck inside a kernel or the network (the hook names it only where "
-                    "the Flight Recorder records kernel starts: TORCH_NCCL_ENABLE_TIMING=1)."
+                    "the Flight Recorder records kernel starts: TORCH_NCCL_ENABLE_TIMING=1, set by gv.start() "
+                    "before init_process_group)."
                 )
             ),
         )

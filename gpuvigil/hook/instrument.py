@@ -14,6 +14,41 @@ started / completed collective per process group, when torch.distributed is in u
 (`gpuvigil.collectors.hook.HookCollector`); an `HttpSink` POSTs them to the collector from a
 background thread so that a slow collector never slows training.
 
+Collective starts. To name a rank stuck inside a kernel, whose collective is enqueued like its
+peers' (CUDA is asynchronous), the hang detector needs each rank's last *started* collective
+(`pg_status.last_started_collective`). PyTorch records it only when collective timing is on:
+
+- `ProcessGroupNCCL::WorkNCCL::startedGPUExecutionInternal()` (torch/csrc/distributed/c10d/
+  ProcessGroupNCCL.cpp) begins "if timing is disabled we won't have allocated start events /
+  if (!timingEnabled_) return false", and the watchdog moves `pgStatus_->lastStartedSeq` (what
+  the Flight Recorder's `getPgStatus()` dumps as `last_started_collective`, FlightRecorderDetail.hpp)
+  only for a work that `isStarted()`: without timing it stays -1;
+- the variable is read once, when a process group is built: the `ProcessGroupNCCL`
+  constructor does `enableTiming_.store(getCvarBool(TORCH_NCCL_ENABLE_TIMING, false) ||
+  desyncDebug)` (ProcessGroupNCCL.hpp: `TORCH_NCCL_ENABLE_TIMING`, also `NCCL_ENABLE_TIMING`);
+- a group that exists can be switched on at run time: `ProcessGroup._enable_collectives_timing()`
+  (ProcessGroup.hpp `enableCollectivesTiming()`, which `ProcessGroupNCCL::enableCollectivesTiming()`
+  implements as `enableTiming_.store(true)`; `initWork(...)` passes `enableTiming_.load()` to each
+  new work, so collectives enqueued afterwards get start events). torch 2.13 has it; a release
+  or backend without it raises ("is missing implementation of enableCollectivesTiming");
+- the cost: one more CUDA event recorded on the NCCL stream per collective and queried by the
+  watchdog; PyTorch's own note on the variable warns that the event queries "can increase
+  chances of a watchdog hang" (ProcessGroupNCCL.hpp). It also fills the Flight Recorder's
+  per-collective `duration_ms`;
+- gloo records no starts: on a real gloo group (torch 2.13 CPU, tested), `last_started_collective`
+  stays -1 with the variable set and with the runtime switch.
+
+So `start()` turns timing on: called before `init_process_group` (the documented use: at the top
+of the script) it sets TORCH_NCCL_ENABLE_TIMING=1 unless the user set it; called after, it also
+uses the runtime switch on every existing group, and where there is none it logs once how to
+fix it. Opt out with `start(..., collective_timing=False)` or GPUVIGIL_COLLECTIVE_TIMING=0. Each
+record then says `collective_starts` (true: NCCL with timing on) and, where starts are not
+recorded (gloo, timing off or switched on too late), sends `last_started` as null, so that a -1
+("nothing started yet") is never read as "stuck before its collective".
+
+This was checked against PyTorch's source and a real gloo group on CPU; no GPU was at hand, so
+the NCCL behaviour above is the source's, not a measurement.
+
 Only the standard library is imported, on every path (tested: no polars, numpy, pydantic or
 scikit-learn in `sys.modules` after publishing Flight Recorder state): torch is used only if the
 training process already imported it, so the package does not require torch, and the Flight
@@ -38,6 +73,10 @@ from pathlib import Path
 from typing import Any, Protocol
 
 RECORD_VERSION = 1
+TIMING_ENV = "TORCH_NCCL_ENABLE_TIMING"
+OPT_OUT_ENV = "GPUVIGIL_COLLECTIVE_TIMING"  # "0": leave collective timing as the job set it
+_ON = {"1", "true", "yes", "y", "on"}
+_late_start_logged = False
 # The memory_stats keys the collector uses (the full dict has ~150 keys: no need to ship them).
 MEMORY_KEYS = (
     "allocated_bytes.all.current",
@@ -164,6 +203,81 @@ def _env_int(*names: str) -> int | None:
     return None
 
 
+def _env_on(name: str) -> bool | None:
+    value = os.environ.get(name)
+    return None if value is None else value.strip().lower() in _ON
+
+
+def _torch_timing_env() -> bool:
+    """Whether the variables a process group reads at construction turn its start events on
+    (desync debugging implies timing: `getCvarBool(TORCH_NCCL_ENABLE_TIMING) || desyncDebug`)."""
+    return bool(_env_on(TIMING_ENV) or _env_on("TORCH_NCCL_DESYNC_DEBUG") or os.environ.get("TORCH_DISTRIBUTED_DEBUG", "").upper() == "DETAIL")
+
+
+def _process_groups(dist: Any) -> list[Any]:
+    world = getattr(getattr(dist, "distributed_c10d", None), "_world", None)
+    pg_map = getattr(world, "pg_map", None)
+    if isinstance(pg_map, dict) and pg_map:
+        return list(pg_map)
+    default = getattr(getattr(dist, "group", None), "WORLD", None)
+    return [default] if default is not None else []
+
+
+def _distributed_live(torch: Any) -> Any:
+    dist = getattr(torch, "distributed", None) if torch is not None else None
+    try:
+        return dist if dist is not None and dist.is_available() and dist.is_initialized() else None
+    except Exception:  # noqa: BLE001 - a half-imported torch must not break the caller
+        return None
+
+
+def enable_collective_timing(enabled: bool | None = None) -> str:
+    """Turn on the start records a hang's culprit stuck in a kernel is named from (see the module
+    docstring); returns how: `before_group` (set before any process group was built, or the
+    job's own TORCH_NCCL_ENABLE_TIMING), `runtime` (switched on every existing group),
+    `too_late` (groups exist and cannot be switched: their starts are unknown), `user_off`
+    (the job set TORCH_NCCL_ENABLE_TIMING=0) or `opted_out`."""
+    global _late_start_logged
+    if enabled is None:
+        enabled = _env_on(OPT_OUT_ENV) is not False
+    if not enabled:
+        return "opted_out"
+    user = _env_on(TIMING_ENV)
+    if user is False:
+        return "user_off"
+    if user is None:
+        os.environ[TIMING_ENV] = "1"  # for every group built from now on
+    dist = _distributed_live(_torch())
+    if dist is None or user:
+        return "before_group"
+    groups = _process_groups(dist)
+    switched = 0
+    for group in groups:
+        switch = getattr(group, "_enable_collectives_timing", None)
+        if switch is None:
+            continue
+        try:
+            switch()
+            switched += 1
+        except Exception:  # noqa: BLE001 - a backend without the switch keeps its starts unknown
+            pass
+    if groups and switched == len(groups):
+        return "runtime"
+    try:
+        nccl = "nccl" in str(dist.get_backend()).lower()
+    except Exception:  # noqa: BLE001 - cannot tell: say it
+        nccl = True
+    if nccl and not _late_start_logged:  # (gloo records no starts, however timing is set)
+        _late_start_logged = True
+        import logging
+
+        logging.getLogger("gpuvigil.hook").warning(
+            "gpuvigil: the process group was created before gpuvigil.hook.instrument.start() and this torch cannot turn on "
+            "collective timing at run time, so a rank stuck inside a kernel cannot be named. Call start() before "
+            "torch.distributed.init_process_group(), or set %s=1 in the job's environment.", TIMING_ENV)
+    return "too_late"
+
+
 def _torch() -> Any:
     # Never import torch for a process that does not use it already (the hook must stay cheap and
     # the package must not require torch).
@@ -174,7 +288,7 @@ class Hook:
     """Publishes one rank's progress, allocator state and collective progress to a sink."""
 
     def __init__(self, job: str, sink: Sink, *, rank: int | None = None, node: str | None = None, gpu: int | None = None,
-                 interval: float = 1.0, clock=time.perf_counter):
+                 interval: float = 1.0, clock=time.perf_counter, collective_timing: str | None = None):
         if interval <= 0:
             raise ValueError("interval must be positive")
         self.job = job
@@ -194,6 +308,9 @@ class Hook:
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._in_flight: dict[str, int] = {}  # pg → in-flight seq seen at the previous publish
+        # How start() set collective timing (enable_collective_timing); None: not through start().
+        self.collective_timing = collective_timing
+        self._starts: bool | None = None
         self.published = 0
         self.errors = 0
         self.last_error: str | None = None
@@ -276,6 +393,8 @@ class Hook:
         if torch is not None:
             record["memory"] = self._memory(torch)
             record["pg_status"] = self._pg_status(torch)
+            if record["pg_status"] is not None and self._starts is not None:
+                record["collective_starts"] = self._starts
         return record
 
     def publish(self) -> None:
@@ -288,6 +407,22 @@ class Hook:
             self.last_error = f"{type(exc).__name__}: {exc}"
         finally:
             self._next_publish = self.clock() + self.interval
+
+    def _collective_starts(self, distributed: Any) -> bool | None:
+        """Whether the Flight Recorder records this job's collective starts: only NCCL's start
+        events do, and only with timing on. None: cannot tell (no backend name)."""
+        if self._starts is None:
+            try:
+                backend = str(distributed.get_backend()).lower()
+            except Exception:  # noqa: BLE001 - a stand-in or a torch without get_backend
+                return None
+            if "nccl" not in backend:
+                self._starts = False
+            elif self.collective_timing in ("before_group", "runtime"):
+                self._starts = True
+            else:
+                self._starts = self.collective_timing != "too_late" and _torch_timing_env()
+        return self._starts
 
     def _memory(self, torch: Any) -> dict[str, int] | None:
         cuda = getattr(torch, "cuda", None)
@@ -312,11 +447,13 @@ class Hook:
         # Without entries the dump is a few microseconds; entries (tens of ms for a full buffer)
         # are fetched only when a collective has stayed in flight for a whole interval.
         status = dump(False).get("pg_status") or {}
+        starts = self._collective_starts(distributed)
         out: dict[str, dict[str, Any]] = {}
         stuck = []
         for pg, st in status.items():
             enqueued, completed = int(st.get("last_enqueued_collective", -1)), int(st.get("last_completed_collective", -1))
-            out[pg] = {"last_enqueued": enqueued, "last_started": int(st.get("last_started_collective", -1)), "last_completed": completed, "current_op": None}
+            started = None if starts is False else int(st.get("last_started_collective", -1))
+            out[pg] = {"last_enqueued": enqueued, "last_started": started, "last_completed": completed, "current_op": None}
             if enqueued > completed:
                 if self._in_flight.get(pg) == enqueued:
                     stuck.append(pg)
@@ -369,9 +506,14 @@ def _fr_dumper(c10d: Any):
 
 
 def start(job: str, sink: Sink | str | Path, *, rank: int | None = None, node: str | None = None, gpu: int | None = None,
-          interval: float = 1.0) -> Hook:
-    """Create a hook for this rank. `sink` may be a FileSink/HttpSink, a folder, or an http(s) URL."""
+          interval: float = 1.0, collective_timing: bool | None = None) -> Hook:
+    """Create a hook for this rank. `sink` may be a FileSink/HttpSink, a folder, or an http(s) URL.
+
+    Call it before `torch.distributed.init_process_group()`: it turns on NCCL's collective start
+    records (TORCH_NCCL_ENABLE_TIMING=1, see the module docstring), which name a rank stuck in a
+    kernel. `collective_timing=False` (or GPUVIGIL_COLLECTIVE_TIMING=0) leaves timing as it is."""
     if isinstance(sink, (str, Path)):
         text = str(sink)
         sink = HttpSink(text) if text.startswith(("http://", "https://")) else FileSink(text)
-    return Hook(job, sink, rank=rank, node=node, gpu=gpu, interval=interval)
+    timing = enable_collective_timing(collective_timing)
+    return Hook(job, sink, rank=rank, node=node, gpu=gpu, interval=interval, collective_timing=timing)

@@ -20,6 +20,7 @@ that stops entering collectives leaves its peers blocked one sequence number ahe
 from __future__ import annotations
 
 import math
+import zlib
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -454,6 +455,13 @@ class SimulatedCluster:
         span = (job.cfg.memory_peak_gib - job.cfg.memory_base_gib) * GIB * scale
         return float(np.clip(span / 8, 1 * GIB, 8 * GIB))
 
+    def _hook_reports_starts(self, name: str) -> bool:
+        """Whether this job's hook rows carry collective starts (sources.hook_without_starts_share).
+        Drawn from the job's name, not the run's random stream, so that choosing a share leaves
+        every other draw of the run as it was."""
+        share = self.sources.hook_without_starts_share
+        return share <= 0 or zlib.crc32(name.encode()) / 2**32 >= share
+
     def _thermal_slowdown(self, job: SimJob) -> np.ndarray:
         clock = self._sm_clock(job.gpu_idx)
         return SM_CLOCK_MHZ / clock
@@ -704,7 +712,7 @@ class SimulatedCluster:
         rp["step"].extend([int(step_now)] * len(ranks))
         rp["step_time_seconds"].extend([job.last_step_seconds or cfg.step_time_seconds] * len(ranks))
         rp["collective_wait_seconds"].extend(wait[alive].tolist())
-        rp["last_started_seq"].extend(started[alive].tolist())
+        rp["last_started_seq"].extend(started[alive].tolist() if self._hook_reports_starts(cfg.name) else [None] * len(ranks))
 
     def _emit_allocator_stats(self, job: SimJob, al: dict, rows: tuple, allocated, peak_alloc, reserved, foreign) -> None:
         cfg = job.cfg

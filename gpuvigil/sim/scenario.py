@@ -131,6 +131,11 @@ class SourcesConfig(_Strict):
     # jobs are observed from device telemetry and logs alone).
     hook: Literal["tick", "step", "background", "none"] = "tick"
     hook_seconds: float = Field(1.0, gt=0, le=3600)
+    # Share of jobs whose hook rows carry no collective starts (unknown, not "not started"):
+    # gloo, `collective_timing=False`, or a hook started after the process group on a torch
+    # without the runtime switch. 0: the documented use, `gv.start()` at the top of the script,
+    # which turns on TORCH_NCCL_ENABLE_TIMING before NCCL reads it.
+    hook_without_starts_share: float = Field(0.0, ge=0, le=1)
     # Device samples: share of a node's scrapes lost, share delivered late (and how late, s),
     # and the spread of the interval between a node's samples (s, uniform ±).
     drop_share: float = Field(0.0, ge=0, le=0.9)
