@@ -18,6 +18,7 @@ import yaml
 
 from gpuvigil.offline.analyze import Analyzer
 from gpuvigil.collectors import kernel_log, nccl_log
+from gpuvigil.detectors import training_log
 from gpuvigil.parsers import nvidia_smi
 from gpuvigil.parsers.oom import parse_oom
 
@@ -55,7 +56,7 @@ def test_corpus_is_broad_and_sourced():
 @pytest.mark.parametrize("row", _by("oom"), ids=lambda r: Path(r["file"]).stem)
 def test_oom_cause_matches_label(row):
     text = (PUBLIC / row["file"]).read_text()
-    found = nccl_log.analyze_text(text, reference_ts=REFERENCE_TS)
+    found = training_log.analyze_text(text, reference_ts=REFERENCE_TS)
     assert _diagnoses(found) == set(row["expect"]), [f.summary for f in found]
     # the figures the label was computed from are the ones the parser read
     rep = parse_oom(" ".join(text.split()))
@@ -71,7 +72,7 @@ def test_xid_attribution_matches_label(row):
 
 @pytest.mark.parametrize("row", _by("watchdog") + _by("nccl_warn") + _by("nccl_error"), ids=lambda r: Path(r["file"]).stem)
 def test_watchdog_and_warn_match_label(row):
-    found = nccl_log.analyze_text((PUBLIC / row["file"]).read_text(), reference_ts=REFERENCE_TS)
+    found = training_log.analyze_text((PUBLIC / row["file"]).read_text(), reference_ts=REFERENCE_TS)
     assert _diagnoses(found) == set(row["expect"]), [f.summary for f in found]
 
 

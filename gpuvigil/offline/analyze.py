@@ -362,7 +362,8 @@ class Analyzer:
         return report
 
     def _analyze_file(self, path: Path, name: str, report: Report, fr_groups: dict[Path, list[Path]]) -> str | None:
-        from gpuvigil.collectors import dcgm, kernel_log, nccl_log
+        from gpuvigil.collectors import dcgm, kernel_log
+        from gpuvigil.detectors import training_log
         from gpuvigil.parsers import nccl as nccl_text
         from gpuvigil.parsers import xid_line
 
@@ -419,7 +420,7 @@ class Analyzer:
             len(head) == SNIFF_BYTES and _grep(path, b"Watchdog caught", b"CUDA out of memory", b"HIP out of memory", b"NCCL WARN", b"NCCL error")
         ):
             parsed = nccl_text.parse_lines(log_lines(_text_lines(path), nccl_text._SNIFF), reference_ts=ref)
-            report.findings.extend(nccl_log.findings(parsed, source_file=name, job=self.job, node=self.node, cfg=self.cfg))
+            report.findings.extend(training_log.findings(parsed, source_file=name, job=self.job, node=self.node, cfg=self.cfg))
             kinds.append("training_log")
         if kinds:
             return "+".join(kinds)
