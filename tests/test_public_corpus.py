@@ -17,7 +17,7 @@ import pytest
 import yaml
 
 from gpuvigil.offline.analyze import Analyzer
-from gpuvigil.collectors import kernel_log, nccl_log
+from gpuvigil.collectors import kernel_log
 from gpuvigil.detectors import training_log
 from gpuvigil.parsers import nvidia_smi
 from gpuvigil.parsers.oom import parse_oom
