@@ -342,7 +342,9 @@ class Analyzer:
             try:
                 # A dump that cannot be loaded is named in `bad` and left out; the folder's other
                 # ranks are still analysed together.
-                found = self.fr.analyze_paths(dumps, errors=bad)  # type: ignore[union-attr]
+                from gpuvigil.offline.fr import analyze_paths
+
+                found = analyze_paths(dumps, errors=bad)
             except UserError as exc:
                 report.errors.append(_one_line(str(exc), ", ".join(names)))
                 continue
