@@ -16,8 +16,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from gpuvigil.offline.analyze import Analyzer
-from gpuvigil.collectors import kernel_log
+from gpuvigil.offline.analyze import Analyzer, kernel_log_findings
 from gpuvigil.detectors import training_log
 from gpuvigil.parsers import nvidia_smi
 from gpuvigil.parsers.oom import parse_oom
@@ -66,7 +65,7 @@ def test_oom_cause_matches_label(row):
 
 @pytest.mark.parametrize("row", _by("xid"), ids=lambda r: Path(r["file"]).stem)
 def test_xid_attribution_matches_label(row):
-    found = kernel_log.analyze_text((PUBLIC / row["file"]).read_text(), reference_ts=REFERENCE_TS)
+    found = kernel_log_findings((PUBLIC / row["file"]).read_text(), reference_ts=REFERENCE_TS)
     assert _diagnoses(found) == set(row["expect"]), [f.summary for f in found]
 
 
@@ -85,7 +84,7 @@ def test_nvidia_smi_q_matches_label(row):
 
 def test_cascade_is_one_node_level_finding_naming_the_root():
     text = (PUBLIC / "corpus" / "xid_ogkm_1150_cascade.log").read_text()
-    found = kernel_log.analyze_text(text, node="gpu-node-1", reference_ts=REFERENCE_TS)
+    found = kernel_log_findings(text, node="gpu-node-1", reference_ts=REFERENCE_TS)
     by_xid = {f.xid: f for f in found}
     assert set(by_xid) == {145, 149}
     f145 = by_xid[145]

@@ -365,7 +365,7 @@ class Analyzer:
 
     def _analyze_file(self, path: Path, name: str, report: Report, fr_groups: dict[Path, list[Path]]) -> str | None:
         from gpuvigil.collectors import dcgm, kernel_log
-        from gpuvigil.detectors import training_log
+        from gpuvigil.detectors import training_log, xid_incidents
         from gpuvigil.parsers import nccl as nccl_text
         from gpuvigil.parsers import xid_line
 
@@ -413,7 +413,7 @@ class Analyzer:
         ):
             cfg = kernel_log.load_config(self.cfg)
             lines = kernel_log.parse_lines(log_lines(_text_lines(path), xid_line.XID_LINE), node=self.node, pci_to_gpu=self.pci_to_gpu, reference_ts=ref)
-            found = kernel_log.findings(
+            found = xid_incidents.findings(
                 kernel_log.incidents(lines, cfg.burst_gap_seconds), source_file=name, job=self.job, companion_window_seconds=cfg.burst_gap_seconds
             )
             report.findings.extend(found)
@@ -489,6 +489,25 @@ class Analyzer:
             if not f.source:
                 f.source = name
         return found
+
+
+def kernel_log_findings(
+    text: str,
+    *,
+    source_file: str | None = None,
+    node: str | None = None,
+    pci_to_gpu: dict[str, int] | None = None,
+    reference_ts: float | None = None,
+    cfg: dict[str, Any] | None = None,
+) -> list[Finding]:
+    """The `xid` findings of a kernel log's text: its lines read and grouped into incidents by
+    the kernel-log reader, judged by detectors/xid_incidents."""
+    from gpuvigil.collectors import kernel_log
+    from gpuvigil.detectors import xid_incidents
+
+    gap = kernel_log.load_config(cfg).burst_gap_seconds
+    lines = kernel_log.parse_lines(text.splitlines(), node=node, pci_to_gpu=pci_to_gpu, reference_ts=reference_ts)
+    return xid_incidents.findings(kernel_log.incidents(lines, gap), source_file=source_file, companion_window_seconds=gap)
 
 
 def _xid_counter_findings(text: str, display: str, ts: float, node: str | None) -> list[Finding]:
