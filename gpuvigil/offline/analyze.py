@@ -378,7 +378,7 @@ class Analyzer:
                 return "flight_recorder"
             if self.alloc is not None and (self.alloc.is_memory_stats(path) or self.alloc.is_snapshot(path)):
                 kind = "memory_stats" if self.alloc.is_memory_stats(path) else "memory_snapshot"
-                report.findings.extend(self._tag(self.alloc.analyze_path(path), name))
+                report.findings.extend(self._tag(memory_state_findings(path, cfg=self.cfg), name))
                 return kind
             if looks_like_pickle(head):
                 from gpuvigil.collectors.safe_pickle import safe_load
@@ -489,6 +489,26 @@ class Analyzer:
             if not f.source:
                 f.source = name
         return found
+
+
+def memory_state_findings(path: str | Path, *, job: str | None = None, node: str | None = None, gpu: int | None = None,
+                          cfg: dict[str, Any] | None = None) -> list[Finding]:
+    """Findings for one memory_stats JSON or snapshot pickle (`UserError` for anything else): read
+    by the allocator reader, judged by detectors/allocator_state."""
+    from gpuvigil.collectors import allocator
+    from gpuvigil.detectors import allocator_state
+
+    p = Path(path)
+    try:
+        ts = p.stat().st_mtime
+    except OSError as exc:
+        raise UserError(f"{p}: cannot read: {exc.strerror or exc}") from exc
+    with p.open("rb") as fh:
+        head = fh.read(16)
+    if looks_like_pickle(head):
+        snap = allocator.read_snapshot(p, allocator_state.load_config(cfg).recurring_min_count)
+        return allocator_state.findings_for_snapshot(snap, ts=ts, job=job, node=node, gpu=gpu, cfg=cfg)
+    return allocator_state.findings_for_stats(allocator.read_memory_stats(p), str(p), ts=ts, job=job, node=node, gpu=gpu, cfg=cfg)
 
 
 def kernel_log_findings(
