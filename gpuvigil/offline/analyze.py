@@ -28,18 +28,14 @@ from typing import Any
 
 import polars as pl
 
-from gpuvigil import config, policies
-from gpuvigil.gpu import throttle
+from gpuvigil import config
 from gpuvigil.collectors.safe_pickle import looks_like_pickle
 from gpuvigil.errors import UserError
-from gpuvigil.model import Finding, FindingKind, Severity, place
+from gpuvigil.model import Finding, FindingKind, Severity
 from gpuvigil.util.textsafe import printable
 
 SNIFF_BYTES = 256 * 1024
 SEVERITY_ORDER = {Severity.PAGE: 0, Severity.TICKET: 1, Severity.INFO: 2}
-# NVML clock-event reasons that mean the GPU slowed itself down for heat (NVML's
-# nvmlClocksEventReasonSwThermalSlowdown 0x20, HwThermalSlowdown 0x40, HwSlowdown 0x08).
-THERMAL_REASONS_MASK = throttle.THERMAL_MASK
 # Bounds on untrusted input, checked before anything is loaded. Text logs are streamed line by
 # line, each line cut at MAX_LINE_CHARS (the rest of a runaway line is skipped, never held);
 # whole-file readers refuse files over their size limit from the file's size alone.
@@ -184,6 +180,8 @@ def _is_prometheus(head_text: str) -> bool:
 
 def analyze_nvml_csv(path: Path, display: str) -> list[Finding]:
     """Thermal slowdowns in an NVML time series (one row per sample)."""
+    from gpuvigil.detectors import saved_readings
+
     try:
         df = pl.read_csv(path, infer_schema_length=10000)
     except (pl.exceptions.PolarsError, OSError, UnicodeDecodeError) as exc:
@@ -198,73 +196,23 @@ def analyze_nvml_csv(path: Path, display: str) -> list[Finding]:
         pl.col(rcol).cast(pl.Int64, strict=False).alias("_reasons"),
         (pl.col(gpu_col).cast(pl.Int32, strict=False) if gpu_col else pl.lit(0, pl.Int32)).alias("_gpu"),
         (pl.int_range(pl.len()) + 2).alias("_line"),  # header is line 1
-    ).with_columns(((pl.col("_reasons") & THERMAL_REASONS_MASK) != 0).fill_null(False).alias("_hot"))
-    hot = (
-        df.filter(pl.col("_hot"))
-        .group_by("_gpu", maintain_order=True)
-        .agg(
-            pl.len().alias("samples"),
-            pl.col("_ts").min().alias("first_ts"),
-            pl.col("_ts").max().alias("last_ts"),
-            pl.col("_line").first().alias("line"),
-            pl.col("_reasons").first().alias("reasons"),
-            (pl.col("temp_c").max() if "temp_c" in df.columns else pl.lit(None)).alias("max_temp_c"),
-        )
     )
-    totals = df.group_by("_gpu").agg(pl.len().alias("all_samples"))
-    out = []
-    for row in hot.join(totals, on="_gpu").to_dicts():
-        out.append(
-            Finding(
-                kind=FindingKind.THERMAL_THROTTLE,
-                severity=Severity.TICKET,
-                ts=row["first_ts"] if row["first_ts"] is not None else _mtime(path),
-                gpu=row["_gpu"],
-                evidence={
-                    "samples": row["samples"],
-                    "of_samples": row["all_samples"],
-                    "first_ts": row["first_ts"],
-                    "last_ts": row["last_ts"],
-                    "clock_event_reasons": row["reasons"],
-                    "max_temperature_c": row["max_temp_c"],
-                },
-                summary=f"GPU {row['_gpu']} slowed its clocks for heat in {row['samples']} of {row['all_samples']} samples",
-                source=f"{display}:{row['line']}",
-                cause="hardware",
-            )
-        )
-    return out
+    return saved_readings.thermal_findings(df, display, _mtime(path))
 
 
 def findings_from_gpuvigil_scrape(text: str, display: str, ts: float) -> list[Finding]:
     """Findings gpuvigil itself had active when its `/metrics` was saved."""
     from prometheus_client.parser import text_string_to_metric_families
 
-    out = []
-    for family in text_string_to_metric_families(text):
-        if family.name not in ("gpuvigil_node_findings_active", "gpuvigil_job_findings_active"):
-            continue
-        for s in family.samples:
-            if s.value <= 0:
-                continue
-            try:
-                kind, sev = FindingKind(s.labels.get("kind", "")), Severity(s.labels.get("severity", ""))
-            except ValueError:
-                continue
-            node, job = s.labels.get("node"), s.labels.get("job")
-            out.append(
-                Finding(
-                    kind=kind,
-                    severity=sev,
-                    ts=ts,
-                    node=node,
-                    job=job,
-                    evidence={"active_count": int(s.value), "metric": family.name},
-                    summary=f"gpuvigil had {int(s.value)} active {kind.value} finding(s) on {'node ' + node if node else 'job ' + str(job)} when this scrape was saved",
-                    source=display,
-                )
-            )
-    return out
+    from gpuvigil.detectors import saved_readings
+
+    samples = [
+        {"metric": family.name, "labels": s.labels, "value": s.value}
+        for family in text_string_to_metric_families(text)
+        if family.name in saved_readings.ACTIVE_FINDINGS_METRICS
+        for s in family.samples
+    ]
+    return saved_readings.active_findings(samples, display, ts)
 
 
 def detect_once(names: Iterable[str], streams: dict[str, pl.DataFrame], ts: float, cfg: dict[str, Any] | None) -> list[Finding]:
@@ -365,8 +313,9 @@ class Analyzer:
 
     def _analyze_file(self, path: Path, name: str, report: Report, fr_groups: dict[Path, list[Path]]) -> str | None:
         from gpuvigil.collectors import dcgm, kernel_log
-        from gpuvigil.detectors import training_log, xid_incidents
+        from gpuvigil.detectors import saved_readings, training_log, xid_incidents
         from gpuvigil.parsers import nccl as nccl_text
+        from gpuvigil.parsers import nvidia_smi
         from gpuvigil.parsers import xid_line
 
         head = _head(path)
@@ -435,8 +384,8 @@ class Analyzer:
             text = path.read_text(errors="replace")
             if dcgm.looks_like_dcgm_scrape(text):
                 samples, _w, _e = dcgm.read_scrape(path, ts=ref, default_node=self.node)
-                report.findings.extend(dcgm.findings_from_scrape(samples, source_file=name, ts=ref))
-                report.findings.extend(_xid_counter_findings(text, name, ref, self.node))
+                report.findings.extend(saved_readings.dcgm_scrape_findings(samples, source_file=name, ts=ref))
+                report.findings.extend(saved_readings.xid_counter_findings(nvidia_smi.xid_counter_samples(text), name, ref, self.node))
                 # the NVLink fabric and pending memory repairs, by serve's own detectors
                 report.findings.extend(self._tag(detect_once(["nvlink_fabric", "memory_repair"], {"gpu_samples": samples}, ref, self.cfg), name))
                 return "dcgm_scrape"
@@ -446,11 +395,9 @@ class Analyzer:
                 except ValueError as exc:
                     raise UserError(f"{name}: not a Prometheus text exposition: {_first_line(exc)}") from exc
                 return "gpuvigil_scrape"
-        from gpuvigil.parsers import nvidia_smi
-
         if nvidia_smi.looks_like_nvidia_smi_q(text_head):
             text = path.read_text(errors="replace")
-            report.findings.extend(nvidia_smi.findings(nvidia_smi.parse(text), source_file=name, ts=ref, node=self.node))
+            report.findings.extend(saved_readings.smi_findings(nvidia_smi.health(nvidia_smi.parse(text)), source_file=name, ts=ref, node=self.node))
             return "nvidia_smi_q"
         return None
 
@@ -528,40 +475,6 @@ def kernel_log_findings(
     gap = kernel_log.load_config(cfg).burst_gap_seconds
     lines = kernel_log.parse_lines(text.splitlines(), node=node, pci_to_gpu=pci_to_gpu, reference_ts=reference_ts)
     return xid_incidents.findings(kernel_log.incidents(lines, gap), source_file=source_file, companion_window_seconds=gap)
-
-
-def _xid_counter_findings(text: str, display: str, ts: float, node: str | None) -> list[Finding]:
-    """XIDs from dcgm-exporter's XID counters that label the code (`xid="42"`), one per GPU and code."""
-    from gpuvigil.gpu import xid as xid_table
-    from gpuvigil.parsers.nvidia_smi import xid_counter_samples
-
-    out: list[Finding] = []
-    seen: set[tuple] = set()
-    for s in xid_counter_samples(text):
-        labels = s["labels"]
-        gpu = int(labels["gpu"]) if labels.get("gpu", "").isdigit() else None
-        host = labels.get("Hostname") or labels.get("hostname") or node
-        key = (host, gpu, s["xid"])
-        if key in seen:
-            continue
-        seen.add(key)
-        info = xid_table.xid_info(s["xid"])
-        fatal = xid_table.is_fatal(s["xid"])
-        out.append(
-            Finding(
-                kind=FindingKind.XID,
-                severity=policies.xid_severity(s["xid"]),
-                ts=ts,
-                node=host,
-                gpu=gpu,
-                xid=s["xid"],
-                evidence={"fatal": fatal, "action": info.action if info else None, "name": info.name if info else "unknown XID", "metric": s["metric"], "value": s["value"], "gpu_uuid": labels.get("UUID")},
-                summary=f"{s['metric']} counts XID {s['xid']} ({info.name if info else 'unknown'}) on {place(host, gpu)}",
-                source=f"{display}:gpu={gpu}",
-                cause=policies.xid_cause(s["xid"]),
-            )
-        )
-    return out
 
 
 def _grep(path: Path, *needles: bytes) -> bool:

@@ -1,4 +1,4 @@
-"""`nvidia-smi -q` text (whole or a pasted fragment) -> per-GPU health records and findings.
+"""`nvidia-smi -q` text (whole or a pasted fragment) -> per-GPU health records.
 
 Pure text parsing, no I/O. `nvidia-smi -q` prints nested `Key : Value` lines indented by
 section, one block per GPU headed `GPU 00000000:3B:00.0`; people paste fragments such as::
@@ -15,6 +15,7 @@ What counts (NVIDIA's A100/H100 memory-error management and NVML clock-event rea
 - heat: `HW Slowdown`, `HW Thermal Slowdown` or `SW Thermal Slowdown` active -> `thermal_throttle`.
 
 Idle, application-clock, power-cap and sync-boost reasons are normal operation, not findings.
+The findings are made by `gpuvigil.detectors.saved_readings`.
 """
 
 from __future__ import annotations
@@ -22,8 +23,6 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass, field
 from typing import Any
-
-from gpuvigil.model import Finding, FindingKind, Severity
 
 _GPU_HEADER = re.compile(r"^GPU (?P<pci>[0-9A-Fa-f]{4,8}:[0-9A-Fa-f]{2}:[0-9A-Fa-f]{2}\.[0-7])\s*$")
 _KV = re.compile(r"^(?P<indent>\s*)(?P<key>[A-Za-z][^:]*?)\s*:\s*(?P<value>.*?)\s*$")
@@ -91,73 +90,62 @@ def _int(value: str) -> int | None:
         return None
 
 
-def findings(gpus: list[SmiGpu], *, source_file: str | None = None, ts: float, node: str | None = None) -> list[Finding]:
-    out: list[Finding] = []
-    for idx, g in enumerate(gpus):
-        where = f"GPU {g.pci_bus_id}" if g.pci_bus_id else "the GPU"
-        src = f"{source_file}:{g.first_line}" if source_file else "nvidia-smi"
-        problems: list[str] = []
-        evidence: dict[str, Any] = {"pci_bus_id": g.pci_bus_id}
-        for path, value in g.get("remapped rows/pending"):
-            if value.lower() == "yes":
-                problems.append("a row remapping is pending (reset the GPU to apply it)")
-                evidence["remap_pending"] = True
-        for path, value in g.get("remapping failure occurred", "remapped rows/remapping failure"):
-            if value.lower() == "yes":
-                problems.append("a row remapping failed (NVIDIA's RMA criterion)")
-                evidence["remap_failure"] = True
-        for path, value in g.get("retired pages/pending page blacklist", "retired pages/pending"):
-            if value.lower() == "yes":
-                problems.append("retired pages are pending blacklist (reboot to retire them)")
-                evidence["retired_pages_pending"] = True
-        dbe = 0
-        for path, value in g.values.items():
-            low = path.lower()
-            if "ecc errors/volatile" in low and ("double bit" in low or "uncorrectable" in low) and low.endswith("total") or (
-                "ecc errors/volatile" in low and low.endswith(("dram uncorrectable", "uncorrectable/device memory", "double bit/device memory"))
-            ):
-                dbe = max(dbe, _int(value) or 0)
-        if dbe > 0:
-            problems.append(f"{dbe} uncorrectable ECC error(s) since the driver loaded")
-            evidence["ecc_dbe_volatile_total"] = dbe
-        if problems:
-            out.append(
-                Finding(
-                    kind=FindingKind.ECC,
-                    severity=Severity.PAGE,
-                    ts=ts,
-                    node=node,
-                    gpu=None,
-                    evidence=evidence,
-                    summary=f"nvidia-smi -q on {where}: " + "; ".join(problems),
-                    source=src,
-                    cause="hardware",
-                )
-            )
-        hot = sorted(
-            {
-                path.rsplit("/", 1)[-1]
-                for path, value in g.values.items()
-                if ("throttle reasons" in path.lower() or "event reasons" in path.lower())
-                and path.rsplit("/", 1)[-1].strip().lower() in _THERMAL_REASONS
-                and value.lower() == "active"
-            }
+@dataclass(frozen=True)
+class SmiHealth:
+    """What one GPU block of `nvidia-smi -q` says of the device's memory and clocks."""
+
+    index: int  # the block's place in the output
+    pci_bus_id: str | None
+    first_line: int
+    remap_pending: bool
+    remap_failure: bool
+    retired_pages_pending: bool
+    ecc_dbe_volatile_total: int  # uncorrectable errors in the volatile counters (the largest one)
+    thermal_reasons_active: list[str]  # the HW/SW thermal or HW slowdown reasons shown Active
+
+
+def _yes(g: SmiGpu, *suffixes: str) -> bool:
+    return any(value.lower() == "yes" for _path, value in g.get(*suffixes))
+
+
+def _volatile_dbe(g: SmiGpu) -> int:
+    dbe = 0
+    for path, value in g.values.items():
+        low = path.lower()
+        if "ecc errors/volatile" in low and ("double bit" in low or "uncorrectable" in low) and low.endswith("total") or (
+            "ecc errors/volatile" in low and low.endswith(("dram uncorrectable", "uncorrectable/device memory", "double bit/device memory"))
+        ):
+            dbe = max(dbe, _int(value) or 0)
+    return dbe
+
+
+def _thermal_reasons(g: SmiGpu) -> list[str]:
+    return sorted(
+        {
+            path.rsplit("/", 1)[-1]
+            for path, value in g.values.items()
+            if ("throttle reasons" in path.lower() or "event reasons" in path.lower())
+            and path.rsplit("/", 1)[-1].strip().lower() in _THERMAL_REASONS
+            and value.lower() == "active"
+        }
+    )
+
+
+def health(gpus: list[SmiGpu]) -> list[SmiHealth]:
+    """Each GPU block's memory and clock state."""
+    return [
+        SmiHealth(
+            index=idx,
+            pci_bus_id=g.pci_bus_id,
+            first_line=g.first_line,
+            remap_pending=_yes(g, "remapped rows/pending"),
+            remap_failure=_yes(g, "remapping failure occurred", "remapped rows/remapping failure"),
+            retired_pages_pending=_yes(g, "retired pages/pending page blacklist", "retired pages/pending"),
+            ecc_dbe_volatile_total=_volatile_dbe(g),
+            thermal_reasons_active=_thermal_reasons(g),
         )
-        if hot:
-            out.append(
-                Finding(
-                    kind=FindingKind.THERMAL_THROTTLE,
-                    severity=Severity.TICKET,
-                    ts=ts,
-                    node=node,
-                    gpu=None,
-                    evidence={"pci_bus_id": g.pci_bus_id, "active_reasons": hot, "gpu_block": idx},
-                    summary=f"nvidia-smi -q on {where}: clocks slowed for heat or power ({', '.join(hot)} active)",
-                    source=src,
-                    cause="hardware",
-                )
-            )
-    return out
+        for idx, g in enumerate(gpus)
+    ]
 
 
 # dcgm-exporter's XID counters (DCGM_EXP_XID_ERRORS_COUNT and similar) label the code: xid="42".
@@ -181,4 +169,4 @@ def xid_counter_samples(text: str) -> list[dict[str, Any]]:
     return out
 
 
-__all__ = ["SmiGpu", "looks_like_nvidia_smi_q", "parse", "findings", "xid_counter_samples"]
+__all__ = ["SmiGpu", "SmiHealth", "health", "looks_like_nvidia_smi_q", "parse", "xid_counter_samples"]
