@@ -32,6 +32,7 @@ from gpuvigil import config
 from gpuvigil.collectors.safe_pickle import looks_like_pickle
 from gpuvigil.errors import UserError
 from gpuvigil.model import Finding, FindingKind, Severity
+from gpuvigil.offline.formats import iter_files, parse_time
 from gpuvigil.util.textsafe import printable
 
 SNIFF_BYTES = 256 * 1024
@@ -67,28 +68,6 @@ def _optional(module: str) -> Any | None:
         if exc.name == module:
             return None
         raise
-
-
-def _iter_files(paths: Iterable[Path]) -> list[Path | str]:
-    """Files to read in argument order (folders walked, sorted), or an error line in their place."""
-    items: list[Path | str] = []
-    seen: set[Path] = set()
-    for p in paths:
-        if p.is_dir():
-            found = sorted(f for f in p.rglob("*") if f.is_file() and not any(part.startswith(".") for part in f.relative_to(p).parts))
-            if not found:
-                items.append(f"{p}: folder has no files")
-        elif p.is_file():
-            found = [p]
-        else:
-            items.append(f"{p}: not a regular file" if p.exists() else f"{p}: no such file or folder")
-            continue
-        for f in found:
-            key = f.resolve()
-            if key not in seen:
-                seen.add(key)
-                items.append(f)
-    return items
 
 
 def _head(path: Path) -> bytes:
@@ -257,7 +236,7 @@ class Analyzer:
         trees = [p for p in paths if is_sysfs_tree(p)]
         for tree in trees:
             self._analyze_sysfs(tree, display(tree), report)
-        for path in _iter_files([p for p in paths if p not in trees]):
+        for path in iter_files([p for p in paths if p not in trees]):
             if isinstance(path, str):
                 report.errors.append(path)
                 continue
@@ -612,8 +591,6 @@ def handler(args: argparse.Namespace) -> int:
         raise UserError(str(exc)) from exc
     at = None
     if getattr(args, "at", None):
-        from gpuvigil.offline.replay import parse_time
-
         at = parse_time(args.at)
     analyzer = Analyzer(cfg=cfg, job=args.job, node=args.node, pci_to_gpu=_parse_pci_map(args.pci_map), at=at)
     report = analyzer.run([Path(p) for p in args.paths])

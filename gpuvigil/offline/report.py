@@ -793,7 +793,7 @@ def write(data: ReportData, path: Path, cfg: dict[str, Any] | None = None) -> li
 def _series_from_inputs(paths: Sequence[Path]) -> tuple[pl.DataFrame | None, pl.DataFrame | None]:
     """Memory and progress series among `analyze`'s inputs (NVML CSV, hook JSONL, timestamped
     Prometheus/OpenMetrics text), recognised and read as `gpuvigil replay` reads them."""
-    from gpuvigil.offline.replay import Recorded, read_series_file
+    from gpuvigil.offline.formats import Recorded, read_series_file
 
     rec = Recorded()
     files = [f for p in paths for f in ([p] if p.is_file() else sorted(x for x in p.rglob("*") if x.is_file()))]
