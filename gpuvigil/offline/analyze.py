@@ -291,39 +291,56 @@ class Analyzer:
         return report
 
     def _analyze_file(self, path: Path, name: str, report: Report, fr_groups: dict[Path, list[Path]]) -> str | None:
-        from gpuvigil.collectors import dcgm, kernel_log
-        from gpuvigil.detectors import saved_readings, training_log, xid_incidents
-        from gpuvigil.parsers import nccl as nccl_text
-        from gpuvigil.parsers import nvidia_smi
-        from gpuvigil.parsers import xid_line
-
         head = _head(path)
         if not head:
             raise UserError(f"{name}: empty file")
         if looks_like_pickle(head) or _is_json(head):
-            if self._is_fr(path):
-                fr_groups.setdefault(path.parent, []).append(path)
-                return "flight_recorder"
-            if self.alloc is not None and (self.alloc.is_memory_stats(path) or self.alloc.is_snapshot(path)):
-                kind = "memory_stats" if self.alloc.is_memory_stats(path) else "memory_snapshot"
-                report.findings.extend(self._tag(memory_state_findings(path, cfg=self.cfg), name))
+            kind = self._analyze_structured(path, name, head, report, fr_groups)
+            if kind is not None:
                 return kind
-            if looks_like_pickle(head):
-                from gpuvigil.collectors.safe_pickle import safe_load
-
-                try:
-                    safe_load(path)  # says precisely why a malicious or broken pickle is refused
-                except UserError as exc:
-                    reason = _first_line(exc).removeprefix(f"{path}: ")
-                    raise UserError(f"{name}: {reason}") from exc
-                missing = [m for m, mod in (("Flight Recorder", self.fr), ("allocator", self.alloc)) if mod is None]
-                why = f" (this install has no {' or '.join(missing)} reader)" if missing else ""
-                raise UserError(f"{name}: pickle that is neither a Flight Recorder dump nor a memory snapshot{why}; not loaded")
             # JSON that no reader claims falls through to the text checks (JSON-lines logs).
         if b"\x00" in head:
             return None
         text_head = head.decode("utf-8", errors="replace")
         ref = self.at if self.at is not None else _mtime(path)
+        kinds = self._analyze_logs(path, name, head, text_head, ref, report)
+        if kinds is None:
+            return None  # a README or runbook quoting messages is not a log
+        if kinds:
+            return "+".join(kinds)
+        return self._analyze_reading(path, name, text_head, ref, report)
+
+    def _analyze_structured(self, path: Path, name: str, head: bytes, report: Report, fr_groups: dict[Path, list[Path]]) -> str | None:
+        """A pickle or JSON file: a Flight Recorder dump (kept for its folder's cross-rank
+        analysis), memory stats or a snapshot; a pickle that is neither is refused, saying why."""
+        if self._is_fr(path):
+            fr_groups.setdefault(path.parent, []).append(path)
+            return "flight_recorder"
+        if self.alloc is not None and (self.alloc.is_memory_stats(path) or self.alloc.is_snapshot(path)):
+            kind = "memory_stats" if self.alloc.is_memory_stats(path) else "memory_snapshot"
+            report.findings.extend(self._tag(memory_state_findings(path, cfg=self.cfg), name))
+            return kind
+        if looks_like_pickle(head):
+            from gpuvigil.collectors.safe_pickle import safe_load
+
+            try:
+                safe_load(path)  # says precisely why a malicious or broken pickle is refused
+            except UserError as exc:
+                reason = _first_line(exc).removeprefix(f"{path}: ")
+                raise UserError(f"{name}: {reason}") from exc
+            missing = [m for m, mod in (("Flight Recorder", self.fr), ("allocator", self.alloc)) if mod is None]
+            why = f" (this install has no {' or '.join(missing)} reader)" if missing else ""
+            raise UserError(f"{name}: pickle that is neither a Flight Recorder dump nor a memory snapshot{why}; not loaded")
+        return None
+
+    def _analyze_logs(self, path: Path, name: str, head: bytes, text_head: str, ref: float, report: Report) -> list[str] | None:
+        """A kernel log and/or a training / NCCL log (one file may be both): the kinds found, or
+        None for a prose document that only quotes log lines."""
+        from gpuvigil.collectors import kernel_log
+        from gpuvigil.detectors import training_log, xid_incidents
+        from gpuvigil.parsers import nccl as nccl_text
+        from gpuvigil.parsers import xid_line
+
         kinds: list[str] = []
         # Line by line: the XID pattern ends in `$`, which (without MULTILINE) only matched when
         # the XID line was the last line of the sample; dmesg has other lines after it.
@@ -331,7 +348,7 @@ class Analyzer:
         if len(head) == SNIFF_BYTES and head_lines:
             head_lines = head_lines[:-1]  # the last line may be cut by the sniff
         if is_prose_document(head_lines):
-            return None  # a README or runbook quoting messages is not a log
+            return None
         xid_head = [ln for ln in log_lines(head_lines, xid_line.XID_LINE) if "Xid" in ln]
         # any XID wording, incl. the lost-GPU driver message without an Xid line (parsers.xid_line)
         if (
@@ -352,8 +369,15 @@ class Analyzer:
             parsed = nccl_text.parse_lines(log_lines(_text_lines(path), nccl_text._SNIFF), reference_ts=ref)
             report.findings.extend(training_log.findings(parsed, source_file=name, job=self.job, node=self.node, cfg=self.cfg))
             kinds.append("training_log")
-        if kinds:
-            return "+".join(kinds)
+        return kinds
+
+    def _analyze_reading(self, path: Path, name: str, text_head: str, ref: float, report: Report) -> str | None:
+        """One saved reading of a node: an NVML CSV, a dcgm-exporter or gpuvigil scrape, or
+        `nvidia-smi -q` output."""
+        from gpuvigil.collectors import dcgm
+        from gpuvigil.detectors import saved_readings
+        from gpuvigil.parsers import nvidia_smi
+
         if _is_nvml_csv(text_head):
             _check_size(path, name, MAX_TABLE_BYTES, "an NVML CSV")
             report.findings.extend(self._tag(analyze_nvml_csv(path, name), name))

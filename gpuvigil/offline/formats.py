@@ -162,6 +162,30 @@ def streams_from_long(
     if long.is_empty():
         return out
     long = long.with_columns(pl.col("ts").round(3))
+    parts = _gpu_sample_parts(long, named, out)
+    if parts:
+        samples, xids = _samples_with_xids(parts, last_xid)
+        out["gpu_samples"] = schemas.conform(samples.sort("ts"), "gpu_samples")
+        if xids.height:
+            out["events"] = schemas.conform(xids.sort("ts"), "events")
+    ib = long.filter(pl.col("metric").is_in(list(GPUVIGIL_IB_FIELDS)) & pl.col("device").is_not_null())
+    if ib.height:
+        out["ib_ports"] = _ib_ports(ib)
+    for stream, fields in (("rank_progress", GPUVIGIL_RANK_FIELDS), ("allocator_stats", GPUVIGIL_ALLOC_FIELDS)):
+        r = long.filter(pl.col("metric").is_in(list(fields)))
+        if r.height == 0:
+            continue
+        r = r.with_columns(pl.col("metric").replace_strict({k: v[0] for k, v in fields.items()}).alias("col"), pl.col("rank").cast(pl.Int32, strict=False))
+        wide = r.pivot(on="col", index=["ts", "job", "rank"], values="value", aggregate_function="first")
+        ints = {"step", "last_enqueued_seq", "last_completed_seq", "allocated_bytes", "reserved_bytes", "largest_free_block_bytes"}
+        wide = wide.with_columns([pl.col(c).round(0).cast(pl.Int64) for c in wide.columns if c in ints])
+        out[stream] = schemas.conform(wide.sort("ts"), stream)
+    return out
+
+
+def _gpu_sample_parts(long: pl.DataFrame, named: dict[tuple, bool] | None, out: dict[str, pl.DataFrame]) -> list[pl.DataFrame]:
+    """`gpu_samples` rows from dcgm-exporter's series and from gpuvigil's own (one frame each
+    present); dcgm-exporter's job map goes to `out["gpu_workloads"]`."""
     parts: list[pl.DataFrame] = []
     d = long.filter(pl.col("metric").is_in(list(DCGM_FIELDS)))
     if d.height:
@@ -187,51 +211,40 @@ def streams_from_long(
         if "last_xid" in wide.columns:
             wide = wide.with_columns(pl.when(pl.col("last_xid") > 0).then(pl.col("last_xid")).alias("last_xid"))
         parts.append(schemas.conform(wide, "gpu_samples"))
-    if parts:
-        if len(parts) == 1:
-            samples = parts[0]
-        else:
-            # a GPU both in dcgm-exporter's and in gpuvigil's own series: one row, DCGM's values first
-            samples = schemas.conform(
-                pl.concat(parts, how="vertical").group_by(["ts", "node", "gpu"], maintain_order=True).agg(pl.all().drop_nulls().first()), "gpu_samples"
-            )
-        samples = samples.drop("xid_total").sort(["node", "gpu", "ts"])
-        # DCGM_FI_DEV_XID_ERRORS is the last XID, not a count: each change is a new XID
-        before = pl.col("last_xid").shift(1).over(["node", "gpu"])
-        if last_xid:
-            carried = pl.DataFrame(
-                [{"node": k[0], "gpu": k[1], "_carried": v} for k, v in last_xid.items()], schema={"node": pl.Utf8, "gpu": pl.Int32, "_carried": pl.Int32}
-            )
-            samples = samples.join(carried, on=["node", "gpu"], how="left", nulls_equal=True)
-            first = pl.col("ts") == pl.col("ts").min().over(["node", "gpu"])
-            before = pl.when(first).then(pl.col("_carried")).otherwise(before)
-        samples = samples.with_columns(
-            (pl.col("last_xid").is_not_null() & (pl.col("last_xid") != before).fill_null(True)).alias("_new_xid")
-        ).with_columns(pl.col("_new_xid").cast(pl.Int64).cum_sum().over(["node", "gpu"]).alias("xid_total"))
-        if last_xid is not None:
-            for node, gpu, x in samples.group_by(["node", "gpu"]).agg(pl.col("last_xid").drop_nulls().last()).iter_rows():
-                if x is not None:
-                    last_xid[(node, gpu)] = x
-        xids = samples.filter(pl.col("_new_xid")).select(
-            "ts", "node", "gpu", pl.lit("dcgm").alias("source"), pl.lit("xid").alias("kind"), pl.col("last_xid").alias("xid"),
-            pl.format("XID {} reported by dcgm-exporter (DCGM_FI_DEV_XID_ERRORS)", pl.col("last_xid")).alias("message"),
+    return parts
+
+
+def _samples_with_xids(parts: list[pl.DataFrame], last_xid: dict[tuple, int | None] | None) -> tuple[pl.DataFrame, pl.DataFrame]:
+    """The GPU samples as one frame with `xid_total` counted, and an `events` row per new XID."""
+    if len(parts) == 1:
+        samples = parts[0]
+    else:
+        # a GPU both in dcgm-exporter's and in gpuvigil's own series: one row, DCGM's values first
+        samples = schemas.conform(
+            pl.concat(parts, how="vertical").group_by(["ts", "node", "gpu"], maintain_order=True).agg(pl.all().drop_nulls().first()), "gpu_samples"
         )
-        out["gpu_samples"] = schemas.conform(samples.sort("ts"), "gpu_samples")
-        if xids.height:
-            out["events"] = schemas.conform(xids.sort("ts"), "events")
-    ib = long.filter(pl.col("metric").is_in(list(GPUVIGIL_IB_FIELDS)) & pl.col("device").is_not_null())
-    if ib.height:
-        out["ib_ports"] = _ib_ports(ib)
-    for stream, fields in (("rank_progress", GPUVIGIL_RANK_FIELDS), ("allocator_stats", GPUVIGIL_ALLOC_FIELDS)):
-        r = long.filter(pl.col("metric").is_in(list(fields)))
-        if r.height == 0:
-            continue
-        r = r.with_columns(pl.col("metric").replace_strict({k: v[0] for k, v in fields.items()}).alias("col"), pl.col("rank").cast(pl.Int32, strict=False))
-        wide = r.pivot(on="col", index=["ts", "job", "rank"], values="value", aggregate_function="first")
-        ints = {"step", "last_enqueued_seq", "last_completed_seq", "allocated_bytes", "reserved_bytes", "largest_free_block_bytes"}
-        wide = wide.with_columns([pl.col(c).round(0).cast(pl.Int64) for c in wide.columns if c in ints])
-        out[stream] = schemas.conform(wide.sort("ts"), stream)
-    return out
+    samples = samples.drop("xid_total").sort(["node", "gpu", "ts"])
+    # DCGM_FI_DEV_XID_ERRORS is the last XID, not a count: each change is a new XID
+    before = pl.col("last_xid").shift(1).over(["node", "gpu"])
+    if last_xid:
+        carried = pl.DataFrame(
+            [{"node": k[0], "gpu": k[1], "_carried": v} for k, v in last_xid.items()], schema={"node": pl.Utf8, "gpu": pl.Int32, "_carried": pl.Int32}
+        )
+        samples = samples.join(carried, on=["node", "gpu"], how="left", nulls_equal=True)
+        first = pl.col("ts") == pl.col("ts").min().over(["node", "gpu"])
+        before = pl.when(first).then(pl.col("_carried")).otherwise(before)
+    samples = samples.with_columns(
+        (pl.col("last_xid").is_not_null() & (pl.col("last_xid") != before).fill_null(True)).alias("_new_xid")
+    ).with_columns(pl.col("_new_xid").cast(pl.Int64).cum_sum().over(["node", "gpu"]).alias("xid_total"))
+    if last_xid is not None:
+        for node, gpu, x in samples.group_by(["node", "gpu"]).agg(pl.col("last_xid").drop_nulls().last()).iter_rows():
+            if x is not None:
+                last_xid[(node, gpu)] = x
+    xids = samples.filter(pl.col("_new_xid")).select(
+        "ts", "node", "gpu", pl.lit("dcgm").alias("source"), pl.lit("xid").alias("kind"), pl.col("last_xid").alias("xid"),
+        pl.format("XID {} reported by dcgm-exporter (DCGM_FI_DEV_XID_ERRORS)", pl.col("last_xid")).alias("message"),
+    )
+    return samples, xids
 
 
 def _ib_ports(ib: pl.DataFrame) -> pl.DataFrame:

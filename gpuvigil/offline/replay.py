@@ -390,17 +390,10 @@ def run_replay(
     recorded rows up to `until`, fetched lazily (a Prometheus replay of a month holds one chunk)."""
     from gpuvigil.detectors.registry import default_detectors
     from gpuvigil.pipeline.core import Pipeline
-    from gpuvigil.pipeline.hints import HintPolicy
 
     cfg = config.defaults() if cfg is None else cfg
     streams = {k: recorded.stream(k) for k in recorded.frames}
-    span = recorded.span()
-    if span is None and (start is None or end is None):
-        raise UserError("nothing recorded to replay (no series and no dated findings)")
-    t0 = start if start is not None else span[0]  # type: ignore[index]
-    t1 = end if end is not None else span[1]  # type: ignore[index]
-    if t1 < t0:
-        raise UserError("--end is before --start")
+    t0, t1 = _replay_span(recorded, start, end)
     collector = ReplayCollector(streams)
     pipeline = Pipeline([collector], default_detectors(cfg), cfg=cfg)
     fired: list[Fired] = []
@@ -408,13 +401,10 @@ def run_replay(
     w0 = time.perf_counter()
     # No recorded series (logs and dumps only): nothing for the streaming detectors to tick over.
     n_ticks = int(math.floor((t1 - t0) / step)) + 1 if (streams or chunks is not None) else 0
-    seen: dict[str, int] = {k: v.height for k, v in streams.items()}
-    gpu_keys: set[tuple] = set(streams["gpu_samples"].select("node", "gpu").unique().rows()) if "gpu_samples" in streams else set()
-    kept: list[pl.DataFrame] = [streams["gpu_samples"]] if "gpu_samples" in streams else []
+    rows = _RowsSeen.of(streams)
     it = prefetch(chunks) if chunks is not None else None
     # Logs and dumps: diagnosed offline, fired at their own time (clamped to the replayed span).
     offline = sorted(((min(max(f.ts if f.ts > 10 * 365 * 86400 else t0, t0), t1), f) for f in recorded.offline), key=lambda x: x[0])
-    offline_at = list(offline)
     pending = collections.deque(offline)
     fetched_until = -math.inf if it is not None else math.inf
     for i in range(n_ticks):
@@ -426,12 +416,7 @@ def run_replay(
                 break
             fetched_until, part = nxt
             collector.extend(part)
-            for k, v in part.items():
-                seen[k] = seen.get(k, 0) + v.height
-            if "gpu_samples" in part and part["gpu_samples"].height:
-                gpu_keys |= set(part["gpu_samples"].select("node", "gpu").unique().rows())
-                if sum(x.height for x in kept) + part["gpu_samples"].height <= REPORT_SAMPLES_MAX:
-                    kept.append(part["gpu_samples"].select("ts", "node", "gpu", "memory_used_bytes", "memory_total_bytes"))
+            rows.add(part)
         while pending and pending[0][0] <= now:  # dated log/dump findings join incidents in time order
             at, f = pending.popleft()
             pipeline.incidents.observe([f], at)
@@ -442,15 +427,9 @@ def run_replay(
         it.close()  # type: ignore[attr-defined]  # stops the prefetch thread
     for at, f in pending:  # after the last tick
         pipeline.incidents.observe([f], at)
-    # ... through the same hint rules.
-    policy = HintPolicy(cfg)
-    for at, f in offline_at:
-        fired.append(Fired(at, f))
-        hints.extend(FiredHint(at, h) for h in policy.hints_for(f))
+    _fire_offline(offline, cfg, fired, hints)
     fired.sort(key=lambda x: (x.at, x.finding.ts))
     hints.sort(key=lambda x: x.at)
-    gs = pl.concat(kept, how="diagonal_relaxed") if kept and sum(x.height for x in kept) <= REPORT_SAMPLES_MAX else None
-    gpus = len(gpu_keys)
     return ReplayResult(
         findings=fired,
         hints=hints,
@@ -458,15 +437,64 @@ def run_replay(
         end=t1,
         step=step,
         ticks=n_ticks,
-        gpus=gpus,
+        gpus=len(rows.gpu_keys),
         wall_seconds=time.perf_counter() - w0,
-        samples=seen,
+        samples=rows.seen,
         errors=list(recorded.errors),
         read=list(recorded.read),
         placed=dict(recorded.placed),
-        gpu_samples=gs,
+        gpu_samples=rows.gpu_samples(),
         rank_progress=streams.get("rank_progress"),
     )
+
+
+def _replay_span(recorded: Recorded, start: float | None, end: float | None) -> tuple[float, float]:
+    """[start, end], each defaulting to the recording's own span."""
+    span = recorded.span()
+    if span is None and (start is None or end is None):
+        raise UserError("nothing recorded to replay (no series and no dated findings)")
+    t0 = start if start is not None else span[0]  # type: ignore[index]
+    t1 = end if end is not None else span[1]  # type: ignore[index]
+    if t1 < t0:
+        raise UserError("--end is before --start")
+    return t0, t1
+
+
+@dataclass
+class _RowsSeen:
+    """What a replay counts of the rows it is handed: rows per stream, the GPUs, and the GPU
+    samples the report draws (as long as they stay under REPORT_SAMPLES_MAX)."""
+
+    seen: dict[str, int]
+    gpu_keys: set[tuple]
+    kept: list[pl.DataFrame]
+
+    @classmethod
+    def of(cls, streams: Mapping[str, pl.DataFrame]) -> _RowsSeen:
+        gs = streams.get("gpu_samples")
+        return cls({k: v.height for k, v in streams.items()}, set(gs.select("node", "gpu").unique().rows()) if gs is not None else set(), [gs] if gs is not None else [])
+
+    def add(self, part: Mapping[str, pl.DataFrame]) -> None:
+        for k, v in part.items():
+            self.seen[k] = self.seen.get(k, 0) + v.height
+        if "gpu_samples" in part and part["gpu_samples"].height:
+            self.gpu_keys |= set(part["gpu_samples"].select("node", "gpu").unique().rows())
+            if sum(x.height for x in self.kept) + part["gpu_samples"].height <= REPORT_SAMPLES_MAX:
+                self.kept.append(part["gpu_samples"].select("ts", "node", "gpu", "memory_used_bytes", "memory_total_bytes"))
+
+    def gpu_samples(self) -> pl.DataFrame | None:
+        kept = self.kept
+        return pl.concat(kept, how="diagonal_relaxed") if kept and sum(x.height for x in kept) <= REPORT_SAMPLES_MAX else None
+
+
+def _fire_offline(offline: list[tuple[float, Finding]], cfg: dict[str, Any], fired: list[Fired], hints: list[FiredHint]) -> None:
+    """The findings of logs and dumps fire at their own time, through the same hint rules."""
+    from gpuvigil.pipeline.hints import HintPolicy
+
+    policy = HintPolicy(cfg)
+    for at, f in offline:
+        fired.append(Fired(at, f))
+        hints.extend(FiredHint(at, h) for h in policy.hints_for(f))
 
 
 # -- output ----------------------------------------------------------------------------------------
