@@ -189,14 +189,13 @@ def scan(data: bytes | memoryview, max_ops: int, label: str = "<pickle>") -> int
 
 
 class _Scanner:
-    """The state of one `scan`: the data, the stack of sizes, the memo and the work so far."""
+    """The state of one `scan`: the data, the stack of sizes and the memo."""
 
     def __init__(self, data: bytes | memoryview, label: str):
         self.buf = memoryview(data)
         self.end = len(self.buf)
         self.stack: list[Any] = []
         self.memo: dict[Any, Any] = {}
-        self.work = 0
         self.label = label
 
     def bad(self, why: str) -> PickleReadError:
@@ -204,15 +203,16 @@ class _Scanner:
 
     def run(self, max_ops: int) -> int:
         buf, end, stack = self.buf, self.end, self.stack
-        push = stack.append
+        push, build, memo_op, other, skip = stack.append, self.build, self.memo_op, self.other, self.skip
+        work = 0
         pos = 0
         while pos < end:
             code = buf[pos]
             pos += 1
-            self.work += 1
+            work += 1
             entry = _OPS.get(code)
             if entry is None:
-                pos = self.other(code, pos)
+                pos = other(code, pos)
                 continue
             kind, arg = entry
             # The common opcodes first, with fixed-size arguments read in place.
@@ -221,21 +221,21 @@ class _Scanner:
                     if type(arg) is int:
                         pos += arg
                     else:
-                        pos, _ = self.skip(arg, pos)
+                        pos, _ = skip(arg, pos)
                 push(1)
             elif kind == "put" or kind == "get":
-                pos = self.memo_op(kind, arg, pos)
+                pos = memo_op(kind, arg, pos)
             elif kind == "nop":
                 if code == 0x2E:  # STOP
                     break
                 pos += arg
             else:
-                self.build(kind)
+                work += build(kind)
             if pos > end:
                 raise self.bad("argument past the end of the data")
-            if self.work > max_ops:
+            if work > max_ops:
                 raise PickleReadError(f"{self.label}: more than {max_ops} units of work to unpickle; refused (not a dump torch writes)")
-        return self.work
+        return work
 
     def to_mark(self) -> list[Any]:
         stack = self.stack
@@ -301,10 +301,11 @@ class _Scanner:
             pos += arg
         return pos
 
-    def build(self, kind: str) -> None:
-        """An opcode that builds or fills a container, or moves the stack: sizes, and the work of
+    def build(self, kind: str) -> int:
+        """An opcode that builds or fills a container, or moves the stack; returns the work of
         hashing what becomes a dict key or a set member."""
         stack = self.stack
+        work = 0
         push = stack.append
         if kind == "mark":
             push(_MARK)
@@ -314,7 +315,7 @@ class _Scanner:
             for v in items:
                 total += v if type(v) is int else v[0]
             if kind != "appends":
-                self.work += total if kind == "additems" else sum(_size(k) for k in items[0::2])
+                work += total if kind == "additems" else sum(_size(k) for k in items[0::2])
             stack[-1][0] += total
         elif kind == "mutable":
             push([1])
@@ -323,7 +324,7 @@ class _Scanner:
             stack[-1][0] += _size(v)
         elif kind == "setitem":
             v, k = stack.pop(), stack.pop()
-            self.work += _size(k)
+            work += _size(k)
             stack[-1][0] += _size(k) + _size(v)
         elif kind == "tuple1" or kind == "tuple2" or kind == "tuple3":
             k = int(kind[-1])
@@ -336,12 +337,12 @@ class _Scanner:
             items = self.to_mark()
             n = 1 + sum(_size(v) for v in items)
             if kind in ("frozenset", "dict"):
-                self.work += n
+                work += n
             push(n if kind in ("tuple", "frozenset") else [n])
         elif kind == "reduce":
             args = stack.pop()
             stack.pop()
-            self.work += _size(args)  # the admitted callables (set, frozenset) hash their argument
+            work += _size(args)  # the admitted callables (set, frozenset) hash their argument
             push([_size(args)])
         elif kind == "pop":
             stack.pop()
@@ -349,6 +350,7 @@ class _Scanner:
             self.to_mark()
         elif kind == "dup":
             push(stack[-1])
+        return work
 
 
 def check_items(obj: Any, max_items: int, label: str = "<pickle>") -> int:
