@@ -13,6 +13,8 @@ from hypothesis import strategies as st
 
 from gpuvigil import schemas
 from gpuvigil.collectors import allocator
+from gpuvigil.detectors import allocator_state
+from gpuvigil.offline.analyze import memory_state_findings
 from gpuvigil.collectors.safe_pickle import safe_load
 from gpuvigil.config import ConfigError
 from gpuvigil.errors import UserError
@@ -54,7 +56,7 @@ def test_memory_stats_rows(name, allocated, reserved, inactive_split, retries, o
     ],
 )
 def test_findings_on_real_captures(name, kinds):
-    assert [f.kind for f in allocator.analyze_path(DATA / name, job="j")] == kinds
+    assert [f.kind for f in memory_state_findings(DATA / name, job="j")] == kinds
 
 
 def test_s3_snapshot_fragmentation_numbers():
@@ -66,7 +68,7 @@ def test_s3_snapshot_fragmentation_numbers():
     assert snap.oom_requests == [{"size": 8 * GIB, "device_free": 2146566144}]
     assert snap.recurring_request_bytes == GIB  # the 60 × 1 GiB allocations
     assert snap.expandable_segments is False
-    ticket, page = allocator.findings_for_snapshot(snap, job="j")
+    ticket, page = allocator_state.findings_for_snapshot(snap, job="j")
     assert ticket.severity == Severity.TICKET and ticket.cause == "fragmentation"
     assert ticket.evidence["request_bytes"] == 8 * GIB and ticket.evidence["request_failed"] is True
     assert ticket.evidence["alloc_conf"] == "expandable_segments:True"
@@ -79,7 +81,7 @@ def test_s4_snapshot_expandable_segments_is_not_fragmented():
     assert snap.expandable_segments is True and snap.alloc_conf == "expandable_segments:True"
     assert snap.oom_requests == []
     assert snap.unallocated_bytes < 4 * 1024 * 1024
-    assert allocator.findings_for_snapshot(snap) == []
+    assert allocator_state.findings_for_snapshot(snap) == []
 
 
 def test_snapshot_without_oom_flags_recurring_request_that_cannot_fit():
@@ -87,7 +89,7 @@ def test_snapshot_without_oom_flags_recurring_request_that_cannot_fit():
     for trace in raw["device_traces"]:
         trace[:] = [e for e in trace if e["action"] != "oom"]
     snap = allocator.summarize_snapshot(raw, "no-oom")
-    [ticket] = allocator.findings_for_snapshot(snap)
+    [ticket] = allocator_state.findings_for_snapshot(snap)
     assert ticket.evidence["request_bytes"] == GIB and ticket.evidence["request_failed"] is False
 
 
@@ -97,7 +99,7 @@ def test_snapshot_capacity_oom_when_nothing_is_cached():
         "device_traces": [[{"action": "oom", "size": 4 * GIB, "device_free": GIB}]],
         "allocator_settings": {},
     }
-    [finding] = allocator.findings_for_snapshot(allocator.summarize_snapshot(raw, "cap"))
+    [finding] = allocator_state.findings_for_snapshot(allocator.summarize_snapshot(raw, "cap"))
     assert finding.kind == FindingKind.OOM_CAPACITY and finding.cause == "capacity"
 
 
@@ -111,13 +113,13 @@ def test_snapshot_capacity_oom_when_nothing_is_cached():
 )
 def test_thresholds_are_config(override, kinds):
     stats = allocator.read_memory_stats(DATA / "s3_memory_stats_after.json")
-    cfg = {"allocator": {**allocator.load_config().model_dump(), **override}}
-    assert [f.kind for f in allocator.findings_for_stats(stats, "s3", cfg=cfg)] == kinds
+    cfg = {"allocator": {**allocator_state.load_config().model_dump(), **override}}
+    assert [f.kind for f in allocator_state.findings_for_stats(stats, "s3", cfg=cfg)] == kinds
 
 
 def test_bad_config_is_rejected():
     with pytest.raises(ConfigError, match="min_unallocated_share"):
-        allocator.load_config({"allocator": {"min_unallocated_share": 2}})
+        allocator_state.load_config({"allocator": {"min_unallocated_share": 2}})
 
 
 @pytest.mark.parametrize(
@@ -145,7 +147,7 @@ def test_bad_input_is_a_user_error_naming_the_file(tmp_path, content, message):
     path = tmp_path / "stats_rank0"
     path.write_bytes(content)
     with pytest.raises(UserError, match=message) as info:
-        allocator.analyze_path(path)
+        memory_state_findings(path)
     assert str(path) in str(info.value)
 
 
@@ -157,7 +159,7 @@ def test_malicious_snapshot_is_refused(tmp_path):
     path = tmp_path / "snapshot.pickle"
     path.write_bytes(pickle.dumps({"segments": [Evil()]}))
     with pytest.raises(UserError, match="refused global builtins.exec"):
-        allocator.analyze_path(path)
+        memory_state_findings(path)
     assert allocator.is_snapshot(path) is False
 
 
@@ -170,7 +172,7 @@ def test_truncated_and_random_input_only_raises_user_error(tmp_path, data):
     path.write_bytes(candidate)
     allocator.is_memory_stats(path)
     try:
-        allocator.analyze_path(path)
+        memory_state_findings(path)
     except UserError:
         pass
 
@@ -182,8 +184,8 @@ _json = st.recursive(st.none() | st.booleans() | st.integers() | st.floats() | s
 @settings(max_examples=150, deadline=None)
 @given(st.dictionaries(st.sampled_from(["allocated_bytes.all.current", "reserved_bytes.all.current", "num_ooms", "x"]), _json), _json)
 def test_random_structures_only_raise_user_error(stats, snapshot):
-    for attempt in (lambda: allocator.findings_for_stats(allocator.parse_memory_stats(stats, "s"), "s"),
-                    lambda: allocator.findings_for_snapshot(allocator.summarize_snapshot({"segments": [snapshot]}, "s"))):
+    for attempt in (lambda: allocator_state.findings_for_stats(allocator.parse_memory_stats(stats, "s"), "s"),
+                    lambda: allocator_state.findings_for_snapshot(allocator.summarize_snapshot({"segments": [snapshot]}, "s"))):
         try:
             attempt()
         except UserError:
@@ -202,7 +204,7 @@ def test_golden_s3_snapshot_summary_and_findings():
     # 24 GiB reserved but unallocated in 0.4 GiB slivers, and an 8 GiB request failed.
     assert abs((snap.reserved_bytes - snap.allocated_bytes) - (24 << 30)) < 1 << 20
     assert snap.largest_free_block_bytes < 1 << 30 and [r["size"] for r in snap.oom_requests] == [8 << 30]
-    found = allocator.findings_for_snapshot(snap, ts=0.0, job="j")
+    found = allocator_state.findings_for_snapshot(snap, ts=0.0, job="j")
     # The fragmented cache, and the OOM the snapshot's trace recorded, both put down to fragmentation.
     assert {(f.kind.value, f.cause) for f in found} == {("fragmentation_allocator", "fragmentation"), ("oom_fragmentation", "fragmentation")}
     frag = next(f for f in found if f.kind.value == "fragmentation_allocator")

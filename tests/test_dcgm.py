@@ -19,6 +19,7 @@ from hypothesis import strategies as st
 
 from gpuvigil import schemas
 from gpuvigil.collectors import dcgm
+from gpuvigil.detectors import saved_readings
 from gpuvigil.errors import UserError
 from gpuvigil.model import FindingKind, Severity
 
@@ -68,7 +69,7 @@ def test_scrape_maps_onto_gpu_samples():
 
 def test_scrape_findings():
     samples, _, _ = dcgm.read_scrape(SCRAPE, ts=TS)
-    found = dcgm.findings_from_scrape(samples, source_file="node07.prom")
+    found = saved_readings.dcgm_scrape_findings(samples, source_file="node07.prom")
     assert [(f.kind, f.severity, f.gpu, f.xid) for f in found] == [(FindingKind.XID, Severity.PAGE, 1, 48), (FindingKind.ECC, Severity.PAGE, 1, None)]
     assert found[0].evidence["action"] == "WORKFLOW_XID_48" and found[0].evidence["fatal"] is True
     check_golden("dcgm_node07_findings.json", [f.to_json_dict() for f in found])

@@ -350,16 +350,18 @@ def test_a_slow_rank_is_not_a_hang(gloo):
 @pytest.mark.parametrize("scenario, culprit", [("hang", 2), ("dead", 3)])
 def test_flight_recorder_names_the_culprit(gloo, scenario, culprit):
     from gpuvigil.collectors import flight_recorder as fr
+    from gpuvigil.offline import fr as offline_fr
 
-    [f] = fr.analyze_dumps([fr.load_dump(gloo[scenario] / f"fr_rank_{r}") for r in range(4)], job=scenario)
+    [f] = offline_fr.analyze_dumps([fr.load_dump(gloo[scenario] / f"fr_rank_{r}") for r in range(4)], job=scenario)
     assert (f.kind.value, f.culprit_ranks, f.evidence["collective_seq_id"], f.evidence["op"]) == ("collective_hang", [culprit], 31, "all_reduce")
 
 
 @pytest.mark.torch
 def test_flight_recorder_of_a_slow_run_shows_no_hang(gloo):
     from gpuvigil.collectors import flight_recorder as fr
+    from gpuvigil.offline import fr as offline_fr
 
-    assert fr.analyze_dumps([fr.load_dump(gloo["slow"] / f"fr_rank_{r}") for r in range(4)], job="slow") == []
+    assert offline_fr.analyze_dumps([fr.load_dump(gloo["slow"] / f"fr_rank_{r}") for r in range(4)], job="slow") == []
 
 
 def _waits_from_flight_recorder(folder: Path, world: int = 4) -> pl.DataFrame:

@@ -30,7 +30,8 @@ from hypothesis import strategies as st
 from gpuvigil import config
 from gpuvigil.config.deploy import Fleet
 from gpuvigil.fleet import transport
-from gpuvigil.fleet.agent import NodeView, SimWorld, job_rows, split_detectors
+from gpuvigil.app import compose
+from gpuvigil.fleet.agent import NodeView, SimWorld, job_rows
 from gpuvigil.fleet.detect import Feed
 from gpuvigil.model import Finding, FindingKind, Severity
 from gpuvigil.pipeline.core import Pipeline
@@ -62,9 +63,9 @@ def test_a_snapshot_and_a_short_replay_rebuild_the_hang_exactly(tmp_path):
     cfg = config.defaults()
     fleet = Fleet(partitions=1)
     world = SimWorld(str(tmp_path / "s.yaml"), None, 3, cfg)
-    nodes = {n: Pipeline([NodeView(world, n)], split_detectors(cfg, fleet)[0], cfg=cfg) for n in world.node_names}
+    nodes = {n: compose.build(cfg, "agent", [NodeView(world, n)], fleet=fleet) for n in world.node_names}
     ref_feed = Feed()
-    ref = Pipeline([ref_feed], split_detectors(cfg, fleet)[1], cfg=cfg)
+    ref = compose.build(cfg, "detect", [ref_feed], fleet=fleet)
     sent: list[tuple[float, str, str, dict]] = []  # (now, node, job, the frames as decoded from the wire)
     snapshot_at, taken_at, replay = 40.0, 48.0, 12.0  # the hang began at ~10 s: before the replay's start
     body = None
@@ -84,7 +85,7 @@ def test_a_snapshot_and_a_short_replay_rebuild_the_hang_exactly(tmp_path):
 
     def takeover(snapshot: bytes | None) -> Pipeline:
         feed = Feed()
-        pipe = Pipeline([feed], split_detectors(cfg, fleet)[1], cfg=cfg)
+        pipe = compose.build(cfg, "detect", [feed], fleet=fleet)
         if snapshot is not None:
             stamps, state = transport.decode_state(snapshot)
             assert stamps["owner"] == "d-old" and stamps["epoch"] == 7

@@ -16,6 +16,7 @@ from hypothesis import strategies as st
 
 from gpuvigil.cli.main import main as cli_main
 from gpuvigil.collectors import flight_recorder as fr
+from gpuvigil.offline import fr as offline_fr
 from gpuvigil.errors import UserError
 from gpuvigil.model import FindingKind, Severity
 
@@ -33,7 +34,7 @@ def test_s6_watchdog_dump_shows_enqueued_6_completed_5_and_a_stuck_allreduce():
     assert [e.collective_seq_id for e in dump.entries] == [1, 2, 3, 4, 5, 6]
     assert dump.entries[-1].state == "scheduled" and dump.entries[-1].op == "all_reduce"
     assert dump.entries[-1].input_sizes == ((1048576,),) and dump.entries[-1].timeout_ms == 8000
-    [finding] = fr.analyze_dumps([dump])
+    [finding] = offline_fr.analyze_dumps([dump])
     assert finding.kind == FindingKind.COLLECTIVE_HANG and finding.severity == Severity.PAGE
     assert finding.evidence["collective_seq_id"] == 6
     assert finding.evidence["op"] == "all_reduce"
@@ -47,7 +48,7 @@ def test_s5_dump_has_44_completed_collectives_and_no_problem():
     assert len(dump.entries) == 44 and dump.completed_count() == 44
     assert dump.comm_lib_version == "2.28.9"
     assert {e.op for e in dump.entries} >= {"all_reduce", "broadcast"}
-    assert fr.analyze_dumps([dump]) == []
+    assert offline_fr.analyze_dumps([dump]) == []
 
 
 def test_s5_pickle_and_json_forms_agree():
@@ -107,23 +108,23 @@ def test_two_different_dumps_for_one_rank_of_one_job_are_refused(tmp_path):
     shutil.copy(DATA / "s6_fr_rank_0", tmp_path / "fr_rank_0")
     shutil.copy(DATA / "s5_fr_dump.pickle", tmp_path / "fr_rank_0.pickle")
     with pytest.raises(UserError, match="second, different dump for rank 0"):
-        fr.analyze_paths([tmp_path])
+        offline_fr.analyze_paths([tmp_path])
 
 
 def test_dumps_of_different_jobs_in_one_folder_are_analysed_apart():
     # s5 and s6 are two single-rank jobs side by side: each is its own job (file-name prefix).
     groups = fr.load_groups([DATA])
     assert [[Path(d.source).name for d in g] for g in groups] == [["s5_fr_dump.pickle"], ["s6_fr_rank_0"]]
-    [finding] = fr.analyze_paths([DATA])
+    [finding] = offline_fr.analyze_paths([DATA])
     assert finding.source.endswith("s6_fr_rank_0") and finding.evidence["collective_seq_id"] == 6
 
 
 def test_folder_without_dumps_and_missing_path(tmp_path):
     (tmp_path / "notes.txt").write_text("nothing here")
     with pytest.raises(UserError, match="no Flight Recorder dumps in this folder"):
-        fr.analyze_paths([tmp_path])
+        offline_fr.analyze_paths([tmp_path])
     with pytest.raises(UserError, match="no such file"):
-        fr.analyze_paths([tmp_path / "gone"])
+        offline_fr.analyze_paths([tmp_path / "gone"])
 
 
 @settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
@@ -136,7 +137,7 @@ def test_truncated_and_random_dumps_only_raise_user_error(tmp_path, data):
     path.write_bytes(candidate)
     fr.is_flight_recorder_dump(path)
     try:
-        fr.analyze_dumps([fr.load_dump(path)])
+        offline_fr.analyze_dumps([fr.load_dump(path)])
     except UserError:
         pass
 
@@ -154,7 +155,7 @@ _entry_keys = ["collective_seq_id", "process_group", "profiling_name", "input_si
 def test_random_structures_only_raise_user_error(entries, pg_status):
     try:
         dump = fr.parse_dump({"version": "2.10", "entries": entries, "pg_status": pg_status, "pg_config": {}}, "<random>")
-        fr.analyze_dumps([dump])
+        offline_fr.analyze_dumps([dump])
     except UserError:
         pass
 
@@ -168,10 +169,10 @@ def test_evicted_entries_are_not_taken_for_a_missing_rank():
     rank0 = dataclasses.replace(dump, rank=0, source="r0")
     # Rank 1 kept only its newest 10 entries (a smaller ring buffer): nothing is missing.
     rank1 = dataclasses.replace(dump, rank=1, source="r1", entries=dump.entries[-10:])
-    assert fr.analyze_dumps([rank0, rank1]) == []
+    assert offline_fr.analyze_dumps([rank0, rank1]) == []
     # Rank 1 stopped at #40: ranks 0 and 1 disagree from #41 on, and rank 1 is the culprit.
     rank1 = dataclasses.replace(dump, rank=1, source="r1", entries=dump.entries[:40], pg_status={"0": fr.PGStatus(40, -1, 40)})
-    [finding] = fr.analyze_dumps([rank0, rank1])
+    [finding] = offline_fr.analyze_dumps([rank0, rank1])
     assert finding.kind == FindingKind.COLLECTIVE_HANG and finding.culprit_ranks == [1]
     assert finding.evidence["collective_seq_id"] == 41 and finding.evidence["culprit_last_seq"] == [40]
 
@@ -205,7 +206,7 @@ def gloo_runs(tmp_path_factory):
 @pytest.mark.torch
 @pytest.mark.parametrize("case_id, world, scenario, culprits, op", GLOO_CASES, ids=[c[0] for c in GLOO_CASES])
 def test_gloo_hangs_and_mismatches_name_the_culprit_ranks(gloo_runs, case_id, world, scenario, culprits, op):
-    findings = fr.analyze_paths([gloo_runs[case_id]], job="job-42")
+    findings = offline_fr.analyze_paths([gloo_runs[case_id]], job="job-42")
     assert len(findings) == 1
     [finding] = findings
     assert finding.culprit_ranks == culprits
@@ -234,8 +235,8 @@ def test_gloo_json_form_gives_the_same_answer(gloo_runs, tmp_path):
     for path in gloo_runs["4_one_missing"].glob("fr_rank_*.json"):
         shutil.copy(path, tmp_path / path.name)
     assert len(list(tmp_path.iterdir())) == 4
-    [from_json] = fr.analyze_paths([tmp_path])
-    [from_pickle] = fr.analyze_paths(sorted(gloo_runs["4_one_missing"].glob("fr_rank_?")))
+    [from_json] = offline_fr.analyze_paths([tmp_path])
+    [from_pickle] = offline_fr.analyze_paths(sorted(gloo_runs["4_one_missing"].glob("fr_rank_?")))
     assert from_json.culprit_ranks == from_pickle.culprit_ranks == [1]
     assert from_json.evidence["collective_seq_id"] == from_pickle.evidence["collective_seq_id"]
 
@@ -269,7 +270,7 @@ def test_golden_normalised_s6_dump_and_findings():
     dump = fr.parse_dump(raw, "s6_fr_rank_0", Path("s6_fr_rank_0"))
     # The real dump on timeout: collective #6 enqueued, #5 the last completed.
     assert (dump.pg_status["0"].last_enqueued, dump.pg_status["0"].last_completed) == (6, 5)
-    found = fr.analyze_dumps([dump])
+    found = offline_fr.analyze_dumps([dump])
     [f] = found
     assert (f.kind.value, f.severity.value, f.culprit_ranks, f.evidence["collective_seq_id"], f.evidence["op"]) == ("collective_hang", "page", [0], 6, "all_reduce")
     check_golden("fr_s6_dump.json", dataclasses.asdict(dump))
@@ -283,7 +284,7 @@ def test_entries_evicted_by_another_group_are_not_a_missing_rank():
     dump = dataclasses.replace(one_rank, pg_config={"0": fr.PGConfig("0", "default_pg", (0, 1))})
     rank0 = dataclasses.replace(dump, rank=0, source="r0")
     rank1 = dataclasses.replace(dump, rank=1, source="r1", entries=[], pg_status={"0": fr.PGStatus(44, -1, 44)})
-    assert fr.analyze_dumps([rank0, rank1]) == []
+    assert offline_fr.analyze_dumps([rank0, rank1]) == []
     rank1 = dataclasses.replace(rank1, pg_status={"0": fr.PGStatus(30, -1, 30)})
-    [finding] = fr.analyze_dumps([rank0, rank1])
+    [finding] = offline_fr.analyze_dumps([rank0, rank1])
     assert finding.culprit_ranks == [1] and finding.evidence["collective_seq_id"] == 31 and finding.evidence["culprit_last_seq"] == [30]

@@ -16,18 +16,7 @@ MAX_LINES = 80
 
 # Long functions not split into phases yet. An entry goes as soon as its function is split: the
 # test fails on an entry that is no longer long (or no longer exists), so the list only shrinks.
-ALLOWED = {
-    # detectors
-    # collectors
-    "gpuvigil/collectors/nccl_log.py::findings",
-    "gpuvigil/collectors/flight_recorder.py::_analyze_group",
-    "gpuvigil/collectors/safe_pickle.py::scan",
-    # offline analysis
-    "gpuvigil/offline/report.py::render",
-    "gpuvigil/offline/replay.py::run_replay",
-    "gpuvigil/offline/replay.py::streams_from_long",
-    "gpuvigil/offline/analyze.py::Analyzer._analyze_file",
-}
+ALLOWED: set[str] = set()
 
 
 def long_functions(source: str, path: str, max_lines: int = MAX_LINES) -> dict[str, int]:

@@ -17,6 +17,8 @@ from hypothesis import strategies as st
 
 from gpuvigil import schemas
 from gpuvigil.collectors import kernel_log
+from gpuvigil.detectors import xid_incidents
+from gpuvigil.offline.analyze import kernel_log_findings
 from gpuvigil.config import ConfigError
 from gpuvigil.model import FindingKind, Severity
 
@@ -166,7 +168,7 @@ def test_burst_gap_comes_from_config():
 )
 def test_public_kernel_logs(name, expected):
     path = PUBLIC / name
-    found = kernel_log.analyze_text(path.read_text(), source_file=name, reference_ts=REFERENCE_TS)
+    found = kernel_log_findings(path.read_text(), source_file=name, reference_ts=REFERENCE_TS)
     assert [(f.xid, f.severity, f.evidence["count"], f.evidence["with_xids"]) for f in found] == expected
     for f in found:
         assert f.kind == FindingKind.XID
@@ -179,7 +181,7 @@ def test_public_kernel_logs(name, expected):
 def test_fatal_finding_matches_the_cordon_hint_rule():
     from gpuvigil.pipeline.hints import HintPolicy
 
-    found = kernel_log.analyze_text((PUBLIC / "kernel_dbe_syslog.log").read_text(), reference_ts=REFERENCE_TS)
+    found = kernel_log_findings((PUBLIC / "kernel_dbe_syslog.log").read_text(), reference_ts=REFERENCE_TS)
     dbe = next(f for f in found if f.xid == 48)
     assert dbe.node == "worker4"
     assert [h.action.value for h in HintPolicy().hints_for(dbe)] == ["cordon_node"]  # no job known: no requeue
@@ -251,7 +253,7 @@ REAL_LINES = [l for p in sorted(PUBLIC.glob("kernel_*.log")) for l in p.read_tex
 @given(st.lists(st.text(max_size=300), max_size=30))
 def test_random_text_never_crashes(lines):
     df = kernel_log.parse_lines(lines, reference_ts=REFERENCE_TS)
-    kernel_log.findings(kernel_log.incidents(df))
+    xid_incidents.findings(kernel_log.incidents(df))
 
 
 @settings(max_examples=200, deadline=None)
@@ -260,7 +262,7 @@ def test_truncated_and_mangled_real_lines_never_crash(i, cut, junk):
     line = REAL_LINES[i][:cut] + junk
     df = kernel_log.parse_lines([line, REAL_LINES[i]], reference_ts=REFERENCE_TS)
     assert df.height >= (1 if "NVRM: Xid" in REAL_LINES[i] else 0)
-    kernel_log.findings(kernel_log.incidents(df))
+    xid_incidents.findings(kernel_log.incidents(df))
 
 
 @settings(max_examples=100, deadline=None)

@@ -21,7 +21,8 @@ from hypothesis import strategies as st
 
 from gpuvigil import schemas
 from gpuvigil.offline.analyze import Analyzer
-from gpuvigil.collectors.nccl_log import analyze_text, events, parse_lines
+from gpuvigil.collectors.nccl_log import events, parse_lines
+from gpuvigil.detectors.training_log import analyze_text
 from gpuvigil.detectors.watchdog import NcclErrorDetector, WatchdogTimeoutDetector
 from gpuvigil.model import FindingKind, Severity
 from gpuvigil.parsers.nccl import NCCL_RESULTS, parse_error_message

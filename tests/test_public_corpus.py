@@ -16,8 +16,9 @@ from pathlib import Path
 import pytest
 import yaml
 
-from gpuvigil.offline.analyze import Analyzer
-from gpuvigil.collectors import kernel_log, nccl_log
+from gpuvigil.offline.analyze import Analyzer, kernel_log_findings
+from gpuvigil.detectors import training_log
+from gpuvigil.detectors import saved_readings
 from gpuvigil.parsers import nvidia_smi
 from gpuvigil.parsers.oom import parse_oom
 
@@ -55,7 +56,7 @@ def test_corpus_is_broad_and_sourced():
 @pytest.mark.parametrize("row", _by("oom"), ids=lambda r: Path(r["file"]).stem)
 def test_oom_cause_matches_label(row):
     text = (PUBLIC / row["file"]).read_text()
-    found = nccl_log.analyze_text(text, reference_ts=REFERENCE_TS)
+    found = training_log.analyze_text(text, reference_ts=REFERENCE_TS)
     assert _diagnoses(found) == set(row["expect"]), [f.summary for f in found]
     # the figures the label was computed from are the ones the parser read
     rep = parse_oom(" ".join(text.split()))
@@ -65,13 +66,13 @@ def test_oom_cause_matches_label(row):
 
 @pytest.mark.parametrize("row", _by("xid"), ids=lambda r: Path(r["file"]).stem)
 def test_xid_attribution_matches_label(row):
-    found = kernel_log.analyze_text((PUBLIC / row["file"]).read_text(), reference_ts=REFERENCE_TS)
+    found = kernel_log_findings((PUBLIC / row["file"]).read_text(), reference_ts=REFERENCE_TS)
     assert _diagnoses(found) == set(row["expect"]), [f.summary for f in found]
 
 
 @pytest.mark.parametrize("row", _by("watchdog") + _by("nccl_warn") + _by("nccl_error"), ids=lambda r: Path(r["file"]).stem)
 def test_watchdog_and_warn_match_label(row):
-    found = nccl_log.analyze_text((PUBLIC / row["file"]).read_text(), reference_ts=REFERENCE_TS)
+    found = training_log.analyze_text((PUBLIC / row["file"]).read_text(), reference_ts=REFERENCE_TS)
     assert _diagnoses(found) == set(row["expect"]), [f.summary for f in found]
 
 
@@ -79,12 +80,12 @@ def test_watchdog_and_warn_match_label(row):
 def test_nvidia_smi_q_matches_label(row):
     text = (PUBLIC / row["file"]).read_text()
     assert nvidia_smi.looks_like_nvidia_smi_q(text)
-    assert _diagnoses(nvidia_smi.findings(nvidia_smi.parse(text), ts=REFERENCE_TS)) == set(row["expect"])
+    assert _diagnoses(saved_readings.smi_findings(nvidia_smi.health(nvidia_smi.parse(text)), ts=REFERENCE_TS)) == set(row["expect"])
 
 
 def test_cascade_is_one_node_level_finding_naming_the_root():
     text = (PUBLIC / "corpus" / "xid_ogkm_1150_cascade.log").read_text()
-    found = kernel_log.analyze_text(text, node="gpu-node-1", reference_ts=REFERENCE_TS)
+    found = kernel_log_findings(text, node="gpu-node-1", reference_ts=REFERENCE_TS)
     by_xid = {f.xid: f for f in found}
     assert set(by_xid) == {145, 149}
     f145 = by_xid[145]

@@ -21,7 +21,9 @@ import pytest
 
 from gpuvigil import schemas
 from gpuvigil.collectors import dcgm, kernel_log, nccl_log
+from gpuvigil.detectors import saved_readings, training_log
 from gpuvigil.detectors.registry import default_detectors
+from gpuvigil.offline.analyze import kernel_log_findings
 from gpuvigil.model import Finding, FindingKind, place, subject
 from gpuvigil.pipeline.hints import HintPolicy
 from gpuvigil.window import Window
@@ -118,11 +120,11 @@ def _strip_ranks(text: str) -> str:
 
 
 OFFLINE = [
-    ("watchdog_without_rank", lambda: nccl_log.analyze_text(_strip_ranks((DATA / "h200" / "s6_nccl_watchdog_timeout.log").read_text()), reference_ts=NOW),
+    ("watchdog_without_rank", lambda: training_log.analyze_text(_strip_ranks((DATA / "h200" / "s6_nccl_watchdog_timeout.log").read_text()), reference_ts=NOW),
      FindingKind.NCCL_TIMEOUT),
-    ("kernel_log_without_node_or_gpu_index", lambda: kernel_log.analyze_text((DATA / "public" / "kernel_fallen_off_bus.log").read_text(), reference_ts=NOW),
+    ("kernel_log_without_node_or_gpu_index", lambda: kernel_log_findings((DATA / "public" / "kernel_fallen_off_bus.log").read_text(), reference_ts=NOW),
      FindingKind.XID),
-    ("dcgm_scrape_without_host_or_gpu_label", lambda: dcgm.findings_from_scrape(
+    ("dcgm_scrape_without_host_or_gpu_label", lambda: saved_readings.dcgm_scrape_findings(
         dcgm.parse_text(re.sub(r'(?:Hostname|gpu)="[^"]*",?', "", (DATA / "dcgm" / "node07_constructed.prom").read_text()), ts=NOW)[0], ts=NOW),
      FindingKind.ECC),
 ]

@@ -18,7 +18,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "demo": ("gpuvigil.app.demo", "run fault scenarios end to end on the simulated cluster"),
     "analyze": ("gpuvigil.offline.analyze", "diagnose logs, dumps and scrapes offline"),
     "replay": ("gpuvigil.offline.replay", "replay recorded history (Prometheus, files) through every detector: what would have fired"),
-    "fr": ("gpuvigil.collectors.flight_recorder", "cross-rank analysis of Flight Recorder dumps"),
+    "fr": ("gpuvigil.offline.fr", "cross-rank analysis of Flight Recorder dumps"),
     "serve": ("gpuvigil.app.serve", "run collectors, pipeline, scheduler, API and /metrics"),
     "agent": ("gpuvigil.fleet.agent", "node agent: collectors + node/GPU detectors, publishes to NATS JetStream (fleet)"),
     "detect": ("gpuvigil.fleet.detect", "job-level detectors over leased job partitions of NATS JetStream (fleet)"),

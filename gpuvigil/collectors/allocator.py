@@ -12,6 +12,9 @@ That is fragmentation, and it shows as
 
 `expandable_segments:True` grows one segment in place instead, which is why the same program
 (s4 in the H200 captures) does not fragment.
+
+This module reads and summarises; whether the state it reads is fragmentation or an OOM's cause
+is decided by `gpuvigil.detectors.allocator_state` (thresholds: `gpuvigil/config/allocator.yaml`).
 """
 
 from __future__ import annotations
@@ -24,35 +27,17 @@ from pathlib import Path
 from typing import Any
 
 import polars as pl
-from pydantic import BaseModel, Field
 
-from gpuvigil import config, schemas
+from gpuvigil import schemas
 from gpuvigil.collectors.safe_pickle import looks_like_pickle, safe_load
 from gpuvigil.errors import UserError
-from gpuvigil.model import Finding, FindingKind, Severity
 
 MAX_STATS_BYTES = 16 * 1024 * 1024
 MAX_SNAPSHOT_BYTES = 256 * 1024 * 1024  # real snapshots of a full 141 GB device are tens of MB; bounded before reading (safe_pickle)
 _SNIFF_BYTES = 64 * 1024
-GIB = 1 << 30
-
-
-class AllocatorConfig(BaseModel):
-    min_unallocated_bytes: int = Field(2 * GIB, ge=0)
-    min_unallocated_share: float = Field(0.10, ge=0, le=1)
-    recurring_min_count: int = Field(2, ge=1)
-    remedy_alloc_conf: str = "expandable_segments:True"
-
-
-def load_config(cfg: dict[str, Any] | None = None) -> AllocatorConfig:
-    return config.section("allocator", AllocatorConfig, cfg)
 
 
 # ---------------------------------------------------------------- memory_stats
-
-
-def _gib(n: int | float | None) -> str:
-    return "?" if n is None else f"{n / GIB:.2f} GiB"
 
 
 def parse_memory_stats(raw: Any, source: str) -> dict[str, int | float]:
@@ -198,9 +183,11 @@ def summarize_snapshot(raw: Any, source: str, recurring_min_count: int = 2) -> S
     return out
 
 
-def read_snapshot(path: str | Path, cfg: dict[str, Any] | None = None) -> SnapshotSummary:
+def read_snapshot(path: str | Path, recurring_min_count: int = 2) -> SnapshotSummary:
+    """A snapshot pickle's summary; a request size seen at least `recurring_min_count` times in
+    the allocation trace is one the job keeps making."""
     p = Path(path)
-    return summarize_snapshot(safe_load(p, max_bytes=MAX_SNAPSHOT_BYTES), str(p), load_config(cfg).recurring_min_count)
+    return summarize_snapshot(safe_load(p, max_bytes=MAX_SNAPSHOT_BYTES), str(p), recurring_min_count)
 
 
 def is_snapshot(path: str | Path) -> bool:
@@ -219,7 +206,7 @@ def is_snapshot(path: str | Path) -> bool:
     return isinstance(raw, dict) and isinstance(raw.get("segments"), list) and ("device_traces" in raw or "allocator_settings" in raw)
 
 
-# ---------------------------------------------------------------- rows and findings
+# ---------------------------------------------------------------- rows
 
 
 def stats_row(
@@ -255,125 +242,3 @@ def stats_row(
 
 def stats_frame(rows: list[dict[str, Any]]) -> pl.DataFrame:
     return schemas.frame(rows, schemas.ALLOCATOR_STATS)
-
-
-def _fragmented(unallocated: int, reserved: int, c: AllocatorConfig) -> bool:
-    return reserved > 0 and unallocated >= c.min_unallocated_bytes and unallocated / reserved >= c.min_unallocated_share
-
-
-def findings_for_stats(stats: dict[str, int | float], source: str, *, ts: float = 0.0, job: str | None = None,
-                       node: str | None = None, gpu: int | None = None, cfg: dict[str, Any] | None = None) -> list[Finding]:
-    c = load_config(cfg)
-    allocated = int(stats["allocated_bytes.all.current"])
-    reserved = int(stats["reserved_bytes.all.current"])
-    unallocated = reserved - allocated
-    retries = int(stats.get("num_alloc_retries", 0))
-    ooms = int(stats.get("num_ooms", 0))
-    if not (_fragmented(unallocated, reserved, c) and (retries > 0 or ooms > 0)):
-        return []
-    inactive = int(stats.get("inactive_split_bytes.all.current", 0))
-    return [
-        Finding(
-            kind=FindingKind.FRAGMENTATION_ALLOCATOR,
-            severity=Severity.TICKET,
-            ts=ts,
-            job=job,
-            node=node,
-            gpu=gpu,
-            cause="fragmentation",
-            evidence={
-                "reserved_bytes": reserved,
-                "allocated_bytes": allocated,
-                "unallocated_bytes": unallocated,
-                "inactive_split_bytes": inactive,
-                "inactive_split_blocks": int(stats.get("inactive_split.all.current", 0)),
-                "alloc_retries": retries,
-                "num_ooms": ooms,
-                "largest_free_block_bytes": None,
-                "alloc_conf": c.remedy_alloc_conf,
-            },
-            summary=(
-                f"PyTorch holds {_gib(unallocated)} reserved but unallocated ({_gib(inactive)} in split blocks) and "
-                f"had to retry {retries} allocation(s), {ooms} OOM(s): fragmented cache; set "
-                f"PYTORCH_CUDA_ALLOC_CONF={c.remedy_alloc_conf}"
-            ),
-            source=source,
-        )
-    ]
-
-
-def findings_for_snapshot(snap: SnapshotSummary, *, ts: float = 0.0, job: str | None = None, node: str | None = None,
-                          gpu: int | None = None, cfg: dict[str, Any] | None = None) -> list[Finding]:
-    c = load_config(cfg)
-    out: list[Finding] = []
-    common = {
-        "reserved_bytes": snap.reserved_bytes,
-        "allocated_bytes": snap.allocated_bytes,
-        "unallocated_bytes": snap.unallocated_bytes,
-        "inactive_bytes": snap.inactive_bytes,
-        "largest_free_block_bytes": snap.largest_free_block_bytes,
-        "segments": len(snap.segments),
-        "expandable_segments": snap.expandable_segments,
-    }
-    failed = snap.oom_requests[-1]["size"] if snap.oom_requests else None
-    request = failed if failed is not None else snap.recurring_request_bytes
-    if request is not None and _fragmented(snap.unallocated_bytes, snap.reserved_bytes, c) and snap.largest_free_block_bytes < request:
-        out.append(
-            Finding(
-                kind=FindingKind.FRAGMENTATION_ALLOCATOR,
-                severity=Severity.TICKET,
-                ts=ts,
-                job=job,
-                node=node,
-                gpu=gpu,
-                cause="fragmentation",
-                evidence={**common, "request_bytes": request, "request_failed": failed is not None, "alloc_conf": c.remedy_alloc_conf},
-                summary=(
-                    f"{_gib(snap.unallocated_bytes)} reserved but unallocated across {len(snap.segments)} segments, yet the "
-                    f"largest free block is {_gib(snap.largest_free_block_bytes)}, below the {_gib(request)} "
-                    f"{'request that failed' if failed is not None else 'request the job keeps making'}; set "
-                    f"PYTORCH_CUDA_ALLOC_CONF={c.remedy_alloc_conf}"
-                ),
-                source=snap.source,
-            )
-        )
-    if failed is not None:
-        fragmentation = snap.unallocated_bytes >= failed > snap.largest_free_block_bytes
-        kind = FindingKind.OOM_FRAGMENTATION if fragmentation else FindingKind.OOM_CAPACITY
-        out.append(
-            Finding(
-                kind=kind,
-                severity=Severity.PAGE,
-                ts=ts,
-                job=job,
-                node=node,
-                gpu=gpu,
-                cause="fragmentation" if fragmentation else "capacity",
-                evidence={**common, "request_bytes": failed, "device_free_bytes": snap.oom_requests[-1]["device_free"], "oom_events": len(snap.oom_requests)},
-                summary=(
-                    f"out of memory on a {_gib(failed)} request: "
-                    + (
-                        f"{_gib(snap.unallocated_bytes)} was reserved but unallocated, in blocks of at most {_gib(snap.largest_free_block_bytes)}"
-                        if fragmentation
-                        else f"only {_gib(snap.unallocated_bytes)} reserved but unallocated; the job needs more memory than the GPU has"
-                    )
-                ),
-                source=snap.source,
-            )
-        )
-    return out
-
-
-def analyze_path(path: str | Path, *, job: str | None = None, node: str | None = None, gpu: int | None = None,
-                 cfg: dict[str, Any] | None = None) -> list[Finding]:
-    """Findings for one memory_stats JSON or snapshot pickle (`UserError` for anything else)."""
-    p = Path(path)
-    try:
-        ts = p.stat().st_mtime
-    except OSError as exc:
-        raise UserError(f"{p}: cannot read: {exc.strerror or exc}") from exc
-    with p.open("rb") as fh:
-        head = fh.read(16)
-    if looks_like_pickle(head):
-        return findings_for_snapshot(read_snapshot(p, cfg), ts=ts, job=job, node=node, gpu=gpu, cfg=cfg)
-    return findings_for_stats(read_memory_stats(p), str(p), ts=ts, job=job, node=node, gpu=gpu, cfg=cfg)

@@ -29,10 +29,8 @@ import httpx
 import polars as pl
 from prometheus_client.parser import text_string_to_metric_families
 
-from gpuvigil import policies, schemas, signals
-from gpuvigil.gpu import xid
+from gpuvigil import schemas, signals
 from gpuvigil.errors import UserError
-from gpuvigil.model import Finding, FindingKind, Severity, place
 
 MIB = 1 << 20
 
@@ -235,63 +233,6 @@ def looks_like_dcgm_scrape(sample: str) -> bool:
     return "DCGM_FI_" in sample
 
 
-def findings_from_scrape(samples: pl.DataFrame, *, source_file: str | None = None, ts: float | None = None) -> list[Finding]:
-    """What a single saved scrape says on its own: each GPU's last XID, uncorrectable ECC and a
-    failed row remap."""
-    out: list[Finding] = []
-    for row in samples.filter(pl.col("last_xid").is_not_null() | (pl.col("ecc_dbe_volatile_total") > 0) | pl.col("remap_failure")).to_dicts():
-        where = place(row["node"], row["gpu"])
-        src = f"{source_file}:gpu={row['gpu']}" if source_file else "dcgm"
-        code = row["last_xid"]
-        if code is not None:
-            info = xid.xid_info(code)
-            fatal = xid.is_fatal(code)
-            out.append(
-                Finding(
-                    kind=FindingKind.XID,
-                    severity=policies.xid_severity(code),
-                    ts=ts if ts is not None else row["ts"],
-                    node=row["node"],
-                    gpu=row["gpu"],
-                    xid=code,
-                    evidence={
-                        "fatal": fatal,
-                        "app_level": info.app_level if info else False,
-                        "action": info.action if info else None,
-                        "name": info.name if info else "unknown XID",
-                        "gpu_uuid": row["gpu_uuid"],
-                        "note": "DCGM_FI_DEV_XID_ERRORS is the last XID since dcgm-exporter started; when it happened is not in the scrape",
-                    },
-                    summary=f"Last XID on {where} was {code} ({info.name if info else 'unknown'})" + (f"; NVIDIA's immediate action: {info.action}" if info else ""),
-                    source=src,
-                    cause="hardware" if fatal else None,
-                )
-            )
-        if (row["ecc_dbe_volatile_total"] or 0) > 0 or row["remap_failure"]:
-            # A failed remap is NVIDIA's RMA criterion: its own kind, the DBEs its evidence.
-            out.append(
-                Finding(
-                    kind=FindingKind.ROW_REMAP_FAILURE if row["remap_failure"] else FindingKind.ECC,
-                    severity=Severity.PAGE,
-                    ts=ts if ts is not None else row["ts"],
-                    node=row["node"],
-                    gpu=row["gpu"],
-                    evidence={
-                        "ecc_dbe_volatile_total": row["ecc_dbe_volatile_total"],
-                        "ecc_sbe_volatile_total": row["ecc_sbe_volatile_total"],
-                        "retired_pages_total": row["retired_pages_total"],
-                        "remap_failure": bool(row["remap_failure"]),
-                        "gpu_uuid": row["gpu_uuid"],
-                    },
-                    summary=(f"Row remapping failed on {where} ({row['ecc_dbe_volatile_total'] or 0} volatile DBE): drain the node and replace the GPU"
-                             if row["remap_failure"] else f"Uncorrectable memory errors on {where}: {row['ecc_dbe_volatile_total'] or 0} volatile DBE"),
-                    source=src,
-                    cause="hardware",
-                )
-            )
-    return out
-
-
 class DcgmCollector:
     """Scrapes every dcgm-exporter endpoint (one per node) on each `collect`, concurrently.
 
@@ -478,4 +419,4 @@ def scrape_once(url: str, *, timeout_seconds: float = 2.0) -> str:
     return resp.text
 
 
-__all__ = ["DcgmCollector", "GPU_WORKLOADS", "DCGM_EXTRA", "LABELS", "STREAMS", "frames_from_long", "label_values", "workload_changes", "parse_text", "read_scrape", "findings_from_scrape", "looks_like_dcgm_scrape"]
+__all__ = ["DcgmCollector", "GPU_WORKLOADS", "DCGM_EXTRA", "LABELS", "STREAMS", "frames_from_long", "label_values", "workload_changes", "parse_text", "read_scrape", "looks_like_dcgm_scrape"]

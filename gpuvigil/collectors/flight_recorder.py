@@ -13,12 +13,13 @@ every member must call the same collective with the same sequence id. Walking th
 in order, the first one that some members never reached is a hang (`collective_hang`, the
 culprits are those who did not join), and the first one whose members disagree on the op, the
 sizes or the dtypes is a mismatch (`collective_mismatch`, the culprits are the minority).
-Later problems in the same group are consequences of the first and are not reported.
+Later problems in the same group are consequences of the first and are not reported. This module
+reads and matches (`analyze_dumps` returns one `GroupAnalysis` per group); whether an analysis
+pages is decided by `gpuvigil.detectors.fr_analysis`.
 """
 
 from __future__ import annotations
 
-import argparse
 import json
 import re
 from collections import Counter
@@ -29,7 +30,6 @@ from typing import Any
 
 from gpuvigil.collectors.safe_pickle import looks_like_pickle, safe_load
 from gpuvigil.errors import UserError
-from gpuvigil.model import Finding, FindingKind, Severity
 
 MAX_DUMP_BYTES = 256 * 1024 * 1024
 # Work bounds on one dump, before it is parsed: torch keeps at most TORCH_NCCL_TRACE_BUFFER_SIZE
@@ -355,7 +355,46 @@ def _call(kind: str, op: str, value: Any) -> str:
     return _describe(kind, value) if kind == "op" else f"{op} with {_describe(kind, value)}"
 
 
-def _analyze_group(pg_name: str, pg_desc: str, dumps: Sequence[FRDump], job: str | None, stuck_after_seconds: float) -> Finding | None:
+@dataclass(frozen=True)
+class GroupAnalysis:
+    """What the cross-rank analysis found in one process group: the first collective some members
+    never joined or disagreed on, or one every member joined and none completed. `kind` names it
+    as the `fr_analysis` stream does (`collective_hang`, `collective_mismatch`); the culprits are
+    the ranks the dumps show holding the others up. Whether it pages is for the detector that
+    reads it (`gpuvigil.detectors.fr_analysis`)."""
+
+    kind: str
+    ts: float
+    ranks: list[int]
+    culprit_ranks: list[int]
+    node: str | None
+    evidence: dict[str, Any]
+    summary: str
+    source: str
+
+
+@dataclass
+class _Group:
+    """One process group as the dumps show it: its members' collectives, by rank and sequence id."""
+
+    name: str
+    label: str
+    by_rank: dict[int, FRDump]
+    per_rank: dict[int, dict[int, FREntry]]
+    expected: list[int]
+    oldest: dict[int, int | None]
+    enqueued: dict[int, int | None]
+    newest: dict[int, int]
+    common: dict[str, Any]
+
+    def evicted(self, r: int, seq: int) -> bool:
+        """A rank's buffer is a ring shared by all its groups: sequence ids below its oldest kept
+        entry, or up to the last one its pg_status says it enqueued, were evicted, not missed."""
+        oldest, enqueued = self.oldest[r], self.enqueued[r]
+        return (oldest is not None and seq < oldest) or (enqueued is not None and seq <= enqueued)
+
+
+def _group_view(pg_name: str, pg_desc: str, dumps: Sequence[FRDump]) -> _Group | None:
     by_rank = {d.rank: d for d in dumps if d.rank is not None}
     per_rank = {r: d.collectives(pg_name) for r, d in by_rank.items()}
     members = _members(pg_name, pg_desc, dumps)
@@ -364,141 +403,150 @@ def _analyze_group(pg_name: str, pg_desc: str, dumps: Sequence[FRDump], job: str
     expected = [r for r in expected if r in per_rank]
     if not expected:
         return None
-    # A rank's buffer is a ring shared by all its groups: sequence ids below its oldest kept entry,
-    # or up to the last one its pg_status says it enqueued, were evicted, not missed.
-    oldest = {r: min(per_rank[r], default=None) for r in expected}
     enqueued = {r: by_rank[r].pg_status[pg_name].last_enqueued if pg_name in by_rank[r].pg_status else None for r in expected}
-    newest = {r: max(max(per_rank[r], default=0), enqueued[r] or 0) for r in expected}
+    return _Group(
+        name=pg_name,
+        label=pg_name if not pg_desc else f"{pg_name} ({pg_desc})",
+        by_rank=by_rank,
+        per_rank=per_rank,
+        expected=expected,
+        oldest={r: min(per_rank[r], default=None) for r in expected},
+        enqueued=enqueued,
+        newest={r: max(max(per_rank[r], default=0), enqueued[r] or 0) for r in expected},
+        common={"pg": pg_name, "pg_desc": pg_desc, "pg_size": len(members) if members else len(expected), "ranks_without_dump": without_dump},
+    )
 
-    def evicted(r: int, seq: int) -> bool:
-        return (oldest[r] is not None and seq < oldest[r]) or (enqueued[r] is not None and seq <= enqueued[r])
 
-    pg_label = pg_name if not pg_desc else f"{pg_name} ({pg_desc})"
-    common = {
-        "pg": pg_name,
-        "pg_desc": pg_desc,
-        "pg_size": len(members) if members else len(expected),
-        "ranks_without_dump": without_dump,
-    }
-    for seq in sorted({s for r in expected for s in per_rank[r]}):
-        present = {r: per_rank[r][seq] for r in expected if seq in per_rank[r]}
-        absent = [r for r in expected if seq not in per_rank[r] and not evicted(r, seq)]
-        source = by_rank[min(present)].source
-        if absent:
-            op = _majority({r: e.op for r, e in present.items()})
-            node, hosts = _node_of(absent, by_rank)
-            return Finding(
-                kind=FindingKind.COLLECTIVE_HANG,
-                severity=Severity.PAGE,
-                ts=_ts(present.values()),
-                job=job,
-                ranks=expected,
-                culprit_ranks=absent,
-                node=node,
-                evidence={
-                    **common,
-                    "collective_seq_id": seq,
-                    "op": op,
-                    "joined_ranks": len(present),
-                    "missing_ranks": len(absent),
-                    "culprit_last_seq": [newest[r] for r in absent],
-                    "culprit_nodes": hosts,
-                },
-                summary=(
-                    f"collective #{seq} {op} on process group {pg_label}: rank(s) {_ranks_str(absent)} never joined "
-                    f"({len(present)} of {len(expected)} did; the culprits' last collective is "
-                    f"#{min(newest[r] for r in absent)}); the others wait on them"
-                ),
-                source=source,
-            )
-        mismatch = _signature_mismatch(present) if len(present) > 1 else None
-        if mismatch:
-            mtype, values = mismatch
-            expected_value = _majority(values)
-            culprits = sorted(r for r, v in values.items() if v != expected_value)
-            odd = sorted({_describe(mtype, values[r]) for r in culprits})
-            agreeing = min(r for r in present if r not in culprits)
-            node, hosts = _node_of(culprits, by_rank)
-            return Finding(
-                kind=FindingKind.COLLECTIVE_MISMATCH,
-                severity=Severity.PAGE,
-                ts=_ts(present.values()),
-                job=job,
-                ranks=expected,
-                culprit_ranks=culprits,
-                node=node,
-                evidence={
-                    **common,
-                    "collective_seq_id": seq,
-                    "mismatch_type": mtype,
-                    "op": present[agreeing].op,
-                    "expected": _describe(mtype, expected_value),
-                    "found": odd,
-                    "culprit_ops": [present[r].op for r in culprits],
-                    "culprit_nodes": hosts,
-                },
-                summary=(
-                    f"collective #{seq} on process group {pg_label}: rank(s) {_ranks_str(culprits)} called "
-                    f"{'; '.join(sorted({_call(mtype, present[r].op, values[r]) for r in culprits}))} where the other "
-                    f"{len(present) - len(culprits)} rank(s) called {_call(mtype, present[agreeing].op, expected_value)} ({mtype} mismatch)"
-                ),
-                source=by_rank[culprits[0]].source,
-            )
-    # Everyone joined everything: is the newest collective stuck on every rank (e.g. a GPU
-    # kernel that never finishes)? Trust an entry's state, and pg_status where it tracks it.
-    last = max(newest.values())
-    if last <= 0 or any(last not in per_rank[r] for r in expected):
+def _never_joined(g: _Group, seq: int, present: dict[int, FREntry], absent: list[int]) -> GroupAnalysis:
+    op = _majority({r: e.op for r, e in present.items()})
+    node, hosts = _node_of(absent, g.by_rank)
+    return GroupAnalysis(
+        kind="collective_hang",
+        ts=_ts(present.values()),
+        ranks=g.expected,
+        culprit_ranks=absent,
+        node=node,
+        evidence={
+            **g.common,
+            "collective_seq_id": seq,
+            "op": op,
+            "joined_ranks": len(present),
+            "missing_ranks": len(absent),
+            "culprit_last_seq": [g.newest[r] for r in absent],
+            "culprit_nodes": hosts,
+        },
+        summary=(
+            f"collective #{seq} {op} on process group {g.label}: rank(s) {_ranks_str(absent)} never joined "
+            f"({len(present)} of {len(g.expected)} did; the culprits' last collective is "
+            f"#{min(g.newest[r] for r in absent)}); the others wait on them"
+        ),
+        source=g.by_rank[min(present)].source,
+    )
+
+
+def _mismatched(g: _Group, seq: int, present: dict[int, FREntry]) -> GroupAnalysis | None:
+    mismatch = _signature_mismatch(present) if len(present) > 1 else None
+    if not mismatch:
+        return None
+    mtype, values = mismatch
+    expected_value = _majority(values)
+    culprits = sorted(r for r, v in values.items() if v != expected_value)
+    odd = sorted({_describe(mtype, values[r]) for r in culprits})
+    agreeing = min(r for r in present if r not in culprits)
+    node, hosts = _node_of(culprits, g.by_rank)
+    return GroupAnalysis(
+        kind="collective_mismatch",
+        ts=_ts(present.values()),
+        ranks=g.expected,
+        culprit_ranks=culprits,
+        node=node,
+        evidence={
+            **g.common,
+            "collective_seq_id": seq,
+            "mismatch_type": mtype,
+            "op": present[agreeing].op,
+            "expected": _describe(mtype, expected_value),
+            "found": odd,
+            "culprit_ops": [present[r].op for r in culprits],
+            "culprit_nodes": hosts,
+        },
+        summary=(
+            f"collective #{seq} on process group {g.label}: rank(s) {_ranks_str(culprits)} called "
+            f"{'; '.join(sorted({_call(mtype, present[r].op, values[r]) for r in culprits}))} where the other "
+            f"{len(present) - len(culprits)} rank(s) called {_call(mtype, present[agreeing].op, expected_value)} ({mtype} mismatch)"
+        ),
+        source=g.by_rank[culprits[0]].source,
+    )
+
+
+def _stuck_everywhere(g: _Group, stuck_after_seconds: float) -> GroupAnalysis | None:
+    """Everyone joined everything: is the newest collective stuck on every rank (e.g. a GPU
+    kernel that never finishes)? Trust an entry's state, and pg_status where it tracks it."""
+    last = max(g.newest.values())
+    if last <= 0 or any(last not in g.per_rank[r] for r in g.expected):
         return None
     not_done = []
     last_completed: list[int | None] = []
-    for r in expected:
-        status = by_rank[r].pg_status.get(pg_name)
+    for r in g.expected:
+        status = g.by_rank[r].pg_status.get(g.name)
         done = status.last_completed if status else None
         last_completed.append(done)
-        if per_rank[r][last].state != "completed" and done is not None and done < last:
+        if g.per_rank[r][last].state != "completed" and done is not None and done < last:
             not_done.append(r)
     if not not_done:
         return None
     # A dump taken while the job runs (on demand, or racing the completion of the last collective,
     # as gloo's real dumps do) shows its newest collective in flight. Only one that was pending
     # for a while before the dump was written is stuck; with no write time, trust the states.
-    created = max((per_rank[r][last].time_created_ns or 0) for r in expected)
-    written = max((by_rank[r].written_ns or 0) for r in expected)
+    created = max((g.per_rank[r][last].time_created_ns or 0) for r in g.expected)
+    written = max((g.by_rank[r].written_ns or 0) for r in g.expected)
     if created and written and 0 <= written - created < stuck_after_seconds * 1e9:
         return None
     # When every rank is stuck the dump cannot say whose fault it is, unless there is only one.
-    culprits = not_done if len(not_done) < len(expected) or len(expected) == 1 else []
-    entry = per_rank[not_done[0]][last]
-    return Finding(
-        kind=FindingKind.COLLECTIVE_HANG,
-        severity=Severity.PAGE,
-        ts=_ts(per_rank[r][last] for r in expected),
-        job=job,
-        ranks=expected,
+    culprits = not_done if len(not_done) < len(g.expected) or len(g.expected) == 1 else []
+    entry = g.per_rank[not_done[0]][last]
+    return GroupAnalysis(
+        kind="collective_hang",
+        ts=_ts(g.per_rank[r][last] for r in g.expected),
+        ranks=g.expected,
         culprit_ranks=culprits,
-        node=_node_of(culprits or expected, by_rank)[0],
+        node=_node_of(culprits or g.expected, g.by_rank)[0],
         evidence={
-            **common,
+            **g.common,
             "collective_seq_id": last,
             "op": entry.op,
-            "joined_ranks": len(expected),
+            "joined_ranks": len(g.expected),
             "missing_ranks": 0,
             "not_completed_ranks": not_done,
-            "last_enqueued": [by_rank[r].pg_status[pg_name].last_enqueued if pg_name in by_rank[r].pg_status else None for r in expected],
+            "last_enqueued": [g.by_rank[r].pg_status[g.name].last_enqueued if g.name in g.by_rank[r].pg_status else None for r in g.expected],
             "last_completed": last_completed,
             "timeout_ms": entry.timeout_ms,
         },
         summary=(
-            f"collective #{last} {entry.op} on process group {pg_label}: joined by all {len(expected)} rank(s) "
+            f"collective #{last} {entry.op} on process group {g.label}: joined by all {len(g.expected)} rank(s) "
             f"but not completed on rank(s) {_ranks_str(not_done)} (last completed #{min(c for c in last_completed if c is not None)}); "
             "stuck in the device or the network, not waiting for a missing rank"
         ),
-        source=by_rank[not_done[0]].source,
+        source=g.by_rank[not_done[0]].source,
     )
 
 
-def analyze_dumps(dumps: Sequence[FRDump], *, job: str | None = None, stuck_after_seconds: float = STUCK_AFTER_SECONDS) -> list[Finding]:
-    """Cross-rank analysis of one job's dumps (one per rank): at most one finding per group.
+def _analyze_group(pg_name: str, pg_desc: str, dumps: Sequence[FRDump], stuck_after_seconds: float) -> GroupAnalysis | None:
+    g = _group_view(pg_name, pg_desc, dumps)
+    if g is None:
+        return None
+    for seq in sorted({s for r in g.expected for s in g.per_rank[r]}):
+        present = {r: g.per_rank[r][seq] for r in g.expected if seq in g.per_rank[r]}
+        absent = [r for r in g.expected if seq not in g.per_rank[r] and not g.evicted(r, seq)]
+        if absent:
+            return _never_joined(g, seq, present, absent)
+        if (found := _mismatched(g, seq, present)) is not None:
+            return found
+    return _stuck_everywhere(g, stuck_after_seconds)
+
+
+def analyze_dumps(dumps: Sequence[FRDump], *, stuck_after_seconds: float = STUCK_AFTER_SECONDS) -> list[GroupAnalysis]:
+    """Cross-rank analysis of one job's dumps (one per rank): at most one analysis per group.
 
     A collective every rank joined counts as stuck only when it had been pending for
     `stuck_after_seconds` when the dumps were written (see `FRDump.written_ns`)."""
@@ -517,12 +565,12 @@ def analyze_dumps(dumps: Sequence[FRDump], *, job: str | None = None, stuck_afte
     for d in dumps:
         for e in d.entries:
             groups.setdefault(e.pg_name, e.pg_desc)
-    findings = []
+    found = []
     for pg_name, pg_desc in sorted(groups.items()):
-        finding = _analyze_group(pg_name, pg_desc, dumps, job, stuck_after_seconds)
-        if finding is not None:
-            findings.append(finding)
-    return findings
+        analysis = _analyze_group(pg_name, pg_desc, dumps, stuck_after_seconds)
+        if analysis is not None:
+            found.append(analysis)
+    return found
 
 
 def _expand(paths: Iterable[Path]) -> list[Path]:
@@ -599,45 +647,3 @@ def load_paths(paths: Sequence[str | Path]) -> list[FRDump]:
             seen.setdefault(dump.rank, dump)
         return list(seen.values())
     return groups[0] if groups else []
-
-
-def analyze_paths(paths: Sequence[str | Path], *, job: str | None = None, errors: list[str] | None = None) -> list[Finding]:
-    """Load the dumps in files and folders and analyse each job (folder + file-name prefix) apart
-    (`errors`: see `load_groups`)."""
-    return [f for group in load_groups(paths, errors) for f in analyze_dumps(group, job=job)]
-
-
-# ---------------------------------------------------------------- CLI
-
-
-def _print_text(dumps: list[FRDump], findings: list[Finding]) -> None:
-    print(f"{len(dumps)} Flight Recorder dump(s)")
-    for d in dumps:
-        status = ", ".join(
-            f"pg {name}: enqueued {s.last_enqueued} started {s.last_started} completed {s.last_completed}" for name, s in sorted(d.pg_status.items())
-        )
-        print(f"  rank {d.rank}: {len(d.entries)} entries ({d.completed_count()} completed); {status}  [{d.source}]")
-    if not findings:
-        print("no cross-rank problem: every rank joined every recorded collective with matching op, sizes and dtypes")
-    for f in findings:
-        culprits = f" culprits={_ranks_str(f.culprit_ranks)}" if f.culprit_ranks else ""
-        print(f"{f.severity.value.upper()} {f.kind.value}{culprits}: {f.summary}")
-
-
-def _command(args: argparse.Namespace) -> int:
-    for dumps in load_groups(args.paths):
-        findings = analyze_dumps(dumps, job=args.job)
-        if args.format == "json":
-            for f in findings:
-                print(json.dumps(f.to_json_dict(), sort_keys=True))
-        else:
-            _print_text(dumps, findings)
-    return 0
-
-
-def add_parser(sub) -> None:
-    p = sub.add_parser("fr", help="analyse PyTorch Flight Recorder dumps across ranks (hangs, mismatched collectives)")
-    p.add_argument("paths", nargs="+", metavar="DIR_OR_FILE", help="dump files (one per rank, pickle or JSON) or folders holding them")
-    p.add_argument("--format", choices=["text", "json"], default="text", help="text summary, or one JSON finding per line")
-    p.add_argument("--job", default=None, help="job id to put on the findings")
-    p.set_defaults(func=_command)

@@ -57,19 +57,19 @@ def _pipe_rank(name: str) -> int | None:
     return int(m.group(1)) if m else None
 
 
-def refine_culprits(finding, dumps: list[fr.FRDump]) -> list[int]:
+def refine_culprits(analysis: fr.GroupAnalysis, dumps: list[fr.FRDump]) -> list[int]:
     """Culprits the generic analysis leaves open: ranks that wrote no dump (a dead process), or,
     when every rank holds the pending collective, those whose kernel never started (stuck in a
     compute kernel before it) while the others' did."""
-    culprits = list(finding.culprit_ranks)
-    ranks = list(finding.ranks)
+    culprits = list(analysis.culprit_ranks)
+    ranks = list(analysis.ranks)
     if culprits and len(culprits) < max(len(ranks), 1):
         return culprits
-    missing = list(finding.evidence.get("ranks_without_dump") or [])
+    missing = list(analysis.evidence.get("ranks_without_dump") or [])
     if missing:
         return sorted(missing)
-    seq = finding.evidence.get("collective_seq_id")
-    pg = finding.evidence.get("pg")
+    seq = analysis.evidence.get("collective_seq_id")
+    pg = analysis.evidence.get("pg")
     states = {}
     for d in dumps:
         e = d.collectives(str(pg)).get(seq) if pg is not None and seq is not None else None
@@ -166,7 +166,7 @@ class FrDumpWatcher:
 
     def _analyse(self, job: str, dumps: list[fr.FRDump], now: float, dump_mtime: float) -> list[dict]:
         try:
-            findings = fr.analyze_dumps(dumps, job=job)
+            analyses = fr.analyze_dumps(dumps)
         except UserError as exc:
             self.errors += 1
             self.last_error = str(exc)
@@ -174,21 +174,21 @@ class FrDumpWatcher:
         trigger = self.requests.how.get(job, "on_demand") if job in self.requests.asked else "timeout"
         self.requests.asked.pop(job, None)
         base = {"ts": now, "job": job, "trigger": trigger, "dump_ts": dump_mtime, "n_dumps": len(dumps)}
-        if not findings:
+        if not analyses:
             return [{**base, "kind": "none", "culprit_ranks": [], "ranks": sorted(d.rank for d in dumps if d.rank is not None)}]
         rows = []
-        for f in findings:
+        for a in analyses:
             rows.append(
                 {
                     **base,
-                    "kind": f.kind.value,
-                    "culprit_ranks": refine_culprits(f, dumps),
-                    "ranks": list(f.ranks),
-                    "pg": f.evidence.get("pg"),
-                    "seq": f.evidence.get("collective_seq_id"),
-                    "op": f.evidence.get("op"),
-                    "node": f.node,
-                    "summary": f.summary,
+                    "kind": a.kind,
+                    "culprit_ranks": refine_culprits(a, dumps),
+                    "ranks": list(a.ranks),
+                    "pg": a.evidence.get("pg"),
+                    "seq": a.evidence.get("collective_seq_id"),
+                    "op": a.evidence.get("op"),
+                    "node": a.node,
+                    "summary": a.summary,
                 }
             )
         return rows

@@ -12,8 +12,9 @@ burst; a burst is one incident until `burst_gap_seconds` of silence (3 minutes b
 
 One line's XID is parsed by `gpuvigil.parsers.xid_line` (pure, shared with `analyze`);
 `parse_lines` turns text into an `events` frame (plus the PCI bus id and line numbers for
-reports), `incidents` groups bursts with polars, and `findings` turns incidents into `xid`
-findings using the XID table (`gpuvigil/data/xid.yaml`). `KernelLogCollector` reads the live kernel
+reports) and `incidents` groups bursts with polars; what an incident means (an `xid` finding,
+by the XID table `gpuvigil/data/xid.yaml` and the shared XID policy) is decided by
+`gpuvigil.detectors.xid_incidents`. `KernelLogCollector` reads the live kernel
 log from `/dev/kmsg`, journald or a file, resuming where it stopped (see below and docs/sources.md).
 """
 
@@ -34,13 +35,11 @@ from typing import Any
 import polars as pl
 from pydantic import BaseModel, Field
 
-from gpuvigil import config, policies, schemas
-from gpuvigil.gpu import xid
+from gpuvigil import config, schemas
 from gpuvigil.parsers.logtime import line_time, syslog_host
 from gpuvigil.parsers.xid_line import XID_LINE, iter_xid_records, looks_like_kernel_log, normalise_pci, parse_xid_line  # noqa: F401
 from gpuvigil.collectors.tail import FileTail, TailingLogCollector, TailPosition  # noqa: F401 (re-exported)
 from gpuvigil.errors import UserError
-from gpuvigil.model import Finding, FindingKind, Severity
 
 
 # The richer per-line frame: EVENTS plus what offline reports need.
@@ -173,171 +172,6 @@ def incidents(xid_lines: pl.DataFrame, burst_gap_seconds: float = 180.0) -> pl.D
         .sort(["first_ts", "first_line"])
     )
     return out.select([pl.col(c).cast(t) for c, t in INCIDENTS.items()])
-
-
-def _severity(code: int, message: str) -> Severity:
-    return policies.xid_severity(code, message)
-
-
-def findings(
-    incident_frame: pl.DataFrame,
-    *,
-    source_file: str | None = None,
-    job: str | None = None,
-    companion_window_seconds: float = 180.0,
-) -> list[Finding]:
-    """`xid` findings, one per incident: page for fatal XIDs, ticket for the application's own."""
-    out: list[Finding] = []
-    rows = incident_frame.to_dicts()
-    for row in rows:
-        code = int(row["xid"])
-        info = xid.xid_info(code)
-        fatal = xid.is_fatal(code, row["message"] or "")
-        # Other XIDs on the same GPU while this one was bursting: e.g. 48 with 63/64 changes
-        # NVIDIA's workflow (drain and reset), 45/43 are usually its consequences.
-        companions = sorted(
-            {
-                int(o["xid"])
-                for o in rows
-                if o is not row
-                and o["node"] == row["node"]
-                and o["pci_bus_id"] == row["pci_bus_id"]
-                and int(o["xid"]) != code
-                and o["first_ts"] <= row["last_ts"] + companion_window_seconds
-                and o["last_ts"] >= row["first_ts"] - companion_window_seconds
-            }
-        )
-        name = info.name if info else "unknown XID (not in gpuvigil's table; see NVIDIA's XID catalog)"
-        action = info.action if info else None
-        where = row["node"] or "this node"
-        gpu_txt = f"GPU {row['gpu']}" if row["gpu"] is not None else f"GPU at PCI {row['pci_bus_id']}"
-        evidence: dict[str, Any] = {
-            "fatal": fatal,
-            "app_level": info.app_level if info else False,
-            "action": action,
-            "category": info.category if info else None,
-            "name": name,
-            "count": int(row["count"]),
-            "first_ts": row["first_ts"],
-            "last_ts": row["last_ts"],
-            "pci_bus_id": row["pci_bus_id"],
-            "message": row["message"],
-            "pids": list(row["pids"]),
-            "processes": list(row["processes"]),
-            "with_xids": companions,
-            "ts_kind": row["ts_kind"],
-        }
-        reported = [int(r) for r in (row.get("reported_xids") or []) if r is not None and int(r) != code]
-        if reported:
-            # lines like "Xid 45 ... caused by previous Xid <code>": attributed to <code>
-            evidence["caused_xids"] = reported
-        if info is not None and not info.verified:
-            evidence["table_row_verified"] = False
-        times = f"{row['count']}×" if row["count"] > 1 else "once"
-        summary = f"XID {code} ({name}) on {gpu_txt} of {where}, {times}"
-        if reported:
-            summary += f" (reported as Xid {', '.join(map(str, reported))} caused by previous Xid {code})"
-        summary += f"; NVIDIA's immediate action: {action}" if action else ""
-        out.append(
-            Finding(
-                kind=FindingKind.XID,
-                severity=_severity(code, row["message"] or ""),
-                ts=row["first_ts"],
-                job=job,
-                node=row["node"],
-                gpu=row["gpu"],
-                xid=code,
-                evidence=evidence,
-                summary=summary,
-                source=f"{source_file}:{row['first_line']}" if source_file else "kernel_log",
-                cause=policies.xid_cause(code, row["message"] or ""),
-            )
-        )
-    return _group_cascades(out)
-
-
-_SEVERITY_RANK = {Severity.PAGE: 0, Severity.TICKET: 1, Severity.INFO: 2}
-
-
-def _group_cascades(found: list[Finding]) -> list[Finding]:
-    """One node-level finding per cascade: the GPUs of a node hit by the same root XID (at least
-    one of them only through "caused by previous Xid N" lines) page once, not once per GPU."""
-    groups: dict[tuple[str | None, int], list[Finding]] = {}
-    for f in found:
-        groups.setdefault((f.node, int(f.xid)), []).append(f)  # type: ignore[arg-type]
-    out: list[Finding] = []
-    grouped: set[int] = set()
-    for (node, code), members in groups.items():
-        gpus = {m.evidence["pci_bus_id"] for m in members}
-        if len(gpus) < 2 or not any(m.evidence.get("caused_xids") for m in members):
-            continue
-        first = min(members, key=lambda m: (m.ts, m.source or ""))
-        worst = min(members, key=lambda m: _SEVERITY_RANK[m.severity])
-        info = xid.xid_info(code)
-        name = first.evidence["name"]
-        per_gpu = [
-            {
-                "pci_bus_id": m.evidence["pci_bus_id"],
-                "gpu": m.gpu,
-                "count": m.evidence["count"],
-                "first_ts": m.evidence["first_ts"],
-                "caused_xids": m.evidence.get("caused_xids", []),
-                "direct": not m.evidence.get("caused_xids"),
-            }
-            for m in sorted(members, key=lambda m: (m.ts, m.evidence["pci_bus_id"]))
-        ]
-        evidence = {k: worst.evidence.get(k) for k in ("fatal", "app_level", "action", "category", "name")}
-        evidence.update(
-            {
-                "cascade": True,
-                "gpus": per_gpu,
-                "gpu_count": len(per_gpu),
-                "count": sum(g["count"] for g in per_gpu),
-                "first_ts": min(g["first_ts"] for g in per_gpu),
-                "last_ts": max(m.evidence["last_ts"] for m in members),
-                "message": worst.evidence.get("message"),
-                "ts_kind": first.evidence.get("ts_kind"),
-                "pci_bus_id": None,
-                "with_xids": sorted({x for m in members for x in m.evidence.get("with_xids", [])}),
-            }
-        )
-        where = node or "this node"
-        summary = f"XID {code} ({name}) cascade on {where}: {len(per_gpu)} GPUs hit"
-        summary += f" ({', '.join(str(g['gpu']) if g['gpu'] is not None else g['pci_bus_id'] for g in per_gpu)})"
-        summary += f"; NVIDIA's immediate action: {evidence['action']}" if evidence.get("action") else ""
-        out.append(
-            Finding(
-                kind=FindingKind.XID,
-                severity=worst.severity,
-                ts=first.ts,
-                job=first.job,
-                node=node,
-                gpu=None,
-                xid=code,
-                evidence=evidence,
-                summary=summary,
-                source=first.source,
-                cause=worst.cause if info is not None else None,
-            )
-        )
-        grouped.update(id(m) for m in members)
-    out.extend(f for f in found if id(f) not in grouped)
-    out.sort(key=lambda f: (f.ts, f.source or ""))
-    return out
-
-
-def analyze_text(
-    text: str,
-    *,
-    source_file: str | None = None,
-    node: str | None = None,
-    pci_to_gpu: Mapping[str, int] | None = None,
-    reference_ts: float | None = None,
-    cfg: dict[str, Any] | None = None,
-) -> list[Finding]:
-    gap = load_config(cfg).burst_gap_seconds
-    lines = parse_lines(text.splitlines(), node=node, pci_to_gpu=pci_to_gpu, reference_ts=reference_ts)
-    return findings(incidents(lines, gap), source_file=source_file, companion_window_seconds=gap)
 
 
 def boot_time() -> float | None:
@@ -812,6 +646,6 @@ class KernelLogCollector:
 
 __all__ = [
     "FileSource", "FileTail", "JournaldSource", "KernelLogCollector", "KernelLogUnavailable", "KmsgRecord", "KmsgSource", "StateFile",
-    "TailingLogCollector", "analyze_text", "events", "findings", "incidents", "kmsg_line", "journal_line", "open_source", "parse_kmsg_record",
+    "TailingLogCollector", "events", "incidents", "kmsg_line", "journal_line", "open_source", "parse_kmsg_record",
     "parse_lines",
 ]

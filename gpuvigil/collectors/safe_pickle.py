@@ -179,62 +179,40 @@ def scan(data: bytes | memoryview, max_ops: int, label: str = "<pickle>") -> int
     hashed (tuples and frozensets made dict keys or set members, shared parts counted each time).
     The stack holds sizes: an int for an immutable value (exact: a tuple cannot change), a
     one-element list for a list/dict/set, shared through the memo as the object would be."""
-    buf = memoryview(data)
-    end = len(buf)
-    stack: list[Any] = []
-    memo: dict[Any, Any] = {}
-    work = 0
-    pos = 0
-
-    def bad(why: str) -> PickleReadError:
-        return PickleReadError(f"{label}: not a valid pickle ({why})")
-
-    def to_mark() -> list[Any]:
-        for i in range(len(stack) - 1, -1, -1):
-            if stack[i] is _MARK:
-                items = stack[i + 1 :]
-                del stack[i:]
-                return items
-        raise bad("no MARK on the stack")
-
-    def skip(arg: Any, at: int) -> tuple[int, bytes]:
-        if type(arg) is int:
-            return at + arg, bytes(buf[at : at + arg])
-        if arg == "nl" or arg == "nl2":
-            nxt = bytes(buf[at : at + 256 * 1024]).find(b"\n")
-            if nxt < 0:
-                raise bad("unterminated line argument")
-            line = bytes(buf[at : at + nxt])
-            at += nxt + 1
-            if arg == "nl2":
-                at, _ = skip("nl", at)
-            return at, line
-        n = {"L1": 1, "L4": 4, "L8": 8}[arg]
-        length = int.from_bytes(buf[at : at + n], "little", signed=(arg == "L4"))
-        if length < 0 or at + n + length > end:
-            raise bad("length past the end of the data")
-        return at + n + length, b""
-
-    push = stack.append
+    scanner = _Scanner(data, label)
     try:
+        return scanner.run(max_ops)
+    except PickleReadError:
+        raise
+    except (IndexError, KeyError, TypeError, ValueError, AttributeError) as exc:
+        raise scanner.bad(f"{type(exc).__name__} while scanning") from None
+
+
+class _Scanner:
+    """The state of one `scan`: the data, the stack of sizes and the memo."""
+
+    def __init__(self, data: bytes | memoryview, label: str):
+        self.buf = memoryview(data)
+        self.end = len(self.buf)
+        self.stack: list[Any] = []
+        self.memo: dict[Any, Any] = {}
+        self.label = label
+
+    def bad(self, why: str) -> PickleReadError:
+        return PickleReadError(f"{self.label}: not a valid pickle ({why})")
+
+    def run(self, max_ops: int) -> int:
+        buf, end, stack = self.buf, self.end, self.stack
+        push, build, memo_op, other, skip = stack.append, self.build, self.memo_op, self.other, self.skip
+        work = 0
+        pos = 0
         while pos < end:
             code = buf[pos]
             pos += 1
             work += 1
             entry = _OPS.get(code)
             if entry is None:
-                other = _OTHER.get(code)
-                if other is None:
-                    raise bad(f"unknown opcode 0x{code:02x}")
-                arg, pops, pushes = other
-                pos, _ = skip(arg, pos)
-                if pops < 0:
-                    to_mark()
-                elif pops:
-                    if len(stack) < pops:
-                        raise bad("stack underflow")
-                    del stack[-pops:]
-                stack.extend([1] * pushes)
+                pos = other(code, pos)
                 continue
             kind, arg = entry
             # The common opcodes first, with fixed-size arguments read in place.
@@ -245,78 +223,134 @@ def scan(data: bytes | memoryview, max_ops: int, label: str = "<pickle>") -> int
                     else:
                         pos, _ = skip(arg, pos)
                 push(1)
-            elif kind == "put":
-                if arg == 0:
-                    memo[len(memo)] = stack[-1]
-                elif arg == "nl":
-                    pos, line = skip(arg, pos)
-                    memo[line.strip()] = stack[-1]
-                else:
-                    memo[int.from_bytes(buf[pos : pos + arg], "little")] = stack[-1]
-                    pos += arg
-            elif kind == "get":
-                if arg == "nl":
-                    pos, line = skip(arg, pos)
-                    push(memo[line.strip()])
-                else:
-                    push(memo[int.from_bytes(buf[pos : pos + arg], "little")])
-                    pos += arg
-            elif kind == "mark":
-                push(_MARK)
-            elif kind == "setitems" or kind == "appends" or kind == "additems":
-                items = to_mark()
-                total = 0
-                for v in items:
-                    total += v if type(v) is int else v[0]
-                if kind != "appends":
-                    work += total if kind == "additems" else sum(_size(k) for k in items[0::2])
-                stack[-1][0] += total
-            elif kind == "mutable":
-                push([1])
-            elif kind == "append":
-                v = stack.pop()
-                stack[-1][0] += _size(v)
-            elif kind == "setitem":
-                v, k = stack.pop(), stack.pop()
-                work += _size(k)
-                stack[-1][0] += _size(k) + _size(v)
-            elif kind == "tuple1" or kind == "tuple2" or kind == "tuple3":
-                k = int(kind[-1])
-                if len(stack) < k:
-                    raise bad("stack underflow")
-                n = 1 + sum(_size(v) for v in stack[-k:])
-                del stack[-k:]
-                push(n)
-            elif kind in ("tuple", "frozenset", "list", "dict"):
-                items = to_mark()
-                n = 1 + sum(_size(v) for v in items)
-                if kind in ("frozenset", "dict"):
-                    work += n
-                push(n if kind in ("tuple", "frozenset") else [n])
-            elif kind == "reduce":
-                args = stack.pop()
-                stack.pop()
-                work += _size(args)  # the admitted callables (set, frozenset) hash their argument
-                push([_size(args)])
-            elif kind == "pop":
-                stack.pop()
-            elif kind == "pop_mark":
-                to_mark()
-            elif kind == "dup":
-                push(stack[-1])
+            elif kind == "put" or kind == "get":
+                pos = memo_op(kind, arg, pos)
             elif kind == "nop":
                 if code == 0x2E:  # STOP
                     break
                 pos += arg
+            else:
+                work += build(kind)
             if pos > end:
-                raise bad("argument past the end of the data")
+                raise self.bad("argument past the end of the data")
             if work > max_ops:
-                raise PickleReadError(f"{label}: more than {max_ops} units of work to unpickle; refused (not a dump torch writes)")
-    except PickleReadError:
-        raise
-    except (IndexError, KeyError, TypeError, ValueError, AttributeError) as exc:
-        raise bad(f"{type(exc).__name__} while scanning") from None
-    return work
+                raise PickleReadError(f"{self.label}: more than {max_ops} units of work to unpickle; refused (not a dump torch writes)")
+        return work
+
+    def to_mark(self) -> list[Any]:
+        stack = self.stack
+        for i in range(len(stack) - 1, -1, -1):
+            if stack[i] is _MARK:
+                items = stack[i + 1 :]
+                del stack[i:]
+                return items
+        raise self.bad("no MARK on the stack")
+
+    def skip(self, arg: Any, at: int) -> tuple[int, bytes]:
+        buf = self.buf
+        if type(arg) is int:
+            return at + arg, bytes(buf[at : at + arg])
+        if arg == "nl" or arg == "nl2":
+            nxt = bytes(buf[at : at + 256 * 1024]).find(b"\n")
+            if nxt < 0:
+                raise self.bad("unterminated line argument")
+            line = bytes(buf[at : at + nxt])
+            at += nxt + 1
+            if arg == "nl2":
+                at, _ = self.skip("nl", at)
+            return at, line
+        n = {"L1": 1, "L4": 4, "L8": 8}[arg]
+        length = int.from_bytes(buf[at : at + n], "little", signed=(arg == "L4"))
+        if length < 0 or at + n + length > self.end:
+            raise self.bad("length past the end of the data")
+        return at + n + length, b""
+
+    def other(self, code: int, pos: int) -> int:
+        """An opcode the scan only steps over: its argument skipped, its stack effect applied."""
+        other = _OTHER.get(code)
+        if other is None:
+            raise self.bad(f"unknown opcode 0x{code:02x}")
+        arg, pops, pushes = other
+        pos, _ = self.skip(arg, pos)
+        if pops < 0:
+            self.to_mark()
+        elif pops:
+            if len(self.stack) < pops:
+                raise self.bad("stack underflow")
+            del self.stack[-pops:]
+        self.stack.extend([1] * pushes)
+        return pos
+
+    def memo_op(self, kind: str, arg: Any, pos: int) -> int:
+        """PUT (store the top of the stack) or GET (push what was stored), keyed as the opcode says."""
+        buf, stack, memo = self.buf, self.stack, self.memo
+        if kind == "put":
+            if arg == 0:
+                memo[len(memo)] = stack[-1]
+            elif arg == "nl":
+                pos, line = self.skip(arg, pos)
+                memo[line.strip()] = stack[-1]
+            else:
+                memo[int.from_bytes(buf[pos : pos + arg], "little")] = stack[-1]
+                pos += arg
+        elif arg == "nl":
+            pos, line = self.skip(arg, pos)
+            stack.append(memo[line.strip()])
+        else:
+            stack.append(memo[int.from_bytes(buf[pos : pos + arg], "little")])
+            pos += arg
+        return pos
+
+    def build(self, kind: str) -> int:
+        """An opcode that builds or fills a container, or moves the stack; returns the work of
+        hashing what becomes a dict key or a set member."""
+        stack = self.stack
+        work = 0
+        push = stack.append
+        if kind == "mark":
+            push(_MARK)
+        elif kind == "setitems" or kind == "appends" or kind == "additems":
+            items = self.to_mark()
+            total = 0
+            for v in items:
+                total += v if type(v) is int else v[0]
+            if kind != "appends":
+                work += total if kind == "additems" else sum(_size(k) for k in items[0::2])
+            stack[-1][0] += total
+        elif kind == "mutable":
+            push([1])
+        elif kind == "append":
+            v = stack.pop()
+            stack[-1][0] += _size(v)
+        elif kind == "setitem":
+            v, k = stack.pop(), stack.pop()
+            work += _size(k)
+            stack[-1][0] += _size(k) + _size(v)
+        elif kind == "tuple1" or kind == "tuple2" or kind == "tuple3":
+            k = int(kind[-1])
+            if len(stack) < k:
+                raise self.bad("stack underflow")
+            n = 1 + sum(_size(v) for v in stack[-k:])
+            del stack[-k:]
+            push(n)
+        elif kind in ("tuple", "frozenset", "list", "dict"):
+            items = self.to_mark()
+            n = 1 + sum(_size(v) for v in items)
+            if kind in ("frozenset", "dict"):
+                work += n
+            push(n if kind in ("tuple", "frozenset") else [n])
+        elif kind == "reduce":
+            args = stack.pop()
+            stack.pop()
+            work += _size(args)  # the admitted callables (set, frozenset) hash their argument
+            push([_size(args)])
+        elif kind == "pop":
+            stack.pop()
+        elif kind == "pop_mark":
+            self.to_mark()
+        elif kind == "dup":
+            push(stack[-1])
+        return work
 
 
 def check_items(obj: Any, max_items: int, label: str = "<pickle>") -> int:

@@ -40,7 +40,7 @@ _Loader = getattr(yaml, "CSafeLoader", yaml.SafeLoader)  # libyaml when the whee
 SECTIONS: dict[str, str | dict[str, str]] = {
     "acting": "gpuvigil.scheduler.quarantine:ActingConfig",
     "alerts": "gpuvigil.alerts.settings:AlertSettings",
-    "allocator": "gpuvigil.collectors.allocator:AllocatorConfig",
+    "allocator": "gpuvigil.detectors.allocator_state:AllocatorConfig",
     "api": "gpuvigil.api.config:ApiConfig",
     "api.slurm": "gpuvigil.scheduler.slurm:SlurmConfig",
     "api.kubernetes": "gpuvigil.scheduler.kubernetes:KubernetesConfig",

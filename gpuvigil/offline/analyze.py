@@ -28,18 +28,15 @@ from typing import Any
 
 import polars as pl
 
-from gpuvigil import config, policies
-from gpuvigil.gpu import throttle
+from gpuvigil import config
 from gpuvigil.collectors.safe_pickle import looks_like_pickle
 from gpuvigil.errors import UserError
-from gpuvigil.model import Finding, FindingKind, Severity, place
+from gpuvigil.model import Finding, FindingKind, Severity
+from gpuvigil.offline.formats import iter_files, parse_time
 from gpuvigil.util.textsafe import printable
 
 SNIFF_BYTES = 256 * 1024
 SEVERITY_ORDER = {Severity.PAGE: 0, Severity.TICKET: 1, Severity.INFO: 2}
-# NVML clock-event reasons that mean the GPU slowed itself down for heat (NVML's
-# nvmlClocksEventReasonSwThermalSlowdown 0x20, HwThermalSlowdown 0x40, HwSlowdown 0x08).
-THERMAL_REASONS_MASK = throttle.THERMAL_MASK
 # Bounds on untrusted input, checked before anything is loaded. Text logs are streamed line by
 # line, each line cut at MAX_LINE_CHARS (the rest of a runaway line is skipped, never held);
 # whole-file readers refuse files over their size limit from the file's size alone.
@@ -71,28 +68,6 @@ def _optional(module: str) -> Any | None:
         if exc.name == module:
             return None
         raise
-
-
-def _iter_files(paths: Iterable[Path]) -> list[Path | str]:
-    """Files to read in argument order (folders walked, sorted), or an error line in their place."""
-    items: list[Path | str] = []
-    seen: set[Path] = set()
-    for p in paths:
-        if p.is_dir():
-            found = sorted(f for f in p.rglob("*") if f.is_file() and not any(part.startswith(".") for part in f.relative_to(p).parts))
-            if not found:
-                items.append(f"{p}: folder has no files")
-        elif p.is_file():
-            found = [p]
-        else:
-            items.append(f"{p}: not a regular file" if p.exists() else f"{p}: no such file or folder")
-            continue
-        for f in found:
-            key = f.resolve()
-            if key not in seen:
-                seen.add(key)
-                items.append(f)
-    return items
 
 
 def _head(path: Path) -> bytes:
@@ -184,6 +159,8 @@ def _is_prometheus(head_text: str) -> bool:
 
 def analyze_nvml_csv(path: Path, display: str) -> list[Finding]:
     """Thermal slowdowns in an NVML time series (one row per sample)."""
+    from gpuvigil.detectors import saved_readings
+
     try:
         df = pl.read_csv(path, infer_schema_length=10000)
     except (pl.exceptions.PolarsError, OSError, UnicodeDecodeError) as exc:
@@ -198,73 +175,23 @@ def analyze_nvml_csv(path: Path, display: str) -> list[Finding]:
         pl.col(rcol).cast(pl.Int64, strict=False).alias("_reasons"),
         (pl.col(gpu_col).cast(pl.Int32, strict=False) if gpu_col else pl.lit(0, pl.Int32)).alias("_gpu"),
         (pl.int_range(pl.len()) + 2).alias("_line"),  # header is line 1
-    ).with_columns(((pl.col("_reasons") & THERMAL_REASONS_MASK) != 0).fill_null(False).alias("_hot"))
-    hot = (
-        df.filter(pl.col("_hot"))
-        .group_by("_gpu", maintain_order=True)
-        .agg(
-            pl.len().alias("samples"),
-            pl.col("_ts").min().alias("first_ts"),
-            pl.col("_ts").max().alias("last_ts"),
-            pl.col("_line").first().alias("line"),
-            pl.col("_reasons").first().alias("reasons"),
-            (pl.col("temp_c").max() if "temp_c" in df.columns else pl.lit(None)).alias("max_temp_c"),
-        )
     )
-    totals = df.group_by("_gpu").agg(pl.len().alias("all_samples"))
-    out = []
-    for row in hot.join(totals, on="_gpu").to_dicts():
-        out.append(
-            Finding(
-                kind=FindingKind.THERMAL_THROTTLE,
-                severity=Severity.TICKET,
-                ts=row["first_ts"] if row["first_ts"] is not None else _mtime(path),
-                gpu=row["_gpu"],
-                evidence={
-                    "samples": row["samples"],
-                    "of_samples": row["all_samples"],
-                    "first_ts": row["first_ts"],
-                    "last_ts": row["last_ts"],
-                    "clock_event_reasons": row["reasons"],
-                    "max_temperature_c": row["max_temp_c"],
-                },
-                summary=f"GPU {row['_gpu']} slowed its clocks for heat in {row['samples']} of {row['all_samples']} samples",
-                source=f"{display}:{row['line']}",
-                cause="hardware",
-            )
-        )
-    return out
+    return saved_readings.thermal_findings(df, display, _mtime(path))
 
 
 def findings_from_gpuvigil_scrape(text: str, display: str, ts: float) -> list[Finding]:
     """Findings gpuvigil itself had active when its `/metrics` was saved."""
     from prometheus_client.parser import text_string_to_metric_families
 
-    out = []
-    for family in text_string_to_metric_families(text):
-        if family.name not in ("gpuvigil_node_findings_active", "gpuvigil_job_findings_active"):
-            continue
-        for s in family.samples:
-            if s.value <= 0:
-                continue
-            try:
-                kind, sev = FindingKind(s.labels.get("kind", "")), Severity(s.labels.get("severity", ""))
-            except ValueError:
-                continue
-            node, job = s.labels.get("node"), s.labels.get("job")
-            out.append(
-                Finding(
-                    kind=kind,
-                    severity=sev,
-                    ts=ts,
-                    node=node,
-                    job=job,
-                    evidence={"active_count": int(s.value), "metric": family.name},
-                    summary=f"gpuvigil had {int(s.value)} active {kind.value} finding(s) on {'node ' + node if node else 'job ' + str(job)} when this scrape was saved",
-                    source=display,
-                )
-            )
-    return out
+    from gpuvigil.detectors import saved_readings
+
+    samples = [
+        {"metric": family.name, "labels": s.labels, "value": s.value}
+        for family in text_string_to_metric_families(text)
+        if family.name in saved_readings.ACTIVE_FINDINGS_METRICS
+        for s in family.samples
+    ]
+    return saved_readings.active_findings(samples, display, ts)
 
 
 def detect_once(names: Iterable[str], streams: dict[str, pl.DataFrame], ts: float, cfg: dict[str, Any] | None) -> list[Finding]:
@@ -309,7 +236,7 @@ class Analyzer:
         trees = [p for p in paths if is_sysfs_tree(p)]
         for tree in trees:
             self._analyze_sysfs(tree, display(tree), report)
-        for path in _iter_files([p for p in paths if p not in trees]):
+        for path in iter_files([p for p in paths if p not in trees]):
             if isinstance(path, str):
                 report.errors.append(path)
                 continue
@@ -342,7 +269,9 @@ class Analyzer:
             try:
                 # A dump that cannot be loaded is named in `bad` and left out; the folder's other
                 # ranks are still analysed together.
-                found = self.fr.analyze_paths(dumps, errors=bad)  # type: ignore[union-attr]
+                from gpuvigil.offline.fr import analyze_paths
+
+                found = analyze_paths(dumps, errors=bad)
             except UserError as exc:
                 report.errors.append(_one_line(str(exc), ", ".join(names)))
                 continue
@@ -362,37 +291,56 @@ class Analyzer:
         return report
 
     def _analyze_file(self, path: Path, name: str, report: Report, fr_groups: dict[Path, list[Path]]) -> str | None:
-        from gpuvigil.collectors import dcgm, kernel_log, nccl_log
-        from gpuvigil.parsers import nccl as nccl_text
-        from gpuvigil.parsers import xid_line
-
         head = _head(path)
         if not head:
             raise UserError(f"{name}: empty file")
         if looks_like_pickle(head) or _is_json(head):
-            if self._is_fr(path):
-                fr_groups.setdefault(path.parent, []).append(path)
-                return "flight_recorder"
-            if self.alloc is not None and (self.alloc.is_memory_stats(path) or self.alloc.is_snapshot(path)):
-                kind = "memory_stats" if self.alloc.is_memory_stats(path) else "memory_snapshot"
-                report.findings.extend(self._tag(self.alloc.analyze_path(path), name))
+            kind = self._analyze_structured(path, name, head, report, fr_groups)
+            if kind is not None:
                 return kind
-            if looks_like_pickle(head):
-                from gpuvigil.collectors.safe_pickle import safe_load
-
-                try:
-                    safe_load(path)  # says precisely why a malicious or broken pickle is refused
-                except UserError as exc:
-                    reason = _first_line(exc).removeprefix(f"{path}: ")
-                    raise UserError(f"{name}: {reason}") from exc
-                missing = [m for m, mod in (("Flight Recorder", self.fr), ("allocator", self.alloc)) if mod is None]
-                why = f" (this install has no {' or '.join(missing)} reader)" if missing else ""
-                raise UserError(f"{name}: pickle that is neither a Flight Recorder dump nor a memory snapshot{why}; not loaded")
             # JSON that no reader claims falls through to the text checks (JSON-lines logs).
         if b"\x00" in head:
             return None
         text_head = head.decode("utf-8", errors="replace")
         ref = self.at if self.at is not None else _mtime(path)
+        kinds = self._analyze_logs(path, name, head, text_head, ref, report)
+        if kinds is None:
+            return None  # a README or runbook quoting messages is not a log
+        if kinds:
+            return "+".join(kinds)
+        return self._analyze_reading(path, name, text_head, ref, report)
+
+    def _analyze_structured(self, path: Path, name: str, head: bytes, report: Report, fr_groups: dict[Path, list[Path]]) -> str | None:
+        """A pickle or JSON file: a Flight Recorder dump (kept for its folder's cross-rank
+        analysis), memory stats or a snapshot; a pickle that is neither is refused, saying why."""
+        if self._is_fr(path):
+            fr_groups.setdefault(path.parent, []).append(path)
+            return "flight_recorder"
+        if self.alloc is not None and (self.alloc.is_memory_stats(path) or self.alloc.is_snapshot(path)):
+            kind = "memory_stats" if self.alloc.is_memory_stats(path) else "memory_snapshot"
+            report.findings.extend(self._tag(memory_state_findings(path, cfg=self.cfg), name))
+            return kind
+        if looks_like_pickle(head):
+            from gpuvigil.collectors.safe_pickle import safe_load
+
+            try:
+                safe_load(path)  # says precisely why a malicious or broken pickle is refused
+            except UserError as exc:
+                reason = _first_line(exc).removeprefix(f"{path}: ")
+                raise UserError(f"{name}: {reason}") from exc
+            missing = [m for m, mod in (("Flight Recorder", self.fr), ("allocator", self.alloc)) if mod is None]
+            why = f" (this install has no {' or '.join(missing)} reader)" if missing else ""
+            raise UserError(f"{name}: pickle that is neither a Flight Recorder dump nor a memory snapshot{why}; not loaded")
+        return None
+
+    def _analyze_logs(self, path: Path, name: str, head: bytes, text_head: str, ref: float, report: Report) -> list[str] | None:
+        """A kernel log and/or a training / NCCL log (one file may be both): the kinds found, or
+        None for a prose document that only quotes log lines."""
+        from gpuvigil.collectors import kernel_log
+        from gpuvigil.detectors import training_log, xid_incidents
+        from gpuvigil.parsers import nccl as nccl_text
+        from gpuvigil.parsers import xid_line
+
         kinds: list[str] = []
         # Line by line: the XID pattern ends in `$`, which (without MULTILINE) only matched when
         # the XID line was the last line of the sample; dmesg has other lines after it.
@@ -400,7 +348,7 @@ class Analyzer:
         if len(head) == SNIFF_BYTES and head_lines:
             head_lines = head_lines[:-1]  # the last line may be cut by the sniff
         if is_prose_document(head_lines):
-            return None  # a README or runbook quoting messages is not a log
+            return None
         xid_head = [ln for ln in log_lines(head_lines, xid_line.XID_LINE) if "Xid" in ln]
         # any XID wording, incl. the lost-GPU driver message without an Xid line (parsers.xid_line)
         if (
@@ -410,7 +358,7 @@ class Analyzer:
         ):
             cfg = kernel_log.load_config(self.cfg)
             lines = kernel_log.parse_lines(log_lines(_text_lines(path), xid_line.XID_LINE), node=self.node, pci_to_gpu=self.pci_to_gpu, reference_ts=ref)
-            found = kernel_log.findings(
+            found = xid_incidents.findings(
                 kernel_log.incidents(lines, cfg.burst_gap_seconds), source_file=name, job=self.job, companion_window_seconds=cfg.burst_gap_seconds
             )
             report.findings.extend(found)
@@ -419,10 +367,17 @@ class Analyzer:
             len(head) == SNIFF_BYTES and _grep(path, b"Watchdog caught", b"CUDA out of memory", b"HIP out of memory", b"NCCL WARN", b"NCCL error")
         ):
             parsed = nccl_text.parse_lines(log_lines(_text_lines(path), nccl_text._SNIFF), reference_ts=ref)
-            report.findings.extend(nccl_log.findings(parsed, source_file=name, job=self.job, node=self.node, cfg=self.cfg))
+            report.findings.extend(training_log.findings(parsed, source_file=name, job=self.job, node=self.node, cfg=self.cfg))
             kinds.append("training_log")
-        if kinds:
-            return "+".join(kinds)
+        return kinds
+
+    def _analyze_reading(self, path: Path, name: str, text_head: str, ref: float, report: Report) -> str | None:
+        """One saved reading of a node: an NVML CSV, a dcgm-exporter or gpuvigil scrape, or
+        `nvidia-smi -q` output."""
+        from gpuvigil.collectors import dcgm
+        from gpuvigil.detectors import saved_readings
+        from gpuvigil.parsers import nvidia_smi
+
         if _is_nvml_csv(text_head):
             _check_size(path, name, MAX_TABLE_BYTES, "an NVML CSV")
             report.findings.extend(self._tag(analyze_nvml_csv(path, name), name))
@@ -432,8 +387,8 @@ class Analyzer:
             text = path.read_text(errors="replace")
             if dcgm.looks_like_dcgm_scrape(text):
                 samples, _w, _e = dcgm.read_scrape(path, ts=ref, default_node=self.node)
-                report.findings.extend(dcgm.findings_from_scrape(samples, source_file=name, ts=ref))
-                report.findings.extend(_xid_counter_findings(text, name, ref, self.node))
+                report.findings.extend(saved_readings.dcgm_scrape_findings(samples, source_file=name, ts=ref))
+                report.findings.extend(saved_readings.xid_counter_findings(nvidia_smi.xid_counter_samples(text), name, ref, self.node))
                 # the NVLink fabric and pending memory repairs, by serve's own detectors
                 report.findings.extend(self._tag(detect_once(["nvlink_fabric", "memory_repair"], {"gpu_samples": samples}, ref, self.cfg), name))
                 return "dcgm_scrape"
@@ -443,11 +398,9 @@ class Analyzer:
                 except ValueError as exc:
                     raise UserError(f"{name}: not a Prometheus text exposition: {_first_line(exc)}") from exc
                 return "gpuvigil_scrape"
-        from gpuvigil.parsers import nvidia_smi
-
         if nvidia_smi.looks_like_nvidia_smi_q(text_head):
             text = path.read_text(errors="replace")
-            report.findings.extend(nvidia_smi.findings(nvidia_smi.parse(text), source_file=name, ts=ref, node=self.node))
+            report.findings.extend(saved_readings.smi_findings(nvidia_smi.health(nvidia_smi.parse(text)), source_file=name, ts=ref, node=self.node))
             return "nvidia_smi_q"
         return None
 
@@ -488,38 +441,43 @@ class Analyzer:
         return found
 
 
-def _xid_counter_findings(text: str, display: str, ts: float, node: str | None) -> list[Finding]:
-    """XIDs from dcgm-exporter's XID counters that label the code (`xid="42"`), one per GPU and code."""
-    from gpuvigil.gpu import xid as xid_table
-    from gpuvigil.parsers.nvidia_smi import xid_counter_samples
+def memory_state_findings(path: str | Path, *, job: str | None = None, node: str | None = None, gpu: int | None = None,
+                          cfg: dict[str, Any] | None = None) -> list[Finding]:
+    """Findings for one memory_stats JSON or snapshot pickle (`UserError` for anything else): read
+    by the allocator reader, judged by detectors/allocator_state."""
+    from gpuvigil.collectors import allocator
+    from gpuvigil.detectors import allocator_state
 
-    out: list[Finding] = []
-    seen: set[tuple] = set()
-    for s in xid_counter_samples(text):
-        labels = s["labels"]
-        gpu = int(labels["gpu"]) if labels.get("gpu", "").isdigit() else None
-        host = labels.get("Hostname") or labels.get("hostname") or node
-        key = (host, gpu, s["xid"])
-        if key in seen:
-            continue
-        seen.add(key)
-        info = xid_table.xid_info(s["xid"])
-        fatal = xid_table.is_fatal(s["xid"])
-        out.append(
-            Finding(
-                kind=FindingKind.XID,
-                severity=policies.xid_severity(s["xid"]),
-                ts=ts,
-                node=host,
-                gpu=gpu,
-                xid=s["xid"],
-                evidence={"fatal": fatal, "action": info.action if info else None, "name": info.name if info else "unknown XID", "metric": s["metric"], "value": s["value"], "gpu_uuid": labels.get("UUID")},
-                summary=f"{s['metric']} counts XID {s['xid']} ({info.name if info else 'unknown'}) on {place(host, gpu)}",
-                source=f"{display}:gpu={gpu}",
-                cause=policies.xid_cause(s["xid"]),
-            )
-        )
-    return out
+    p = Path(path)
+    try:
+        ts = p.stat().st_mtime
+    except OSError as exc:
+        raise UserError(f"{p}: cannot read: {exc.strerror or exc}") from exc
+    with p.open("rb") as fh:
+        head = fh.read(16)
+    if looks_like_pickle(head):
+        snap = allocator.read_snapshot(p, allocator_state.load_config(cfg).recurring_min_count)
+        return allocator_state.findings_for_snapshot(snap, ts=ts, job=job, node=node, gpu=gpu, cfg=cfg)
+    return allocator_state.findings_for_stats(allocator.read_memory_stats(p), str(p), ts=ts, job=job, node=node, gpu=gpu, cfg=cfg)
+
+
+def kernel_log_findings(
+    text: str,
+    *,
+    source_file: str | None = None,
+    node: str | None = None,
+    pci_to_gpu: dict[str, int] | None = None,
+    reference_ts: float | None = None,
+    cfg: dict[str, Any] | None = None,
+) -> list[Finding]:
+    """The `xid` findings of a kernel log's text: its lines read and grouped into incidents by
+    the kernel-log reader, judged by detectors/xid_incidents."""
+    from gpuvigil.collectors import kernel_log
+    from gpuvigil.detectors import xid_incidents
+
+    gap = kernel_log.load_config(cfg).burst_gap_seconds
+    lines = kernel_log.parse_lines(text.splitlines(), node=node, pci_to_gpu=pci_to_gpu, reference_ts=reference_ts)
+    return xid_incidents.findings(kernel_log.incidents(lines, gap), source_file=source_file, companion_window_seconds=gap)
 
 
 def _grep(path: Path, *needles: bytes) -> bool:
@@ -657,8 +615,6 @@ def handler(args: argparse.Namespace) -> int:
         raise UserError(str(exc)) from exc
     at = None
     if getattr(args, "at", None):
-        from gpuvigil.offline.replay import parse_time
-
         at = parse_time(args.at)
     analyzer = Analyzer(cfg=cfg, job=args.job, node=args.node, pci_to_gpu=_parse_pci_map(args.pci_map), at=at)
     report = analyzer.run([Path(p) for p in args.paths])

@@ -662,6 +662,36 @@ def _placement_notes(data: ReportData, lo: float, hi: float, series_span: tuple[
 def render(data: ReportData, cfg: dict[str, Any] | None = None) -> str:
     plotly = _plotly()
     rc = config.section("report", ReportConfig, cfg)
+    series_span, lo, hi = _spans(data)
+    incs = incidents(data.findings, rc.incident_gap_seconds)
+    hints_by: dict[str, list[tuple[float, Hint]]] = defaultdict(list)
+    for at, h in data.hints:
+        hints_by[h.finding_id].append((at, h))
+
+    figures: list[tuple[str, Any]] = []
+    parts_body = _overview_text(data, incs, lo, hi, series_span)
+    ov = _overview_chart(data, rc, lo, hi)
+    figures += ov
+    parts_body.extend(_plot_div(d, f) for d, f in ov)
+    if incs:
+        parts_body.append(
+            "<p class='muted'>Incidents: findings about the same job, node or GPU within "
+            f"{_duration(rc.incident_gap_seconds)} of one another (or sharing an incident id). Each section's charts cover that incident only.</p>"
+        )
+    detailed = _detailed_incidents(incs, rc.incidents_max)
+    if len(incs) > len(detailed):
+        parts_body.append(_listed_incidents(incs, detailed))
+    for inc in incs:
+        if inc.number in detailed:
+            figs, section = _incident_section(inc, data, rc, hints_by)
+            figures += figs
+            parts_body.extend(section)
+    return _page(data, plotly, parts_body, figures, incs)
+
+
+def _spans(data: ReportData) -> tuple[tuple[float, float] | None, float, float]:
+    """The span of the recorded series (None without any), and the report's span: the replayed
+    one, else the findings'."""
     gs = data.gpu_samples
     series_span = None
     if gs is not None and gs.height:
@@ -676,16 +706,13 @@ def render(data: ReportData, cfg: dict[str, Any] | None = None) -> str:
         lo, hi = min(ats), max(ats)
     else:
         lo = hi = 0.0
-    incs = incidents(data.findings, rc.incident_gap_seconds)
-    hints_by: dict[str, list[tuple[float, Hint]]] = defaultdict(list)
-    for at, h in data.hints:
-        hints_by[h.finding_id].append((at, h))
+    return series_span, lo, hi
 
-    figures: list[tuple[str, Any]] = []
-    parts_body: list[str] = []
+
+def _overview_text(data: ReportData, incs: list[Incident], lo: float, hi: float, series_span: tuple[float, float] | None) -> list[str]:
     n_by = Counter(f.severity for _, f in data.findings)
-    parts_body.append("<h2>Overview</h2>")
-    parts_body.append(
+    parts = ["<h2>Overview</h2>"]
+    parts.append(
         "<p>"
         + html.escape(
             f"{len(data.findings)} finding(s): {n_by[Severity.PAGE]} page(s), {n_by[Severity.TICKET]} warning(s), {n_by[Severity.INFO]} info; "
@@ -696,7 +723,7 @@ def render(data: ReportData, cfg: dict[str, Any] | None = None) -> str:
     )
     if data.summary:
         s = data.summary
-        parts_body.append(
+        parts.append(
             "<p class='muted'>"
             + html.escape(
                 f"{s['gpus']} GPU(s) and {s['gpu_days']:.3g} GPU-days"
@@ -707,52 +734,61 @@ def render(data: ReportData, cfg: dict[str, Any] | None = None) -> str:
             + "</p>"
         )
     for note in _placement_notes(data, lo, hi, series_span):
-        parts_body.append(f"<p class='placed' data-placed>{html.escape(note)}</p>")
+        parts.append(f"<p class='placed' data-placed>{html.escape(note)}</p>")
     for note in data.notes:
-        parts_body.append(f"<p class='muted'>{html.escape(note)}</p>")
+        parts.append(f"<p class='muted'>{html.escape(note)}</p>")
     if not data.findings:
-        parts_body.append("<p><b>Nothing fired.</b> No finding, so no chart: the recorded series are not drawn on their own.</p>")
-    ov = _overview_chart(data, rc, lo, hi)
-    figures += ov
-    parts_body.extend(_plot_div(d, f) for d, f in ov)
-    if incs:
-        parts_body.append(
-            "<p class='muted'>Incidents: findings about the same job, node or GPU within "
-            f"{_duration(rc.incident_gap_seconds)} of one another (or sharing an incident id). Each section's charts cover that incident only.</p>"
-        )
+        parts.append("<p><b>Nothing fired.</b> No finding, so no chart: the recorded series are not drawn on their own.</p>")
+    return parts
+
+
+def _detailed_incidents(incs: list[Incident], most: int) -> set[int]:
+    """The numbers of the heaviest incidents, which get a section each."""
     # a page weighs three warnings: a 200-GPU warning outranks one GPU's few pages
     weight = {Severity.PAGE: 3.0, Severity.TICKET: 1.0, Severity.INFO: 0.1}
     ranked = sorted(incs, key=lambda i: (-sum(weight[f.severity] for _, f in i.findings), i.start))
-    detailed = {i.number for i in ranked[: rc.incidents_max]}
-    if len(incs) > len(detailed):
-        parts_body.append(
-            f"<h2 id='other-incidents'>{len(incs) - len(detailed)} more incident(s), listed only</h2><p class='muted'>The {len(detailed)} heaviest incidents (a page counts three warnings) "
-            "have a section below; these are listed in order of time.</p>"
-            "<table class='f'><tr><th>incident</th><th>from</th><th>to</th><th>worst</th><th>kind</th><th>where</th><th>findings</th></tr>"
-            + "".join(
-                f"<tr data-incident='{i.number}'><td>{i.number}</td><td>{_when(i.start)}</td><td>{_when(i.end)}</td><td class='{i.worst.severity.value}'>{SEVERITY_WORD[i.worst.severity]}</td>"
-                f"<td>{html.escape(i.worst.kind.value)}</td><td>{html.escape(_where(i.worst))}</td><td>{len(i.findings)}</td></tr>"
-                for i in incs
-                if i.number not in detailed
-            )
-            + "</table>"
+    return {i.number for i in ranked[:most]}
+
+
+def _listed_incidents(incs: list[Incident], detailed: set[int]) -> str:
+    """The incidents without a section, one table row each, in order of time."""
+    return (
+        f"<h2 id='other-incidents'>{len(incs) - len(detailed)} more incident(s), listed only</h2><p class='muted'>The {len(detailed)} heaviest incidents (a page counts three warnings) "
+        "have a section below; these are listed in order of time.</p>"
+        "<table class='f'><tr><th>incident</th><th>from</th><th>to</th><th>worst</th><th>kind</th><th>where</th><th>findings</th></tr>"
+        + "".join(
+            f"<tr data-incident='{i.number}'><td>{i.number}</td><td>{_when(i.start)}</td><td>{_when(i.end)}</td><td class='{i.worst.severity.value}'>{SEVERITY_WORD[i.worst.severity]}</td>"
+            f"<td>{html.escape(i.worst.kind.value)}</td><td>{html.escape(_where(i.worst))}</td><td>{len(i.findings)}</td></tr>"
+            for i in incs
+            if i.number not in detailed
         )
-    for inc in incs:
-        if inc.number not in detailed:
-            continue
-        numbers = {id(f): i for i, (_, f) in enumerate(inc.findings, 1)}
-        w = inc.worst
-        parts_body.append(
-            f"<h2 id='incident-{inc.number}' data-incident='{inc.number}'>Incident {inc.number}: {html.escape(w.kind.value)} ({SEVERITY_WORD[w.severity]}) "
-            f"{html.escape(_where(w))}: {html.escape(_when(inc.start))} .. {html.escape(_when(inc.end, inc.end - inc.start > 86400))}</h2>"
-        )
-        parts_body.append(_finding_rows([(numbers[id(f)], at, f) for at, f in inc.findings], hints_by))
-        for build in (_memory_charts, _progress_chart, _timeline):
-            figs, notes = build(inc, data, rc, numbers)
-            figures += figs
-            parts_body.extend(_plot_div(d, f) for d, f in figs)
-            parts_body.extend(f"<p class='muted'>{html.escape(n)}</p>" for n in notes)
-        parts_body.extend(_fr_tables(inc))
+        + "</table>"
+    )
+
+
+def _incident_section(
+    inc: Incident, data: ReportData, rc: ReportConfig, hints_by: dict[str, list[tuple[float, Hint]]]
+) -> tuple[list[tuple[str, Any]], list[str]]:
+    """One incident's heading, findings table, charts and Flight Recorder tables."""
+    numbers = {id(f): i for i, (_, f) in enumerate(inc.findings, 1)}
+    w = inc.worst
+    figures: list[tuple[str, Any]] = []
+    parts = [
+        f"<h2 id='incident-{inc.number}' data-incident='{inc.number}'>Incident {inc.number}: {html.escape(w.kind.value)} ({SEVERITY_WORD[w.severity]}) "
+        f"{html.escape(_where(w))}: {html.escape(_when(inc.start))} .. {html.escape(_when(inc.end, inc.end - inc.start > 86400))}</h2>",
+        _finding_rows([(numbers[id(f)], at, f) for at, f in inc.findings], hints_by),
+    ]
+    for build in (_memory_charts, _progress_chart, _timeline):
+        figs, notes = build(inc, data, rc, numbers)
+        figures += figs
+        parts.extend(_plot_div(d, f) for d, f in figs)
+        parts.extend(f"<p class='muted'>{html.escape(n)}</p>" for n in notes)
+    parts.extend(_fr_tables(inc))
+    return figures, parts
+
+
+def _page(data: ReportData, plotly: Any, parts_body: list[str], figures: list[tuple[str, Any]], incs: list[Incident]) -> str:
+    """The self-contained HTML document, with the metadata the tests and tools read."""
     parts = [
         "<!DOCTYPE html><html><head><meta charset='utf-8'>",
         f"<title>{html.escape(data.title)}</title><style>{_CSS}</style>",
@@ -793,7 +829,7 @@ def write(data: ReportData, path: Path, cfg: dict[str, Any] | None = None) -> li
 def _series_from_inputs(paths: Sequence[Path]) -> tuple[pl.DataFrame | None, pl.DataFrame | None]:
     """Memory and progress series among `analyze`'s inputs (NVML CSV, hook JSONL, timestamped
     Prometheus/OpenMetrics text), recognised and read as `gpuvigil replay` reads them."""
-    from gpuvigil.offline.replay import Recorded, read_series_file
+    from gpuvigil.offline.formats import Recorded, read_series_file
 
     rec = Recorded()
     files = [f for p in paths for f in ([p] if p.is_file() else sorted(x for x in p.rglob("*") if x.is_file()))]

@@ -1,4 +1,4 @@
-"""`nvidia-smi -q` text (whole or a pasted fragment) -> per-GPU health records and findings.
+"""`nvidia-smi -q` text (whole or a pasted fragment) -> per-GPU health records.
 
 Pure text parsing, no I/O. `nvidia-smi -q` prints nested `Key : Value` lines indented by
 section, one block per GPU headed `GPU 00000000:3B:00.0`; people paste fragments such as::
@@ -10,14 +10,12 @@ section, one block per GPU headed `GPU 00000000:3B:00.0`; people paste fragments
 
 What counts (NVIDIA's A100/H100 memory-error management and NVML clock-event reasons):
 
-- memory, each with its own kind: a row remapping failed (NVIDIA's RMA criterion) ->
-  `row_remap_failure` (the GPU's uncorrectable errors, if any, its evidence); else uncorrectable
-  (double-bit) ECC errors in the volatile counters -> `ecc`; a row remapping pending (needs a GPU
-  reset) -> `row_remap_pending`; retired pages pending blacklist (a reboot retires them) ->
-  `retired_pages`;
+- memory: a row remapping pending (needs a GPU reset) or failed (RMA), retired pages pending
+  blacklist, or uncorrectable (double-bit) ECC errors in the volatile counters -> `ecc`;
 - heat: `HW Slowdown`, `HW Thermal Slowdown` or `SW Thermal Slowdown` active -> `thermal_throttle`.
 
 Idle, application-clock, power-cap and sync-boost reasons are normal operation, not findings.
+The findings are made by `gpuvigil.detectors.saved_readings`.
 """
 
 from __future__ import annotations
@@ -25,8 +23,6 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass, field
 from typing import Any
-
-from gpuvigil.model import Finding, FindingKind, Severity
 
 _GPU_HEADER = re.compile(r"^GPU (?P<pci>[0-9A-Fa-f]{4,8}:[0-9A-Fa-f]{2}:[0-9A-Fa-f]{2}\.[0-7])\s*$")
 _KV = re.compile(r"^(?P<indent>\s*)(?P<key>[A-Za-z][^:]*?)\s*:\s*(?P<value>.*?)\s*$")
@@ -94,15 +90,25 @@ def _int(value: str) -> int | None:
         return None
 
 
-def _memory(g: SmiGpu) -> dict[str, Any]:
-    """What the GPU's memory blocks say: remap pending/failed, pages pending, volatile DBEs."""
-    out: dict[str, Any] = {}
-    if any(value.lower() == "yes" for _, value in g.get("remapped rows/pending")):
-        out["remap_pending"] = True
-    if any(value.lower() == "yes" for _, value in g.get("remapping failure occurred", "remapped rows/remapping failure")):
-        out["remap_failure"] = True
-    if any(value.lower() == "yes" for _, value in g.get("retired pages/pending page blacklist", "retired pages/pending")):
-        out["retired_pages_pending"] = True
+@dataclass(frozen=True)
+class SmiHealth:
+    """What one GPU block of `nvidia-smi -q` says of the device's memory and clocks."""
+
+    index: int  # the block's place in the output
+    pci_bus_id: str | None
+    first_line: int
+    remap_pending: bool
+    remap_failure: bool
+    retired_pages_pending: bool
+    ecc_dbe_volatile_total: int  # uncorrectable errors in the volatile counters (the largest one)
+    thermal_reasons_active: list[str]  # the HW/SW thermal or HW slowdown reasons shown Active
+
+
+def _yes(g: SmiGpu, *suffixes: str) -> bool:
+    return any(value.lower() == "yes" for _path, value in g.get(*suffixes))
+
+
+def _volatile_dbe(g: SmiGpu) -> int:
     dbe = 0
     for path, value in g.values.items():
         low = path.lower()
@@ -110,62 +116,36 @@ def _memory(g: SmiGpu) -> dict[str, Any]:
             "ecc errors/volatile" in low and low.endswith(("dram uncorrectable", "uncorrectable/device memory", "double bit/device memory"))
         ):
             dbe = max(dbe, _int(value) or 0)
-    if dbe > 0:
-        out["ecc_dbe_volatile_total"] = dbe
-    return out
+    return dbe
 
 
-def _memory_findings(g: SmiGpu, mem: dict[str, Any], *, where: str, **common: Any) -> list[Finding]:
-    dbe = mem.get("ecc_dbe_volatile_total", 0)
-    errors = f"{dbe} uncorrectable ECC error(s) since the driver loaded"
-    out = []
-    if mem.get("remap_failure"):
-        out.append(Finding(kind=FindingKind.ROW_REMAP_FAILURE, severity=Severity.PAGE, **common,
-                           evidence={"pci_bus_id": g.pci_bus_id, "remap_failure": True, **({"ecc_dbe_volatile_total": dbe} if dbe else {})},
-                           summary=f"nvidia-smi -q on {where}: a row remapping failed (NVIDIA's RMA criterion)" + (f"; {errors}" if dbe else "")
-                           + ": drain the node and replace the GPU"))
-    elif dbe:
-        out.append(Finding(kind=FindingKind.ECC, severity=Severity.PAGE, **common, evidence={"pci_bus_id": g.pci_bus_id, "ecc_dbe_volatile_total": dbe},
-                           summary=f"nvidia-smi -q on {where}: {errors}: drain the node and reset the GPU"))
-    if mem.get("remap_pending"):
-        out.append(Finding(kind=FindingKind.ROW_REMAP_PENDING, severity=Severity.TICKET, **common, evidence={"pci_bus_id": g.pci_bus_id, "remap_pending": True},
-                           summary=f"nvidia-smi -q on {where}: a row remapping is pending: reset the GPU to apply it"))
-    if mem.get("retired_pages_pending"):
-        out.append(Finding(kind=FindingKind.RETIRED_PAGES, severity=Severity.TICKET, **common, evidence={"pci_bus_id": g.pci_bus_id, "retired_pages_pending": True},
-                           summary=f"nvidia-smi -q on {where}: retired pages are pending blacklist: reboot to retire them"))
-    return out
+def _thermal_reasons(g: SmiGpu) -> list[str]:
+    return sorted(
+        {
+            path.rsplit("/", 1)[-1]
+            for path, value in g.values.items()
+            if ("throttle reasons" in path.lower() or "event reasons" in path.lower())
+            and path.rsplit("/", 1)[-1].strip().lower() in _THERMAL_REASONS
+            and value.lower() == "active"
+        }
+    )
 
 
-def findings(gpus: list[SmiGpu], *, source_file: str | None = None, ts: float, node: str | None = None) -> list[Finding]:
-    out: list[Finding] = []
-    for idx, g in enumerate(gpus):
-        where = f"GPU {g.pci_bus_id}" if g.pci_bus_id else "the GPU"
-        src = f"{source_file}:{g.first_line}" if source_file else "nvidia-smi"
-        out.extend(_memory_findings(g, _memory(g), where=where, ts=ts, node=node, gpu=None, source=src, cause="hardware"))
-        hot = sorted(
-            {
-                path.rsplit("/", 1)[-1]
-                for path, value in g.values.items()
-                if ("throttle reasons" in path.lower() or "event reasons" in path.lower())
-                and path.rsplit("/", 1)[-1].strip().lower() in _THERMAL_REASONS
-                and value.lower() == "active"
-            }
+def health(gpus: list[SmiGpu]) -> list[SmiHealth]:
+    """Each GPU block's memory and clock state."""
+    return [
+        SmiHealth(
+            index=idx,
+            pci_bus_id=g.pci_bus_id,
+            first_line=g.first_line,
+            remap_pending=_yes(g, "remapped rows/pending"),
+            remap_failure=_yes(g, "remapping failure occurred", "remapped rows/remapping failure"),
+            retired_pages_pending=_yes(g, "retired pages/pending page blacklist", "retired pages/pending"),
+            ecc_dbe_volatile_total=_volatile_dbe(g),
+            thermal_reasons_active=_thermal_reasons(g),
         )
-        if hot:
-            out.append(
-                Finding(
-                    kind=FindingKind.THERMAL_THROTTLE,
-                    severity=Severity.TICKET,
-                    ts=ts,
-                    node=node,
-                    gpu=None,
-                    evidence={"pci_bus_id": g.pci_bus_id, "active_reasons": hot, "gpu_block": idx},
-                    summary=f"nvidia-smi -q on {where}: clocks slowed for heat or power ({', '.join(hot)} active)",
-                    source=src,
-                    cause="hardware",
-                )
-            )
-    return out
+        for idx, g in enumerate(gpus)
+    ]
 
 
 # dcgm-exporter's XID counters (DCGM_EXP_XID_ERRORS_COUNT and similar) label the code: xid="42".
@@ -189,4 +169,4 @@ def xid_counter_samples(text: str) -> list[dict[str, Any]]:
     return out
 
 
-__all__ = ["SmiGpu", "looks_like_nvidia_smi_q", "parse", "findings", "xid_counter_samples"]
+__all__ = ["SmiGpu", "SmiHealth", "health", "looks_like_nvidia_smi_q", "parse", "xid_counter_samples"]
