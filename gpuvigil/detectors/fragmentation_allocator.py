@@ -22,7 +22,7 @@ is a mask over all keys, and Finding objects are built for the keys that pass al
 With `lookback_blocks` (the default) the look-back starts at the start of the block of
 B = window_seconds / lookback_blocks seconds holding now - window_seconds, and each key's rows are
 also kept per block: count, oldest sample and the max of the step's request, in a ring of
-(blocks, keys) arrays indexed by block number modulo the ring's length. A whole block leaves at
+(blocks, keys) arrays indexed by block number modulo the ring's length (incremental.BlockRing). A whole block leaves at
 once (its counts are subtracted; a key that lost its oldest block takes the oldest sample of its
 next one), so the window keeps only `block_slack_seconds` of rows. With lookback_blocks = 0 rows
 leave one at a time: they are read from the window (which keeps the look-back + 30 s), as is
@@ -46,7 +46,7 @@ from pydantic import BaseModel, Field
 
 from gpuvigil.detectors.base import HISTORY, Declared, DetectorSpec
 from gpuvigil.detectors.common import rank_at, settings
-from gpuvigil.detectors.incremental import KEYS, SlidingRows, edges_from_rows, resized
+from gpuvigil.detectors.incremental import KEYS, BlockRing, SlidingRows, edges_from_rows, resized
 from gpuvigil.model import Finding, FindingKind, Severity
 from gpuvigil.window import Window
 
@@ -74,6 +74,14 @@ class FragmentationAllocatorConfig(BaseModel):
 
 # Per (job, rank): the oldest sample's gap and retries, the newest sample's values (by ts).
 FIRST = ["gap", "retries"]
+# Per (job, rank) and block (block mode): count, oldest sample (ts, gap, retries), the max of the
+# step's request, each int64 with its validity.
+RING_FIELDS: dict[str, tuple[type, float | int | bool]] = {
+    "n": (np.int32, 0),
+    "ts": (np.float64, 0.0),
+    **{name: (np.int64, 0) for name in ("gap", "retries", "req")},
+    **{f"{name}_ok": (np.bool_, False) for name in ("gap", "retries", "req")},
+}
 LAST = ["gap", "split", "retries", "largest_free", "capacity", "node", "gpu"]
 
 
@@ -280,14 +288,25 @@ class AllocatorFragmentationDetector(Declared):
         self.node = np.zeros(cap, np.int64)
         self.job_start = np.zeros(0)  # per job number: start + warm-up, NaN: no start
         self._jobs_set = 0  # job numbers below this have their start in job_start
-        # Block ring: (slots, keys); a slot holds block b where b % slots == slot, for b in
-        # [lo, hi]; a count of 0 is an empty entry.
-        self.R = self.config.lookback_blocks + 1 if self.B > 0 else 0
+        # Block ring: it holds blocks [lo, hi]; a count ("n") of 0 is an empty entry (the other
+        # fields of an entry are read only where its count is not). "<field>_ok": validity.
+        self.ring = BlockRing(self.config.lookback_blocks + 1 if self.B > 0 else 0, RING_FIELDS, cap)
         self.lo, self.hi = 0, -1
-        self.bn = np.zeros((self.R, cap), np.int32)
-        self.bts = np.zeros((self.R, cap))
-        self.bi = {name: np.zeros((self.R, cap), np.int64) for name in ("gap", "retries", "req")}
-        self.bv = {name: np.zeros((self.R, cap), bool) for name in ("gap", "retries", "req")}
+
+    @property
+    def R(self) -> int:
+        """The ring's length (0: no blocks, rows leave one at a time)."""
+        return self.ring.length
+
+    @property
+    def bn(self) -> np.ndarray:
+        """(blocks, keys): the rows each block holds of each key (the ring's counts)."""
+        return self.ring["n"]
+
+    @property
+    def bi(self) -> dict[str, np.ndarray]:
+        """(blocks, keys) int64: each block's oldest gap and retries and its largest request."""
+        return {name: self.ring[name] for name in ("gap", "retries", "req")}
 
     def _fit_keys(self) -> None:
         """Arrays sized for every key number (1/4 headroom: keys come in bursts)."""
@@ -301,10 +320,7 @@ class AllocatorFragmentationDetector(Declared):
                 d[name] = resized(d[name], cap, 0)
         self.ts0, self.ts1, self.node = resized(self.ts0, cap, 0.0), resized(self.ts1, cap, 0.0), resized(self.node, cap, 0)
         if self.R:
-            self.bn, self.bts = resized(self.bn, cap, 0, 1), resized(self.bts, cap, 0.0, 1)
-            for d in (self.bi, self.bv):
-                for name in d:
-                    d[name] = resized(d[name], cap, 0, 1)
+            self.ring.widen(cap)
 
     def _fit_jobs(self) -> None:
         """Per job number: start + warm-up from the snapshot (NaN: none, its rows all count)."""
@@ -448,7 +464,7 @@ class AllocatorFragmentationDetector(Declared):
             drop = np.isin(self.keys.job_of[: self.keys.n], [self.keys.job_ids[j] for j in jobs if j in self.keys.job_ids])
             self.n[: self.keys.n][drop] = 0
             if self.R:
-                self.bn[:, : self.keys.n][:, drop] = 0
+                self.ring["n"][:, : self.keys.n][:, drop] = 0
         if rows.height == 0:
             return
         self._load(_build(_values(rows)))
@@ -522,7 +538,7 @@ class AllocatorFragmentationDetector(Declared):
             return
         if self.R:
             # A key may hold block entries and no count only if they were never counted.
-            live = np.union1d(live, np.flatnonzero(self.bn[:, :K].any(axis=0)))
+            live = np.union1d(live, np.flatnonzero(self.ring["n"][:, :K].any(axis=0)))
         self.keys.keep(live)
         self.n = self.n[live].copy()
         for d in (self.i, self.v):
@@ -530,10 +546,7 @@ class AllocatorFragmentationDetector(Declared):
                 d[name] = d[name][live].copy()
         self.ts0, self.ts1, self.node = self.ts0[live].copy(), self.ts1[live].copy(), self.node[live].copy()
         if self.R:
-            self.bn, self.bts = self.bn[:, live].copy(), self.bts[:, live].copy()
-            for d in (self.bi, self.bv):
-                for name in d:
-                    d[name] = d[name][:, live].copy()
+            self.ring.keep(live)
 
     def _merge(self, r: _Rows) -> None:
         """Fold rows (included ones) into the keys' counts and oldest / newest samples
@@ -587,47 +600,35 @@ class AllocatorFragmentationDetector(Declared):
             sel = None if lo_b == top else np.flatnonzero(b == bb)
             s = bb % self.R
             kk, rows = _pick(k, sel), _pick(first, sel) if first is not None else sel
-            bn = self.bn[s]
-            had = bn[kk] > 0
-            earlier = ~had | (_pick(r.ts, rows) < self.bts[s][kk])
+            e = {name: a[s] for name, a in self.ring.a.items()}  # block bb's entries (views)
+            had = e["n"][kk] > 0
+            earlier = ~had | (_pick(r.ts, rows) < e["ts"][kk])
             if earlier.any():
                 ke, fe = _where(earlier, kk, rows)
-                self.bts[s][ke] = _pick(r.ts, fe)
-                self.bi["gap"][s][ke], self.bv["gap"][s][ke] = _pick(r.gap, fe), _pick(r.gapv, fe)
-                self.bi["retries"][s][ke], self.bv["retries"][s][ke] = _pick(r.retries, fe), _pick(r.retriesv, fe)
+                e["ts"][ke] = _pick(r.ts, fe)
+                e["gap"][ke], e["gap_ok"][ke] = _pick(r.gap, fe), _pick(r.gapv, fe)
+                e["retries"][ke], e["retries_ok"][ke] = _pick(r.retries, fe), _pick(r.retriesv, fe)
             q, qv = _pick(req, sel), _pick(anyv, sel)
-            old, oldv = self.bi["req"][s][kk], self.bv["req"][s][kk] & had
-            self.bi["req"][s][kk] = np.where(oldv & qv, np.maximum(old, q), np.where(oldv, old, q))
-            self.bv["req"][s][kk] = oldv | qv
-            bn[kk] += _pick(cnt, sel)
+            old, oldv = e["req"][kk], e["req_ok"][kk] & had
+            e["req"][kk] = np.where(oldv & qv, np.maximum(old, q), np.where(oldv, old, q))
+            e["req_ok"][kk] = oldv | qv
+            e["n"][kk] += _pick(cnt, sel)
 
     def _grow_ring(self, slots: int) -> None:
         """Rows from further ahead than the ring reaches (a clock ahead): a longer ring."""
-        old_r = self.R
-        held = list(range(self.lo, self.hi + 1))
-
-        def relay(a: np.ndarray) -> np.ndarray:
-            out = np.zeros((slots, a.shape[1]), a.dtype)
-            for b in held:
-                out[b % slots] = a[b % old_r]
-            return out
-
-        self.bn, self.bts = relay(self.bn), relay(self.bts)
-        for d in (self.bi, self.bv):
-            for name in d:
-                d[name] = relay(d[name])
-        self.R = slots
+        self.ring.relay(slots, range(self.lo, self.hi + 1))
 
     def _evict(self, lo: int) -> np.ndarray | None:
         """Drop the blocks below `lo`; per key, the rows they held (None: none left)."""
         if lo <= self.lo:
             return None
         gone = None
+        bn = self.ring["n"]
         for b in range(self.lo, min(lo, self.hi + 1)):
             s = b % self.R
-            cnt = self.bn[s, : self.keys.n]
+            cnt = bn[s, : self.keys.n]
             gone = cnt.astype(np.int64) if gone is None else gone + cnt
-            self.bn[s] = 0
+            self.ring.clear_blocks([b], names=["n"])
         self.lo = lo
         self.hi = max(self.hi, lo - 1)
         return gone
@@ -651,12 +652,12 @@ class AllocatorFragmentationDetector(Declared):
         todo = lost
         for b in range(self.lo, self.hi + 1):
             s = b % self.R
-            here = self.bn[s, todo] > 0
+            here = self.ring["n"][s, todo] > 0
             k = todo[here]
             if k.size:
-                self.ts0[k] = self.bts[s, k]
+                self.ts0[k] = self.ring["ts"][s, k]
                 for name, state in (("gap", "gap0"), ("retries", "retries0")):
-                    self.i[state][k], self.v[state][k] = self.bi[name][s, k], self.bv[name][s, k]
+                    self.i[state][k], self.v[state][k] = self.ring[name][s, k], self.ring[f"{name}_ok"][s, k]
                 todo = todo[~here]
             if todo.size == 0:
                 break
@@ -737,8 +738,8 @@ class AllocatorFragmentationDetector(Declared):
         if self.R:
             # The step's recurring large request (what a step allocates above its live floor)
             # over the look-back: the max of each block's max.
-            held = (self.bn[:, ks] > 0) & self.bv["req"][:, ks]
-            req = np.where(held, self.bi["req"][:, ks], _MIN).max(axis=0)
+            held = (self.ring["n"][:, ks] > 0) & self.ring["req_ok"][:, ks]
+            req = np.where(held, self.ring["req"][:, ks], _MIN).max(axis=0)
             per_rank = per_rank.with_columns(pl.Series("step_request", ints(req, held.any(axis=0)), pl.Int64))
         per_rank = per_rank.sort(["job", "gap", "rank"], descending=[False, True, False])  # rank breaks ties: same input, same finding
         if not self.R:
