@@ -433,11 +433,13 @@ class KeyIndex:
         self.run: slice | None = None  # the last frame's numbers, when they are lo, lo + 1, ... (a slice of the arrays)
         self._last: tuple[pl.DataFrame, np.ndarray, bool, slice | None] | None = None
 
-    def index(self, keys: pl.DataFrame, shape: bool = True) -> np.ndarray:
+    def index(self, keys: pl.DataFrame, shape: bool = True, cache: bool = True) -> np.ndarray:
         """Number of each row's key; keys not seen before are appended. `shape`: also tell
-        whether each key came once (`unique`) and the slice the numbers form (`run`)."""
+        whether each key came once (`unique`) and the slice the numbers form (`run`). `cache`
+        False: a one-off frame (a rebuild's rows, rows leaving), neither compared with the last
+        frame nor replacing it (appending keys leaves the numbers of known ones as they were)."""
         last = self._last
-        if last is not None and last[0].height == keys.height and all(last[0][c].equals(keys[c]) for c in self.cols):
+        if cache and last is not None and last[0].height == keys.height and all(last[0][c].equals(keys[c]) for c in self.cols):
             self.unique, self.run = last[2], last[3]
             return last[1]
         k = self._join(keys)
@@ -449,12 +451,14 @@ class KeyIndex:
             k = self._join(keys)
         idx = k.to_numpy()
         if not shape:
-            self._last = None
+            if cache:
+                self._last = None
             return idx
         self.unique = bool(keys.height < 2 or not keys.is_duplicated().any())
         step = np.diff(idx)
         self.run = slice(int(idx[0]), int(idx[-1]) + 1) if idx.size and bool((step == 1).all()) else None
-        self._last = (keys, idx, self.unique, self.run)
+        if cache:
+            self._last = (keys, idx, self.unique, self.run)
         return idx
 
     def _join(self, keys: pl.DataFrame) -> pl.Series:

@@ -1,12 +1,15 @@
 """incremental.BlockRing, the ring of per-block arrays under fragmentation_allocator's block mode
 and oom_device's bucket maxima: which block each row holds as the ring advances, is emptied or
-is relayed into a longer ring, and keys added, emptied and dropped."""
+is relayed into a longer ring, and keys added, emptied and dropped. And KeyIndex's one-off
+frames (`cache=False`, fragmentation_allocator's rebuilds and leaving rows): numbered like any
+other, without displacing the tick's remembered frame."""
 
 from __future__ import annotations
 
 import numpy as np
+import polars as pl
 
-from gpuvigil.detectors.incremental import BlockRing
+from gpuvigil.detectors.incremental import BlockRing, KeyIndex
 
 
 def ring(length: int = 4, keys: int = 3) -> BlockRing:
@@ -56,3 +59,18 @@ def test_relay_moves_the_held_blocks_into_a_ring_of_another_length():
     assert r.length == 5
     assert r["n"][:, 0].tolist() == [5, 6, 0, 0, 4]
     assert np.isnan(r["v"]).all()
+
+
+def test_a_one_off_frame_is_numbered_and_leaves_the_remembered_frame_alone():
+    idx = KeyIndex({"job": pl.Utf8(), "rank": pl.Int64()})
+    tick = pl.DataFrame({"job": ["a", "a", "b"], "rank": [0, 1, 0]}, schema={"job": pl.Utf8, "rank": pl.Int64})
+    assert idx.index(tick).tolist() == [0, 1, 2] and idx.run == slice(0, 3)
+    remembered = idx._last
+    once = pl.DataFrame({"job": ["c", "a", "c"], "rank": [5, 1, 5]}, schema={"job": pl.Utf8, "rank": pl.Int64})
+    assert idx.index(once, shape=False, cache=False).tolist() == [3, 1, 3]
+    assert idx._last is remembered and idx.n == 4
+    assert idx.index(once, shape=False, cache=False).tolist() == [3, 1, 3] and idx.n == 4
+    assert idx.index(tick).tolist() == [0, 1, 2]
+    # Without cache=False a frame replaces the remembered one (shape=False: none is kept).
+    idx.index(once, shape=False)
+    assert idx._last is None
