@@ -10,8 +10,8 @@ Signature of fragmentation in PyTorch's caching allocator, per rank, all from `a
 It is a ticket (it costs memory and time, and is cured by `expandable_segments:True`); the OOM
 predictor pages when it is heading for an OOM.
 
-State, per (job, rank), in numpy arrays indexed by a key number (`_Keys`: one polars join of a
-tick's (job, rank, node) against a table of known triples, skipped when the tick's key columns
+State, per (job, rank), in numpy arrays indexed by a key number (`_Keys`: incremental.KeyIndex
+numbers of (job, rank), node and job, one polars join each, skipped when the tick's key columns
 equal the previous tick's): the sample count of its look-back, its oldest sample (ts, gap,
 retries) and its newest (ts, gap, split, retries, largest free block, capacity, node, gpu),
 oldest and newest by ts (ties: the earlier / the later arrival). Byte values are int64 with a
@@ -22,7 +22,7 @@ is a mask over all keys, and Finding objects are built for the keys that pass al
 With `lookback_blocks` (the default) the look-back starts at the start of the block of
 B = window_seconds / lookback_blocks seconds holding now - window_seconds, and each key's rows are
 also kept per block: count, oldest sample and the max of the step's request, in a ring of
-(blocks, keys) arrays indexed by block number modulo the ring's length. A whole block leaves at
+(blocks, keys) arrays indexed by block number modulo the ring's length (incremental.BlockRing). A whole block leaves at
 once (its counts are subtracted; a key that lost its oldest block takes the oldest sample of its
 next one), so the window keeps only `block_slack_seconds` of rows. With lookback_blocks = 0 rows
 leave one at a time: they are read from the window (which keeps the look-back + 30 s), as is
@@ -46,7 +46,7 @@ from pydantic import BaseModel, Field
 
 from gpuvigil.detectors.base import HISTORY, Declared, DetectorSpec
 from gpuvigil.detectors.common import rank_at, settings
-from gpuvigil.detectors.incremental import KEYS, SlidingRows, edges_from_rows, resized
+from gpuvigil.detectors.incremental import KEYS, BlockRing, KeyIndex, SlidingRows, edges_from_rows, resized
 from gpuvigil.model import Finding, FindingKind, Severity
 from gpuvigil.window import Window
 
@@ -74,6 +74,14 @@ class FragmentationAllocatorConfig(BaseModel):
 
 # Per (job, rank): the oldest sample's gap and retries, the newest sample's values (by ts).
 FIRST = ["gap", "retries"]
+# Per (job, rank) and block (block mode): count, oldest sample (ts, gap, retries), the max of the
+# step's request, each int64 with its validity.
+RING_FIELDS: dict[str, tuple[type, float | int | bool]] = {
+    "n": (np.int32, 0),
+    "ts": (np.float64, 0.0),
+    **{name: (np.int64, 0) for name in ("gap", "retries", "req")},
+    **{f"{name}_ok": (np.bool_, False) for name in ("gap", "retries", "req")},
+}
 LAST = ["gap", "split", "retries", "largest_free", "capacity", "node", "gpu"]
 
 
@@ -109,74 +117,58 @@ def _ints(s: pl.Series) -> tuple[np.ndarray, np.ndarray]:
 
 
 class _Keys:
-    """(job, rank) -> key number, and each row's node -> an index into `nodes`.
-
-    A tick's rows usually carry the same keys in the same order as the previous tick's: then the
-    previous answer is reused (a comparison of three series, no join)."""
+    """(job, rank) -> key number, each row's node -> a node number, and each key's job number,
+    all incremental.KeyIndex numbers. A tick's fresh rows usually carry the same keys in the same
+    order as the previous tick's: then the previous answer is reused (no join)."""
 
     def __init__(self) -> None:
-        self.table = pl.DataFrame(schema={"job": pl.Utf8, "rank": pl.Int64, "node": pl.Utf8, "_k": pl.Int64, "_n": pl.Int64})
-        self.ids: dict[tuple[Any, Any], int] = {}
-        self.names: list[tuple[Any, Any]] = []  # key number -> (job, rank)
-        self.nodes: list[Any] = []
-        self.node_ids: dict[Any, int] = {}
-        self.jobs: list[Any] = []  # job number -> name
-        self.job_ids: dict[Any, int] = {}
+        self.pairs = KeyIndex({"job": pl.Utf8(), "rank": pl.Int64()})
+        self.node_index = KeyIndex({"node": pl.Utf8()})
+        self.job_index = KeyIndex({"job": pl.Utf8()})
         self.job_of = np.zeros(0, np.int64)  # key number -> job number
-        self._last: tuple[pl.Series, pl.Series, pl.Series, np.ndarray, np.ndarray] | None = None
 
     @property
     def n(self) -> int:
-        return len(self.names)
+        return self.pairs.n
+
+    @property
+    def jobs(self) -> pl.Series:
+        """Job number -> name."""
+        return self.job_index.table["job"]
+
+    def names(self, ks: np.ndarray) -> tuple[list[Any], list[Any]]:
+        """The jobs and ranks of key numbers `ks`."""
+        t = self.pairs.table[ks]
+        return t["job"].to_list(), t["rank"].to_list()
+
+    def nodes(self, ns: np.ndarray) -> list[Any]:
+        """The names of node numbers `ns`."""
+        return self.node_index.table["node"].gather(ns).to_list()
+
+    def job_numbers(self, jobs: list[Any]) -> np.ndarray:
+        """The number of each job (-1: none of its rows were seen)."""
+        got = pl.DataFrame({"job": jobs}, schema={"job": pl.Utf8}).join(self.job_index.table, on="job", how="left", maintain_order="left", nulls_equal=True)
+        return got["_k"].fill_null(-1).to_numpy()
 
     def index(self, job: pl.Series, rank: pl.Series, node: pl.Series, cache: bool = False) -> tuple[np.ndarray, np.ndarray]:
-        """Key number and node index of each row; `cache`: a tick's fresh rows (compared with
+        """Key number and node number of each row; `cache`: a tick's fresh rows (compared with
         the previous fresh rows next time)."""
-        last = self._last
-        if cache and last is not None and last[0].len() == job.len() and last[0].equals(job) and last[1].equals(rank) and last[2].equals(node):
-            return last[3], last[4]
-        df = pl.DataFrame([job.cast(pl.Utf8).alias("job"), rank.cast(pl.Int64).alias("rank"), node.cast(pl.Utf8).alias("node")])
-        got = df.join(self.table, on=["job", "rank", "node"], how="left", maintain_order="left", nulls_equal=True)
-        if got["_k"].null_count():
-            new = got.filter(pl.col("_k").is_null()).select("job", "rank", "node").unique(maintain_order=True)
-            ks, ns = [], []
-            for j, r, nd in new.iter_rows():
-                k = self.ids.get((j, r))
-                if k is None:
-                    k = self.ids[(j, r)] = len(self.names)
-                    self.names.append((j, r))
-                    jn = self.job_ids.get(j)
-                    if jn is None:
-                        jn = self.job_ids[j] = len(self.jobs)
-                        self.jobs.append(j)
-                    if len(self.job_of) < len(self.names):
-                        self.job_of = resized(self.job_of, max(len(self.names), 2 * len(self.job_of), 64), 0)
-                    self.job_of[k] = jn
-                ni = self.node_ids.get(nd)
-                if ni is None:
-                    ni = self.node_ids[nd] = len(self.nodes)
-                    self.nodes.append(nd)
-                ks.append(k)
-                ns.append(ni)
-            self.table = pl.concat([self.table, new.with_columns(pl.Series("_k", ks, pl.Int64), pl.Series("_n", ns, pl.Int64))], how="vertical_relaxed")
-            got = df.join(self.table, on=["job", "rank", "node"], how="left", maintain_order="left", nulls_equal=True)
-        k, ni = got["_k"].to_numpy(), got["_n"].to_numpy()
-        if cache:
-            self._last = (job, rank, node, k, ni)
+        have = self.pairs.n
+        k = self.pairs.index(pl.DataFrame([job.cast(pl.Utf8).alias("job"), rank.cast(pl.Int64).alias("rank")]), shape=cache, cache=cache)
+        ni = self.node_index.index(pl.DataFrame([node.cast(pl.Utf8).alias("node")]), shape=cache, cache=cache)
+        if self.pairs.n > have:
+            jn = self.job_index.index(self.pairs.table.slice(have).select("job"), shape=False, cache=False)
+            if self.job_of.size < self.pairs.n:
+                self.job_of = resized(self.job_of, max(self.pairs.n, 2 * self.job_of.size, 64), 0)
+            self.job_of[have : self.pairs.n] = jn
         return k, ni
 
     def keep(self, live: np.ndarray) -> np.ndarray:
         """Renumber: only keys `live` (ascending) stay, as 0..len-1; returns old -> new (-1 gone)."""
-        remap = np.full(self.n, -1, np.int64)
-        remap[live] = np.arange(live.size)
-        self.names = [self.names[i] for i in live.tolist()]
-        self.ids = {name: i for i, name in enumerate(self.names)}
+        mask = np.zeros(self.n, bool)
+        mask[live] = True
         self.job_of = self.job_of[live].copy()
-        t = self.table
-        new_k = remap[t["_k"].to_numpy()]
-        self.table = t.with_columns(pl.Series("_k", new_k, pl.Int64)).filter(pl.col("_k") >= 0)
-        self._last = None
-        return remap
+        return self.pairs.keep(mask)
 
 
 class _Rows:
@@ -280,14 +272,25 @@ class AllocatorFragmentationDetector(Declared):
         self.node = np.zeros(cap, np.int64)
         self.job_start = np.zeros(0)  # per job number: start + warm-up, NaN: no start
         self._jobs_set = 0  # job numbers below this have their start in job_start
-        # Block ring: (slots, keys); a slot holds block b where b % slots == slot, for b in
-        # [lo, hi]; a count of 0 is an empty entry.
-        self.R = self.config.lookback_blocks + 1 if self.B > 0 else 0
+        # Block ring: it holds blocks [lo, hi]; a count ("n") of 0 is an empty entry (the other
+        # fields of an entry are read only where its count is not). "<field>_ok": validity.
+        self.ring = BlockRing(self.config.lookback_blocks + 1 if self.B > 0 else 0, RING_FIELDS, cap)
         self.lo, self.hi = 0, -1
-        self.bn = np.zeros((self.R, cap), np.int32)
-        self.bts = np.zeros((self.R, cap))
-        self.bi = {name: np.zeros((self.R, cap), np.int64) for name in ("gap", "retries", "req")}
-        self.bv = {name: np.zeros((self.R, cap), bool) for name in ("gap", "retries", "req")}
+
+    @property
+    def R(self) -> int:
+        """The ring's length (0: no blocks, rows leave one at a time)."""
+        return self.ring.length
+
+    @property
+    def bn(self) -> np.ndarray:
+        """(blocks, keys): the rows each block holds of each key (the ring's counts)."""
+        return self.ring["n"]
+
+    @property
+    def bi(self) -> dict[str, np.ndarray]:
+        """(blocks, keys) int64: each block's oldest gap and retries and its largest request."""
+        return {name: self.ring[name] for name in ("gap", "retries", "req")}
 
     def _fit_keys(self) -> None:
         """Arrays sized for every key number (1/4 headroom: keys come in bursts)."""
@@ -301,38 +304,35 @@ class AllocatorFragmentationDetector(Declared):
                 d[name] = resized(d[name], cap, 0)
         self.ts0, self.ts1, self.node = resized(self.ts0, cap, 0.0), resized(self.ts1, cap, 0.0), resized(self.node, cap, 0)
         if self.R:
-            self.bn, self.bts = resized(self.bn, cap, 0, 1), resized(self.bts, cap, 0.0, 1)
-            for d in (self.bi, self.bv):
-                for name in d:
-                    d[name] = resized(d[name], cap, 0, 1)
+            self.ring.widen(cap)
 
     def _fit_jobs(self) -> None:
         """Per job number: start + warm-up from the snapshot (NaN: none, its rows all count)."""
-        have, need = self._jobs_set, len(self.keys.jobs)
+        have, need = self._jobs_set, self.keys.job_index.n
         if have < need:
             if self.job_start.shape[0] < need:
                 self.job_start = resized(self.job_start, max(need, 2 * self.job_start.shape[0], 16), np.nan)
             starts = self._starts or {}
-            for jn in range(have, need):
-                s = starts.get(self.keys.jobs[jn])
+            for jn, job in enumerate(self.keys.jobs.slice(have, need - have).to_list(), start=have):
+                s = starts.get(job)
                 self.job_start[jn] = np.nan if s is None else s + self.config.warmup_seconds
             self._jobs_set = need
 
     def _set_starts(self, starts: dict[Any, float | None]) -> None:
         self._starts = starts
         w = self.config.warmup_seconds
-        self.job_start = np.array([np.nan if (s := starts.get(j)) is None else s + w for j in self.keys.jobs], dtype=np.float64)
-        self._jobs_set = len(self.keys.jobs)
+        self.job_start = np.array([np.nan if (s := starts.get(j)) is None else s + w for j in self.keys.jobs.to_list()], dtype=np.float64)
+        self._jobs_set = self.keys.job_index.n
 
     @property
     def _state(self) -> pl.DataFrame:
         """The per-key state as a polars frame (for tests and debugging; the detector never reads it)."""
         live = np.flatnonzero(self.n[: self.keys.n] > 0)
-        names = [self.keys.names[i] for i in live.tolist()]
+        jobs, ranks = self.keys.names(live)
         return pl.DataFrame(
             {
-                "job": [j for j, _ in names],
-                "rank": [r for _, r in names],
+                "job": jobs,
+                "rank": ranks,
                 "n": self.n[live],
                 "ts_first": self.ts0[live],
                 "gap_first": self._col("gap0", live),
@@ -341,7 +341,7 @@ class AllocatorFragmentationDetector(Declared):
                 **{f"{c}_last": self._col(c, live) for c in ("gap", "split", "retries")},
                 "largest_free_last": self._col("lf", live),
                 "capacity_last": self._col("cap", live),
-                "node_last": [self.keys.nodes[x] for x in self.node[live].tolist()],
+                "node_last": self.keys.nodes(self.node[live]),
                 "gpu_last": self._col("gpu", live),
             },
             schema_overrides={"job": pl.Utf8, "rank": pl.Int64},
@@ -445,10 +445,11 @@ class AllocatorFragmentationDetector(Declared):
         self._fit_jobs()
         if jobs is not None:
             # The state reported until now for these jobs goes; their rows are read again.
-            drop = np.isin(self.keys.job_of[: self.keys.n], [self.keys.job_ids[j] for j in jobs if j in self.keys.job_ids])
+            numbers = self.keys.job_numbers(jobs)
+            drop = np.isin(self.keys.job_of[: self.keys.n], numbers[numbers >= 0])
             self.n[: self.keys.n][drop] = 0
             if self.R:
-                self.bn[:, : self.keys.n][:, drop] = 0
+                self.ring["n"][:, : self.keys.n][:, drop] = 0
         if rows.height == 0:
             return
         self._load(_build(_values(rows)))
@@ -508,7 +509,7 @@ class AllocatorFragmentationDetector(Declared):
             # A new start for a job already holding rows: its warm-up rows leave (SlidingRows).
             live = self.keys.job_of[: self.keys.n][self.n[: self.keys.n] > 0]
             holding = set(np.unique(live).tolist())
-            changed = changed + [j for j in appeared if self.keys.job_ids.get(j, -1) in holding]
+            changed = changed + [j for j, jn in zip(appeared, self.keys.job_numbers(appeared).tolist(), strict=True) if jn in holding]
         if changed:
             self._rebuild(window, changed)
         self._compact()
@@ -522,7 +523,7 @@ class AllocatorFragmentationDetector(Declared):
             return
         if self.R:
             # A key may hold block entries and no count only if they were never counted.
-            live = np.union1d(live, np.flatnonzero(self.bn[:, :K].any(axis=0)))
+            live = np.union1d(live, np.flatnonzero(self.ring["n"][:, :K].any(axis=0)))
         self.keys.keep(live)
         self.n = self.n[live].copy()
         for d in (self.i, self.v):
@@ -530,10 +531,7 @@ class AllocatorFragmentationDetector(Declared):
                 d[name] = d[name][live].copy()
         self.ts0, self.ts1, self.node = self.ts0[live].copy(), self.ts1[live].copy(), self.node[live].copy()
         if self.R:
-            self.bn, self.bts = self.bn[:, live].copy(), self.bts[:, live].copy()
-            for d in (self.bi, self.bv):
-                for name in d:
-                    d[name] = d[name][:, live].copy()
+            self.ring.keep(live)
 
     def _merge(self, r: _Rows) -> None:
         """Fold rows (included ones) into the keys' counts and oldest / newest samples
@@ -587,47 +585,35 @@ class AllocatorFragmentationDetector(Declared):
             sel = None if lo_b == top else np.flatnonzero(b == bb)
             s = bb % self.R
             kk, rows = _pick(k, sel), _pick(first, sel) if first is not None else sel
-            bn = self.bn[s]
-            had = bn[kk] > 0
-            earlier = ~had | (_pick(r.ts, rows) < self.bts[s][kk])
+            e = {name: a[s] for name, a in self.ring.a.items()}  # block bb's entries (views)
+            had = e["n"][kk] > 0
+            earlier = ~had | (_pick(r.ts, rows) < e["ts"][kk])
             if earlier.any():
                 ke, fe = _where(earlier, kk, rows)
-                self.bts[s][ke] = _pick(r.ts, fe)
-                self.bi["gap"][s][ke], self.bv["gap"][s][ke] = _pick(r.gap, fe), _pick(r.gapv, fe)
-                self.bi["retries"][s][ke], self.bv["retries"][s][ke] = _pick(r.retries, fe), _pick(r.retriesv, fe)
+                e["ts"][ke] = _pick(r.ts, fe)
+                e["gap"][ke], e["gap_ok"][ke] = _pick(r.gap, fe), _pick(r.gapv, fe)
+                e["retries"][ke], e["retries_ok"][ke] = _pick(r.retries, fe), _pick(r.retriesv, fe)
             q, qv = _pick(req, sel), _pick(anyv, sel)
-            old, oldv = self.bi["req"][s][kk], self.bv["req"][s][kk] & had
-            self.bi["req"][s][kk] = np.where(oldv & qv, np.maximum(old, q), np.where(oldv, old, q))
-            self.bv["req"][s][kk] = oldv | qv
-            bn[kk] += _pick(cnt, sel)
+            old, oldv = e["req"][kk], e["req_ok"][kk] & had
+            e["req"][kk] = np.where(oldv & qv, np.maximum(old, q), np.where(oldv, old, q))
+            e["req_ok"][kk] = oldv | qv
+            e["n"][kk] += _pick(cnt, sel)
 
     def _grow_ring(self, slots: int) -> None:
         """Rows from further ahead than the ring reaches (a clock ahead): a longer ring."""
-        old_r = self.R
-        held = list(range(self.lo, self.hi + 1))
-
-        def relay(a: np.ndarray) -> np.ndarray:
-            out = np.zeros((slots, a.shape[1]), a.dtype)
-            for b in held:
-                out[b % slots] = a[b % old_r]
-            return out
-
-        self.bn, self.bts = relay(self.bn), relay(self.bts)
-        for d in (self.bi, self.bv):
-            for name in d:
-                d[name] = relay(d[name])
-        self.R = slots
+        self.ring.relay(slots, range(self.lo, self.hi + 1))
 
     def _evict(self, lo: int) -> np.ndarray | None:
         """Drop the blocks below `lo`; per key, the rows they held (None: none left)."""
         if lo <= self.lo:
             return None
         gone = None
+        bn = self.ring["n"]
         for b in range(self.lo, min(lo, self.hi + 1)):
             s = b % self.R
-            cnt = self.bn[s, : self.keys.n]
+            cnt = bn[s, : self.keys.n]
             gone = cnt.astype(np.int64) if gone is None else gone + cnt
-            self.bn[s] = 0
+            self.ring.clear_blocks([b], names=["n"])
         self.lo = lo
         self.hi = max(self.hi, lo - 1)
         return gone
@@ -635,15 +621,15 @@ class AllocatorFragmentationDetector(Declared):
     def _refresh_first(self, window: Window, lost: np.ndarray) -> None:
         """Keys that lost their oldest rows take their oldest remaining one."""
         if not self.R:
-            names = [self.keys.names[i] for i in lost.tolist()]
-            keys = pl.DataFrame({"job": [j for j, _ in names], "rank": [r for _, r in names]}, schema={"job": pl.Utf8, "rank": pl.Int64})
+            jobs, ranks = self.keys.names(lost)
+            keys = pl.DataFrame({"job": jobs, "rank": ranks}, schema={"job": pl.Utf8, "rank": pl.Int64})
             df = window.get(STREAM)
             keys = keys.cast({"rank": df.schema["rank"]}) if "rank" in df.schema else keys
             got = self._rows.first_rows(window, keys, {"gap": pl.col("reserved_bytes") - pl.col("peak_allocated_bytes"), "retries": pl.col("alloc_retries")})
             got = got.filter(pl.col("_f_ts").is_not_null())
             if got.height == 0:
                 return
-            k = np.array([self.keys.ids[(j, r)] for j, r in zip(got["job"].to_list(), got["rank"].to_list(), strict=True)], np.int64)
+            k = self.keys.pairs.index(got.select(pl.col("job").cast(pl.Utf8), pl.col("rank").cast(pl.Int64)), shape=False, cache=False)
             self.ts0[k] = got["_f_ts"].to_numpy()
             self.i["gap0"][k], self.v["gap0"][k] = _ints(got["_f_gap"])
             self.i["retries0"][k], self.v["retries0"][k] = _ints(got["_f_retries"])
@@ -651,12 +637,12 @@ class AllocatorFragmentationDetector(Declared):
         todo = lost
         for b in range(self.lo, self.hi + 1):
             s = b % self.R
-            here = self.bn[s, todo] > 0
+            here = self.ring["n"][s, todo] > 0
             k = todo[here]
             if k.size:
-                self.ts0[k] = self.bts[s, k]
+                self.ts0[k] = self.ring["ts"][s, k]
                 for name, state in (("gap", "gap0"), ("retries", "retries0")):
-                    self.i[state][k], self.v[state][k] = self.bi[name][s, k], self.bv[name][s, k]
+                    self.i[state][k], self.v[state][k] = self.ring[name][s, k], self.ring[f"{name}_ok"][s, k]
                 todo = todo[~here]
             if todo.size == 0:
                 break
@@ -711,7 +697,7 @@ class AllocatorFragmentationDetector(Declared):
         ks = self._fragmented()
         if ks.size == 0:
             return []
-        names = [self.keys.names[k] for k in ks.tolist()]
+        jobs, ranks = self.keys.names(ks)
         i = {k: a[ks] for k, a in self.i.items()}
         v = {k: a[ks] for k, a in self.v.items()}
 
@@ -720,8 +706,8 @@ class AllocatorFragmentationDetector(Declared):
 
         per_rank = pl.DataFrame(
             {
-                "job": [j for j, _ in names],
-                "rank": [r for _, r in names],
+                "job": jobs,
+                "rank": ranks,
                 "n": self.n[ks],
                 "gap": i["gap"],
                 "gap0": i["gap0"],
@@ -729,7 +715,7 @@ class AllocatorFragmentationDetector(Declared):
                 "retries": i["retries"] - i["retries0"],
                 "largest_free": ints(i["lf"], v["lf"]),
                 "capacity": i["cap"],
-                "node": [self.keys.nodes[x] for x in self.node[ks].tolist()],
+                "node": self.keys.nodes(self.node[ks]),
                 "gpu": ints(i["gpu"], v["gpu"]),
             },
             schema_overrides={"job": pl.Utf8, "rank": pl.Int64, "largest_free": pl.Int64, "node": pl.Utf8, "gpu": pl.Int64},
@@ -737,8 +723,8 @@ class AllocatorFragmentationDetector(Declared):
         if self.R:
             # The step's recurring large request (what a step allocates above its live floor)
             # over the look-back: the max of each block's max.
-            held = (self.bn[:, ks] > 0) & self.bv["req"][:, ks]
-            req = np.where(held, self.bi["req"][:, ks], _MIN).max(axis=0)
+            held = (self.ring["n"][:, ks] > 0) & self.ring["req_ok"][:, ks]
+            req = np.where(held, self.ring["req"][:, ks], _MIN).max(axis=0)
             per_rank = per_rank.with_columns(pl.Series("step_request", ints(req, held.any(axis=0)), pl.Int64))
         per_rank = per_rank.sort(["job", "gap", "rank"], descending=[False, True, False])  # rank breaks ties: same input, same finding
         if not self.R:

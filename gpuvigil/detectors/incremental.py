@@ -18,7 +18,7 @@ arrival; for rows that arrive in time order this is the window's arrival order.
 Block mode (`blocks` > 0, for memory at 100,000 GPUs): the look-back's far edge moves in
 steps of B = W / blocks seconds. The rows read are those with ts >= lo = floor((now - W) / B) * B
 (between W and W + B seconds back), and the detector keeps per-(job, rank) aggregates of each
-block [kB, (k+1)B) of its look-back (oom: `BlockSums`; fragmentation_allocator: a ring of per-block arrays)
+block [kB, (k+1)B) of its look-back (oom: `BlockSums`; fragmentation_allocator: `BlockRing`)
 instead of reading rows leaving it from the window: a whole block leaves at once, when lo passes
 its end. So the window needs to keep only
 the rows the detector still reads raw (its `reach`: e.g. the OOM fit's late half), not the whole
@@ -26,6 +26,7 @@ look-back. A rebuild reads the look-back's rows from the window, as many as it s
 
 The per-key state the detectors keep is built from the helpers here, each once: key numbers
 (`KeyIndex`), the recent rows of each key in a ring (`KeyRing`), per-block sums (`BlockSums`),
+per-block arrays in a ring (`BlockRing`),
 each slot's samples in time order (`SlotSamples`) and arrays that gain keys (`grow`,
 `resized`, `headroom`).
 """
@@ -432,11 +433,13 @@ class KeyIndex:
         self.run: slice | None = None  # the last frame's numbers, when they are lo, lo + 1, ... (a slice of the arrays)
         self._last: tuple[pl.DataFrame, np.ndarray, bool, slice | None] | None = None
 
-    def index(self, keys: pl.DataFrame, shape: bool = True) -> np.ndarray:
+    def index(self, keys: pl.DataFrame, shape: bool = True, cache: bool = True) -> np.ndarray:
         """Number of each row's key; keys not seen before are appended. `shape`: also tell
-        whether each key came once (`unique`) and the slice the numbers form (`run`)."""
+        whether each key came once (`unique`) and the slice the numbers form (`run`). `cache`
+        False: a one-off frame (a rebuild's rows, rows leaving), neither compared with the last
+        frame nor replacing it (appending keys leaves the numbers of known ones as they were)."""
         last = self._last
-        if last is not None and last[0].height == keys.height and all(last[0][c].equals(keys[c]) for c in self.cols):
+        if cache and last is not None and last[0].height == keys.height and all(last[0][c].equals(keys[c]) for c in self.cols):
             self.unique, self.run = last[2], last[3]
             return last[1]
         k = self._join(keys)
@@ -448,12 +451,14 @@ class KeyIndex:
             k = self._join(keys)
         idx = k.to_numpy()
         if not shape:
-            self._last = None
+            if cache:
+                self._last = None
             return idx
         self.unique = bool(keys.height < 2 or not keys.is_duplicated().any())
         step = np.diff(idx)
         self.run = slice(int(idx[0]), int(idx[-1]) + 1) if idx.size and bool((step == 1).all()) else None
-        self._last = (keys, idx, self.unique, self.run)
+        if cache:
+            self._last = (keys, idx, self.unique, self.run)
         return idx
 
     def _join(self, keys: pl.DataFrame) -> pl.Series:
@@ -548,6 +553,78 @@ class BlockSums:
 
     def oldest_first(self) -> list[np.ndarray]:
         return [self.blocks[k] for k in sorted(self.blocks)]
+
+
+# --- a ring of per-block arrays ---
+
+
+class BlockRing:
+    """A look-back kept per block and key in a ring: named (length, keys) arrays (`fields`: name
+    -> (dtype, fill), the fill marking an empty entry) whose row b % length holds block b. A
+    block of every key is one contiguous row, so a block starting or leaving is one row per
+    array, and a key is a column. Which blocks the rows hold is the caller's rule: `advance`
+    keeps the `length` blocks up to the newest (emptying the rows it moves onto), `clear_blocks`
+    empties blocks that left; `relay` moves the held blocks into a ring of another length.
+
+    fragmentation_allocator keeps each (job, rank)'s per-block count, oldest sample and largest
+    request here; oom_device each GPU's per-bucket maximum of used memory and sample count.
+    """
+
+    def __init__(self, length: int, fields: dict[str, tuple[type | np.dtype, float | int | bool]], keys: int = 0) -> None:
+        self.length = int(length)
+        self.fields = {name: (np.dtype(dtype), fill) for name, (dtype, fill) in fields.items()}
+        self.top = -1  # the newest block `advance` was given
+        self.a = {name: np.full((self.length, keys), fill, dtype) for name, (dtype, fill) in self.fields.items()}
+
+    def __getitem__(self, name: str) -> np.ndarray:
+        return self.a[name]
+
+    @property
+    def keys(self) -> int:
+        return next(iter(self.a.values())).shape[1] if self.a else 0
+
+    def rows(self, lo: int, hi: int) -> np.ndarray:
+        """The ring rows of blocks lo..hi (inclusive), in block order."""
+        return np.arange(lo, hi + 1) % self.length
+
+    def widen(self, keys: int) -> None:
+        """Exactly `keys` columns (new keys empty); the caller chooses the headroom."""
+        for name, (_, fill) in self.fields.items():
+            self.a[name] = resized(self.a[name], keys, fill, axis=1)
+
+    def keep(self, live: np.ndarray) -> None:
+        """Keep the keys `live` (ascending numbers, or a mask), renumbered in order."""
+        for name in self.a:
+            self.a[name] = self.a[name][:, live]
+
+    def clear(self, keys: np.ndarray) -> None:
+        """Empty the keys `keys` (numbers or a mask) in every block."""
+        for name, (_, fill) in self.fields.items():
+            self.a[name][:, keys] = fill
+
+    def clear_blocks(self, blocks: np.ndarray | Sequence[int], names: Sequence[str] | None = None) -> None:
+        """Empty blocks (all fields, or `names` alone: the one that tells an entry is empty)."""
+        rows = np.asarray(blocks, np.int64) % self.length
+        for name in self.a if names is None else names:
+            self.a[name][rows] = self.fields[name][1]
+
+    def advance(self, block: int) -> None:
+        """Make `block` the newest: the blocks it passes start empty (the oldest ones go)."""
+        if block <= self.top:
+            return
+        self.clear_blocks(np.arange(max(self.top + 1, block - self.length + 1), block + 1))
+        self.top = block
+
+    def relay(self, length: int, held: Sequence[int]) -> None:
+        """A ring of `length` rows holding the blocks `held` (their entries moved; others empty)."""
+        old = self.length
+        for name, (dtype, fill) in self.fields.items():
+            a = self.a[name]
+            out = np.full((length, a.shape[1]), fill, dtype)
+            for b in held:
+                out[b % length] = a[b % old]
+            self.a[name] = out
+        self.length = int(length)
 
 
 # --- per-slot samples in time order (oom_device) ---

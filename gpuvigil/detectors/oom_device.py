@@ -107,7 +107,7 @@ from pydantic import BaseModel, Field, model_validator
 
 from gpuvigil.detectors.base import HISTORY, Declared, DetectorSpec
 from gpuvigil.detectors.common import allocated_gpu_retention, rank_at, settings
-from gpuvigil.detectors.incremental import SlotSamples, TickCursor, headroom, resized
+from gpuvigil.detectors.incremental import BlockRing, SlotSamples, TickCursor, headroom, resized
 from gpuvigil.model import Finding, FindingKind, Severity
 from gpuvigil.window import Window
 
@@ -713,7 +713,7 @@ def _aggregate(ts: np.ndarray, own: np.ndarray, frn: np.ndarray, n: np.ndarray, 
 class _Buckets:
     """Per slot (an allocated GPU), the upper envelope of its used memory over the longest trend
     window: the maximum of each `width`-second bucket of a grid shared by every slot (bucket b:
-    [b * width, (b + 1) * width)), in a ring of `length` buckets laid out bucket-major (a bucket
+    [b * width, (b + 1) * width)), in a ring of `length` buckets (incremental.BlockRing: a bucket
     of every slot is one contiguous row, so a new bucket clears one row and a block of buckets is
     a few rows). float32: a few kB of resolution at 150 GB, half the memory. Plus, per slot, how
     many samples each bucket got (the sample interval), the newest sample's used memory and
@@ -721,19 +721,32 @@ class _Buckets:
 
     def __init__(self, width: float, length: int) -> None:
         self.width = float(width)
-        self.length = int(length)
-        self.top = -1  # the newest bucket id the ring holds
-        self.ids = np.full(self.length, -1, np.int64)  # the bucket id each ring row holds
+        self.ring = BlockRing(length, {"vmax": (np.float32, np.nan), "cnt": (np.uint16, 0)})
         self._empty(0)
 
     def _empty(self, rows: int) -> None:
-        self.vmax = np.full((self.length, rows), np.nan, np.float32)
-        self.cnt = np.zeros((self.length, rows), np.uint16)
         self.last_ts = np.full(rows, -np.inf)
         self.idle_ts = np.full(rows, -np.inf)
         self.used = np.full(rows, np.nan)
         self.capacity = np.full(rows, np.nan)
         self.since = np.full(rows, np.inf)  # since when the trend fit has held on every evaluation
+
+    @property
+    def length(self) -> int:
+        return self.ring.length
+
+    @property
+    def top(self) -> int:
+        """The newest bucket id the ring holds."""
+        return self.ring.top
+
+    @property
+    def vmax(self) -> np.ndarray:
+        return self.ring["vmax"]
+
+    @property
+    def cnt(self) -> np.ndarray:
+        return self.ring["cnt"]
 
     @property
     def rows(self) -> int:
@@ -744,8 +757,7 @@ class _Buckets:
         if rows <= have:
             return
         rows = headroom(rows, have)
-        self.vmax = resized(self.vmax, rows, np.nan, axis=1)
-        self.cnt = resized(self.cnt, rows, 0, axis=1)
+        self.ring.widen(rows)
         self.last_ts, self.idle_ts = (resized(a, rows, -np.inf) for a in (self.last_ts, self.idle_ts))
         self.used, self.capacity = (resized(a, rows, np.nan) for a in (self.used, self.capacity))
         self.since = resized(self.since, rows, np.inf)
@@ -753,23 +765,14 @@ class _Buckets:
     def clear(self, slots: np.ndarray) -> None:
         if slots.size == 0:
             return
-        self.vmax[:, slots] = np.nan
-        self.cnt[:, slots] = 0
+        self.ring.clear(slots)
         self.last_ts[slots] = self.idle_ts[slots] = -np.inf
         self.used[slots] = self.capacity[slots] = np.nan
         self.since[slots] = np.inf
 
     def advance(self, now: float) -> None:
         """Make the bucket holding `now` the newest (the ones it passes start empty)."""
-        b = math.floor(now / self.width)
-        if b <= self.top:
-            return
-        new = np.arange(max(self.top + 1, b - self.length + 1), b + 1)
-        rows = new % self.length
-        self.vmax[rows] = np.nan
-        self.cnt[rows] = 0
-        self.ids[rows] = new
-        self.top = b
+        self.ring.advance(math.floor(now / self.width))
 
     def insert(self, k: np.ndarray, ts: np.ndarray, used: np.ndarray, capacity: np.ndarray, idle_bytes: float, idle_share: float = 0.0) -> None:
         """Fold samples in. A sample folded twice (a rebuild or refill reading the window again)
