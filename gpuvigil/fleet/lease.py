@@ -44,6 +44,7 @@ class Leases:
         self.call_timeout = max(1.0, ttl / 3)
         self.adopted = 0  # writes whose acknowledgement was lost, recognised as ours afterwards
         self.retaken = 0  # keys that expired while NATS could not be reached, taken again
+        self.lapsed: set[str] = set()  # held keys whose validity ran out while NATS did not answer
 
     async def _call(self, coro: Any, timeout: float | None = None) -> Any:
         return await asyncio.wait_for(coro, timeout or self.call_timeout)
@@ -119,9 +120,9 @@ class Leases:
                     # keeps the retries from spinning.
                     await asyncio.sleep(min(0.25, self.call_timeout / 2))
                     continue
-                if not self.valid(key) and tries > 1:
-                    log.warning("lease %s: not renewed within the TTL (%d tries in %.2fs, last: %r); paused until NATS answers",
-                                key, tries, time.monotonic() - started, exc)
+                if not self.valid(key) and key not in self.lapsed:
+                    self.lapsed.add(key)  # said once per lapse, not on every round until NATS answers
+                    log.warning("lease %s: not renewed within the TTL (last try: %r); paused until NATS answers", key, exc)
                 return self.valid(key)  # still ours: renewed (or taken again) on the next round
             now = time.monotonic()
             if now - started > self.ttl / 4 or tries > 1:
@@ -129,6 +130,7 @@ class Leases:
                 log.info("lease %s: renewed after %.2fs (%d tries, %.2fs of validity were left)", key, now - started, tries,
                          self.ttl * 0.9 - (started - self.renewed_at[key]))
             self.renewed_at[key] = now
+            self.lapsed.discard(key)
             return True
 
     async def _look(self, key: str) -> tuple[str, int | None]:
@@ -163,6 +165,7 @@ class Leases:
             return False
         log.info("lease %s: expired while NATS could not be reached; taken again (nobody else had)", key)
         self.retaken += 1
+        self.lapsed.discard(key)
         self.revision[key] = self.epoch[key] = rev
         self.renewed_at[key] = time.monotonic()
         return True
@@ -183,6 +186,7 @@ class Leases:
             log.debug("lease %s: release failed: %s", key, exc)
 
     def forget(self, key: str) -> None:
+        self.lapsed.discard(key)
         self.revision.pop(key, None)
         self.epoch.pop(key, None)
         self.renewed_at.pop(key, None)
