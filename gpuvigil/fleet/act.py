@@ -291,6 +291,19 @@ class Ledger:
                         pass
 
 
+# Imported lazily by a leader (a standby never needs them; `gpuvigil act --help` stays fast).
+_LEADER_MODULES = ("gpuvigil.alerts.pusher", "gpuvigil.api", "gpuvigil.api.app", "gpuvigil.api.auth", "gpuvigil.app.acting",
+                   "gpuvigil.fleet.hints", "gpuvigil.scheduler.slurm", "gpuvigil.scheduler.kubernetes", "gpuvigil.scheduler.remediation",
+                   "gpuvigil.scheduler.apply", "gpuvigil.exporter.metrics")
+
+
+def _import_leader_modules() -> None:
+    import importlib
+
+    for name in _LEADER_MODULES:
+        importlib.import_module(name)
+
+
 def _incident_record(doc: Any) -> dict[str, Any] | None:
     """An `incident.<id>` record as `Ledger.name_incidents` writes it (its writer left out), or
     None when `doc` is not one."""
@@ -589,6 +602,10 @@ class Act:
             self.leases = leases = Leases(await self.js.key_value(self.subjects.leases_bucket), self.id, self.fleet.lease_ttl_seconds)
             self.ledger = ledger = Ledger(await self.js.key_value(self.subjects.ledger_bucket), self.id)
             renew_every = self.fleet.lease_ttl_seconds / 4
+            # What a new leader opens (the pusher, the hint store and its API, the acting adapters)
+            # is imported now, while nothing is held: imported on taking office, it held the event
+            # loop for seconds on a loaded machine, longer than a short lease lives unrenewed.
+            await asyncio.to_thread(_import_leader_modules)
             state = {"leader": False}
 
             async def keep_lease() -> None:
@@ -599,12 +616,19 @@ class Act:
 
             lease_task = asyncio.create_task(keep_lease())
             deadline = time.monotonic() + self.args.duration if self.args.duration else None
+            term_epoch: int | None = None
             while not self.stop_event.is_set() and (deadline is None or time.monotonic() < deadline):
+                # A renewal merely late (a NATS node lost, a stream leader being elected, a starved
+                # process) pauses the leader: it acts on nothing until the lease is valid again
+                # (below), but keeps its term. The term ends only when the lease is lost (another
+                # holds it) or was taken again after it expired (another may have led meanwhile).
                 leader = state["leader"] and leases.valid(LEADER_KEY)
-                if leader and self.leader_since is None:
-                    reader = await self._take_office(ledger, leases)
-                elif not leader and self.leader_since is not None:
+                if self.leader_since is not None and (LEADER_KEY not in leases.revision or leases.epoch.get(LEADER_KEY) != term_epoch):
                     self._stand_down(reader)
+                    reader = None
+                if leader and self.leader_since is None:
+                    term_epoch = leases.epoch.get(LEADER_KEY)
+                    reader = await self._take_office(ledger, leases)
                 if self.leader_since is not None and leases.valid(LEADER_KEY):
                     now = self.clock.now
                     if math.isfinite(now) and now - self.last_tick >= self.pipeline.config.tick_seconds:

@@ -33,10 +33,15 @@ async def connect(fleet: Fleet, name: str, first_connect_seconds: float = 60.0, 
         if _refused(exc) and not refused.done():
             refused.set_result(_refused(exc))
 
+    # A server that dies without closing its connections (power lost, a partition) is noticed by
+    # unanswered pings: within about 3/4 of a lease TTL, so the replica moves to another server
+    # while its leases are still valid instead of sending renewals into a dead connection.
+    ping_every = min(5.0, max(1.0, fleet.lease_ttl_seconds / 4))
+
     async def _connect(nc: Any) -> Any:
         await nc.connect(
             servers=fleet.servers, name=name, max_reconnect_attempts=-1, reconnect_time_wait=0.5,
-            connect_timeout=2, allow_reconnect=True, error_cb=_error, ping_interval=5, max_outstanding_pings=2, **options,
+            connect_timeout=2, allow_reconnect=True, error_cb=_error, ping_interval=ping_every, max_outstanding_pings=2, **options,
         )
         return nc
 

@@ -39,10 +39,12 @@ class Leases:
         self.revision: dict[str, int] = {}
         self.epoch: dict[str, int] = {}  # key → the revision at which we took it (the fencing token)
         self.renewed_at: dict[str, float] = {}
-        # One KV round trip at most this long; a renewal retries until the lease would be invalid.
+        # One KV round trip at most this long (a request to a server that died silently is not
+        # waited out), then tried again while another fits in the lease's validity.
         self.call_timeout = max(1.0, ttl / 3)
         self.adopted = 0  # writes whose acknowledgement was lost, recognised as ours afterwards
         self.retaken = 0  # keys that expired while NATS could not be reached, taken again
+        self.lapsed: set[str] = set()  # held keys whose validity ran out while NATS did not answer
 
     async def _call(self, coro: Any, timeout: float | None = None) -> Any:
         return await asyncio.wait_for(coro, timeout or self.call_timeout)
@@ -86,14 +88,17 @@ class Leases:
         moment keeps its work instead of replaying it."""
         from nats.js.errors import KeyNotFoundError, KeyWrongLastSequenceError
 
+        started = time.monotonic()
+        tries = 0
         while True:
+            tries += 1
             rev = self.revision.get(key)
             if rev is None:
                 return False
             try:
-                # A slow answer (a loaded server, a new stream leader) is waited for as long as the
-                # lease stays valid: cutting it short only replaces it with another slow one.
-                self.revision[key] = await self._call(self.kv.update(key, self.owner.encode(), last=rev), max(self.call_timeout, self._left(key)))
+                # An update whose answer is late but that was committed is recognised on the next
+                # try (the key holds our id at a newer revision): retrying never loses the lease.
+                self.revision[key] = await self._call(self.kv.update(key, self.owner.encode(), last=rev))
             except (KeyWrongLastSequenceError, KeyNotFoundError):
                 state, ours = await self._look(key)
                 if state == "ours" and ours is not None and ours > rev:  # our last update was committed, its ack lost
@@ -109,12 +114,23 @@ class Leases:
                 self.forget(key)
                 return False
             except Exception as exc:  # noqa: BLE001 - a NATS node died, a stream leader is being elected: retry while valid
-                log.debug("lease %s: renew failed: %s", key, exc)
+                log.debug("lease %s: renew try %d failed after %.2fs: %r", key, tries, time.monotonic() - started, exc)
                 if self._left(key) > self.call_timeout:
+                    # No responders (a stream leader being elected) fails at once: a short pause
+                    # keeps the retries from spinning.
                     await asyncio.sleep(min(0.25, self.call_timeout / 2))
                     continue
-                return self.valid(key)
-            self.renewed_at[key] = time.monotonic()
+                if not self.valid(key) and key not in self.lapsed:
+                    self.lapsed.add(key)  # said once per lapse, not on every round until NATS answers
+                    log.warning("lease %s: not renewed within the TTL (last try: %r); paused until NATS answers", key, exc)
+                return self.valid(key)  # still ours: renewed (or taken again) on the next round
+            now = time.monotonic()
+            if now - started > self.ttl / 4 or tries > 1:
+                # A slow renewal is what a NATS failover costs: said, so its timing budget can be checked.
+                log.info("lease %s: renewed after %.2fs (%d tries, %.2fs of validity were left)", key, now - started, tries,
+                         self.ttl * 0.9 - (started - self.renewed_at[key]))
+            self.renewed_at[key] = now
+            self.lapsed.discard(key)
             return True
 
     async def _look(self, key: str) -> tuple[str, int | None]:
@@ -149,6 +165,7 @@ class Leases:
             return False
         log.info("lease %s: expired while NATS could not be reached; taken again (nobody else had)", key)
         self.retaken += 1
+        self.lapsed.discard(key)
         self.revision[key] = self.epoch[key] = rev
         self.renewed_at[key] = time.monotonic()
         return True
@@ -169,6 +186,7 @@ class Leases:
             log.debug("lease %s: release failed: %s", key, exc)
 
     def forget(self, key: str) -> None:
+        self.lapsed.discard(key)
         self.revision.pop(key, None)
         self.epoch.pop(key, None)
         self.renewed_at.pop(key, None)

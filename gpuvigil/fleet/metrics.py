@@ -170,7 +170,8 @@ def act_families(act: Any) -> Iterable[Any]:
     acting = getattr(act, "acting", None)
     if acting is not None:
         yield from _from_exporter(acting.families(), rid)
-    leader = act.leader_since is not None
+    # A leader whose renewal is late is paused (acts on nothing): not counted as leading meanwhile.
+    leader = act.leader_since is not None and act.leases is not None and act.leases.valid(LEADER_KEY)
     yield _gauge("gpuvigil_act_leader", "1 while this replica is the act leader (holds a valid leader lease).", 1.0 if leader else 0.0, rid)
     yield _gauge("gpuvigil_act_lease_held", "1 while this replica holds the act.leader lease and renewed it within the TTL.",
                  1.0 if act.leases is not None and act.leases.valid(LEADER_KEY) else 0.0, rid)
