@@ -12,10 +12,11 @@ import polars as pl
 import pytest
 
 from gpuvigil import schemas
-from gpuvigil.collectors.kernel_log import analyze_text
+
 from gpuvigil.collectors.nccl_log import events, parse_lines
 from gpuvigil.detectors.watchdog import WatchdogTimeoutDetector
 from gpuvigil.detectors.xid import XidDetector
+from gpuvigil.offline.analyze import kernel_log_findings
 from gpuvigil.window import Window
 
 DATA = Path(__file__).parent / "data"
@@ -36,7 +37,7 @@ def _online(code: int):
 
 
 def _kernel(code: int):
-    return analyze_text(f"Dec  6 10:00:00 gvx kernel: [  100.000000] {LINE.format(code=code)}\n", reference_ts=NOW)
+    return kernel_log_findings(f"Dec  6 10:00:00 gvx kernel: [  100.000000] {LINE.format(code=code)}\n", reference_ts=NOW)
 
 
 @pytest.mark.parametrize(("code", "severity", "cause"), [(43, "info", "software"), (13, "ticket", "software"), (79, "page", "hardware"), (38, "info", None)])
