@@ -154,7 +154,8 @@ GPU_SIGNALS: tuple[Signal, ...] = (
     Signal(
         "remap_failure", BOOL, "flag", "row remapping failed (the GPU needs service)",
         dcgm=Dcgm(("DCGM_FI_DEV_ROW_REMAP_FAILURE",), how="positive", default=("DCGM_FI_DEV_ROW_REMAP_FAILURE",)),
-        nvml="nvmlDeviceGetRemappedRows", producers=_p("nvml", "dcgm"),
+        nvml="nvmlDeviceGetRemappedRows", prometheus="gpuvigil_gpu_row_remap_failure",
+        prometheus_help="1 when row remapping failed (the GPU needs service).", producers=_p("nvml", "dcgm"),
     ),
     Signal(
         "pcie_replay_total", I64, "count", "PCIe replays",

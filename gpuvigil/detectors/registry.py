@@ -94,10 +94,7 @@ def default_detectors(cfg: dict[str, Any] | None = None, only: Mapping[str, Any]
 
 # Columns a detector declares it reads that gpuvigil does not re-export on /metrics, and why.
 # Replaying gpuvigil's own series (offline/replay.py) cannot fill them.
-NOT_EXPORTED: Mapping[str, str] = {
-    "remap_failure": "a 0/1 flag with no exported series yet: ecc's remap-failure check sees it live and in dcgm-exporter replays, "
-    "not in replays of gpuvigil's own series",
-}
+NOT_EXPORTED: Mapping[str, str] = {}
 
 
 class DeclarationError(RuntimeError):

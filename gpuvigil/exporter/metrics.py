@@ -170,7 +170,6 @@ GPU_SPECS: list[tuple[str, MetricType, str, str, float]] = [
 ]
 GPU_THROTTLED = ("gpuvigil_gpu_clock_throttled", "gauge", "1 when the clock-event reason is active on the GPU.")
 GPU_FATAL = ("gpuvigil_gpu_last_xid_fatal", "gauge", "1 when the GPU's most recent XID needs an operator (reset, reboot, drain) per the XID table.")
-GPU_REMAP = ("gpuvigil_gpu_row_remap_failure", "gauge", "1 when row remapping failed (the GPU needs service).")
 GPU_INFO = ("gpuvigil_gpu", "info", "GPU identity.")
 # InfiniBand/RoCE ports, per (node, device, port): (name, type, ib_ports column, help, scale).
 IB_SPECS: list[tuple[str, MetricType, str, str, float]] = [
@@ -214,7 +213,7 @@ def gpu_exposition_text(latest: pl.DataFrame) -> str:
 
     fams = [*GPU_SPECS]
     parts: list[str] = []
-    rows = list(_rows(_with_fatal(latest), ["node", "gpu", "gpu_uuid", "remap_failure", "_fatal", *[c for _, _, c, _, _ in fams]])) if latest.height else []
+    rows = list(_rows(_with_fatal(latest), ["node", "gpu", "gpu_uuid", "_fatal", *[c for _, _, c, _, _ in fams]])) if latest.height else []
     # Labels sorted by name, as prometheus_client writes them: gpu, (gpu_uuid,) node, (reason).
     keys = [f'gpu="{_escape(str(r[1]))}",node="{_escape(str(r[0]))}"' for r in rows]
     for k, (name, typ, _col, help, scale) in enumerate(fams):
@@ -222,7 +221,7 @@ def gpu_exposition_text(latest: pl.DataFrame) -> str:
         parts.append(_help(mname, typ, help))
         last_xid = fams[k][2] == "last_xid"
         for key, r in zip(keys, rows, strict=True):
-            value = r[5 + k]
+            value = r[4 + k]
             if value is None:
                 if not last_xid:
                     continue
@@ -232,19 +231,14 @@ def gpu_exposition_text(latest: pl.DataFrame) -> str:
     parts.append(_help(name, typ, help))
     reasons = [(f',reason="{_escape(reason)}"}} ', bit) for reason, bit in THROTTLE_REASONS.items()]
     for key, r in zip(keys, rows, strict=True):
-        mask = r[5 + _THROTTLE_INDEX]
+        mask = r[4 + _THROTTLE_INDEX]
         if mask is not None:
             for tail, bit in reasons:
                 parts.append(f"{name}{{{key}{tail}{'1.0' if mask & bit else '0.0'}\n")
     name, typ, help = GPU_FATAL
     parts.append(_help(name, typ, help))
     for key, r in zip(keys, rows, strict=True):
-        parts.append(f"{name}{{{key}}} {'1.0' if r[4] else '0.0'}\n")
-    name, typ, help = GPU_REMAP
-    parts.append(_help(name, typ, help))
-    for key, r in zip(keys, rows, strict=True):
-        if r[3] is not None:
-            parts.append(f"{name}{{{key}}} {'1.0' if r[3] else '0.0'}\n")
+        parts.append(f"{name}{{{key}}} {'1.0' if r[3] else '0.0'}\n")
     name, _typ, help = GPU_INFO
     parts.append(_help(name + "_info", "gauge", help))
     for r in rows:
@@ -301,13 +295,12 @@ class Snapshot:
         fams = [Family(name, typ, help) for name, typ, _, help, _ in specs]
         throttled = Family(*GPU_THROTTLED)
         fatal = Family(*GPU_FATAL)
-        remap = Family(*GPU_REMAP)
         info = Family(*GPU_INFO)
         if latest.height == 0:
-            return [*fams, throttled, fatal, remap, info]
-        cols = ["node", "gpu", "gpu_uuid", "remap_failure", "_fatal", *[col for _, _, col, _, _ in specs]]
+            return [*fams, throttled, fatal, info]
+        cols = ["node", "gpu", "gpu_uuid", "_fatal", *[col for _, _, col, _, _ in specs]]
         for row in _rows(_with_fatal(latest), cols):
-            node, gpu, uuid, remap_failed, last_fatal, *values = row
+            node, gpu, uuid, last_fatal, *values = row
             key: Labels = (("node", node), ("gpu", str(gpu)))  # built once per GPU, shared by its series
             for fam, (_, _, col, _, scale), value in zip(fams, specs, values, strict=True):
                 if value is None:
@@ -321,10 +314,8 @@ class Snapshot:
                 for reason, bit in THROTTLE_REASONS.items():
                     throttled.samples.append(((*key, ("reason", reason)), 1.0 if mask & bit else 0.0))
             fatal.samples.append((key, 1.0 if last_fatal else 0.0))
-            if remap_failed is not None:
-                remap.samples.append((key, 1.0 if remap_failed else 0.0))
             info.add(1, node=node, gpu=gpu, gpu_uuid=uuid or "")
-        return [*fams, throttled, fatal, remap, info]
+        return [*fams, throttled, fatal, info]
 
     def _running_ranks(self, stream: str) -> pl.DataFrame:
         """Latest row per (job, rank) of a stream, for jobs still running (bounded series)."""
