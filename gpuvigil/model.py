@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+from dataclasses import dataclass
 from enum import StrEnum
 from typing import Any, Literal
 
@@ -232,3 +233,21 @@ def hints_frame(hints: list[Hint]) -> pl.DataFrame:
         ],
         schemas.HINTS,
     )
+
+
+@dataclass(frozen=True)
+class GroupAnalysis:
+    """What the cross-rank analysis found in one process group: the first collective some members
+    never joined or disagreed on, or one every member joined and none completed. `kind` names it
+    as the `fr_analysis` stream does (`collective_hang`, `collective_mismatch`); the culprits are
+    the ranks the dumps show holding the others up. Whether it pages is for the detector that
+    reads it (`gpuvigil.detectors.fr_analysis`). The Flight Recorder reader (collectors/flight_recorder.py) returns it."""
+
+    kind: str
+    ts: float
+    ranks: list[int]
+    culprit_ranks: list[int]
+    node: str | None
+    evidence: dict[str, Any]
+    summary: str
+    source: str

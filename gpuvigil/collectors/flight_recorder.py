@@ -30,6 +30,7 @@ from typing import Any
 
 from gpuvigil.collectors.safe_pickle import looks_like_pickle, safe_load
 from gpuvigil.errors import UserError
+from gpuvigil.model import GroupAnalysis
 
 MAX_DUMP_BYTES = 256 * 1024 * 1024
 # Work bounds on one dump, before it is parsed: torch keeps at most TORCH_NCCL_TRACE_BUFFER_SIZE
@@ -353,24 +354,6 @@ def _describe(kind: str, value: Any) -> str:
 
 def _call(kind: str, op: str, value: Any) -> str:
     return _describe(kind, value) if kind == "op" else f"{op} with {_describe(kind, value)}"
-
-
-@dataclass(frozen=True)
-class GroupAnalysis:
-    """What the cross-rank analysis found in one process group: the first collective some members
-    never joined or disagreed on, or one every member joined and none completed. `kind` names it
-    as the `fr_analysis` stream does (`collective_hang`, `collective_mismatch`); the culprits are
-    the ranks the dumps show holding the others up. Whether it pages is for the detector that
-    reads it (`gpuvigil.detectors.fr_analysis`)."""
-
-    kind: str
-    ts: float
-    ranks: list[int]
-    culprit_ranks: list[int]
-    node: str | None
-    evidence: dict[str, Any]
-    summary: str
-    source: str
 
 
 @dataclass

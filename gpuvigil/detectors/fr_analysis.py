@@ -10,28 +10,14 @@ culprit ranks the dumps show (`gpuvigil.collectors.flight_recorder.analyze_dumps
 from __future__ import annotations
 
 from collections.abc import Iterable
-from typing import Any, Protocol
 
-from gpuvigil.model import Finding, FindingKind, Severity
+from gpuvigil.model import Finding, FindingKind, GroupAnalysis, Severity
 
 # The analyses' kinds (the `fr_analysis` stream's names) and the finding each is.
 KINDS = {"collective_hang": FindingKind.COLLECTIVE_HANG, "collective_mismatch": FindingKind.COLLECTIVE_MISMATCH}
 
 
-class Analysis(Protocol):
-    """One process group's analysis, as the Flight Recorder reader returns it."""
-
-    kind: str
-    ts: float
-    ranks: list[int]
-    culprit_ranks: list[int]
-    node: str | None
-    evidence: dict[str, Any]
-    summary: str
-    source: str
-
-
-def findings(analyses: Iterable[Analysis], *, job: str | None = None) -> list[Finding]:
+def findings(analyses: Iterable[GroupAnalysis], *, job: str | None = None) -> list[Finding]:
     """One paging finding per analysis (at most one per process group)."""
     return [
         Finding(
