@@ -20,7 +20,7 @@ from gpuvigil.detectors.registry import registered
 ROOT = Path(__file__).resolve().parents[1]
 EVERY_STAGE = {"agent", "detect", "act"}
 # role -> the fleet stages whose detectors it runs (the single-process modes run them all).
-STAGES = {"serve": EVERY_STAGE, "replay": EVERY_STAGE, "analyze": EVERY_STAGE, "agent": {"agent"}, "detect": {"detect"}, "act": {"act"}}
+STAGES = {"serve": EVERY_STAGE, "replay": EVERY_STAGE, "analyze": EVERY_STAGE | {"offline"}, "agent": {"agent"}, "detect": {"detect"}, "act": {"act"}}
 
 
 def declared(role: str, moved_to_agent: set[str] | None = None) -> list[str]:
@@ -29,7 +29,7 @@ def declared(role: str, moved_to_agent: set[str] | None = None) -> list[str]:
     for cls in registered():
         where = cls.spec.placement
         if moved_to_agent is not None:  # fleet.agent_detectors: exactly these in the agent
-            where = "agent" if cls.spec.name in moved_to_agent else "act" if where == "act" else "detect"
+            where = "agent" if cls.spec.name in moved_to_agent else where if where in ("act", "offline") else "detect"
         if where in STAGES[role]:
             out.append(cls.spec.name)
     return out
@@ -52,6 +52,16 @@ def test_the_fleet_runs_each_detector_once_and_every_one_serve_runs():
         compose.detector_names("agent", Fleet(agent_detectors=["xid", "thermo"]))
     with pytest.raises(ValueError, match="unknown role"):
         compose.detector_names("report")
+
+
+def test_offline_detectors_run_in_analyze_only_and_cannot_be_moved_to_the_agent():
+    offline = [cls.spec.name for cls in registered() if cls.spec.placement == "offline"]
+    for role in compose.ROLES:
+        names = set(compose.detector_names(role))
+        assert (set(offline) <= names) if role == "analyze" else not (set(offline) & names), role
+    for name in offline:
+        with pytest.raises(Exception, match="read after the fact"):
+            compose.detector_names("agent", Fleet(agent_detectors=[name]))
 
 
 class Named:

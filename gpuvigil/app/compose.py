@@ -5,7 +5,9 @@ here from the config, their role and their sources. The role decides:
 
 - which detectors run: those whose declaration (detectors/base.py `DetectorSpec.placement`)
   places them in a stage the role covers (`PLACEMENTS`). The single-process modes run every
-  stage; in the fleet a detector runs in exactly one of agent, detect and act.
+  stage; in the fleet a detector runs in exactly one of agent, detect and act. `analyze` also
+  runs the detectors placed `offline`, which judge what only an artefact read after the fact
+  holds;
   `fleet.agent_detectors` moves detectors to the agent; it is applied here, for every role;
 - the sinks and their order (`SINK_ORDER`): the built-in scheduler first (it mirrors the hints
   the outputs then see), tick statistics, alerts, the hint store, the sources' own sinks (the
@@ -35,11 +37,12 @@ from gpuvigil.pipeline.core import Pipeline, Sink
 
 Role = Literal["serve", "agent", "detect", "act", "replay", "analyze"]
 
-# The fleet stages whose detectors each role runs.
+# The fleet stages whose detectors each role runs; `offline` detectors judge artefacts only
+# analyze reads (detectors/base.py Placement).
 PLACEMENTS: dict[str, tuple[Placement, ...]] = {
     "serve": ("agent", "detect", "act"),
     "replay": ("agent", "detect", "act"),
-    "analyze": ("agent", "detect", "act"),
+    "analyze": ("agent", "detect", "act", "offline"),
     "agent": ("agent",),
     "detect": ("detect",),
     "act": ("act",),
@@ -68,8 +71,11 @@ def stage_of(agent_detectors: Sequence[str] | None = None) -> dict[str, Placemen
     unknown = sorted(set(agent_detectors) - set(placed))
     if unknown:
         raise UserError(f"fleet.agent_detectors: unknown detector(s) {', '.join(unknown)}; known: {', '.join(sorted(placed))}")
+    offline = sorted(set(agent_detectors) & {n for n, where in placed.items() if where == "offline"})
+    if offline:
+        raise UserError(f"fleet.agent_detectors: {', '.join(offline)} judge(s) artefacts read after the fact (analyze); no live stream feeds them")
     chosen = set(agent_detectors)
-    return {name: "agent" if name in chosen else ("act" if where == "act" else "detect") for name, where in placed.items()}
+    return {name: "agent" if name in chosen else (where if where in ("act", "offline") else "detect") for name, where in placed.items()}
 
 
 def detector_names(role: str, fleet: Any = None) -> list[str]:

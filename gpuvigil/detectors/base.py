@@ -22,7 +22,12 @@ from gpuvigil.model import Finding
 from gpuvigil.window import Window
 
 LEVELS = ("L0", "L1", "L2")
-Placement = Literal["agent", "detect", "act"]
+# Where a detector runs: the fleet's node agent, a detect replica or the act leader (serve and
+# replay run all three), or `offline`: it judges what only an artefact read after the fact holds
+# (a whole kernel log's XID incidents, a memory snapshot, a saved reading), and only `analyze`
+# runs it. A detector judging a stream a live source fills is never offline.
+Placement = Literal["agent", "detect", "act", "offline"]
+LIVE_PLACEMENTS: tuple[Placement, ...] = ("agent", "detect", "act")
 
 
 @dataclass(frozen=True)
@@ -80,7 +85,7 @@ class DetectorSpec:
     def placement(self) -> Placement:
         """Where it runs in the fleet: the node agent when every kind it emits is about one GPU or
         node (it needs no other node's rows), the act leader when one is about the whole cluster,
-        else a detect replica (per job partition)."""
+        else a detect replica (per job partition); `offline` only when declared so."""
         if self.placement_override is not None:
             return self.placement_override
         scopes = {POLICIES[k].scope for k in self.emits}

@@ -28,7 +28,7 @@ from typing import Any
 
 from pydantic import BaseModel
 
-from gpuvigil.detectors.base import Declared, Detector, DetectorSpec, Placement
+from gpuvigil.detectors.base import LIVE_PLACEMENTS, Declared, Detector, DetectorSpec, Placement
 
 # Modules of the package that hold no detector (helpers, the level selection, this registry).
 _NOT_DETECTORS = frozenset({"base", "common", "incremental", "levels", "per_gpu", "registry"})
@@ -88,8 +88,9 @@ def every_seconds() -> dict[str, float]:
 
 
 def default_detectors(cfg: dict[str, Any] | None = None, only: Mapping[str, Any] | None = None) -> list[Detector]:
-    """One instance of every registered detector (or of those named in `only`), built from `cfg`."""
-    return [cls(cfg) for cls in registered() if only is None or cls.spec.name in only]  # type: ignore[call-arg]
+    """One instance of every registered detector a live pipeline runs (or of those named in
+    `only`), built from `cfg`; the offline ones (placed `offline`) are analyze's alone."""
+    return [cls(cfg) for cls in registered() if cls.spec.placement in LIVE_PLACEMENTS and (only is None or cls.spec.name in only)]  # type: ignore[call-arg]
 
 
 # Columns a detector declares it reads that gpuvigil does not re-export on /metrics, and why.
