@@ -199,7 +199,8 @@ def test_a_new_leader_adopts_the_incidents_the_ledger_records(tmp_path):
         feed(new, 40.0, [f])
         tick(new, 40.0, ledger)
         assert (new.pipeline.active[f.id].incident, new.pipeline.active[f.id].incident_role) == (named.incident, "opened")
-        assert json.loads(kv.data[f"incident.{f.id}"])["by"] == "a1"  # the same record: nothing rewritten
+        kept = json.loads(kv.data[f"incident.{f.id}"])
+        assert kept["by"] == "a1" and kept["starts_at"] == rec["starts_at"]  # the same record: nothing rewritten
 
         new.relay.update("gv.findings.part.3", 41.0, [])
         for now in (41.0, 4000.0):

@@ -9,8 +9,8 @@ incident's team (the tenant's, not the hardware team). The leader pages both and
 would name the incident otherwise (its id is a digest of the first finding and the time this
 replica first saw it), open it with the XID and send the straggler as the update. Alertmanager
 knows an alert by its labels, so any of that is a second page. It adopts the incidents the old
-leader recorded in the ledger instead, and re-sends the same labels: Alertmanager merges them into
-the alerts it already notified.
+leader recorded in the ledger instead, and re-sends the same labels, with the start each alert
+first had: Alertmanager merges them into the alerts it already notified.
 """
 
 from __future__ import annotations
@@ -107,6 +107,15 @@ def delivered(proc: Proc) -> float:
     return sum(s.value for fam in text_string_to_metric_families(text) for s in fam.samples if s.name == "gpuvigil_act_alerts_delivered_total")
 
 
+def sent_starts(outbox) -> dict[str, float]:
+    """finding id → the startsAt (epoch seconds) of the alert an act replica sent for it."""
+    con = sqlite3.connect(outbox)
+    try:
+        return dict(con.execute("SELECT fingerprint, starts_at FROM sent"))
+    finally:
+        con.close()
+
+
 def test_act_failover_re_sends_the_same_alerts_and_pages_nothing_twice(tmp_path):
     nats_binary()
     binary("prometheus-alertmanager", "alertmanager")
@@ -162,4 +171,6 @@ def test_act_failover_re_sends_the_same_alerts_and_pages_nothing_twice(tmp_path)
         pages = firing(webhook)
         assert sorted(a["annotations"]["finding_id"] for a in pages) == sorted(first), [a["labels"] for a in pages]
         assert sent_labels(tmp_path / "act-2-outbox.sqlite") == first
+        # The same alerts, not new ones: each keeps the start its first page had.
+        assert sent_starts(tmp_path / "act-2-outbox.sqlite") == sent_starts(tmp_path / "act-1-outbox.sqlite")
         assert "adopted" in procs[1].text()

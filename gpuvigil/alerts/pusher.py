@@ -201,6 +201,7 @@ class AlertPusher:
         self._resend_failing = False
         self._incident_team: dict[str, str] = {}
         self._adopted_teams: dict[str, str] = {}  # incident → team, as an earlier pusher sent it
+        self._adopted_starts: dict[str, float] = {}  # finding id → startsAt of its first alert, wherever it was sent
         # The timer re-sends only findings a tick of this process confirmed: after a restart, the
         # alerts of findings the new pipeline does not see again resolve by their endsAt.
         self._started = self.clock()
@@ -234,6 +235,12 @@ class AlertPusher:
         labels the first ones were sent with."""
         self._adopted_teams.update(teams)
 
+    def adopt_starts(self, starts: dict[str, float]) -> None:
+        """The start of each finding's first alert as the fleet recorded it (fleet/act.py ledger):
+        an alert this pusher sends for the first time keeps that startsAt, so a new act leader
+        continues the alert instead of restarting its clock. Replaces what was adopted before."""
+        self._adopted_starts = dict(starts)
+
     def incident_teams(self, result: Any, window: Any) -> dict[str, str]:
         """Incident → team for this tick's active findings (the `team` label of their alerts)."""
         known = {**self._incident_team, **self._adopted_teams}  # an adopted team is the one its first message went to
@@ -256,6 +263,7 @@ class AlertPusher:
                 # hardware finding whose GPU got another job, must not become a second alert
                 # (a second page). Only a severity change (escalation) starts a new incident.
                 sent_labels = json.loads(row[2])["labels"] if row is not None and row[2] else None
+                first_start = self._adopted_starts.get(finding.id, now) if row is None else None
                 if sent_labels is not None and sent_labels.get("severity") != finding.severity.value:
                     old = self.alert_for(finding, tenants, starts_at=row[0], ends_at=now)
                     old["labels"] = sent_labels
@@ -264,7 +272,9 @@ class AlertPusher:
                 if row is not None and now - row[1] < self.settings.resend_seconds:
                     cur.execute("UPDATE sent SET confirmed_at = ? WHERE fingerprint = ?", (now, finding.id))
                     continue
-                starts_at = row[0] if row is not None else now
+                # A new alert starts now; one an earlier leader sent keeps its start. An escalation
+                # (the old alert resolved above) is a new alert.
+                starts_at = row[0] if row is not None else (first_start if first_start is not None else now)
                 alert = self.alert_for(finding, tenants, starts_at=starts_at, ends_at=now + self.settings.end_after_seconds, incident_team=teams.get(finding.incident or ""))
                 if sent_labels is not None:
                     alert["labels"] = sent_labels

@@ -237,8 +237,12 @@ class Ledger:
             if not f.incident:
                 continue
             active.add(f.id)
-            doc = {"incident": f.incident, "role": f.incident_role, "opened_at": opened_at.get(f.incident, f.ts), "team": teams.get(f.incident)}
-            if self.incidents.get(f.id) != doc:
+            known = self.incidents.get(f.id) or {}
+            # starts_at: the wall time its first alert started (Alertmanager's startsAt); every
+            # leader sends the alert with it, so a takeover does not restart the alert's clock.
+            doc = {"incident": f.incident, "role": f.incident_role, "opened_at": opened_at.get(f.incident, f.ts), "team": teams.get(f.incident),
+                   "starts_at": known.get("starts_at") or time.time()}
+            if known != doc:
                 changed[f.id] = doc
         gone = [fid for fid in self.incidents if fid not in active and fid not in awaiting]
         # Together, not one round trip after another: a fault seen by many findings at once
@@ -311,11 +315,15 @@ def _incident_record(doc: Any) -> dict[str, Any] | None:
 
     if not isinstance(doc, dict):
         return None
-    inc, role, opened, team = doc.get("incident"), doc.get("role"), doc.get("opened_at"), doc.get("team")
-    if not (isinstance(inc, str) and inc and role in (OPENED, UPDATE, EVIDENCE) and isinstance(opened, int | float)
-            and not isinstance(opened, bool) and math.isfinite(opened) and (team is None or isinstance(team, str))):
+    inc, role, opened, team, starts = doc.get("incident"), doc.get("role"), doc.get("opened_at"), doc.get("team"), doc.get("starts_at")
+    if not (isinstance(inc, str) and inc and role in (OPENED, UPDATE, EVIDENCE) and _finite(opened) and (team is None or isinstance(team, str))):
         return None
-    return {"incident": inc, "role": role, "opened_at": opened, "team": team}
+    # A record without a readable start (an older writer's) gets one from the leader that reads it.
+    return {"incident": inc, "role": role, "opened_at": opened, "team": team, "starts_at": starts if _finite(starts) else None}
+
+
+def _finite(x: Any) -> bool:
+    return isinstance(x, int | float) and not isinstance(x, bool) and math.isfinite(x)
 
 
 class Act:
@@ -513,6 +521,8 @@ class Act:
         live = self.pipeline.incidents.live
         teams = self.pusher.incident_teams(result, self.pipeline.window) if self.pusher is not None else {}
         await ledger.name_incidents(result, {i: inc.opened_at for i, inc in live.items()}, teams, set(self.pipeline.incidents.adopted))
+        if self.pusher is not None:
+            self.pusher.adopt_starts({fid: rec["starts_at"] for fid, rec in ledger.incidents.items() if rec.get("starts_at")})
         for f in result.new_findings:
             log.info("act %s: finding %s %s: %s", self.id, f.severity.value, f.kind.value, f.summary)
         self.stats.on_tick(self, result, now)
