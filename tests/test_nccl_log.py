@@ -12,6 +12,7 @@ from gpuvigil.collectors import nccl_log
 from gpuvigil.offline.analyze import training_log_findings
 from gpuvigil.config import ConfigError
 from gpuvigil.model import FindingKind, Severity
+from gpuvigil.parsers.nccl import parse_progress, parse_timeout
 
 GIB = 1 << 30
 MIB = 1 << 20
@@ -265,3 +266,36 @@ def test_nccl_warn_with_an_embedded_newline_is_still_a_warning():
     """Found by hypothesis: a mangled WARN line once crashed the parser."""
     parsed = nccl_log.parse_lines(["ubuntu:39964:40075 [0] misc/socket.cc:483 NCCL WARN s\n0"], reference_ts=REFERENCE_TS)
     assert [w.message for w in parsed.warnings] == ["s\n0"]
+
+
+_PG = st.one_of(st.none(), st.integers(0, 99).map(str), st.tuples(st.integers(0, 99), st.from_regex(r"[A-Za-z_][A-Za-z0-9_]{0,12}", fullmatch=True)).map(lambda t: f"{t[0]}({t[1]})"))
+_N = st.one_of(st.none(), st.integers(0, 10**12))
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.one_of(st.none(), st.integers(0, 4095)), _PG, _N, st.from_regex(r"[A-Z_]{1,24}", fullmatch=True), _N, _N, _N, st.integers(0, 10**9))
+def test_a_timeout_event_message_reads_back_whole(rank, pg, seq, op, numel_in, numel_out, timeout_ms, ran_for_ms):
+    """The `events` stream carries a timeout as its message: the detector must read back every
+    WorkNCCL field, the rank and the process group the log had."""
+    fields = ", ".join(f"{k}={v}" for k, v in (("SeqNum", seq), ("OpType", op), ("NumelIn", numel_in), ("NumelOut", numel_out), ("Timeout(ms)", timeout_ms)) if v is not None)
+    text = f"Watchdog caught collective operation timeout: WorkNCCL({fields}) ran for {ran_for_ms} milliseconds before timing out."
+    t = nccl_log.WatchdogTimeout(1, 0.0, rank, pg if rank is not None else None, seq, op, numel_in, numel_out, timeout_ms, ran_for_ms, text)
+    back = parse_timeout(t.message())
+    assert back is not None and (back.rank, back.pg, back.seq, back.op_type, back.numel_in, back.numel_out, back.timeout_ms, back.ran_for_ms) == (
+        t.rank, t.pg, seq, op, numel_in, numel_out, timeout_ms, ran_for_ms)
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.one_of(st.none(), st.integers(0, 4095)), _PG, st.one_of(st.none(), st.integers(-1, 10**9)), st.integers(-1, 10**9), st.integers(-1, 10**9))
+def test_a_progress_event_message_reads_back_whole(rank, pg, at_seq, enq, done):
+    p = nccl_log.Progress(1, rank, pg if rank is not None else None, at_seq, enq, done)
+    back = parse_progress(p.message())
+    assert back is not None and (back.rank, back.pg, back.at_seq, back.last_enqueued, back.last_completed) == (p.rank, p.pg, at_seq, enq, done)
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.text(max_size=300))
+def test_event_messages_of_any_text_never_crash_the_readers(text):
+    for line in (text, "Watchdog caught collective operation timeout: WorkNCCL(" + text, "last enqueued work: " + text):
+        parse_timeout(line)
+        parse_progress(line)

@@ -92,3 +92,49 @@ def test_a_job_that_timed_out_in_two_collectives_is_one_finding_naming_both(tmp_
     assert "also collective #80078 (ALLREDUCE)" in f.summary
     [g] = Analyzer(job="j1").run([log]).findings
     assert _key(g) == _key(f) and g.evidence["collectives"] == f.evidence["collectives"]
+
+
+def test_a_job_with_two_distinct_nccl_errors_is_one_finding_listing_both(tmp_path):
+    # Two real errors (a remote peer gone, then a system error) in one job's log, no timestamps:
+    # one page about the first, the other listed, online and offline alike.
+    corpus = PUBLIC / "corpus"
+    log = tmp_path / "train.log"
+    log.write_text((corpus / "ncclerr_nccl_2076_remote.log").read_text() + (corpus / "ncclerr_segmenter_60_system.log").read_text())
+    pipe = Pipeline([NcclLogCollector(log, job="j1")], compose.detectors(None, "serve", only=TRAINING_LOG_DETECTORS))
+    [f] = pipe.tick(time.time() + 1.0).new_findings
+    assert f.kind == FindingKind.NCCL_ERROR and f.cause == "network" and f.evidence["code"] == "ncclRemoteError"
+    assert [(e["code"], e["where"]) for e in f.evidence["errors"]] == [("ncclRemoteError", "NCCLUtils.hpp:268"), ("ncclSystemError", "ProcessGroupNCCL.cpp:825")]
+    assert "; also ncclSystemError at ProcessGroupNCCL.cpp:825" in f.summary
+    [g] = Analyzer(job="j1").run([log]).findings
+    assert _key(g) == _key(f) and g.evidence["errors"] == f.evidence["errors"]
+
+
+def _dump_signal(rank: int, pg: str, enq: int) -> str:
+    return (f"[rank{rank}]:[E1129 23:07:38.0360{rank:02d}000 ProcessGroupNCCL.cpp:1914] [{pg} Rank {rank}] Received a dump signal due to a "
+            f"collective timeout from rank 0 and we will try our best to dump the debug info. Last enqueued NCCL work: {enq}, last completed NCCL work: {enq}.")
+
+
+DEFAULT_PG = "PG ID 0 PG GUID 0(default_pg)"
+
+
+@pytest.mark.parametrize(
+    ("extra", "culprits"),
+    [
+        ([_dump_signal(1, DEFAULT_PG, 5)], [1]),
+        ([_dump_signal(1, DEFAULT_PG, 5), _dump_signal(2, DEFAULT_PG, 4)], [1, 2]),
+        # a rank that reached the collective is waiting in it, not holding it up
+        ([_dump_signal(1, DEFAULT_PG, 6)], []),
+        # another process group counts its own sequence numbers
+        ([_dump_signal(1, "PG ID 1 PG GUID 1", 2)], []),
+        # the furthest a rank's lines got counts
+        ([_dump_signal(1, DEFAULT_PG, 5), _dump_signal(1, DEFAULT_PG, 7)], []),
+    ],
+    ids=["one_lagging", "two_lagging", "reached_it", "other_pg", "later_line_reached_it"],
+)
+def test_culprits_are_the_ranks_whose_progress_never_reached_the_collective(tmp_path, extra, culprits):
+    log = tmp_path / "train.log"
+    log.write_text((H200 / "s6_nccl_watchdog_timeout.log").read_text() + "\n".join(extra) + "\n")
+    [f] = _online(log)
+    assert f.ranks == [0] and f.culprit_ranks == culprits
+    [g] = Analyzer(job="j1").run([log]).findings
+    assert _key(g) == _key(f)

@@ -33,7 +33,10 @@ hint acts on a job; its node is the one that logged it (nothing else can be acte
 
 `NcclErrorDetector`: an NCCL call that failed (`events` of kind `nccl_error`: torch's
 DistBackendError / RuntimeError `NCCL error in: ...`, the watchdog's `NCCL error: ...`) is a page
-of its own, `nccl_error`, per job or, of no known job, per node and file, as above. Its cause is
+of its own, `nccl_error`, per job or, of no known job, per node and file, as above. It is about
+the job's first error (its fullest copy, with NCCL's last error); where the logs have several
+distinct errors (result and torch's source location), `evidence.errors` lists each with the
+ranks that printed it and the summary names the others. Its cause is
 what NCCL's result and last error say (`parsers.nccl.error_cause`), or `hardware` with an XID or
 ECC event on the node that logged it. torch announces such an error with "Some NCCL operations
 have failed or timed out" too: where the same job's (or file's) log has the error, that line is
@@ -52,7 +55,7 @@ from gpuvigil.policies import implicates_hardware
 from gpuvigil.detectors.base import HISTORY, Declared, DetectorSpec
 from gpuvigil.detectors.common import settings
 from gpuvigil.model import Finding, FindingKind, Severity, log_file, place
-from gpuvigil.parsers.nccl import NET_WARN_PATTERN, Progress, WatchdogTimeout, describe_error, error_cause, parse_error_message, parse_progress, parse_timeout
+from gpuvigil.parsers.nccl import NET_WARN_PATTERN, NcclError, Progress, WatchdogTimeout, describe_error, error_cause, parse_error_message, parse_progress, parse_timeout
 from gpuvigil.window import Window
 
 # The events of a timeout that the log tells only by this line (no WorkNCCL line).
@@ -132,7 +135,13 @@ def collectives(timeouts: list[WatchdogTimeout], progress: list[Progress]) -> li
     for group in _group(timeouts, progress):
         first = min(group, key=lambda t: (t.ts, t.line))
         c = Collective(first, group, _progress_for(progress, first))
-        same_pg = [p for p in progress if p.rank is not None and (first.pg is None or p.pg is None or _pg_id(p.pg) == _pg_id(first.pg))]
+        # Sequence numbers count per process group: a timeout that names none is compared with
+        # the progress of other groups only when the log has one group at most.
+        named = {_pg_id(p.pg) for p in progress if p.pg is not None}
+        same_pg = [
+            p for p in progress
+            if p.rank is not None and (p.pg is None or (_pg_id(p.pg) == _pg_id(first.pg) if first.pg is not None else len(named) <= 1))
+        ]
         stopped_here = {p.rank for p in same_pg if first.seq is not None and p.at_seq == first.seq}
         c.ranks = sorted({t.rank for t in group if t.rank is not None} | stopped_here)  # type: ignore[arg-type]
         reached: dict[int, int] = {}
@@ -359,7 +368,7 @@ class NcclErrorDetector(Declared):
         return sorted(found, key=lambda f: f.evidence["first_ts"])  # type: ignore[arg-type,return-value]
 
     def _finding(self, rows: pl.DataFrame, hardware: pl.DataFrame, network: pl.DataFrame) -> Finding | None:
-        parsed = [e for m in rows["message"].to_list() if (e := parse_error_message(m or "")) is not None]
+        parsed = _errors(rows)
         if not parsed:
             return None
         # The fullest copy of the first error: the one that carries NCCL's last error.
@@ -372,13 +381,10 @@ class NcclErrorDetector(Declared):
         hw = hardware.filter(pl.col("node").is_in(nodes)) if nodes else hardware.clear()
         hw_nodes = sorted({str(n) for n in hw["node"].drop_nulls().to_list()})
         xids = sorted({int(x) for x in hw["xid"].drop_nulls().to_list()})
-        net = network.filter(pl.col("job") == job) if job else network.filter(pl.col("job").is_null() & pl.col("_file").is_in(files))
+        net = _same_log(network, job, files)
         cause = "hardware" if hw_nodes else error_cause(best, network_warnings=net.height > 0)
-        if job:
-            who = str(job)
-        else:
-            logs = ", ".join(f"{nodes[0]}:{f}" if len(nodes) == 1 else f for f in files) or (place(nodes[0]) if len(nodes) == 1 else "")
-            who = "Job unknown" + (f" (log {logs})" if logs else "")
+        who = _who(job, nodes, files)
+        distinct = _distinct_errors(parsed)
         # The node to act on: the one with the hardware error; of no known job, the one that logged it.
         node = hw_nodes[0] if hw_nodes else (nodes[0] if len(nodes) == 1 else None)
         where = f"rank{'s' if len(ranks) != 1 else ''} {', '.join(map(str, ranks))}" if ranks else "rank unknown"
@@ -396,11 +402,14 @@ class NcclErrorDetector(Declared):
             "lines": int(rows.height),
             "first_ts": float(rows["ts"].min()),
         }
+        if len(distinct) > 1:
+            evidence["errors"] = distinct
         if files:
             evidence["files"] = files
         if net.height:
             evidence["network_warnings"] = int(net.height)
             evidence["first_network_warning"] = str(net.sort("ts")["message"][0])[:300]
+        also = "".join(f"; also {d['code'] or d['reason']}" + (f" at {d['where']}" if d["where"] else "") for d in distinct[1:])
         return Finding(
             kind=FindingKind.NCCL_ERROR,
             severity=Severity.PAGE,
@@ -411,5 +420,27 @@ class NcclErrorDetector(Declared):
             cause=cause,
             source=self.name,
             evidence=evidence,
-            summary=f"{who}: NCCL error ({where}" + (f", {', '.join(nodes)}" if nodes else "") + f"): {describe_error(best).rstrip('.')}{why}.",
+            summary=f"{who}: NCCL error ({where}" + (f", {', '.join(nodes)}" if nodes else "") + f"): {describe_error(best).rstrip('.')}{also}{why}.",
         )
+
+
+def _errors(rows: pl.DataFrame) -> list[NcclError]:
+    """The rows' NCCL errors read back from their messages, with the row's rank where the
+    message names none."""
+    out = []
+    for message, rank in zip(rows["message"].to_list(), rows["rank"].to_list(), strict=True):
+        if (e := parse_error_message(message or "")) is not None:
+            e.rank = e.rank if e.rank is not None else rank
+            out.append(e)
+    return out
+
+
+def _distinct_errors(errors: list[NcclError]) -> list[dict[str, Any]]:
+    """Each distinct NCCL error of a job's (or file's) log, first first (the same one printed by
+    several ranks, or again in a launcher's summary, is one), with the ranks that printed it."""
+    groups: dict[tuple, dict[str, Any]] = {}
+    for e in errors:
+        d = groups.setdefault((e.code or e.reason, e.where), {"code": e.code, "reason": e.reason, "where": e.where, "ranks": []})
+        if e.rank is not None and e.rank not in d["ranks"]:
+            d["ranks"] = sorted([*d["ranks"], e.rank])
+    return list(groups.values())
