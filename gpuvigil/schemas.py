@@ -147,7 +147,7 @@ EVENTS = pl.Schema(
         "node": STR,
         "gpu": I32,
         "source": STR,  # nvml | dcgm | kernel | nccl | torch | scheduler | sim; read from a log file: torch:<path>, nccl:<path>
-        "kind": STR,  # xid | ecc_dbe | ecc_sbe | oom | nccl_warn | nccl_timeout | ...
+        "kind": STR,  # xid | ecc_dbe | ecc_sbe | oom | nccl_warn | nccl_timeout | nccl_progress | nccl_error | ...
         "xid": I32,
         "job": STR,
         "rank": I32,

@@ -76,7 +76,7 @@ def test_text_output_is_golden(mixed, capsys):
     # The verdicts a reader acts on, whatever the layout: each real input's kind and action.
     blocks = out.split("\n\n")
     assert any(b.startswith("[PAGE] xid") and "kernel_dbe_syslog.log:2" in b and "XID 48" in b for b in blocks)
-    assert any(b.startswith("[PAGE] nccl_timeout") and "s6_nccl_watchdog_timeout.log:15" in b and "ALLREDUCE #6" in b for b in blocks)
+    assert any(b.startswith("[PAGE] nccl_timeout") and "s6_nccl_watchdog_timeout.log:15" in b and "collective #6 (ALLREDUCE)" in b for b in blocks)
     assert any("s3_fragmentation.log:2" in b and "oom_fragmentation" in b for b in blocks)
     assert any("s2_oom_ramp.log:2" in b and "oom_capacity" in b for b in blocks)
     # the H200 capture's DistBackendError (two ranks on one GPU): NCCL's result and last error
@@ -97,7 +97,7 @@ def test_json_lines(mixed, capsys):
     assert by_source["s3_fragmentation.log:2"]["kind"] == "oom_fragmentation"
     assert by_source["s3_fragmentation.log:2"]["action"] == "set_alloc_conf, requeue_job"
     nccl = by_source["s6_nccl_watchdog_timeout.log:15"]
-    assert nccl["kind"] == "nccl_timeout" and nccl["evidence"]["seq"] == 6 and nccl["evidence"]["op_type"] == "ALLREDUCE"
+    assert nccl["kind"] == "nccl_timeout" and nccl["evidence"]["seq"] == 6 and nccl["evidence"]["op"] == "ALLREDUCE"
     assert (nccl["evidence"]["last_enqueued"], nccl["evidence"]["last_completed"]) == (6, 5)
     dbe = by_source["kernel_dbe_syslog.log:2"]
     assert (dbe["kind"], dbe["xid"], dbe["action"], dbe["node"], dbe["severity"]) == ("xid", 48, "WORKFLOW_XID_48", "worker4", "page")

@@ -286,5 +286,5 @@ def test_collectors_fit_the_pipeline(tmp_path):
     assert all(isinstance(c, Collector) for c in collectors)
     pipe = Pipeline(collectors, [])
     result = pipe.tick(utc(2026, 11, 29, 23, 8, 0))
-    assert result.samples_ingested == 2 and result.collector_errors == {c.name: 0 for c in collectors}
-    assert sorted(pipe.window.get("events")["kind"].to_list()) == ["nccl_timeout", "xid"]
+    assert result.samples_ingested == 4 and result.collector_errors == {c.name: 0 for c in collectors}
+    assert sorted(pipe.window.get("events")["kind"].to_list()) == ["nccl_progress", "nccl_progress", "nccl_timeout", "xid"]

@@ -53,6 +53,7 @@ def test_the_h200_timeout_is_one_whole_software_finding():
     assert f.evidence == {
         "reporting_ranks": [0], "nodes": ["gvx"], "culprit_nodes": [], "seq": 6, "op": "ALLREDUCE",
         "timeout_ms": 8000, "lines": 1, "first_ts": NOW, "xids": [],
+        "numel_in": 1048576, "numel_out": 1048576, "ran_for_ms": 8031,
     }
     assert f.summary == ("j1: the NCCL watchdog timed out collective #6 (ALLREDUCE) on rank 0 (gvx); "
                          "the ranks that did not join are not in the logs.")

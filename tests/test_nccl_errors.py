@@ -22,7 +22,7 @@ from hypothesis import strategies as st
 from gpuvigil import schemas
 from gpuvigil.offline.analyze import Analyzer
 from gpuvigil.collectors.nccl_log import events, parse_lines
-from gpuvigil.detectors.training_log import analyze_text
+from gpuvigil.offline.analyze import training_log_findings as analyze_text
 from gpuvigil.detectors.watchdog import NcclErrorDetector, WatchdogTimeoutDetector
 from gpuvigil.model import FindingKind, Severity
 from gpuvigil.parsers.nccl import NCCL_RESULTS, parse_error_message
@@ -84,10 +84,10 @@ def test_attribution_the_logs_have_and_causes():
 
     host = one("ncclerr_nccl_520_host.log")
     assert host.node == "compute-dy-p4d24xlarge-77" and host.ranks == []
-    assert host.summary.startswith("NCCL error (rank unknown, compute-dy-p4d24xlarge-77): ncclInternalError (internal error) at ProcessGroupNCCL.cpp:825")
+    assert "): NCCL error (rank unknown, compute-dy-p4d24xlarge-77): ncclInternalError (internal error) at ProcessGroupNCCL.cpp:825" in host.summary
     ranked = one("ncclerr_vllm_10453_rank.log", job="j7", node="n3")
     assert (ranked.job, ranked.ranks, ranked.node) == ("j7", [1], "n3")
-    assert ranked.summary.startswith("NCCL error (rank 1, n3): ncclInternalError")
+    assert ranked.summary.startswith("j7: NCCL error (rank 1, n3): ncclInternalError")
     # cause from NCCL's result and last error: a remote peer gone is the network; NCCL 2.14's
     # "internal error" whose last error is a closed connection is too
     assert one("ncclerr_nccl_2076_remote.log").cause == "network"

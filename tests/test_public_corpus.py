@@ -17,7 +17,7 @@ import pytest
 import yaml
 
 from gpuvigil.offline.analyze import Analyzer, kernel_log_findings
-from gpuvigil.detectors import training_log
+from gpuvigil.offline.analyze import training_log_findings
 from gpuvigil.detectors import saved_readings
 from gpuvigil.parsers import nvidia_smi
 from gpuvigil.parsers.oom import parse_oom
@@ -56,7 +56,7 @@ def test_corpus_is_broad_and_sourced():
 @pytest.mark.parametrize("row", _by("oom"), ids=lambda r: Path(r["file"]).stem)
 def test_oom_cause_matches_label(row):
     text = (PUBLIC / row["file"]).read_text()
-    found = training_log.analyze_text(text, reference_ts=REFERENCE_TS)
+    found = training_log_findings(text, reference_ts=REFERENCE_TS)
     assert _diagnoses(found) == set(row["expect"]), [f.summary for f in found]
     # the figures the label was computed from are the ones the parser read
     rep = parse_oom(" ".join(text.split()))
@@ -72,7 +72,7 @@ def test_xid_attribution_matches_label(row):
 
 @pytest.mark.parametrize("row", _by("watchdog") + _by("nccl_warn") + _by("nccl_error"), ids=lambda r: Path(r["file"]).stem)
 def test_watchdog_and_warn_match_label(row):
-    found = training_log.analyze_text((PUBLIC / row["file"]).read_text(), reference_ts=REFERENCE_TS)
+    found = training_log_findings((PUBLIC / row["file"]).read_text(), reference_ts=REFERENCE_TS)
     assert _diagnoses(found) == set(row["expect"]), [f.summary for f in found]
 
 

@@ -21,7 +21,8 @@ import pytest
 
 from gpuvigil import schemas
 from gpuvigil.collectors import dcgm, kernel_log, nccl_log
-from gpuvigil.detectors import saved_readings, training_log
+from gpuvigil.detectors import saved_readings
+from gpuvigil.offline.analyze import training_log_findings
 from gpuvigil.detectors.registry import default_detectors
 from gpuvigil.offline.analyze import kernel_log_findings
 from gpuvigil.model import Finding, FindingKind, place, subject
@@ -120,7 +121,7 @@ def _strip_ranks(text: str) -> str:
 
 
 OFFLINE = [
-    ("watchdog_without_rank", lambda: training_log.analyze_text(_strip_ranks((DATA / "h200" / "s6_nccl_watchdog_timeout.log").read_text()), reference_ts=NOW),
+    ("watchdog_without_rank", lambda: training_log_findings(_strip_ranks((DATA / "h200" / "s6_nccl_watchdog_timeout.log").read_text()), reference_ts=NOW),
      FindingKind.NCCL_TIMEOUT),
     ("kernel_log_without_node_or_gpu_index", lambda: kernel_log_findings((DATA / "public" / "kernel_fallen_off_bus.log").read_text(), reference_ts=NOW),
      FindingKind.XID),

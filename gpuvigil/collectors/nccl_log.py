@@ -36,8 +36,9 @@ the other processes the message lists, else `oom_capacity`.
 
 The line parsing itself (text -> typed records, no I/O) is in `gpuvigil.parsers.nccl` and
 `gpuvigil.parsers.oom`; this module turns parsed logs into `events` and tails files. What the
-parsed records mean (`nccl_timeout`, `nccl_error`, `oom_*` findings) is decided by
-`gpuvigil.detectors.training_log`.
+events mean is decided once, by the registered detectors `watchdog` and `nccl_error`
+(`gpuvigil.detectors.watchdog`) and `oom_events`, for `serve` and `analyze` alike (`analyze`
+builds a whole log's events with `events()` and runs those detectors over them).
 """
 
 from __future__ import annotations
@@ -58,13 +59,20 @@ from gpuvigil.parsers.oom import OomReport, load_oom_config, parse_oom  # noqa: 
 
 
 def events(parsed: ParsedLog, *, node: str | None = None, job: str | None = None, file: str | None = None) -> pl.DataFrame:
-    """The `events` stream: one row per timeout, OOM, progress failure and NCCL warning. Rows read
-    from a log file carry it in `source` (`torch:<file>`, model.log_source): a line of no known
-    job is still told apart by its file."""
+    """The `events` stream: one row per timeout, progress line, OOM, NCCL error and NCCL warning.
+    Rows read from a log file carry it in `source` (`torch:<file>`, model.log_source): a line of
+    no known job is still told apart by its file.
+
+    Each message is one the parsers read back whole: a timeout's WorkNCCL line with its rank and
+    process group tag (`parsers.nccl.parse_timeout`), a progress line (`nccl_progress`,
+    `parse_progress`: which rank had enqueued how far, what names the rank holding the others up),
+    an NCCL error (`parse_error_message`), an OOM message (`parsers.oom.parse_oom`)."""
     torch, nccl = log_source("torch", file), log_source("nccl", file)
     rows: list[dict[str, Any]] = []
     for t in parsed.timeouts:
-        rows.append({"ts": t.ts, "node": node, "source": torch, "kind": "nccl_timeout", "job": job, "rank": t.rank, "message": t.text})
+        rows.append({"ts": t.ts, "node": node, "source": torch, "kind": "nccl_timeout", "job": job, "rank": t.rank, "message": t.message()})
+    for p in parsed.progress:
+        rows.append({"ts": p.ts, "node": node, "source": torch, "kind": "nccl_progress", "job": job, "rank": p.rank, "message": p.message()})
     # A timeout that the log tells only by these lines (no WorkNCCL line) is a timeout all the same.
     for _line, ts, rank in parsed.some_failed:
         rows.append({"ts": ts, "node": node, "source": torch, "kind": "nccl_timeout", "job": job, "rank": rank, "message": "Some NCCL operations have failed or timed out"})

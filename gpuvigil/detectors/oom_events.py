@@ -8,7 +8,11 @@ classifier sees it, however late its line arrives: events are told apart by thei
 node, GPU, job, rank, source, message), not by whether their time is after the previous tick, so a
 line read late (a log file read after a delay) is still reported and the same line read twice is
 not reported again. An OOM older than `report_seconds` when it arrives is not reported (a restarted
-collector's backlog).
+collector's backlog). A traceback repeats the message: the same OOM (same figures, rank and GPU)
+read again in the same job's (or file's) lines in one tick is one finding, counted in
+`evidence.occurrences`. `evidence.reason` says why, with the figures (`OomReport.reason`).
+
+`analyze` judges a whole log's OOMs by this same detector (over the log's events).
 """
 
 from __future__ import annotations
@@ -21,7 +25,7 @@ from pydantic import BaseModel
 from gpuvigil.detectors.base import HISTORY, Declared, DetectorSpec
 from gpuvigil.detectors.common import settings
 from gpuvigil.model import Finding, FindingKind, Severity, subject
-from gpuvigil.parsers.oom import load_oom_config, parse_oom
+from gpuvigil.parsers.oom import OomReport, load_oom_config, parse_oom
 from gpuvigil.window import Window
 
 GIB = float(1 << 30)
@@ -62,47 +66,61 @@ class OomEventClassifier(Declared):
         since = window.now - self.config.report_seconds
         self._seen = {k: ts for k, ts in self._seen.items() if ts > since}
         ev = window.get("events").filter((pl.col("kind") == "oom") & (pl.col("ts") > since) & pl.col("message").is_not_null())
-        findings = []
-        for row in ev.iter_rows(named=True):
+        found: dict[tuple[Any, ...], Finding] = {}
+        fresh: set[tuple[Any, ...]] = set()  # rows first seen this tick (a repeated line counts again)
+        for row in ev.sort("ts", maintain_order=True).iter_rows(named=True):
             key = (row["ts"], row["node"], row["gpu"], row["job"], row["rank"], row["source"], row["message"])
-            if key in self._seen:
+            if key in self._seen and key not in fresh:
                 continue
             self._seen[key] = float(row["ts"])
+            fresh.add(key)
             report = parse_oom(row["message"], ts=float(row["ts"]), rank=row["rank"])
             if report is None:
                 continue  # an "oom" event without PyTorch's numbers: nothing to classify
-            kind = report.classify(self.classify_config)
-            cause, advice = _CAUSE[kind]
-            foreign = report.foreign_bytes()
-            where = subject(job=row["job"], ranks=[row["rank"]], node=row["node"], gpu=row["gpu"])
-            findings.append(
-                Finding(
-                    kind=kind,
-                    severity=Severity.PAGE,
-                    ts=float(row["ts"]),
-                    job=row["job"],
-                    ranks=[int(row["rank"])] if row["rank"] is not None else [],
-                    culprit_ranks=[int(row["rank"])] if row["rank"] is not None else [],
-                    node=row["node"],
-                    gpu=row["gpu"],
-                    cause=cause,
-                    source=self.name,
-                    evidence={
-                        "requested_bytes": report.requested_bytes,
-                        "total_bytes": report.total_bytes,
-                        "free_bytes": report.free_bytes,
-                        "process_used_bytes": report.process_used_bytes,
-                        "allocated_bytes": report.allocated_bytes,
-                        "reserved_unallocated_bytes": report.reserved_unallocated_bytes,
-                        "foreign_bytes": foreign,
-                        **({"allowed_bytes": report.allowed_bytes} if report.allowed_bytes is not None else {}),
-                    },
-                    summary=(
-                        f"CUDA OOM in {where}, asking for {report.requested_bytes / GIB:.2f} GiB"
-                        + (f" with {report.reserved_unallocated_bytes / GIB:.1f} GiB reserved but unallocated" if report.reserved_unallocated_bytes else "")
-                        + (f" and {foreign / GIB:.1f} GiB held by other processes" if foreign else "")
-                        + f": {advice}."
-                    ),
-                )
-            )
-        return findings
+            same = (row["job"], row["node"], row["source"], report.key())
+            if same in found:
+                found[same].evidence["occurrences"] += 1
+                continue
+            found[same] = self._finding(row, report)
+        return list(found.values())
+
+    def _finding(self, row: dict[str, Any], report: OomReport) -> Finding:
+        kind = report.classify(self.classify_config)
+        cause, advice = _CAUSE[kind]
+        foreign = report.foreign_bytes()
+        where = subject(job=row["job"], ranks=[row["rank"]], node=row["node"], gpu=row["gpu"])
+        return Finding(
+            kind=kind,
+            severity=Severity.PAGE,
+            ts=float(row["ts"]),
+            job=row["job"],
+            ranks=[int(row["rank"])] if row["rank"] is not None else [],
+            culprit_ranks=[int(row["rank"])] if row["rank"] is not None else [],
+            node=row["node"],
+            gpu=row["gpu"],
+            cause=cause,
+            source=self.name,
+            evidence={
+                "requested_bytes": report.requested_bytes,
+                "total_bytes": report.total_bytes,
+                "free_bytes": report.free_bytes,
+                "process_used_bytes": report.process_used_bytes,
+                "allocated_bytes": report.allocated_bytes,
+                "reserved_unallocated_bytes": report.reserved_unallocated_bytes,
+                "foreign_bytes": foreign,
+                **({"allowed_bytes": report.allowed_bytes} if report.allowed_bytes is not None else {}),
+                "other_processes": report.other_processes,
+                # neither free nor PyTorch's: CUDA context, libraries (and other processes, if any)
+                "non_pytorch_bytes": report.non_pytorch_bytes(),
+                "process_used_credible": report.process_used_credible,
+                "wording": report.wording,
+                "reason": report.reason(kind),
+                "occurrences": 1,
+            },
+            summary=(
+                f"CUDA OOM in {where}, asking for {report.requested_bytes / GIB:.2f} GiB"
+                + (f" with {report.reserved_unallocated_bytes / GIB:.1f} GiB reserved but unallocated" if report.reserved_unallocated_bytes else "")
+                + (f" and {foreign / GIB:.1f} GiB held by other processes" if foreign else "")
+                + f": {advice}."
+            ),
+        )

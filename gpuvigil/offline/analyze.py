@@ -7,6 +7,10 @@ Recorder dumps (pickle or JSON; all dumps of one folder are analysed together, a
 or gpuvigil's own), and NVML time-series CSV. Prints the findings sorted by time, as readable
 blocks or as JSON lines (`--format json`).
 
+A training / NCCL log is judged by the very detectors `serve` runs (`watchdog`, `nccl_error`,
+`oom_events`): its lines become the `events` the log collector emits live, and those detectors
+look at all of them at once (`training_log_findings`).
+
 Untrusted input: pickles are only ever read through the restricted unpickler (by the Flight
 Recorder and allocator readers). A file that cannot be read or is refused gets one line on
 stderr naming it, and the others are still analysed; the exit code is 2 only when nothing at
@@ -16,6 +20,7 @@ all could be read.
 from __future__ import annotations
 
 import argparse
+import copy
 import json
 import re
 import sys
@@ -194,13 +199,14 @@ def findings_from_gpuvigil_scrape(text: str, display: str, ts: float) -> list[Fi
     return saved_readings.active_findings(samples, display, ts)
 
 
-def detect_once(names: Iterable[str], streams: dict[str, pl.DataFrame], ts: float, cfg: dict[str, Any] | None) -> list[Finding]:
-    """Findings of the registered detectors `names` over one snapshot (one tick at `ts`): what a
-    saved scrape or a copy of a sysfs tree says on its own, by the detectors serve runs."""
+def detect_once(names: Iterable[str], streams: dict[str, pl.DataFrame], ts: float, cfg: dict[str, Any] | None, *, horizon: float = 600.0) -> list[Finding]:
+    """Findings of the registered detectors `names` over one snapshot (one tick at `ts`, seeing
+    the last `horizon` seconds): what a saved scrape, a copy of a sysfs tree or a whole log says on
+    its own, by the detectors serve runs."""
     from gpuvigil.app import compose
     from gpuvigil.window import Window
 
-    window = Window(600.0)
+    window = Window(horizon)
     for stream, df in streams.items():
         window.add(stream, df)
     window.seal(ts)
@@ -337,7 +343,7 @@ class Analyzer:
         """A kernel log and/or a training / NCCL log (one file may be both): the kinds found, or
         None for a prose document that only quotes log lines."""
         from gpuvigil.collectors import kernel_log
-        from gpuvigil.detectors import training_log, xid_incidents
+        from gpuvigil.detectors import xid_incidents
         from gpuvigil.parsers import nccl as nccl_text
         from gpuvigil.parsers import xid_line
 
@@ -367,7 +373,7 @@ class Analyzer:
             len(head) == SNIFF_BYTES and _grep(path, b"Watchdog caught", b"CUDA out of memory", b"HIP out of memory", b"NCCL WARN", b"NCCL error")
         ):
             parsed = nccl_text.parse_lines(log_lines(_text_lines(path), nccl_text._SNIFF), reference_ts=ref)
-            report.findings.extend(training_log.findings(parsed, source_file=name, job=self.job, node=self.node, cfg=self.cfg))
+            report.findings.extend(training_log_findings(parsed, source_file=name, job=self.job, node=self.node, cfg=self.cfg))
             kinds.append("training_log")
         return kinds
 
@@ -478,6 +484,69 @@ def kernel_log_findings(
     gap = kernel_log.load_config(cfg).burst_gap_seconds
     lines = kernel_log.parse_lines(text.splitlines(), node=node, pci_to_gpu=pci_to_gpu, reference_ts=reference_ts)
     return xid_incidents.findings(kernel_log.incidents(lines, gap), source_file=source_file, companion_window_seconds=gap)
+
+
+# The registered detectors that judge a training / NCCL log's events, online and here alike.
+TRAINING_LOG_DETECTORS = ("watchdog", "nccl_error", "oom_events")
+# Which events a finding of each kind was built from (to name the first line in its source).
+_EVENT_KINDS = {FindingKind.NCCL_TIMEOUT: "nccl_timeout", FindingKind.NCCL_ERROR: "nccl_error"}
+
+
+def training_log_findings(
+    log: Any,
+    *,
+    source_file: str | None = None,
+    job: str | None = None,
+    node: str | None = None,
+    reference_ts: float | None = None,
+    cfg: dict[str, Any] | None = None,
+) -> list[Finding]:
+    """The `nccl_timeout`, `nccl_error` and `oom_*` findings of a whole training / NCCL log (its
+    text, or its `parsers.nccl.ParsedLog`): its lines turned into `events` by the log collector
+    and judged by the registered detectors serve runs (TRAINING_LOG_DETECTORS), so a log gets the
+    same answer offline and live. Each finding's source is the log's `file:line` of its first
+    line."""
+    from gpuvigil.collectors import nccl_log
+
+    parsed = nccl_log.parse_lines(log.splitlines(), reference_ts=reference_ts) if isinstance(log, str) else log
+    node = node or (parsed.hosts.most_common(1)[0][0] if len(parsed.hosts) == 1 else None)
+    events = nccl_log.events(parsed, node=node, job=job, file=source_file)
+    if events.height == 0:
+        return []
+    # Live, the detectors judge what arrived in their last minutes; a log read afterwards spans
+    # any time, and all of it is evidence. One tick at the log's last line, with a history and
+    # report windows (and XID/network lookbacks) that reach back to its first line, sees it whole.
+    first, last = float(events["ts"].min()), float(events["ts"].max())
+    span = last - first + 1.0
+    judged = config.defaults() if cfg is None else copy.deepcopy(cfg)
+    blocks = judged.setdefault("detectors", {})
+    for name in ("watchdog", "nccl_error"):
+        blocks[name] = {**(blocks.get(name) or {}), "report_seconds": span, "hardware_lookback_seconds": span}
+    blocks["oom_events"] = {**(blocks.get("oom_events") or {}), "report_seconds": span}
+    found = detect_once(TRAINING_LOG_DETECTORS, {"events": events}, last, judged, horizon=span)
+    for f in found:
+        # Live, a job's software fault names no node (nothing on a node to act on); the one
+        # reading a log afterwards was told (--node) or the log says where it ran, as for every
+        # other file analyze reads.
+        f.node = f.node or node
+        if source_file:
+            f.source = f"{source_file}:{_first_line_of(parsed, f)}"
+    return found
+
+
+def _first_line_of(parsed: Any, f: Finding) -> int:
+    """The line of the first record a finding was built from: of its kind, at its first time,
+    one of its ranks where it names any (an OOM: the same GPU and request)."""
+    kind = _EVENT_KINDS.get(f.kind, "oom")
+    records = {
+        "nccl_timeout": [(t.line, t.ts, t.rank, None) for t in parsed.timeouts] + [(*r, None) for r in parsed.some_failed + parsed.timeout_at],
+        "nccl_error": [(e.line, e.ts, e.rank, None) for e in parsed.errors],
+        "oom": [(o.line, o.ts, o.rank, (o.gpu, o.requested_bytes)) for o in parsed.ooms],
+    }[kind]
+    first_ts = f.evidence.get("first_ts", f.ts)
+    same = (f.gpu, f.evidence.get("requested_bytes")) if kind == "oom" else None
+    ranked = [r for r in records if r[1] == first_ts and (not f.ranks or r[2] in f.ranks) and r[3] == same]
+    return min(ranked or [r for r in records if r[1] == first_ts] or records)[0]
 
 
 def _grep(path: Path, *needles: bytes) -> bool:

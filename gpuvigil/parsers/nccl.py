@@ -78,6 +78,11 @@ class WatchdogTimeout:
     ran_for_ms: int
     text: str
 
+    def message(self) -> str:
+        """One line that `parse_timeout` reads back whole, rank and process group included (the
+        `events` stream's message)."""
+        return _tag(self.rank, self.pg) + self.text
+
 
 @dataclass
 class Progress:
@@ -87,6 +92,22 @@ class Progress:
     at_seq: int | None
     last_enqueued: int
     last_completed: int
+    ts: float = 0.0
+
+    def message(self) -> str:
+        """One line that `parse_progress` reads back whole (the `events` stream's message)."""
+        at = f"detected by watchdog at work: {self.at_seq}, " if self.at_seq is not None else ""
+        return f"{_tag(self.rank, self.pg)}{at}last enqueued NCCL work: {self.last_enqueued}, last completed NCCL work: {self.last_completed}."
+
+
+def _tag(rank: int | None, pg: str | None) -> str:
+    """torch's `[PG ID 0 PG GUID 0(default_pg) Rank 3] ` prefix, as `_rank_and_pg` reads it back."""
+    if rank is None:
+        return ""
+    if pg is None:
+        return f"[Rank {rank}] "
+    pg_id, _, name = pg.partition("(")
+    return f"[PG ID {pg_id} PG GUID {pg_id}({name.rstrip(')')}) Rank {rank}] " if name else f"[PG {pg_id} Rank {rank}] "
 
 
 @dataclass
@@ -237,6 +258,31 @@ def parse_error_message(line: str, *, line_no: int = 0, ts: float = 0.0) -> Nccl
     )
 
 
+def parse_timeout(line: str, *, line_no: int = 0, ts: float = 0.0) -> WatchdogTimeout | None:
+    """The watchdog timeout a line reports (None when it reports none): the WorkNCCL fields, how
+    long it ran, and the rank and process group of the tag before it."""
+    m = _WATCHDOG.search(line)
+    if m is None:
+        return None
+    fields = dict(_WORK_FIELD.findall(m["body"]))
+    rank, pg = _rank_and_pg(line[: m.start()])
+    return WatchdogTimeout(
+        line=line_no, ts=ts, rank=rank, pg=pg, seq=_int(fields.get("SeqNum")), op_type=fields.get("OpType"),
+        numel_in=_int(fields.get("NumelIn")), numel_out=_int(fields.get("NumelOut")), timeout_ms=_int(fields.get("Timeout(ms)")),
+        ran_for_ms=int(m["ran"]), text=line[m.start():][:500],
+    )
+
+
+def parse_progress(line: str, *, line_no: int = 0, ts: float = 0.0) -> Progress | None:
+    """A process group's progress as the watchdog printed it (None when the line has none): the
+    work it stopped at, the last work enqueued and the last completed."""
+    m = _PROGRESS.search(line)
+    if m is None:
+        return None
+    rank, pg = _rank_and_pg(line[: m.start()])
+    return Progress(line_no, rank, pg, _int(m["at"]), int(m["enq"]), int(m["done"]), ts)
+
+
 def _continue_error(err: NcclError, line: str, state: dict) -> bool:
     """Reads a continuation line of `err` (its result's name, `Last error:` and the line after
     it) into it; False when the line is none of those."""
@@ -346,29 +392,14 @@ def parse_lines(lines: Iterable[str], *, reference_ts: float | None = None, firs
                     continue
                 if not follow_state.get("want_last"):
                     following = None
-            if "Watchdog caught" in line and (m := _WATCHDOG.search(line)):
-                fields = dict(_WORK_FIELD.findall(m["body"]))
-                rank, pg = _rank_and_pg(line[: m.start()])
-                out.timeouts.append(
-                    WatchdogTimeout(
-                        line=no,
-                        ts=when(line),
-                        rank=rank,
-                        pg=pg,
-                        seq=_int(fields.get("SeqNum")),
-                        op_type=fields.get("OpType"),
-                        numel_in=_int(fields.get("NumelIn")),
-                        numel_out=_int(fields.get("NumelOut")),
-                        timeout_ms=_int(fields.get("Timeout(ms)")),
-                        ran_for_ms=int(m["ran"]),
-                        text=line[m.start():][:500],
-                    )
-                )
-            elif "ast enqueued" in line and (m := _PROGRESS.search(line)):
-                rank, pg = _rank_and_pg(line[: m.start()])
-                out.progress.append(Progress(no, rank, pg, _int(m["at"]), int(m["enq"]), int(m["done"])))
+            if "Watchdog caught" in line and (t := parse_timeout(line, line_no=no)) is not None:
+                t.ts = when(line)
+                out.timeouts.append(t)
+            elif "ast enqueued" in line and (p := parse_progress(line, line_no=no)) is not None:
+                p.ts = when(line)
+                out.progress.append(p)
                 if "Timeout at NCCL work" in line:
-                    out.timeout_at.append((no, when(line), rank))
+                    out.timeout_at.append((no, p.ts, p.rank))
             elif "Some NCCL operations have failed" in line:
                 out.some_failed.append((no, when(line), _rank_and_pg(line)[0]))
             elif "initialization options" in line and (m := _INIT.search(line)):
