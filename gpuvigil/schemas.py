@@ -141,6 +141,34 @@ ALLOCATOR_STATS = pl.Schema(
     }
 )
 
+# One reading of a PyTorch caching allocator's state saved to a file and read after the fact
+# (collectors/allocator.py): a `torch.cuda.memory_stats()` JSON or a memory snapshot pickle, one
+# row each. Only `analyze` fills it; the snapshot-only columns are null for memory_stats.
+ALLOCATOR_READINGS = pl.Schema(
+    {
+        "ts": F64,
+        "job": STR,
+        "node": STR,
+        "gpu": I32,
+        "source": STR,  # the file it was read from
+        "reading": STR,  # memory_stats | snapshot
+        "reserved_bytes": I64,
+        "allocated_bytes": I64,
+        "inactive_split_bytes": I64,  # memory_stats: reserved bytes in inactive split blocks
+        "inactive_split_blocks": I64,
+        "alloc_retries": I64,  # memory_stats: cudaMalloc retried after freeing the cache
+        "oom_count": I64,  # memory_stats: num_ooms
+        "inactive_bytes": I64,  # snapshot: free blocks inside reserved segments
+        "largest_free_block_bytes": I64,  # snapshot: the largest free block of any segment
+        "segments": I64,
+        "expandable_segments": BOOL,
+        "oom_request_bytes": I64,  # snapshot: the size of the last request that failed
+        "oom_device_free_bytes": I64,  # ... and the device's free memory then
+        "oom_events": I64,  # snapshot: OOMs its trace recorded
+        "recurring_request_bytes": I64,  # snapshot: the largest request the trace shows recurring
+    }
+)
+
 EVENTS = pl.Schema(
     {
         "ts": F64,
@@ -300,6 +328,7 @@ STREAMS: Mapping[str, pl.Schema] = {
     "gpu_workloads": GPU_WORKLOADS,
     "rank_progress": RANK_PROGRESS,
     "allocator_stats": ALLOCATOR_STATS,
+    "allocator_readings": ALLOCATOR_READINGS,
     "events": EVENTS,
     "jobs": JOBS,
     "nodes": NODES,

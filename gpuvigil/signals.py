@@ -264,6 +264,8 @@ STREAM_SOURCES: Mapping[str, StreamSources] = {
         {"largest_free_block_bytes": ()},
         {"largest_free_block_bytes": "memory_stats has no largest free block; only a memory snapshot read offline (analyze) has it"},
     ),
+    # memory_stats JSON and snapshot pickles a job saved, read by analyze (collectors/allocator.py)
+    "allocator_readings": StreamSources(("allocator",)),
     # XIDs from NVML events, dcgm-exporter's last XID and the kernel log; NCCL and OOM lines from
     # logs; Slurm's node and job events. job/rank: where a log line names them, else the job map.
     "events": StreamSources(("nvml", "dcgm", "logs", "scheduler"), {"job": ("logs", "scheduler", "jobmap"), "rank": ("logs", "jobmap")}),

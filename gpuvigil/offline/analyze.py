@@ -318,7 +318,7 @@ class Analyzer:
             return "flight_recorder"
         if self.alloc is not None and (self.alloc.is_memory_stats(path) or self.alloc.is_snapshot(path)):
             kind = "memory_stats" if self.alloc.is_memory_stats(path) else "memory_snapshot"
-            report.findings.extend(self._tag(memory_state_findings(path, cfg=self.cfg), name))
+            report.findings.extend(self._tag(memory_state_findings(path, cfg=self.cfg, source=str(path)), name))
             return kind
         if looks_like_pickle(head):
             from gpuvigil.collectors.safe_pickle import safe_load
@@ -442,13 +442,15 @@ class Analyzer:
 
 
 def memory_state_findings(path: str | Path, *, job: str | None = None, node: str | None = None, gpu: int | None = None,
-                          cfg: dict[str, Any] | None = None) -> list[Finding]:
+                          cfg: dict[str, Any] | None = None, source: str | None = None) -> list[Finding]:
     """Findings for one memory_stats JSON or snapshot pickle (`UserError` for anything else): read
-    by the allocator reader, judged by detectors/allocator_state."""
+    by the allocator reader into an `allocator_readings` row, judged by the registered
+    `allocator_state` detector. `source`: the file's name in the findings (default: `path`)."""
     from gpuvigil.collectors import allocator
     from gpuvigil.detectors import allocator_state
 
     p = Path(path)
+    name = str(p) if source is None else source
     try:
         ts = p.stat().st_mtime
     except OSError as exc:
@@ -457,8 +459,11 @@ def memory_state_findings(path: str | Path, *, job: str | None = None, node: str
         head = fh.read(16)
     if looks_like_pickle(head):
         snap = allocator.read_snapshot(p, allocator_state.load_config(cfg).recurring_min_count)
-        return allocator_state.findings_for_snapshot(snap, ts=ts, job=job, node=node, gpu=gpu, cfg=cfg)
-    return allocator_state.findings_for_stats(allocator.read_memory_stats(p), str(p), ts=ts, job=job, node=node, gpu=gpu, cfg=cfg)
+        snap.source = name
+        row = allocator.snapshot_reading(snap, ts=ts, job=job, node=node, gpu=gpu)
+    else:
+        row = allocator.stats_reading(allocator.read_memory_stats(p), name, ts=ts, job=job, node=node, gpu=gpu)
+    return detect_once(["allocator_state"], {"allocator_readings": allocator.readings_frame([row], str(p))}, ts, cfg)
 
 
 def kernel_log_findings(
