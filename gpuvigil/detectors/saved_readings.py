@@ -1,12 +1,9 @@
-"""What one saved reading of a node says on its own, with no history: a dcgm-exporter scrape, the
-XID counters in it, `nvidia-smi -q` output, an NVML time series of clock-event reasons, and a
-saved gpuvigil `/metrics` page. `analyze` reads them (collectors/dcgm.py, parsers/nvidia_smi.py,
-offline/formats.py) and this module judges what it read.
+"""What one saved reading of a node says on its own, with no history: `nvidia-smi -q` output, an
+NVML time series of clock-event reasons, and a saved gpuvigil `/metrics` page. `analyze` reads
+them (parsers/nvidia_smi.py, offline/formats.py) and this module judges what it read.
 
-An XID is judged by the XID policy `serve`'s XID detector uses (`gpuvigil.policies`), so it is
-the same severity online and offline. `serve`'s own detectors over the same columns need
-history (a counter's rate, a trend); what they can say of one snapshot they say through
-`offline.analyze.detect_once` (the NVLink fabric, memory repairs, InfiniBand ports).
+A saved dcgm-exporter scrape is judged by serve's own detectors (`offline.analyze.scrape_findings`:
+XIDs, ECC, memory repairs, the NVLink fabric), as is a sysfs tree's InfiniBand ports.
 """
 
 from __future__ import annotations
@@ -16,9 +13,8 @@ from typing import Any
 
 import polars as pl
 
-from gpuvigil import policies
-from gpuvigil.gpu import throttle, xid
-from gpuvigil.model import Finding, FindingKind, Severity, place
+from gpuvigil.gpu import throttle
+from gpuvigil.model import Finding, FindingKind, Severity
 from gpuvigil.parsers.nvidia_smi import SmiHealth
 
 # NVML clock-event reasons that mean the GPU slowed itself down for heat (NVML's
@@ -26,104 +22,6 @@ from gpuvigil.parsers.nvidia_smi import SmiHealth
 THERMAL_REASONS_MASK = throttle.THERMAL_MASK
 # The gauges of a saved gpuvigil page that count its active findings.
 ACTIVE_FINDINGS_METRICS = ("gpuvigil_node_findings_active", "gpuvigil_job_findings_active")
-
-
-# ---------------------------------------------------------------- dcgm-exporter scrape
-
-
-def dcgm_scrape_findings(samples: pl.DataFrame, *, source_file: str | None = None, ts: float | None = None) -> list[Finding]:
-    """Each GPU's last XID, and uncorrectable ECC (volatile DBEs, a failed row remap), from the
-    `gpu_samples` of one saved scrape."""
-    out: list[Finding] = []
-    for row in samples.filter(pl.col("last_xid").is_not_null() | (pl.col("ecc_dbe_volatile_total") > 0) | pl.col("remap_failure")).to_dicts():
-        src = f"{source_file}:gpu={row['gpu']}" if source_file else "dcgm"
-        at = ts if ts is not None else row["ts"]
-        if row["last_xid"] is not None:
-            out.append(_last_xid_finding(row, at, src))
-        if (row["ecc_dbe_volatile_total"] or 0) > 0 or row["remap_failure"]:
-            out.append(_scrape_ecc_finding(row, at, src))
-    return out
-
-
-def _last_xid_finding(row: dict[str, Any], ts: float, src: str) -> Finding:
-    code = row["last_xid"]
-    info = xid.xid_info(code)
-    fatal = xid.is_fatal(code)
-    return Finding(
-        kind=FindingKind.XID,
-        severity=policies.xid_severity(code),
-        ts=ts,
-        node=row["node"],
-        gpu=row["gpu"],
-        xid=code,
-        evidence={
-            "fatal": fatal,
-            "app_level": info.app_level if info else False,
-            "action": info.action if info else None,
-            "name": info.name if info else "unknown XID",
-            "gpu_uuid": row["gpu_uuid"],
-            "note": "DCGM_FI_DEV_XID_ERRORS is the last XID since dcgm-exporter started; when it happened is not in the scrape",
-        },
-        summary=f"Last XID on {place(row['node'], row['gpu'])} was {code} ({info.name if info else 'unknown'})" + (f"; NVIDIA's immediate action: {info.action}" if info else ""),
-        source=src,
-        cause="hardware" if fatal else None,
-    )
-
-
-def _scrape_ecc_finding(row: dict[str, Any], ts: float, src: str) -> Finding:
-    # A failed remap is NVIDIA's RMA criterion: its own kind, the DBEs its evidence.
-    failed = bool(row["remap_failure"])
-    where = place(row["node"], row["gpu"])
-    return Finding(
-        kind=FindingKind.ROW_REMAP_FAILURE if failed else FindingKind.ECC,
-        severity=Severity.PAGE,
-        ts=ts,
-        node=row["node"],
-        gpu=row["gpu"],
-        evidence={
-            "ecc_dbe_volatile_total": row["ecc_dbe_volatile_total"],
-            "ecc_sbe_volatile_total": row["ecc_sbe_volatile_total"],
-            "retired_pages_total": row["retired_pages_total"],
-            "remap_failure": failed,
-            "gpu_uuid": row["gpu_uuid"],
-        },
-        summary=(f"Row remapping failed on {where} ({row['ecc_dbe_volatile_total'] or 0} volatile DBE): drain the node and replace the GPU"
-                 if failed else f"Uncorrectable memory errors on {where}: {row['ecc_dbe_volatile_total'] or 0} volatile DBE"),
-        source=src,
-        cause="hardware",
-    )
-
-
-def xid_counter_findings(samples: Iterable[Mapping[str, Any]], display: str, ts: float, node: str | None) -> list[Finding]:
-    """XIDs from dcgm-exporter's XID counters that label the code (`xid="42"`, read by
-    `parsers.nvidia_smi.xid_counter_samples`), one per GPU and code."""
-    out: list[Finding] = []
-    seen: set[tuple] = set()
-    for s in samples:
-        labels = s["labels"]
-        gpu = int(labels["gpu"]) if labels.get("gpu", "").isdigit() else None
-        host = labels.get("Hostname") or labels.get("hostname") or node
-        key = (host, gpu, s["xid"])
-        if key in seen:
-            continue
-        seen.add(key)
-        info = xid.xid_info(s["xid"])
-        fatal = xid.is_fatal(s["xid"])
-        out.append(
-            Finding(
-                kind=FindingKind.XID,
-                severity=policies.xid_severity(s["xid"]),
-                ts=ts,
-                node=host,
-                gpu=gpu,
-                xid=s["xid"],
-                evidence={"fatal": fatal, "action": info.action if info else None, "name": info.name if info else "unknown XID", "metric": s["metric"], "value": s["value"], "gpu_uuid": labels.get("UUID")},
-                summary=f"{s['metric']} counts XID {s['xid']} ({info.name if info else 'unknown'}) on {place(host, gpu)}",
-                source=f"{display}:gpu={gpu}",
-                cause=policies.xid_cause(s["xid"]),
-            )
-        )
-    return out
 
 
 # ---------------------------------------------------------------- nvidia-smi -q

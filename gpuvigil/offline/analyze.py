@@ -45,6 +45,8 @@ MAX_TABLE_BYTES = 256 * 1024 * 1024  # NVML CSV (polars reads it whole)
 MAX_SCRAPE_BYTES = 64 * 1024 * 1024  # a saved /metrics page
 # What is printed of one message (`message` evidence); the JSON output carries the same cut text.
 MAX_MESSAGE_CHARS = 2000
+# The registered detectors that judge one saved dcgm-exporter scrape.
+SCRAPE_DETECTORS = ("xid", "ecc", "nvlink_fabric", "memory_repair")
 
 
 @dataclass
@@ -194,9 +196,12 @@ def findings_from_gpuvigil_scrape(text: str, display: str, ts: float) -> list[Fi
     return saved_readings.active_findings(samples, display, ts)
 
 
-def detect_once(names: Iterable[str], streams: dict[str, pl.DataFrame], ts: float, cfg: dict[str, Any] | None) -> list[Finding]:
+def detect_once(names: Iterable[str], streams: dict[str, pl.DataFrame], ts: float, cfg: dict[str, Any] | None,
+                source: str | None = None) -> list[Finding]:
     """Findings of the registered detectors `names` over one snapshot (one tick at `ts`): what a
-    saved scrape or a copy of a sysfs tree says on its own, by the detectors serve runs."""
+    saved scrape or a copy of a sysfs tree says on its own, by the detectors serve runs.
+    `source`: the file read; a finding a detector signed with its own name is sourced to the file
+    instead (`file:gpu=N` for one GPU's), the detector's name kept as `evidence.detector`."""
     from gpuvigil.app import compose
     from gpuvigil.window import Window
 
@@ -206,8 +211,25 @@ def detect_once(names: Iterable[str], streams: dict[str, pl.DataFrame], ts: floa
     window.seal(ts)
     out: list[Finding] = []
     for detector in compose.detectors(cfg, "analyze", only=names):
-        out.extend(detector.detect(window))
+        found = detector.detect(window)
+        for f in found:
+            if source is not None and f.source in (None, detector.name):
+                f.evidence["detector"] = detector.name
+                f.source = source if f.gpu is None else f"{source}:gpu={f.gpu}"
+        out.extend(found)
     return out
+
+
+def scrape_findings(samples: pl.DataFrame, xid_counters: Iterable[dict[str, Any]], ts: float, *, node: str | None = None,
+                    cfg: dict[str, Any] | None = None, source: str | None = None) -> list[Finding]:
+    """What one saved dcgm-exporter scrape says (its `gpu_samples`, and the XID counter series
+    that label their code): XIDs, uncorrectable ECC and failed remaps, pending memory repairs,
+    the NVLink fabric, by serve's own detectors on the frames the collector makes of its first
+    scrape (each GPU's last XID an `xid` event at `ts`)."""
+    from gpuvigil.collectors import dcgm
+
+    events = dcgm.scrape_xid_events(samples, xid_counters, ts=ts, default_node=node)
+    return detect_once(SCRAPE_DETECTORS, {"gpu_samples": samples, "events": events}, ts, cfg, source)
 
 
 def is_sysfs_tree(path: Path) -> bool:
@@ -387,10 +409,8 @@ class Analyzer:
             text = path.read_text(errors="replace")
             if dcgm.looks_like_dcgm_scrape(text):
                 samples, _w, _e = dcgm.read_scrape(path, ts=ref, default_node=self.node)
-                report.findings.extend(saved_readings.dcgm_scrape_findings(samples, source_file=name, ts=ref))
-                report.findings.extend(saved_readings.xid_counter_findings(nvidia_smi.xid_counter_samples(text), name, ref, self.node))
-                # the NVLink fabric and pending memory repairs, by serve's own detectors
-                report.findings.extend(self._tag(detect_once(["nvlink_fabric", "memory_repair"], {"gpu_samples": samples}, ref, self.cfg), name))
+                found = scrape_findings(samples, nvidia_smi.xid_counter_samples(text), ref, node=self.node, cfg=self.cfg, source=name)
+                report.findings.extend(self._tag(found, name))
                 return "dcgm_scrape"
             if "gpuvigil_" in text:
                 try:
@@ -670,4 +690,4 @@ def add_parser(sub: Any) -> None:
     p.set_defaults(func=handler)
 
 
-__all__ = ["Analyzer", "Report", "add_parser", "format_text", "to_json_line", "analyze_nvml_csv"]
+__all__ = ["Analyzer", "Report", "add_parser", "format_text", "to_json_line", "analyze_nvml_csv", "scrape_findings"]
