@@ -1,9 +1,10 @@
-"""What one saved reading of a node says on its own, with no history: `nvidia-smi -q` output, an
-NVML time series of clock-event reasons, and a saved gpuvigil `/metrics` page. `analyze` reads
-them (parsers/nvidia_smi.py, offline/formats.py) and this module judges what it read.
+"""What one saved reading of a node says on its own, with no history: `nvidia-smi -q` output and a
+saved gpuvigil `/metrics` page. `analyze` reads them (parsers/nvidia_smi.py) and this module
+judges what it read.
 
 A saved dcgm-exporter scrape is judged by serve's own detectors (`offline.analyze.scrape_findings`:
-XIDs, ECC, memory repairs, the NVLink fabric), as is a sysfs tree's InfiniBand ports.
+XIDs, ECC, memory repairs, the NVLink fabric), as is a sysfs tree's InfiniBand ports, and an NVML
+time series is replayed through serve's `thermal` detector (`offline.analyze.analyze_nvml_csv`).
 """
 
 from __future__ import annotations
@@ -11,15 +12,10 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping
 from typing import Any
 
-import polars as pl
 
-from gpuvigil.gpu import throttle
 from gpuvigil.model import Finding, FindingKind, Severity
 from gpuvigil.parsers.nvidia_smi import SmiHealth
 
-# NVML clock-event reasons that mean the GPU slowed itself down for heat (NVML's
-# nvmlClocksEventReasonSwThermalSlowdown 0x20, HwThermalSlowdown 0x40, HwSlowdown 0x08).
-THERMAL_REASONS_MASK = throttle.THERMAL_MASK
 # The gauges of a saved gpuvigil page that count its active findings.
 ACTIVE_FINDINGS_METRICS = ("gpuvigil_node_findings_active", "gpuvigil_job_findings_active")
 
@@ -72,50 +68,6 @@ def _memory_findings(h: SmiHealth, *, where: str, **common: Any) -> list[Finding
         out.append(Finding(kind=FindingKind.RETIRED_PAGES, severity=Severity.TICKET, **common, evidence={"pci_bus_id": h.pci_bus_id, "retired_pages_pending": True},
                            summary=f"nvidia-smi -q on {where}: retired pages are pending blacklist: reboot to retire them"))
     return out
-
-
-# ---------------------------------------------------------------- NVML time series
-
-
-def thermal_findings(samples: pl.DataFrame, display: str, undated_ts: float) -> list[Finding]:
-    """Thermal slowdowns in an NVML time series: one ticket per GPU that slowed its clocks for
-    heat in any sample. `samples`: one row per sample with `_ts`, `_gpu`, `_reasons` (the
-    clock-event reasons bit mask), `_line` (its line in the file) and, when recorded, `temp_c`;
-    `undated_ts` is where a GPU whose samples carry no time is placed."""
-    df = samples.with_columns(((pl.col("_reasons") & THERMAL_REASONS_MASK) != 0).fill_null(False).alias("_hot"))
-    hot = (
-        df.filter(pl.col("_hot"))
-        .group_by("_gpu", maintain_order=True)
-        .agg(
-            pl.len().alias("samples"),
-            pl.col("_ts").min().alias("first_ts"),
-            pl.col("_ts").max().alias("last_ts"),
-            pl.col("_line").first().alias("line"),
-            pl.col("_reasons").first().alias("reasons"),
-            (pl.col("temp_c").max() if "temp_c" in df.columns else pl.lit(None)).alias("max_temp_c"),
-        )
-    )
-    totals = df.group_by("_gpu").agg(pl.len().alias("all_samples"))
-    return [
-        Finding(
-            kind=FindingKind.THERMAL_THROTTLE,
-            severity=Severity.TICKET,
-            ts=row["first_ts"] if row["first_ts"] is not None else undated_ts,
-            gpu=row["_gpu"],
-            evidence={
-                "samples": row["samples"],
-                "of_samples": row["all_samples"],
-                "first_ts": row["first_ts"],
-                "last_ts": row["last_ts"],
-                "clock_event_reasons": row["reasons"],
-                "max_temperature_c": row["max_temp_c"],
-            },
-            summary=f"GPU {row['_gpu']} slowed its clocks for heat in {row['samples']} of {row['all_samples']} samples",
-            source=f"{display}:{row['line']}",
-            cause="hardware",
-        )
-        for row in hot.join(totals, on="_gpu").to_dicts()
-    ]
 
 
 # ---------------------------------------------------------------- a saved gpuvigil /metrics page

@@ -28,7 +28,7 @@ from typing import Any
 
 import polars as pl
 
-from gpuvigil import config
+from gpuvigil import config, schemas
 from gpuvigil.collectors.safe_pickle import looks_like_pickle
 from gpuvigil.errors import UserError
 from gpuvigil.model import Finding, FindingKind, Severity
@@ -159,10 +159,14 @@ def _is_prometheus(head_text: str) -> bool:
     return head_text.lstrip().startswith("# HELP") or head_text.lstrip().startswith("# TYPE") or "DCGM_FI_" in head_text
 
 
-def analyze_nvml_csv(path: Path, display: str) -> list[Finding]:
-    """Thermal slowdowns in an NVML time series (one row per sample)."""
-    from gpuvigil.detectors import saved_readings
+# NVML CSV columns -> gpu_samples columns (scale): what the `thermal` detector reads.
+NVML_CSV_COLUMNS = {"temp_c": ("temperature_c", 1.0), "sm_clock": ("sm_clock_mhz", 1.0), "power_mw": ("power_w", 1e-3)}
 
+
+def nvml_csv_samples(path: Path, display: str, node: str | None = None) -> pl.DataFrame:
+    """An NVML time series (one row per sample; a time, a clock-event-reasons column and, where
+    recorded, the GPU index, temperature, SM clock and power) as `gpu_samples` rows, each with
+    `_line`, its line in the file. Rows without a time are left out: a series is judged in time."""
     try:
         df = pl.read_csv(path, infer_schema_length=10000)
     except (pl.exceptions.PolarsError, OSError, UnicodeDecodeError) as exc:
@@ -171,14 +175,50 @@ def analyze_nvml_csv(path: Path, display: str) -> list[Finding]:
     rcol = next((c for c in ("clock_event_reasons", "throttle_reasons") if c in df.columns), None)
     if tcol is None or rcol is None:
         raise UserError(f"{display}: CSV without a time and a clock-event-reasons column")
-    gpu_col = "gpu" if "gpu" in df.columns else None
-    df = df.with_columns(
-        pl.col(tcol).cast(pl.Float64, strict=False).alias("_ts"),
-        pl.col(rcol).cast(pl.Int64, strict=False).alias("_reasons"),
-        (pl.col(gpu_col).cast(pl.Int32, strict=False) if gpu_col else pl.lit(0, pl.Int32)).alias("_gpu"),
+    extra = [(pl.col(c).cast(pl.Float64, strict=False) * scale).alias(name) for c, (name, scale) in NVML_CSV_COLUMNS.items() if c in df.columns]
+    rows = df.select(
+        pl.col(tcol).cast(pl.Float64, strict=False).alias("ts"),
+        pl.lit(node, pl.Utf8).alias("node"),
+        (pl.col("gpu").cast(pl.Int32, strict=False) if "gpu" in df.columns else pl.lit(0, pl.Int32)).alias("gpu"),
+        pl.col(rcol).cast(pl.Int64, strict=False).alias("throttle_reasons"),
+        *extra,
         (pl.int_range(pl.len()) + 2).alias("_line"),  # header is line 1
-    )
-    return saved_readings.thermal_findings(df, display, _mtime(path))
+    ).filter(pl.col("ts").is_not_null() & pl.col("ts").is_finite())
+    return pl.concat([schemas.conform(rows, "gpu_samples"), rows.select("_line")], how="horizontal")
+
+
+def analyze_nvml_csv(path: Path, display: str, node: str | None = None, cfg: dict[str, Any] | None = None) -> list[Finding]:
+    """Thermal slowdowns in an NVML time series: its samples replayed, in time, through serve's
+    `thermal` detector; each GPU's finding sourced to the line of the sample that made it."""
+    # A series saved on a host names no node; serve never judges a sample without one, so the
+    # replay names it "" (which `place` words as an unknown node) and the findings say None.
+    samples = nvml_csv_samples(path, display, node or "")
+    lines = {(ts, gpu): line for ts, gpu, line in samples.select("ts", "gpu", "_line").reverse().iter_rows()}
+    found = detect_series(["thermal"], "gpu_samples", samples.drop("_line"), cfg)
+    for f in found:
+        f.node = f.node or None
+        f.evidence["detector"] = f.source
+        f.source = f"{display}:{lines.get((f.ts, f.gpu), '?')}"
+    return found
+
+
+def detect_series(names: Iterable[str], stream: str, rows: pl.DataFrame, cfg: dict[str, Any] | None) -> list[Finding]:
+    """The registered detectors `names` over a saved time series of `stream`, one tick per
+    distinct time in time order, as serve would have seen it: each cause once, as first
+    reported, with `evidence.held_until_ts`, the last tick it was still reported."""
+    from gpuvigil.app import compose
+    from gpuvigil.window import Window
+
+    detectors = compose.detectors(cfg, "analyze", only=names)
+    window = Window(600.0)
+    first: dict[str, Finding] = {}
+    for (now,), tick in rows.sort("ts", maintain_order=True).group_by("ts", maintain_order=True):
+        window.add(stream, tick)
+        window.seal(float(now))  # type: ignore[arg-type]
+        for detector in detectors:
+            for f in detector.detect(window):
+                first.setdefault(f.cause_key, f).evidence["held_until_ts"] = float(now)  # type: ignore[arg-type]
+    return list(first.values())
 
 
 def findings_from_gpuvigil_scrape(text: str, display: str, ts: float) -> list[Finding]:
@@ -402,7 +442,7 @@ class Analyzer:
 
         if _is_nvml_csv(text_head):
             _check_size(path, name, MAX_TABLE_BYTES, "an NVML CSV")
-            report.findings.extend(self._tag(analyze_nvml_csv(path, name), name))
+            report.findings.extend(self._tag(analyze_nvml_csv(path, name, self.node, self.cfg), name))
             return "nvml_csv"
         if _is_prometheus(text_head):
             _check_size(path, name, MAX_SCRAPE_BYTES, "a saved /metrics scrape")
