@@ -169,6 +169,40 @@ ALLOCATOR_READINGS = pl.Schema(
     }
 )
 
+# One GPU block of saved `nvidia-smi -q` output (parsers/nvidia_smi.py `health_rows`): its memory
+# repairs and clock-event reasons as the block says them. Only `analyze` fills it.
+SMI_HEALTH = pl.Schema(
+    {
+        "ts": F64,
+        "node": STR,
+        "gpu": I32,  # null: the output gives the PCI bus id, not the index a scheduler uses
+        "source": STR,  # the file it was read from
+        "line": I64,  # the block's first line
+        "gpu_block": I32,  # the block's place in the output
+        "pci_bus_id": STR,
+        "ecc_dbe_volatile_total": I64,
+        "remap_failure": BOOL,
+        "remap_pending": BOOL,
+        "retired_pages_pending": BOOL,
+        "thermal_reasons": pl.List(STR),  # HW/SW thermal or HW slowdown reasons shown Active
+    }
+)
+
+# The active-findings gauges of a saved gpuvigil `/metrics` page, one row per sample
+# (gpuvigil_node_findings_active, gpuvigil_job_findings_active). Only `analyze` fills it.
+ACTIVE_FINDINGS = pl.Schema(
+    {
+        "ts": F64,
+        "node": STR,
+        "job": STR,
+        "source": STR,  # the file it was read from
+        "metric": STR,
+        "kind": STR,
+        "severity": STR,
+        "active_count": F64,
+    }
+)
+
 EVENTS = pl.Schema(
     {
         "ts": F64,
@@ -329,6 +363,8 @@ STREAMS: Mapping[str, pl.Schema] = {
     "rank_progress": RANK_PROGRESS,
     "allocator_stats": ALLOCATOR_STATS,
     "allocator_readings": ALLOCATOR_READINGS,
+    "smi_health": SMI_HEALTH,
+    "active_findings": ACTIVE_FINDINGS,
     "events": EVENTS,
     "jobs": JOBS,
     "nodes": NODES,

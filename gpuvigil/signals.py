@@ -266,6 +266,9 @@ STREAM_SOURCES: Mapping[str, StreamSources] = {
     ),
     # memory_stats JSON and snapshot pickles a job saved, read by analyze (collectors/allocator.py)
     "allocator_readings": StreamSources(("allocator",)),
+    # saved `nvidia-smi -q` output and a saved gpuvigil /metrics page, read by analyze
+    "smi_health": StreamSources(("nvidia_smi",)),
+    "active_findings": StreamSources(("gpuvigil",)),
     # XIDs from NVML events, dcgm-exporter's last XID and the kernel log; NCCL and OOM lines from
     # logs; Slurm's node and job events. job/rank: where a log line names them, else the job map.
     "events": StreamSources(("nvml", "dcgm", "logs", "scheduler"), {"job": ("logs", "scheduler", "jobmap"), "rank": ("logs", "jobmap")}),

@@ -304,3 +304,44 @@ def test_cli_wiring():
     import gpuvigil.cli.main as cli
 
     assert cli.main(["analyze", str(H200 / "s2_oom_ramp.log"), "--format", "json"]) == 0
+
+
+GPUVIGIL_PAGE = (
+    "# HELP gpuvigil_node_findings_active Findings active now on a node.\n# TYPE gpuvigil_node_findings_active gauge\n"
+    'gpuvigil_node_findings_active{node="n1",kind="xid",severity="page"} 1\n'
+)
+
+
+@pytest.mark.parametrize(
+    "name, make, built",
+    [
+        ("s3_snapshot.pickle", lambda p: p.write_bytes((H200 / "s3_snapshot.pickle").read_bytes()), {"allocator_state"}),
+        ("s3_memory_stats_after.json", lambda p: p.write_bytes((H200 / "s3_memory_stats_after.json").read_bytes()), {"allocator_state"}),
+        ("node07.prom", lambda p: p.write_bytes((DATA / "dcgm" / "node07_constructed.prom").read_bytes()), {"xid", "ecc", "nvlink_fabric", "memory_repair"}),
+        ("smi.txt", lambda p: p.write_bytes((PUBLIC / "corpus" / "smi_gpud_80_remap_pending.txt").read_bytes()), {"smi_health"}),
+        ("gpuvigil.prom", lambda p: p.write_text(GPUVIGIL_PAGE), {"active_findings"}),
+        ("nvml.csv", lambda p: _nvml_csv(p, range(5, 50)), {"thermal"}),
+    ],
+)
+def test_every_finding_of_a_saved_reading_comes_from_a_registered_detector(tmp_path, monkeypatch, name, make, built):
+    """analyze builds its detectors through the composition root, and prints only what they return."""
+    from gpuvigil.app import compose
+
+    made: list[str] = []
+    returned: set[int] = set()
+    real = compose.detectors
+
+    def recording(cfg, role, **kw):
+        out = real(cfg, role, **kw)
+        for d in out:
+            made.append(d.name)
+            detect = d.detect
+            d.detect = lambda w, detect=detect: [returned.add(id(f)) or f for f in detect(w)]
+        return out
+
+    monkeypatch.setattr(compose, "detectors", recording)
+    path = tmp_path / name
+    make(path)
+    report = analyze.Analyzer().run([path])
+    assert set(made) == built and not report.errors
+    assert report.findings and all(id(f) in returned for f in report.findings)

@@ -419,7 +419,7 @@ def scrape_xid_events(samples: pl.DataFrame, xid_counters: Iterable[Mapping[str,
             "source": "dcgm",
             "kind": "xid",
             "xid": s["xid"],
-            "message": f"{s['metric']} counts XID {s['xid']} ({s['value']:g} since dcgm-exporter started)",
+            "message": f"{s['metric']}{{xid=\"{s['xid']}\"}} = {s['value']:g} on the saved scrape",
         })
     if not rows:
         return last

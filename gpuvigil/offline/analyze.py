@@ -221,19 +221,30 @@ def detect_series(names: Iterable[str], stream: str, rows: pl.DataFrame, cfg: di
     return list(first.values())
 
 
-def findings_from_gpuvigil_scrape(text: str, display: str, ts: float) -> list[Finding]:
-    """Findings gpuvigil itself had active when its `/metrics` was saved."""
+def findings_from_gpuvigil_scrape(text: str, display: str, ts: float, cfg: dict[str, Any] | None = None) -> list[Finding]:
+    """Findings gpuvigil itself had active when its `/metrics` was saved: the page's
+    active-findings gauges as `active_findings` rows, judged by the registered detector."""
     from prometheus_client.parser import text_string_to_metric_families
 
     from gpuvigil.detectors import saved_readings
 
-    samples = [
-        {"metric": family.name, "labels": s.labels, "value": s.value}
+    rows = [
+        {"ts": ts, "node": s.labels.get("node"), "job": s.labels.get("job"), "source": display, "metric": family.name,
+         "kind": s.labels.get("kind"), "severity": s.labels.get("severity"), "active_count": s.value}
         for family in text_string_to_metric_families(text)
         if family.name in saved_readings.ACTIVE_FINDINGS_METRICS
         for s in family.samples
     ]
-    return saved_readings.active_findings(samples, display, ts)
+    return detect_once(["active_findings"], {"active_findings": schemas.frame(rows, "active_findings")}, ts, cfg)
+
+
+def smi_findings(text: str, *, source_file: str | None = None, ts: float, node: str | None = None, cfg: dict[str, Any] | None = None) -> list[Finding]:
+    """What saved `nvidia-smi -q` output says of each GPU's memory repairs and heat: its GPU
+    blocks as `smi_health` rows, judged by the registered detector."""
+    from gpuvigil.parsers import nvidia_smi
+
+    rows = nvidia_smi.health_rows(nvidia_smi.health(nvidia_smi.parse(text)), ts=ts, node=node, source=source_file)
+    return detect_once(["smi_health"], {"smi_health": schemas.frame(rows, "smi_health")}, ts, cfg)
 
 
 def detect_once(names: Iterable[str], streams: dict[str, pl.DataFrame], ts: float, cfg: dict[str, Any] | None,
@@ -437,7 +448,6 @@ class Analyzer:
         """One saved reading of a node: an NVML CSV, a dcgm-exporter or gpuvigil scrape, or
         `nvidia-smi -q` output."""
         from gpuvigil.collectors import dcgm
-        from gpuvigil.detectors import saved_readings
         from gpuvigil.parsers import nvidia_smi
 
         if _is_nvml_csv(text_head):
@@ -454,13 +464,13 @@ class Analyzer:
                 return "dcgm_scrape"
             if "gpuvigil_" in text:
                 try:
-                    report.findings.extend(findings_from_gpuvigil_scrape(text, name, ref))
+                    report.findings.extend(findings_from_gpuvigil_scrape(text, name, ref, self.cfg))
                 except ValueError as exc:
                     raise UserError(f"{name}: not a Prometheus text exposition: {_first_line(exc)}") from exc
                 return "gpuvigil_scrape"
         if nvidia_smi.looks_like_nvidia_smi_q(text_head):
             text = path.read_text(errors="replace")
-            report.findings.extend(saved_readings.smi_findings(nvidia_smi.health(nvidia_smi.parse(text)), source_file=name, ts=ref, node=self.node))
+            report.findings.extend(smi_findings(text, source_file=name, ts=ref, node=self.node, cfg=self.cfg))
             return "nvidia_smi_q"
         return None
 
@@ -730,4 +740,4 @@ def add_parser(sub: Any) -> None:
     p.set_defaults(func=handler)
 
 
-__all__ = ["Analyzer", "Report", "add_parser", "format_text", "to_json_line", "analyze_nvml_csv", "scrape_findings"]
+__all__ = ["Analyzer", "Report", "add_parser", "format_text", "to_json_line", "analyze_nvml_csv", "scrape_findings", "smi_findings"]
