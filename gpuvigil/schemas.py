@@ -141,6 +141,68 @@ ALLOCATOR_STATS = pl.Schema(
     }
 )
 
+# One reading of a PyTorch caching allocator's state saved to a file and read after the fact
+# (collectors/allocator.py): a `torch.cuda.memory_stats()` JSON or a memory snapshot pickle, one
+# row each. Only `analyze` fills it; the snapshot-only columns are null for memory_stats.
+ALLOCATOR_READINGS = pl.Schema(
+    {
+        "ts": F64,
+        "job": STR,
+        "node": STR,
+        "gpu": I32,
+        "source": STR,  # the file it was read from
+        "reading": STR,  # memory_stats | snapshot
+        "reserved_bytes": I64,
+        "allocated_bytes": I64,
+        "inactive_split_bytes": I64,  # memory_stats: reserved bytes in inactive split blocks
+        "inactive_split_blocks": I64,
+        "alloc_retries": I64,  # memory_stats: cudaMalloc retried after freeing the cache
+        "oom_count": I64,  # memory_stats: num_ooms
+        "inactive_bytes": I64,  # snapshot: free blocks inside reserved segments
+        "largest_free_block_bytes": I64,  # snapshot: the largest free block of any segment
+        "segments": I64,
+        "expandable_segments": BOOL,
+        "oom_request_bytes": I64,  # snapshot: the size of the last request that failed
+        "oom_device_free_bytes": I64,  # ... and the device's free memory then
+        "oom_events": I64,  # snapshot: OOMs its trace recorded
+        "recurring_request_bytes": I64,  # snapshot: the largest request the trace shows recurring
+    }
+)
+
+# One GPU block of saved `nvidia-smi -q` output (parsers/nvidia_smi.py `health_rows`): its memory
+# repairs and clock-event reasons as the block says them. Only `analyze` fills it.
+SMI_HEALTH = pl.Schema(
+    {
+        "ts": F64,
+        "node": STR,
+        "gpu": I32,  # null: the output gives the PCI bus id, not the index a scheduler uses
+        "source": STR,  # the file it was read from
+        "line": I64,  # the block's first line
+        "gpu_block": I32,  # the block's place in the output
+        "pci_bus_id": STR,
+        "ecc_dbe_volatile_total": I64,
+        "remap_failure": BOOL,
+        "remap_pending": BOOL,
+        "retired_pages_pending": BOOL,
+        "thermal_reasons": pl.List(STR),  # HW/SW thermal or HW slowdown reasons shown Active
+    }
+)
+
+# The active-findings gauges of a saved gpuvigil `/metrics` page, one row per sample
+# (gpuvigil_node_findings_active, gpuvigil_job_findings_active). Only `analyze` fills it.
+ACTIVE_FINDINGS = pl.Schema(
+    {
+        "ts": F64,
+        "node": STR,
+        "job": STR,
+        "source": STR,  # the file it was read from
+        "metric": STR,
+        "kind": STR,
+        "severity": STR,
+        "active_count": F64,
+    }
+)
+
 EVENTS = pl.Schema(
     {
         "ts": F64,
@@ -300,6 +362,9 @@ STREAMS: Mapping[str, pl.Schema] = {
     "gpu_workloads": GPU_WORKLOADS,
     "rank_progress": RANK_PROGRESS,
     "allocator_stats": ALLOCATOR_STATS,
+    "allocator_readings": ALLOCATOR_READINGS,
+    "smi_health": SMI_HEALTH,
+    "active_findings": ACTIVE_FINDINGS,
     "events": EVENTS,
     "jobs": JOBS,
     "nodes": NODES,

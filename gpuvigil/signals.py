@@ -264,6 +264,11 @@ STREAM_SOURCES: Mapping[str, StreamSources] = {
         {"largest_free_block_bytes": ()},
         {"largest_free_block_bytes": "memory_stats has no largest free block; only a memory snapshot read offline (analyze) has it"},
     ),
+    # memory_stats JSON and snapshot pickles a job saved, read by analyze (collectors/allocator.py)
+    "allocator_readings": StreamSources(("allocator",)),
+    # saved `nvidia-smi -q` output and a saved gpuvigil /metrics page, read by analyze
+    "smi_health": StreamSources(("nvidia_smi",)),
+    "active_findings": StreamSources(("gpuvigil",)),
     # XIDs from NVML events, dcgm-exporter's last XID and the kernel log; NCCL timeouts, progress,
     # errors and warnings and OOM lines from logs; Slurm's node and job events. job/rank: where a log line names them, else the job map.
     "events": StreamSources(("nvml", "dcgm", "logs", "scheduler"), {"job": ("logs", "scheduler", "jobmap"), "rank": ("logs", "jobmap")}),

@@ -6,7 +6,7 @@ from __future__ import annotations
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from gpuvigil.detectors import saved_readings
+from gpuvigil.offline.analyze import smi_findings
 from gpuvigil.parsers import nvidia_smi
 from gpuvigil.parsers.nccl import parse_lines, unwrap
 from gpuvigil.parsers.oom import parse_oom
@@ -66,6 +66,5 @@ def test_oom_classification_is_total_and_cause_first(junk, req, free, unalloc):
 @given(LINES)
 def test_nvidia_smi_parser_survives_garbage(lines):
     text = "\n".join(lines)
-    gpus = nvidia_smi.parse(text)
-    saved_readings.smi_findings(nvidia_smi.health(gpus), ts=0.0)
+    smi_findings(text, ts=0.0)
     nvidia_smi.xid_counter_samples(text)

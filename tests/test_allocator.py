@@ -1,6 +1,8 @@
 """Allocator stats and memory snapshots on the real H200 captures: s3 is the real fragmentation
 OOM (an 8 GiB request fails with 24 GiB reserved but unallocated), s4 is the same program with
-expandable segments (no OOM), s2 a real capacity OOM."""
+expandable segments (no OOM), s2 a real capacity OOM. The reader turns each into an
+`allocator_readings` row; the registered `allocator_state` detector judges it, built by the
+composition root as `analyze` builds it."""
 
 from __future__ import annotations
 
@@ -11,10 +13,10 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from gpuvigil import schemas
+from gpuvigil import config, schemas
 from gpuvigil.collectors import allocator
 from gpuvigil.detectors import allocator_state
-from gpuvigil.offline.analyze import memory_state_findings
+from gpuvigil.offline.analyze import detect_once, memory_state_findings
 from gpuvigil.collectors.safe_pickle import safe_load
 from gpuvigil.config import ConfigError
 from gpuvigil.errors import UserError
@@ -22,6 +24,18 @@ from gpuvigil.model import FindingKind, Severity
 
 DATA = Path(__file__).parent / "data" / "h200"
 GIB = 1 << 30
+
+
+def _judge(row, cfg=None):
+    return detect_once(["allocator_state"], {"allocator_readings": allocator.readings_frame([row], row["source"])}, row["ts"], cfg)
+
+
+def snapshot_findings(snap, *, ts=0.0, job=None, cfg=None):
+    return _judge(allocator.snapshot_reading(snap, ts=ts, job=job), cfg)
+
+
+def stats_findings(stats, source, cfg=None):
+    return _judge(allocator.stats_reading(stats, source, ts=0.0), cfg)
 
 
 @pytest.mark.parametrize(
@@ -68,7 +82,7 @@ def test_s3_snapshot_fragmentation_numbers():
     assert snap.oom_requests == [{"size": 8 * GIB, "device_free": 2146566144}]
     assert snap.recurring_request_bytes == GIB  # the 60 × 1 GiB allocations
     assert snap.expandable_segments is False
-    ticket, page = allocator_state.findings_for_snapshot(snap, job="j")
+    ticket, page = snapshot_findings(snap, job="j")
     assert ticket.severity == Severity.TICKET and ticket.cause == "fragmentation"
     assert ticket.evidence["request_bytes"] == 8 * GIB and ticket.evidence["request_failed"] is True
     assert ticket.evidence["alloc_conf"] == "expandable_segments:True"
@@ -81,7 +95,7 @@ def test_s4_snapshot_expandable_segments_is_not_fragmented():
     assert snap.expandable_segments is True and snap.alloc_conf == "expandable_segments:True"
     assert snap.oom_requests == []
     assert snap.unallocated_bytes < 4 * 1024 * 1024
-    assert allocator_state.findings_for_snapshot(snap) == []
+    assert snapshot_findings(snap) == []
 
 
 def test_snapshot_without_oom_flags_recurring_request_that_cannot_fit():
@@ -89,7 +103,7 @@ def test_snapshot_without_oom_flags_recurring_request_that_cannot_fit():
     for trace in raw["device_traces"]:
         trace[:] = [e for e in trace if e["action"] != "oom"]
     snap = allocator.summarize_snapshot(raw, "no-oom")
-    [ticket] = allocator_state.findings_for_snapshot(snap)
+    [ticket] = snapshot_findings(snap)
     assert ticket.evidence["request_bytes"] == GIB and ticket.evidence["request_failed"] is False
 
 
@@ -99,7 +113,7 @@ def test_snapshot_capacity_oom_when_nothing_is_cached():
         "device_traces": [[{"action": "oom", "size": 4 * GIB, "device_free": GIB}]],
         "allocator_settings": {},
     }
-    [finding] = allocator_state.findings_for_snapshot(allocator.summarize_snapshot(raw, "cap"))
+    [finding] = snapshot_findings(allocator.summarize_snapshot(raw, "cap"))
     assert finding.kind == FindingKind.OOM_CAPACITY and finding.cause == "capacity"
 
 
@@ -113,13 +127,15 @@ def test_snapshot_capacity_oom_when_nothing_is_cached():
 )
 def test_thresholds_are_config(override, kinds):
     stats = allocator.read_memory_stats(DATA / "s3_memory_stats_after.json")
-    cfg = {"allocator": {**allocator_state.load_config().model_dump(), **override}}
-    assert [f.kind for f in allocator_state.findings_for_stats(stats, "s3", cfg=cfg)] == kinds
+    cfg = config.load(overrides={"detectors": {"allocator_state": override}})
+    assert [f.kind for f in stats_findings(stats, "s3", cfg=cfg)] == kinds
 
 
 def test_bad_config_is_rejected():
     with pytest.raises(ConfigError, match="min_unallocated_share"):
-        allocator_state.load_config({"allocator": {"min_unallocated_share": 2}})
+        allocator_state.load_config({"detectors": {"allocator_state": {"min_unallocated_share": 2}}})
+    with pytest.raises(ConfigError, match="min_unallocated_share"):
+        config.load(overrides={"allocator": {"min_unallocated_share": 2}})
 
 
 @pytest.mark.parametrize(
@@ -184,8 +200,8 @@ _json = st.recursive(st.none() | st.booleans() | st.integers() | st.floats() | s
 @settings(max_examples=150, deadline=None)
 @given(st.dictionaries(st.sampled_from(["allocated_bytes.all.current", "reserved_bytes.all.current", "num_ooms", "x"]), _json), _json)
 def test_random_structures_only_raise_user_error(stats, snapshot):
-    for attempt in (lambda: allocator_state.findings_for_stats(allocator.parse_memory_stats(stats, "s"), "s"),
-                    lambda: allocator_state.findings_for_snapshot(allocator.summarize_snapshot({"segments": [snapshot]}, "s"))):
+    for attempt in (lambda: stats_findings(allocator.parse_memory_stats(stats, "s"), "s"),
+                    lambda: snapshot_findings(allocator.summarize_snapshot({"segments": [snapshot]}, "s"))):
         try:
             attempt()
         except UserError:
@@ -204,10 +220,48 @@ def test_golden_s3_snapshot_summary_and_findings():
     # 24 GiB reserved but unallocated in 0.4 GiB slivers, and an 8 GiB request failed.
     assert abs((snap.reserved_bytes - snap.allocated_bytes) - (24 << 30)) < 1 << 20
     assert snap.largest_free_block_bytes < 1 << 30 and [r["size"] for r in snap.oom_requests] == [8 << 30]
-    found = allocator_state.findings_for_snapshot(snap, ts=0.0, job="j")
+    found = snapshot_findings(snap, ts=0.0, job="j")
     # The fragmented cache, and the OOM the snapshot's trace recorded, both put down to fragmentation.
     assert {(f.kind.value, f.cause) for f in found} == {("fragmentation_allocator", "fragmentation"), ("oom_fragmentation", "fragmentation")}
     frag = next(f for f in found if f.kind.value == "fragmentation_allocator")
     assert frag.evidence["request_failed"] is True and frag.evidence["unallocated_bytes"] == snap.reserved_bytes - snap.allocated_bytes
     check_golden("allocator_s3_snapshot.json", summary)
     check_golden("allocator_s3_findings.json", [f.to_json_dict() for f in found])
+
+
+def test_allocator_state_is_a_registered_detector_analyze_alone_runs(monkeypatch):
+    from gpuvigil.app import compose
+    from gpuvigil.detectors import registry
+    from gpuvigil.offline.analyze import Analyzer
+
+    spec = registry.specs()["allocator_state"]
+    assert spec.placement == "offline" and set(spec.reads) == {"allocator_readings"}
+    assert "allocator_state" in compose.detector_names("analyze")
+    assert "allocator_state" not in compose.detector_names("serve") + [d.name for d in registry.default_detectors()]
+    built: list[str] = []
+    real = compose.detectors
+
+    def recording(cfg, role, **kw):
+        out = real(cfg, role, **kw)
+        built.extend(d.name for d in out)
+        return out
+
+    monkeypatch.setattr(compose, "detectors", recording)
+    report = Analyzer(job="j").run([DATA / "s3_snapshot.pickle", DATA / "s3_memory_stats_after.json"])
+    assert built == ["allocator_state", "allocator_state"]
+    assert sorted(f.kind.value for f in report.findings) == ["fragmentation_allocator", "fragmentation_allocator", "oom_fragmentation"]
+
+
+def test_a_config_file_with_the_old_allocator_section_is_still_read(tmp_path):
+    old = tmp_path / "old.yaml"
+    old.write_text(f"allocator:\n  min_unallocated_bytes: {30 * GIB}\n")
+    cfg = config.load(old)
+    assert cfg["detectors"]["allocator_state"]["min_unallocated_bytes"] == 30 * GIB
+    assert memory_state_findings(DATA / "s3_memory_stats_after.json", cfg=cfg) == []  # 24 GiB unallocated is now below the bar
+    both = tmp_path / "both.yaml"
+    both.write_text(f"allocator:\n  min_unallocated_bytes: {30 * GIB}\ndetectors:\n  allocator_state:\n    min_unallocated_bytes: {GIB}\n")
+    assert config.load(both)["detectors"]["allocator_state"]["min_unallocated_bytes"] == GIB  # the new place wins
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("allocator: 3\n")
+    with pytest.raises(ConfigError, match="'allocator' \\(now detectors.allocator_state\\) must be a mapping"):
+        config.load(bad)

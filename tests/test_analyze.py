@@ -190,13 +190,38 @@ def test_xid_beyond_the_sniffed_head_is_found(tmp_path, capsys):
     assert (row["xid"], row["action"], row["node"]) == (79, "RESTART_BM", "n1")
 
 
-def test_thermal_slowdown_in_nvml_csv(tmp_path, capsys):
+def _nvml_csv(path, hot_gpu1: range, seconds: int = 60) -> None:
+    """An NVML series at 1 Hz (the sampler's rate) of two GPUs; GPU 1 throttled for heat
+    (HW thermal slowdown, 0x40) during `hot_gpu1`, idle reasons (0x1) otherwise."""
+    rows = ["t,gpu,temp_c,sm_clock,power_mw,clock_event_reasons"]
+    for i in range(seconds):
+        for gpu in (0, 1):
+            hot = gpu == 1 and i in hot_gpu1
+            rows.append(f"{1795993584 + i}.5,{gpu},{88 if hot else 60},{1200 if hot else 1980},650000,{0x40 if hot else 1}")
+    path.write_text("\n".join(rows) + "\n")
+
+
+def test_thermal_slowdown_in_nvml_csv_is_judged_by_the_thermal_detector(tmp_path, capsys):
+    csv = tmp_path / "nvml.csv"
+    _nvml_csv(csv, range(5, 50))
+    assert run([str(csv), "--format", "json", "--node", "n7"]) == 0
+    (row,) = [json.loads(l) for l in capsys.readouterr().out.splitlines()]
+    assert (row["kind"], row["severity"], row["node"], row["gpu"], row["cause"]) == ("thermal_throttle", "ticket", "n7", 1, "hardware")
+    assert row["evidence"]["detector"] == "thermal" and row["evidence"]["reasons"] == ["hw_thermal"] and row["evidence"]["max_temperature_c"] == 88
+    # serve's rule: an exponentially weighted share of throttled samples (time constant 15 s) of
+    # at least 0.8: the 25th throttled second, on the line of GPU 1's sample then
+    assert row["ts"] == 1795993584 + 29 + 0.5 and row["source"] == f"{csv}:{2 + 2 * 29 + 1}"
+    assert row["evidence"]["held_until_ts"] > row["ts"]
+
+
+def test_a_few_throttled_samples_are_not_a_slowdown(tmp_path, capsys):
     csv = tmp_path / "nvml.csv"
     csv.write_text("t,phase,temp_c,clock_event_reasons\n1.0,a,60,0\n2.0,a,88,64\n3.0,a,90,96\n4.0,a,70,1\n")
     assert run([str(csv), "--format", "json"]) == 0
-    (row,) = [json.loads(l) for l in capsys.readouterr().out.splitlines()]
-    assert row["kind"] == "thermal_throttle" and row["source"].endswith("nvml.csv:3")
-    assert (row["evidence"]["samples"], row["evidence"]["of_samples"], row["evidence"]["max_temperature_c"]) == (2, 4, 90)
+    assert capsys.readouterr().out == ""
+    _nvml_csv(csv, range(5, 20))  # 15 s throttled: below serve's share of 0.8
+    assert run([str(csv), "--format", "json"]) == 0
+    assert capsys.readouterr().out == ""
 
 
 def test_real_nvml_series_has_no_thermal_slowdown(capsys):
@@ -279,3 +304,44 @@ def test_cli_wiring():
     import gpuvigil.cli.main as cli
 
     assert cli.main(["analyze", str(H200 / "s2_oom_ramp.log"), "--format", "json"]) == 0
+
+
+GPUVIGIL_PAGE = (
+    "# HELP gpuvigil_node_findings_active Findings active now on a node.\n# TYPE gpuvigil_node_findings_active gauge\n"
+    'gpuvigil_node_findings_active{node="n1",kind="xid",severity="page"} 1\n'
+)
+
+
+@pytest.mark.parametrize(
+    "name, make, built",
+    [
+        ("s3_snapshot.pickle", lambda p: p.write_bytes((H200 / "s3_snapshot.pickle").read_bytes()), {"allocator_state"}),
+        ("s3_memory_stats_after.json", lambda p: p.write_bytes((H200 / "s3_memory_stats_after.json").read_bytes()), {"allocator_state"}),
+        ("node07.prom", lambda p: p.write_bytes((DATA / "dcgm" / "node07_constructed.prom").read_bytes()), {"xid", "ecc", "nvlink_fabric", "memory_repair"}),
+        ("smi.txt", lambda p: p.write_bytes((PUBLIC / "corpus" / "smi_gpud_80_remap_pending.txt").read_bytes()), {"smi_health"}),
+        ("gpuvigil.prom", lambda p: p.write_text(GPUVIGIL_PAGE), {"active_findings"}),
+        ("nvml.csv", lambda p: _nvml_csv(p, range(5, 50)), {"thermal"}),
+    ],
+)
+def test_every_finding_of_a_saved_reading_comes_from_a_registered_detector(tmp_path, monkeypatch, name, make, built):
+    """analyze builds its detectors through the composition root, and prints only what they return."""
+    from gpuvigil.app import compose
+
+    made: list[str] = []
+    returned: set[int] = set()
+    real = compose.detectors
+
+    def recording(cfg, role, **kw):
+        out = real(cfg, role, **kw)
+        for d in out:
+            made.append(d.name)
+            detect = d.detect
+            d.detect = lambda w, detect=detect: [returned.add(id(f)) or f for f in detect(w)]
+        return out
+
+    monkeypatch.setattr(compose, "detectors", recording)
+    path = tmp_path / name
+    make(path)
+    report = analyze.Analyzer().run([path])
+    assert set(made) == built and not report.errors
+    assert report.findings and all(id(f) in returned for f in report.findings)

@@ -19,7 +19,7 @@ from hypothesis import strategies as st
 
 from gpuvigil import schemas
 from gpuvigil.collectors import dcgm
-from gpuvigil.detectors import saved_readings
+from gpuvigil.offline.analyze import scrape_findings
 from gpuvigil.errors import UserError
 from gpuvigil.model import FindingKind, Severity
 
@@ -68,11 +68,37 @@ def test_scrape_maps_onto_gpu_samples():
 
 
 def test_scrape_findings():
+    """GPU 1 reports XID 48 (double-bit ECC error) as its last XID and 2 volatile DBEs: serve's
+    `ecc` detector, on what the collector makes of its first scrape, pages once for the GPU's
+    memory, the XID its evidence; the XID detector leaves ECC XIDs to it."""
     samples, _, _ = dcgm.read_scrape(SCRAPE, ts=TS)
-    found = saved_readings.dcgm_scrape_findings(samples, source_file="node07.prom")
-    assert [(f.kind, f.severity, f.gpu, f.xid) for f in found] == [(FindingKind.XID, Severity.PAGE, 1, 48), (FindingKind.ECC, Severity.PAGE, 1, None)]
-    assert found[0].evidence["action"] == "WORKFLOW_XID_48" and found[0].evidence["fatal"] is True
+    events = dcgm.scrape_xid_events(samples, ts=TS)
+    assert events.select("node", "gpu", "kind", "xid", "source").rows() == [("gpu-node-07", 1, "xid", 48, "dcgm")]
+    found = scrape_findings(samples, [], TS, source="node07.prom")
+    assert [(f.kind, f.severity, f.gpu, f.xid, f.source) for f in found] == [(FindingKind.ECC, Severity.PAGE, 1, 48, "node07.prom:gpu=1")]
+    assert found[0].evidence["nvidia_action"] == "WORKFLOW_XID_48" and found[0].evidence["dbe_new"] == 2 and found[0].evidence["detector"] == "ecc"
     check_golden("dcgm_node07_findings.json", [f.to_json_dict() for f in found])
+
+
+def test_xid_counters_become_events_the_xid_detector_judges():
+    """An XID counter that labels its code (dcgm-exporter's `DCGM_EXP_XID_ERRORS_COUNT`): one
+    `xid` event per GPU and code, however many series repeat it; XID 79 is fatal (page), and
+    XID 48 in the same scrape goes to the `ecc` detector, as in serve."""
+    from gpuvigil.parsers import nvidia_smi
+
+    text = (
+        'DCGM_FI_DEV_FB_USED{gpu="2",UUID="GPU-c",Hostname="n9"} 10\n'
+        'DCGM_EXP_XID_ERRORS_COUNT{gpu="2",UUID="GPU-c",Hostname="n9",xid="79",window_size_in_ms="300000"} 2\n'
+        'DCGM_FI_DEV_XID_ERRORS_ACTIVE{gpu="2",UUID="GPU-c",Hostname="n9",xid="79"} 1\n'
+        'DCGM_EXP_XID_ERRORS_COUNT{gpu="2",UUID="GPU-c",Hostname="n9",xid="48"} 1\n'
+        'DCGM_EXP_XID_ERRORS_COUNT{gpu="3",UUID="GPU-d",Hostname="n9",xid="99999999999"} 1\n'
+    )
+    samples, _, _ = dcgm.parse_text(text, ts=TS)
+    events = dcgm.scrape_xid_events(samples, nvidia_smi.xid_counter_samples(text), ts=TS)
+    assert sorted(events.select("node", "gpu", "xid").rows()) == [("n9", 2, 48), ("n9", 2, 79)]
+    found = scrape_findings(samples, nvidia_smi.xid_counter_samples(text), TS, source="n9.prom")
+    assert sorted((f.kind.value, f.severity.value, f.gpu, f.xid, f.source) for f in found) == [
+        ("ecc", "page", 2, 48, "n9.prom:gpu=2"), ("xid", "page", 2, 79, "n9.prom:gpu=2")]
 
 
 @pytest.mark.parametrize(

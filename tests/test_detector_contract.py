@@ -69,8 +69,15 @@ def tape() -> list[tuple[float, dict[str, pl.DataFrame]]]:
     return t.ticks
 
 
+def _build(name: str, cfg):
+    """The registered detector `name`, live or offline (analyze builds both through compose)."""
+    from gpuvigil.app import compose
+
+    return compose.detectors(cfg, "analyze", only=[name])[0]
+
+
 def _play(name: str, ticks, keep: dict[str, tuple[str, ...]] | None = None) -> tuple[RecordingWindow, list[list[Finding]]]:
-    det = registry.default_detectors(config.defaults(), only={name: True})[0]
+    det = _build(name, config.defaults())
     w = RecordingWindow(600.0)
     out = []
     for now, frames in ticks:
@@ -110,7 +117,7 @@ def _null_rows(stream: str, now: float) -> pl.DataFrame:
 
 @pytest.mark.parametrize("name", sorted(SPECS))
 def test_survives_empty_late_and_null_input(name):
-    det = registry.default_detectors(config.defaults(), only={name: True})[0]
+    det = _build(name, config.defaults())
     w = Window(600.0)
     for now in (1000.0, 1001.0):
         w.seal(now)
@@ -133,13 +140,16 @@ def test_its_defaults_come_from_one_place(name):
     assert spec.config.model_validate(block).model_dump() == spec.config().model_dump(), (
         f"{name}: gpuvigil/config/detectors.yaml and {spec.config.__name__}'s defaults disagree"
     )
-    det = registry.default_detectors(None, only={name: True})[0]
+    det = _build(name, None)
     assert det.name == spec.name and isinstance(det.config, spec.config)
 
 
 def test_the_registry_is_the_set_serve_runs_and_the_config_knows():
+    from gpuvigil.app import compose
+
     names = [d.name for d in registry.default_detectors(config.defaults())]
-    assert names == list(SPECS) and len(set(names)) == len(names)
+    assert names == [n for n, spec in SPECS.items() if spec.placement != "offline"] and len(set(names)) == len(names)
+    assert compose.detector_names("analyze") == list(SPECS)  # analyze runs the live set and the offline ones
     assert set(config.blocks("detectors") or {}) == set(SPECS)
     assert set(config.defaults()["detectors"]) == set(SPECS)
     for spec in SPECS.values():

@@ -17,8 +17,7 @@ import pytest
 import yaml
 
 from gpuvigil.offline.analyze import Analyzer, kernel_log_findings
-from gpuvigil.offline.analyze import training_log_findings
-from gpuvigil.detectors import saved_readings
+from gpuvigil.offline.analyze import smi_findings, training_log_findings
 from gpuvigil.parsers import nvidia_smi
 from gpuvigil.parsers.oom import parse_oom
 
@@ -80,7 +79,7 @@ def test_watchdog_and_warn_match_label(row):
 def test_nvidia_smi_q_matches_label(row):
     text = (PUBLIC / row["file"]).read_text()
     assert nvidia_smi.looks_like_nvidia_smi_q(text)
-    assert _diagnoses(saved_readings.smi_findings(nvidia_smi.health(nvidia_smi.parse(text)), ts=REFERENCE_TS)) == set(row["expect"])
+    assert _diagnoses(smi_findings(text, ts=REFERENCE_TS)) == set(row["expect"])
 
 
 def test_cascade_is_one_node_level_finding_naming_the_root():

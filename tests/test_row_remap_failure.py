@@ -27,7 +27,7 @@ from gpuvigil.alerts.settings import load_settings
 from gpuvigil.kinds import FindingKind
 from gpuvigil.offline.analyze import Analyzer
 from gpuvigil.offline.replay import Recorded, load_files, run_replay
-from gpuvigil.detectors import saved_readings
+from gpuvigil.offline.analyze import smi_findings
 from gpuvigil.parsers import nvidia_smi
 
 DATA = Path(__file__).parent / "data"
@@ -68,13 +68,13 @@ PAGES = _set(SMI_Q, "Pending Page Blacklist", "Yes")
 def test_nvidia_smi_q_names_each_memory_repair_by_its_kind(text, want):
     gpus = nvidia_smi.parse(text)
     assert [g.pci_bus_id for g in gpus] == [None, "00000000:00:06.0"]  # the header's lines, then the GPU's block
-    found = saved_readings.smi_findings(nvidia_smi.health(gpus), ts=1.0, node="h200-node")
+    found = smi_findings(text, ts=1.0, node="h200-node")
     assert sorted((f.kind.value, f.severity.value) for f in found) == want
     assert all(f.cause == "hardware" and f.node == "h200-node" for f in found)
 
 
 def test_nvidia_smi_q_failed_remap_carries_the_dbes_and_says_rma():
-    [f] = saved_readings.smi_findings(nvidia_smi.health(nvidia_smi.parse(_set(DBE, "Remapping Failure Occurred", "Yes"))), ts=1.0)
+    [f] = smi_findings(_set(DBE, "Remapping Failure Occurred", "Yes"), ts=1.0)
     assert f.evidence == {"pci_bus_id": f.evidence["pci_bus_id"], "remap_failure": True, "ecc_dbe_volatile_total": 2}
     assert "a row remapping failed (NVIDIA's RMA criterion); 2 uncorrectable ECC error(s)" in f.summary and "replace the GPU" in f.summary
 

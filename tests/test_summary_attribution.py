@@ -21,10 +21,9 @@ import pytest
 
 from gpuvigil import schemas
 from gpuvigil.collectors import dcgm, kernel_log, nccl_log
-from gpuvigil.detectors import saved_readings
 from gpuvigil.offline.analyze import training_log_findings
 from gpuvigil.detectors.registry import default_detectors
-from gpuvigil.offline.analyze import kernel_log_findings
+from gpuvigil.offline.analyze import kernel_log_findings, scrape_findings
 from gpuvigil.model import Finding, FindingKind, place, subject
 from gpuvigil.pipeline.hints import HintPolicy
 from gpuvigil.window import Window
@@ -125,8 +124,8 @@ OFFLINE = [
      FindingKind.NCCL_TIMEOUT),
     ("kernel_log_without_node_or_gpu_index", lambda: kernel_log_findings((DATA / "public" / "kernel_fallen_off_bus.log").read_text(), reference_ts=NOW),
      FindingKind.XID),
-    ("dcgm_scrape_without_host_or_gpu_label", lambda: saved_readings.dcgm_scrape_findings(
-        dcgm.parse_text(re.sub(r'(?:Hostname|gpu)="[^"]*",?', "", (DATA / "dcgm" / "node07_constructed.prom").read_text()), ts=NOW)[0], ts=NOW),
+    ("dcgm_scrape_without_host_or_gpu_label", lambda: scrape_findings(
+        dcgm.parse_text(re.sub(r'(?:Hostname|gpu)="[^"]*",?', "", (DATA / "dcgm" / "node07_constructed.prom").read_text()), ts=NOW)[0], [], NOW),
      FindingKind.ECC),
 ]
 

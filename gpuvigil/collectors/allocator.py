@@ -13,8 +13,10 @@ That is fragmentation, and it shows as
 `expandable_segments:True` grows one segment in place instead, which is why the same program
 (s4 in the H200 captures) does not fragment.
 
-This module reads and summarises; whether the state it reads is fragmentation or an OOM's cause
-is decided by `gpuvigil.detectors.allocator_state` (thresholds: `gpuvigil/config/allocator.yaml`).
+This module reads and summarises, and turns a saved reading into an `allocator_readings` row
+(`stats_reading`, `snapshot_reading`); whether the state it reads is fragmentation or an OOM's
+cause is decided by the registered detector `allocator_state` (thresholds: its block of
+`gpuvigil/config/detectors.yaml`).
 """
 
 from __future__ import annotations
@@ -242,3 +244,52 @@ def stats_row(
 
 def stats_frame(rows: list[dict[str, Any]]) -> pl.DataFrame:
     return schemas.frame(rows, schemas.ALLOCATOR_STATS)
+
+
+def stats_reading(stats: dict[str, int | float], source: str, *, ts: float, job: str | None = None, node: str | None = None, gpu: int | None = None) -> dict[str, Any]:
+    """One `allocator_readings` row from a saved memory_stats dict."""
+    return {
+        "ts": ts,
+        "job": job,
+        "node": node,
+        "gpu": gpu,
+        "source": source,
+        "reading": "memory_stats",
+        "reserved_bytes": int(stats["reserved_bytes.all.current"]),
+        "allocated_bytes": int(stats["allocated_bytes.all.current"]),
+        "inactive_split_bytes": int(stats.get("inactive_split_bytes.all.current", 0)),
+        "inactive_split_blocks": int(stats.get("inactive_split.all.current", 0)),
+        "alloc_retries": int(stats.get("num_alloc_retries", 0)),
+        "oom_count": int(stats.get("num_ooms", 0)),
+    }
+
+
+def snapshot_reading(snap: SnapshotSummary, *, ts: float, job: str | None = None, node: str | None = None, gpu: int | None = None) -> dict[str, Any]:
+    """One `allocator_readings` row from a snapshot's summary (its last OOM, if it recorded any)."""
+    last_oom = snap.oom_requests[-1] if snap.oom_requests else {}
+    return {
+        "ts": ts,
+        "job": job,
+        "node": node,
+        "gpu": gpu,
+        "source": snap.source,
+        "reading": "snapshot",
+        "reserved_bytes": snap.reserved_bytes,
+        "allocated_bytes": snap.allocated_bytes,
+        "inactive_bytes": snap.inactive_bytes,
+        "largest_free_block_bytes": snap.largest_free_block_bytes,
+        "segments": len(snap.segments),
+        "expandable_segments": snap.expandable_segments,
+        "oom_request_bytes": last_oom.get("size"),
+        "oom_device_free_bytes": last_oom.get("device_free"),
+        "oom_events": len(snap.oom_requests),
+        "recurring_request_bytes": snap.recurring_request_bytes,
+    }
+
+
+def readings_frame(rows: list[dict[str, Any]], source: str) -> pl.DataFrame:
+    """`allocator_readings` rows; a number past int64 (a forged file) is refused naming `source`."""
+    try:
+        return schemas.frame(rows, schemas.ALLOCATOR_READINGS)
+    except (OverflowError, TypeError, ValueError, pl.exceptions.PolarsError) as exc:
+        raise UserError(f"{source}: memory reading holds a value out of range: {str(exc).splitlines()[0] if str(exc) else type(exc).__name__}") from None

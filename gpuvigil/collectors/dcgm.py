@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import asyncio
 import threading
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -383,16 +383,48 @@ class DcgmCollector:
         self._last_xid[url] = joined.select("node", "gpu_uuid", pl.col("last_xid").alias("prev_xid"), "xid_total")
         samples = samples.drop("xid_total").join(joined.select("node", "gpu_uuid", "xid_total"), on=["node", "gpu_uuid"], how="left", nulls_equal=True)
         samples = schemas.conform(samples, schemas.GPU_SAMPLES, stream="gpu_samples")
-        events = joined.filter(pl.col("new")).select(
-            pl.lit(now, pl.Float64).alias("ts"),
-            "node",
-            "gpu",
-            pl.lit("dcgm").alias("source"),
-            pl.lit("xid").alias("kind"),
-            pl.col("last_xid").alias("xid"),
-            pl.format("XID {} reported by dcgm-exporter (DCGM_FI_DEV_XID_ERRORS)", pl.col("last_xid")).alias("message"),
-        )
-        return samples, schemas.conform(events, schemas.EVENTS, stream="events")
+        return samples, _xid_events(joined.filter(pl.col("new")), now)
+
+
+def _xid_events(changed: pl.DataFrame, now: float) -> pl.DataFrame:
+    """One `xid` event per row of `changed` (node, gpu, last_xid): its GPU's last XID changed."""
+    events = changed.select(
+        pl.lit(now, pl.Float64).alias("ts"),
+        "node",
+        "gpu",
+        pl.lit("dcgm").alias("source"),
+        pl.lit("xid").alias("kind"),
+        pl.col("last_xid").alias("xid"),
+        pl.format("XID {} reported by dcgm-exporter (DCGM_FI_DEV_XID_ERRORS)", pl.col("last_xid")).alias("message"),
+    )
+    return schemas.conform(events, schemas.EVENTS, stream="events")
+
+
+def scrape_xid_events(samples: pl.DataFrame, xid_counters: Iterable[Mapping[str, Any]] = (), *, ts: float, default_node: str | None = None) -> pl.DataFrame:
+    """The `xid` events one saved scrape holds: each GPU's last XID, as the collector reports it
+    from its first scrape of an exporter (when it happened is not in the scrape: `ts`), and the
+    codes of XID counters that label them (`xid="42"`, `DCGM_EXP_XID_ERRORS_COUNT`; read by
+    `parsers.nvidia_smi.xid_counter_samples`), one per GPU and code."""
+    last = _xid_events(samples.filter(pl.col("last_xid").is_not_null()), ts)
+    rows = []
+    for s in xid_counters:
+        if not 0 <= s["xid"] < 1 << 31:  # no XID code is that large: a forged series
+            continue
+        labels = s["labels"]
+        gpu = labels.get("gpu", "")
+        rows.append({
+            "ts": ts,
+            "node": labels.get("Hostname") or labels.get("hostname") or default_node,
+            "gpu": int(gpu) if gpu.isdigit() and int(gpu) < 1 << 31 else None,
+            "source": "dcgm",
+            "kind": "xid",
+            "xid": s["xid"],
+            "message": f"{s['metric']}{{xid=\"{s['xid']}\"}} = {s['value']:g} on the saved scrape",
+        })
+    if not rows:
+        return last
+    counted = schemas.frame(rows, schemas.EVENTS).unique(["node", "gpu", "xid"], keep="first", maintain_order=True)
+    return pl.concat([last, counted], how="vertical_relaxed")
 
 
 def read_scrape(path: str | Path, *, ts: float | None = None, default_node: str | None = None) -> tuple[pl.DataFrame, pl.DataFrame, pl.DataFrame]:
@@ -419,4 +451,4 @@ def scrape_once(url: str, *, timeout_seconds: float = 2.0) -> str:
     return resp.text
 
 
-__all__ = ["DcgmCollector", "GPU_WORKLOADS", "DCGM_EXTRA", "LABELS", "STREAMS", "frames_from_long", "label_values", "workload_changes", "parse_text", "read_scrape", "looks_like_dcgm_scrape"]
+__all__ = ["DcgmCollector", "scrape_xid_events", "GPU_WORKLOADS", "DCGM_EXTRA", "LABELS", "STREAMS", "frames_from_long", "label_values", "workload_changes", "parse_text", "read_scrape", "looks_like_dcgm_scrape"]

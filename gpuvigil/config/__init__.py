@@ -40,7 +40,6 @@ _Loader = getattr(yaml, "CSafeLoader", yaml.SafeLoader)  # libyaml when the whee
 SECTIONS: dict[str, str | dict[str, str]] = {
     "acting": "gpuvigil.scheduler.quarantine:ActingConfig",
     "alerts": "gpuvigil.alerts.settings:AlertSettings",
-    "allocator": "gpuvigil.detectors.allocator_state:AllocatorConfig",
     "api": "gpuvigil.api.config:ApiConfig",
     "api.slurm": "gpuvigil.scheduler.slurm:SlurmConfig",
     "api.kubernetes": "gpuvigil.scheduler.kubernetes:KubernetesConfig",
@@ -58,6 +57,12 @@ SECTIONS: dict[str, str | dict[str, str]] = {
     "scheduler": "gpuvigil.scheduler.config:SchedulerConfig",
     # One key per registered source (deployconfig.SOURCE_SPECS), besides its settings.
     "sources": "gpuvigil.config.deploy:sources_model()",
+}
+
+# Sections that became a block of another: old name -> (section, block). A user file that still
+# has the old section is read into the new place (an explicit value there wins).
+MOVED: dict[str, tuple[str, str]] = {
+    "allocator": ("detectors", "allocator_state"),
 }
 
 
@@ -120,12 +125,31 @@ def load(path: str | Path | None = None, overrides: dict[str, Any] | None = None
     cfg = defaults()
     where = str(path) if path is not None else "config overrides"
     if path is not None:
-        cfg = _deep_merge(cfg, read_user_file(path))
+        cfg = _deep_merge(cfg, _moved(read_user_file(path), where))
     if overrides:
-        cfg = _deep_merge(cfg, overrides)
+        cfg = _deep_merge(cfg, _moved(overrides, where))
     if validate and (path is not None or overrides):
         validate_all(cfg, where)
     return cfg
+
+
+def _moved(data: dict[str, Any], where: str) -> dict[str, Any]:
+    """`data` with each moved section read into its new place (MOVED)."""
+    if not any(old in data for old in MOVED):
+        return data
+    out = dict(data)
+    for old, (top, block) in MOVED.items():
+        if old not in out:
+            continue
+        value = out.pop(old)
+        if not isinstance(value, dict):
+            raise ConfigError(f"{where}: config section '{old}' (now {top}.{block}) must be a mapping, got {type(value).__name__}")
+        section_ = out.get(top, {})
+        if not isinstance(section_, dict):
+            raise ConfigError(f"{where}: config section '{top}' must be a mapping, got {type(section_).__name__}")
+        given = section_.get(block) if isinstance(section_.get(block), dict) else {}
+        out[top] = {**section_, block: _deep_merge(value, given)}
+    return out
 
 
 def section(name: str, model: type[M], cfg: dict[str, Any] | None = None) -> M:

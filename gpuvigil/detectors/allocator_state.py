@@ -1,5 +1,6 @@
-"""What a PyTorch caching allocator's state read after the fact means (`torch.cuda.memory_stats()`
-JSON, memory snapshot pickles, read by `gpuvigil.collectors.allocator`):
+"""What a PyTorch caching allocator's state saved to a file means: the registered detector
+`allocator_state`, over `allocator_readings` (one row per `torch.cuda.memory_stats()` JSON or
+memory snapshot pickle, written by `gpuvigil.collectors.allocator` when `analyze` reads one).
 
 - `fragmentation_allocator` (ticket): PyTorch holds memory reserved but unallocated (at least
   `min_unallocated_bytes` and `min_unallocated_share` of what it reserved), and requests do not
@@ -8,20 +9,25 @@ JSON, memory snapshot pickles, read by `gpuvigil.collectors.allocator`):
 - `oom_fragmentation` / `oom_capacity` (page): a snapshot that recorded an OOM, by whether the
   reserved but unallocated memory could have held the failed request.
 
-One reading has no history: the trend detector over `allocator_stats`
-(detectors/fragmentation_allocator.py) is what `serve` runs on the same numbers.
+It is placed `offline`: only an artefact read after the fact fills its stream. One reading has
+no history, which is why this is not `fragmentation_allocator`'s rule: serve's trend detector
+(detectors/fragmentation_allocator.py) needs a rising gap over minutes of `allocator_stats` rows
+from the in-process hook, and memory_stats carries no largest free block.
 """
 
 from __future__ import annotations
 
-from typing import Any, Protocol
+from typing import Any
 
 from pydantic import BaseModel, Field
 
-from gpuvigil import config
+from gpuvigil.detectors.base import FRESH, Declared, DetectorSpec
+from gpuvigil.detectors.common import settings
 from gpuvigil.model import Finding, FindingKind, Severity
+from gpuvigil.window import Window
 
 GIB = 1 << 30
+STREAM = "allocator_readings"
 
 
 class AllocatorConfig(BaseModel):
@@ -32,132 +38,122 @@ class AllocatorConfig(BaseModel):
 
 
 def load_config(cfg: dict[str, Any] | None = None) -> AllocatorConfig:
-    return config.section("allocator", AllocatorConfig, cfg)
+    """The detector's block of the `detectors` section (`detectors.allocator_state`)."""
+    return settings("allocator_state", AllocatorConfig, cfg)
 
 
 def _gib(n: int | float | None) -> str:
     return "?" if n is None else f"{n / GIB:.2f} GiB"
 
 
-class Snapshot(Protocol):
-    """A memory snapshot's summary, as the allocator reader returns it."""
-
-    source: str
-    segments: list[Any]
-    reserved_bytes: int
-    allocated_bytes: int
-    inactive_bytes: int
-    largest_free_block_bytes: int
-    expandable_segments: bool
-    oom_requests: list[dict[str, int | None]]
-    recurring_request_bytes: int | None
-
-    @property
-    def unallocated_bytes(self) -> int: ...
-
-
 def _fragmented(unallocated: int, reserved: int, c: AllocatorConfig) -> bool:
     return reserved > 0 and unallocated >= c.min_unallocated_bytes and unallocated / reserved >= c.min_unallocated_share
 
 
-def findings_for_stats(stats: dict[str, int | float], source: str, *, ts: float = 0.0, job: str | None = None,
-                       node: str | None = None, gpu: int | None = None, cfg: dict[str, Any] | None = None) -> list[Finding]:
-    c = load_config(cfg)
-    allocated = int(stats["allocated_bytes.all.current"])
-    reserved = int(stats["reserved_bytes.all.current"])
-    unallocated = reserved - allocated
-    retries = int(stats.get("num_alloc_retries", 0))
-    ooms = int(stats.get("num_ooms", 0))
-    if not (_fragmented(unallocated, reserved, c) and (retries > 0 or ooms > 0)):
-        return []
-    inactive = int(stats.get("inactive_split_bytes.all.current", 0))
-    return [
-        Finding(
-            kind=FindingKind.FRAGMENTATION_ALLOCATOR,
-            severity=Severity.TICKET,
-            ts=ts,
-            job=job,
-            node=node,
-            gpu=gpu,
-            cause="fragmentation",
-            evidence={
-                "reserved_bytes": reserved,
-                "allocated_bytes": allocated,
-                "unallocated_bytes": unallocated,
-                "inactive_split_bytes": inactive,
-                "inactive_split_blocks": int(stats.get("inactive_split.all.current", 0)),
-                "alloc_retries": retries,
-                "num_ooms": ooms,
-                "largest_free_block_bytes": None,
-                "alloc_conf": c.remedy_alloc_conf,
-            },
-            summary=(
-                f"PyTorch holds {_gib(unallocated)} reserved but unallocated ({_gib(inactive)} in split blocks) and "
-                f"had to retry {retries} allocation(s), {ooms} OOM(s): fragmented cache; set "
-                f"PYTORCH_CUDA_ALLOC_CONF={c.remedy_alloc_conf}"
-            ),
-            source=source,
+class AllocatorStateDetector(Declared):
+    spec = DetectorSpec(
+        name="allocator_state",
+        config=AllocatorConfig,
+        emits=(FindingKind.FRAGMENTATION_ALLOCATOR, FindingKind.OOM_FRAGMENTATION, FindingKind.OOM_CAPACITY),
+        reads={STREAM: FRESH},
+        order=71,
+        placement_override="offline",
+    )
+
+    def __init__(self, cfg: dict[str, Any] | None = None):
+        self.config = settings("allocator_state", AllocatorConfig, cfg)
+
+    def detect(self, window: Window) -> list[Finding]:
+        out: list[Finding] = []
+        for row in window.fresh(STREAM).to_dicts():
+            # A reading whose totals are missing says nothing (an empty or garbled file).
+            if row["reserved_bytes"] is None or row["allocated_bytes"] is None:
+                continue
+            where = {"ts": row["ts"], "job": row["job"], "node": row["node"], "gpu": row["gpu"], "source": row["source"] or self.name}
+            if row["reading"] == "snapshot":
+                out.extend(self._snapshot(row, where))
+            elif row["reading"] == "memory_stats":
+                out.extend(self._stats(row, where))
+        return out
+
+    def _stats(self, r: dict[str, Any], where: dict[str, Any]) -> list[Finding]:
+        c = self.config
+        allocated, reserved = r["allocated_bytes"], r["reserved_bytes"]
+        unallocated = reserved - allocated
+        retries, ooms = r["alloc_retries"] or 0, r["oom_count"] or 0
+        if not (_fragmented(unallocated, reserved, c) and (retries > 0 or ooms > 0)):
+            return []
+        inactive = r["inactive_split_bytes"] or 0
+        evidence = {
+            "reserved_bytes": reserved,
+            "allocated_bytes": allocated,
+            "unallocated_bytes": unallocated,
+            "inactive_split_bytes": inactive,
+            "inactive_split_blocks": r["inactive_split_blocks"] or 0,
+            "alloc_retries": retries,
+            "num_ooms": ooms,
+            "largest_free_block_bytes": None,
+            "alloc_conf": c.remedy_alloc_conf,
+        }
+        summary = (
+            f"PyTorch holds {_gib(unallocated)} reserved but unallocated ({_gib(inactive)} in split blocks) and "
+            f"had to retry {retries} allocation(s), {ooms} OOM(s): fragmented cache; set "
+            f"PYTORCH_CUDA_ALLOC_CONF={c.remedy_alloc_conf}"
         )
-    ]
+        return [Finding(kind=FindingKind.FRAGMENTATION_ALLOCATOR, severity=Severity.TICKET, cause="fragmentation", evidence=evidence, summary=summary, **where)]
+
+    def _snapshot(self, r: dict[str, Any], where: dict[str, Any]) -> list[Finding]:
+        c = self.config
+        reserved, allocated = r["reserved_bytes"], r["allocated_bytes"]
+        unallocated, largest = reserved - allocated, r["largest_free_block_bytes"] or 0
+        common = {
+            "reserved_bytes": reserved,
+            "allocated_bytes": allocated,
+            "unallocated_bytes": unallocated,
+            "inactive_bytes": r["inactive_bytes"],
+            "largest_free_block_bytes": largest,
+            "segments": r["segments"],
+            "expandable_segments": bool(r["expandable_segments"]),
+        }
+        failed = r["oom_request_bytes"]
+        request = failed if failed is not None else r["recurring_request_bytes"]
+        out: list[Finding] = []
+        if request is not None and _fragmented(unallocated, reserved, c) and largest < request:
+            out.append(
+                Finding(
+                    kind=FindingKind.FRAGMENTATION_ALLOCATOR,
+                    severity=Severity.TICKET,
+                    cause="fragmentation",
+                    evidence={**common, "request_bytes": request, "request_failed": failed is not None, "alloc_conf": c.remedy_alloc_conf},
+                    summary=(
+                        f"{_gib(unallocated)} reserved but unallocated across {r['segments']} segments, yet the "
+                        f"largest free block is {_gib(largest)}, below the {_gib(request)} "
+                        f"{'request that failed' if failed is not None else 'request the job keeps making'}; set "
+                        f"PYTORCH_CUDA_ALLOC_CONF={c.remedy_alloc_conf}"
+                    ),
+                    **where,
+                )
+            )
+        if failed is not None:
+            fragmentation = unallocated >= failed > largest
+            out.append(
+                Finding(
+                    kind=FindingKind.OOM_FRAGMENTATION if fragmentation else FindingKind.OOM_CAPACITY,
+                    severity=Severity.PAGE,
+                    cause="fragmentation" if fragmentation else "capacity",
+                    evidence={**common, "request_bytes": failed, "device_free_bytes": r["oom_device_free_bytes"], "oom_events": r["oom_events"] or 0},
+                    summary=(
+                        f"out of memory on a {_gib(failed)} request: "
+                        + (
+                            f"{_gib(unallocated)} was reserved but unallocated, in blocks of at most {_gib(largest)}"
+                            if fragmentation
+                            else f"only {_gib(unallocated)} reserved but unallocated; the job needs more memory than the GPU has"
+                        )
+                    ),
+                    **where,
+                )
+            )
+        return out
 
 
-def findings_for_snapshot(snap: Snapshot, *, ts: float = 0.0, job: str | None = None, node: str | None = None,
-                          gpu: int | None = None, cfg: dict[str, Any] | None = None) -> list[Finding]:
-    c = load_config(cfg)
-    out: list[Finding] = []
-    common = {
-        "reserved_bytes": snap.reserved_bytes,
-        "allocated_bytes": snap.allocated_bytes,
-        "unallocated_bytes": snap.unallocated_bytes,
-        "inactive_bytes": snap.inactive_bytes,
-        "largest_free_block_bytes": snap.largest_free_block_bytes,
-        "segments": len(snap.segments),
-        "expandable_segments": snap.expandable_segments,
-    }
-    failed = snap.oom_requests[-1]["size"] if snap.oom_requests else None
-    request = failed if failed is not None else snap.recurring_request_bytes
-    if request is not None and _fragmented(snap.unallocated_bytes, snap.reserved_bytes, c) and snap.largest_free_block_bytes < request:
-        out.append(
-            Finding(
-                kind=FindingKind.FRAGMENTATION_ALLOCATOR,
-                severity=Severity.TICKET,
-                ts=ts,
-                job=job,
-                node=node,
-                gpu=gpu,
-                cause="fragmentation",
-                evidence={**common, "request_bytes": request, "request_failed": failed is not None, "alloc_conf": c.remedy_alloc_conf},
-                summary=(
-                    f"{_gib(snap.unallocated_bytes)} reserved but unallocated across {len(snap.segments)} segments, yet the "
-                    f"largest free block is {_gib(snap.largest_free_block_bytes)}, below the {_gib(request)} "
-                    f"{'request that failed' if failed is not None else 'request the job keeps making'}; set "
-                    f"PYTORCH_CUDA_ALLOC_CONF={c.remedy_alloc_conf}"
-                ),
-                source=snap.source,
-            )
-        )
-    if failed is not None:
-        fragmentation = snap.unallocated_bytes >= failed > snap.largest_free_block_bytes
-        kind = FindingKind.OOM_FRAGMENTATION if fragmentation else FindingKind.OOM_CAPACITY
-        out.append(
-            Finding(
-                kind=kind,
-                severity=Severity.PAGE,
-                ts=ts,
-                job=job,
-                node=node,
-                gpu=gpu,
-                cause="fragmentation" if fragmentation else "capacity",
-                evidence={**common, "request_bytes": failed, "device_free_bytes": snap.oom_requests[-1]["device_free"], "oom_events": len(snap.oom_requests)},
-                summary=(
-                    f"out of memory on a {_gib(failed)} request: "
-                    + (
-                        f"{_gib(snap.unallocated_bytes)} was reserved but unallocated, in blocks of at most {_gib(snap.largest_free_block_bytes)}"
-                        if fragmentation
-                        else f"only {_gib(snap.unallocated_bytes)} reserved but unallocated; the job needs more memory than the GPU has"
-                    )
-                ),
-                source=snap.source,
-            )
-        )
-    return out
+__all__ = ["AllocatorConfig", "AllocatorStateDetector", "load_config"]

@@ -1,252 +1,144 @@
-"""What one saved reading of a node says on its own, with no history: a dcgm-exporter scrape, the
-XID counters in it, `nvidia-smi -q` output, an NVML time series of clock-event reasons, and a
-saved gpuvigil `/metrics` page. `analyze` reads them (collectors/dcgm.py, parsers/nvidia_smi.py,
-offline/formats.py) and this module judges what it read.
+"""What a saved reading that no live stream carries says on its own: two registered detectors
+placed `offline` (only `analyze` fills their streams).
 
-An XID is judged by the XID policy `serve`'s XID detector uses (`gpuvigil.policies`), so it is
-the same severity online and offline. `serve`'s own detectors over the same columns need
-history (a counter's rate, a trend); what they can say of one snapshot they say through
-`offline.analyze.detect_once` (the NVLink fabric, memory repairs, InfiniBand ports).
+- `smi_health`, over `smi_health` (one row per GPU block of saved `nvidia-smi -q` output,
+  parsers/nvidia_smi.py): each memory repair by its own kind (`row_remap_failure`, else `ecc`
+  for volatile DBEs; `row_remap_pending`, `retired_pages`), and `thermal_throttle` for a GPU
+  that shows a heat reason active. serve's `ecc`, `memory_repair` and `thermal` detectors judge
+  the same facts from NVML, but know a GPU by its node and index, which the output does not
+  give (it names the PCI bus id), and `thermal` needs a series, not one reading.
+- `active_findings`, over `active_findings` (the active-findings gauges of a saved gpuvigil
+  `/metrics` page): the findings gpuvigil itself had active when the page was saved.
+
+A saved dcgm-exporter scrape is judged by serve's own detectors (`offline.analyze.scrape_findings`:
+XIDs, ECC, memory repairs, the NVLink fabric), as is a sysfs tree's InfiniBand ports, and an NVML
+time series is replayed through serve's `thermal` detector (`offline.analyze.analyze_nvml_csv`).
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+import math
 from typing import Any
 
-import polars as pl
+from pydantic import BaseModel, Field
 
-from gpuvigil import policies
-from gpuvigil.gpu import throttle, xid
-from gpuvigil.model import Finding, FindingKind, Severity, place
-from gpuvigil.parsers.nvidia_smi import SmiHealth
+from gpuvigil.detectors.base import FRESH, Declared, DetectorSpec
+from gpuvigil.detectors.common import settings
+from gpuvigil.model import Finding, FindingKind, Severity
+from gpuvigil.window import Window
 
-# NVML clock-event reasons that mean the GPU slowed itself down for heat (NVML's
-# nvmlClocksEventReasonSwThermalSlowdown 0x20, HwThermalSlowdown 0x40, HwSlowdown 0x08).
-THERMAL_REASONS_MASK = throttle.THERMAL_MASK
 # The gauges of a saved gpuvigil page that count its active findings.
 ACTIVE_FINDINGS_METRICS = ("gpuvigil_node_findings_active", "gpuvigil_job_findings_active")
 
 
-# ---------------------------------------------------------------- dcgm-exporter scrape
+class SmiHealthConfig(BaseModel):
+    # Uncorrectable errors in the volatile counters (since the driver loaded) that page as `ecc`.
+    min_volatile_dbe: int = Field(1, ge=1)
 
 
-def dcgm_scrape_findings(samples: pl.DataFrame, *, source_file: str | None = None, ts: float | None = None) -> list[Finding]:
-    """Each GPU's last XID, and uncorrectable ECC (volatile DBEs, a failed row remap), from the
-    `gpu_samples` of one saved scrape."""
-    out: list[Finding] = []
-    for row in samples.filter(pl.col("last_xid").is_not_null() | (pl.col("ecc_dbe_volatile_total") > 0) | pl.col("remap_failure")).to_dicts():
-        src = f"{source_file}:gpu={row['gpu']}" if source_file else "dcgm"
-        at = ts if ts is not None else row["ts"]
-        if row["last_xid"] is not None:
-            out.append(_last_xid_finding(row, at, src))
-        if (row["ecc_dbe_volatile_total"] or 0) > 0 or row["remap_failure"]:
-            out.append(_scrape_ecc_finding(row, at, src))
-    return out
-
-
-def _last_xid_finding(row: dict[str, Any], ts: float, src: str) -> Finding:
-    code = row["last_xid"]
-    info = xid.xid_info(code)
-    fatal = xid.is_fatal(code)
-    return Finding(
-        kind=FindingKind.XID,
-        severity=policies.xid_severity(code),
-        ts=ts,
-        node=row["node"],
-        gpu=row["gpu"],
-        xid=code,
-        evidence={
-            "fatal": fatal,
-            "app_level": info.app_level if info else False,
-            "action": info.action if info else None,
-            "name": info.name if info else "unknown XID",
-            "gpu_uuid": row["gpu_uuid"],
-            "note": "DCGM_FI_DEV_XID_ERRORS is the last XID since dcgm-exporter started; when it happened is not in the scrape",
-        },
-        summary=f"Last XID on {place(row['node'], row['gpu'])} was {code} ({info.name if info else 'unknown'})" + (f"; NVIDIA's immediate action: {info.action}" if info else ""),
-        source=src,
-        cause="hardware" if fatal else None,
-    )
-
-
-def _scrape_ecc_finding(row: dict[str, Any], ts: float, src: str) -> Finding:
-    # A failed remap is NVIDIA's RMA criterion: its own kind, the DBEs its evidence.
-    failed = bool(row["remap_failure"])
-    where = place(row["node"], row["gpu"])
-    return Finding(
-        kind=FindingKind.ROW_REMAP_FAILURE if failed else FindingKind.ECC,
-        severity=Severity.PAGE,
-        ts=ts,
-        node=row["node"],
-        gpu=row["gpu"],
-        evidence={
-            "ecc_dbe_volatile_total": row["ecc_dbe_volatile_total"],
-            "ecc_sbe_volatile_total": row["ecc_sbe_volatile_total"],
-            "retired_pages_total": row["retired_pages_total"],
-            "remap_failure": failed,
-            "gpu_uuid": row["gpu_uuid"],
-        },
-        summary=(f"Row remapping failed on {where} ({row['ecc_dbe_volatile_total'] or 0} volatile DBE): drain the node and replace the GPU"
-                 if failed else f"Uncorrectable memory errors on {where}: {row['ecc_dbe_volatile_total'] or 0} volatile DBE"),
-        source=src,
-        cause="hardware",
-    )
-
-
-def xid_counter_findings(samples: Iterable[Mapping[str, Any]], display: str, ts: float, node: str | None) -> list[Finding]:
-    """XIDs from dcgm-exporter's XID counters that label the code (`xid="42"`, read by
-    `parsers.nvidia_smi.xid_counter_samples`), one per GPU and code."""
-    out: list[Finding] = []
-    seen: set[tuple] = set()
-    for s in samples:
-        labels = s["labels"]
-        gpu = int(labels["gpu"]) if labels.get("gpu", "").isdigit() else None
-        host = labels.get("Hostname") or labels.get("hostname") or node
-        key = (host, gpu, s["xid"])
-        if key in seen:
-            continue
-        seen.add(key)
-        info = xid.xid_info(s["xid"])
-        fatal = xid.is_fatal(s["xid"])
-        out.append(
-            Finding(
-                kind=FindingKind.XID,
-                severity=policies.xid_severity(s["xid"]),
-                ts=ts,
-                node=host,
-                gpu=gpu,
-                xid=s["xid"],
-                evidence={"fatal": fatal, "action": info.action if info else None, "name": info.name if info else "unknown XID", "metric": s["metric"], "value": s["value"], "gpu_uuid": labels.get("UUID")},
-                summary=f"{s['metric']} counts XID {s['xid']} ({info.name if info else 'unknown'}) on {place(host, gpu)}",
-                source=f"{display}:gpu={gpu}",
-                cause=policies.xid_cause(s["xid"]),
-            )
-        )
-    return out
+class ActiveFindingsConfig(BaseModel):
+    # An active-findings gauge at or above this many findings is one (gauges count findings).
+    min_active_count: float = Field(1.0, gt=0)
 
 
 # ---------------------------------------------------------------- nvidia-smi -q
 
 
-def smi_findings(states: Iterable[SmiHealth], *, source_file: str | None = None, ts: float, node: str | None = None) -> list[Finding]:
-    """Each memory repair by its own kind (`row_remap_failure`, else `ecc` for volatile DBEs;
-    `row_remap_pending`, `retired_pages`), and `thermal_throttle` for a GPU that slowed its
-    clocks for heat."""
-    out: list[Finding] = []
-    for h in states:
-        where = f"GPU {h.pci_bus_id}" if h.pci_bus_id else "the GPU"
-        src = f"{source_file}:{h.first_line}" if source_file else "nvidia-smi"
-        out.extend(_memory_findings(h, where=where, ts=ts, node=node, gpu=None, source=src, cause="hardware"))
-        if h.thermal_reasons_active:
-            out.append(
-                Finding(
-                    kind=FindingKind.THERMAL_THROTTLE,
-                    severity=Severity.TICKET,
-                    ts=ts,
-                    node=node,
-                    gpu=None,
-                    evidence={"pci_bus_id": h.pci_bus_id, "active_reasons": list(h.thermal_reasons_active), "gpu_block": h.index},
-                    summary=f"nvidia-smi -q on {where}: clocks slowed for heat or power ({', '.join(h.thermal_reasons_active)} active)",
-                    source=src,
-                    cause="hardware",
+class SmiHealthDetector(Declared):
+    spec = DetectorSpec(
+        name="smi_health",
+        config=SmiHealthConfig,
+        emits=(FindingKind.ROW_REMAP_FAILURE, FindingKind.ECC, FindingKind.ROW_REMAP_PENDING, FindingKind.RETIRED_PAGES, FindingKind.THERMAL_THROTTLE),
+        reads={"smi_health": FRESH},
+        order=180,
+        placement_override="offline",
+    )
+
+    def __init__(self, cfg: dict[str, Any] | None = None):
+        self.config = settings("smi_health", SmiHealthConfig, cfg)
+
+    def detect(self, window: Window) -> list[Finding]:
+        out: list[Finding] = []
+        for h in window.fresh("smi_health").to_dicts():
+            where = f"GPU {h['pci_bus_id']}" if h["pci_bus_id"] else "the GPU"
+            src = f"{h['source']}:{h['line']}" if h["source"] else self.name
+            common = {"ts": h["ts"], "node": h["node"], "gpu": h["gpu"], "source": src, "cause": "hardware"}
+            out.extend(_memory_findings(h, where, common, self.config.min_volatile_dbe))
+            if h["thermal_reasons"]:
+                out.append(
+                    Finding(
+                        kind=FindingKind.THERMAL_THROTTLE,
+                        severity=Severity.TICKET,
+                        evidence={"pci_bus_id": h["pci_bus_id"], "active_reasons": list(h["thermal_reasons"]), "gpu_block": h["gpu_block"]},
+                        summary=f"nvidia-smi -q on {where}: clocks slowed for heat or power ({', '.join(h['thermal_reasons'])} active)",
+                        **common,
+                    )
                 )
-            )
-    return out
+        return out
 
 
-def _memory_findings(h: SmiHealth, *, where: str, **common: Any) -> list[Finding]:
-    dbe = h.ecc_dbe_volatile_total
+def _memory_findings(h: dict[str, Any], where: str, common: dict[str, Any], min_dbe: int) -> list[Finding]:
+    dbe = h["ecc_dbe_volatile_total"] or 0
     errors = f"{dbe} uncorrectable ECC error(s) since the driver loaded"
     out = []
-    if h.remap_failure:
+    if h["remap_failure"]:
         out.append(Finding(kind=FindingKind.ROW_REMAP_FAILURE, severity=Severity.PAGE, **common,
-                           evidence={"pci_bus_id": h.pci_bus_id, "remap_failure": True, **({"ecc_dbe_volatile_total": dbe} if dbe else {})},
+                           evidence={"pci_bus_id": h["pci_bus_id"], "remap_failure": True, **({"ecc_dbe_volatile_total": dbe} if dbe else {})},
                            summary=f"nvidia-smi -q on {where}: a row remapping failed (NVIDIA's RMA criterion)" + (f"; {errors}" if dbe else "")
                            + ": drain the node and replace the GPU"))
-    elif dbe:
-        out.append(Finding(kind=FindingKind.ECC, severity=Severity.PAGE, **common, evidence={"pci_bus_id": h.pci_bus_id, "ecc_dbe_volatile_total": dbe},
+    elif dbe >= min_dbe:
+        out.append(Finding(kind=FindingKind.ECC, severity=Severity.PAGE, **common, evidence={"pci_bus_id": h["pci_bus_id"], "ecc_dbe_volatile_total": dbe},
                            summary=f"nvidia-smi -q on {where}: {errors}: drain the node and reset the GPU"))
-    if h.remap_pending:
-        out.append(Finding(kind=FindingKind.ROW_REMAP_PENDING, severity=Severity.TICKET, **common, evidence={"pci_bus_id": h.pci_bus_id, "remap_pending": True},
+    if h["remap_pending"]:
+        out.append(Finding(kind=FindingKind.ROW_REMAP_PENDING, severity=Severity.TICKET, **common, evidence={"pci_bus_id": h["pci_bus_id"], "remap_pending": True},
                            summary=f"nvidia-smi -q on {where}: a row remapping is pending: reset the GPU to apply it"))
-    if h.retired_pages_pending:
-        out.append(Finding(kind=FindingKind.RETIRED_PAGES, severity=Severity.TICKET, **common, evidence={"pci_bus_id": h.pci_bus_id, "retired_pages_pending": True},
+    if h["retired_pages_pending"]:
+        out.append(Finding(kind=FindingKind.RETIRED_PAGES, severity=Severity.TICKET, **common, evidence={"pci_bus_id": h["pci_bus_id"], "retired_pages_pending": True},
                            summary=f"nvidia-smi -q on {where}: retired pages are pending blacklist: reboot to retire them"))
     return out
-
-
-# ---------------------------------------------------------------- NVML time series
-
-
-def thermal_findings(samples: pl.DataFrame, display: str, undated_ts: float) -> list[Finding]:
-    """Thermal slowdowns in an NVML time series: one ticket per GPU that slowed its clocks for
-    heat in any sample. `samples`: one row per sample with `_ts`, `_gpu`, `_reasons` (the
-    clock-event reasons bit mask), `_line` (its line in the file) and, when recorded, `temp_c`;
-    `undated_ts` is where a GPU whose samples carry no time is placed."""
-    df = samples.with_columns(((pl.col("_reasons") & THERMAL_REASONS_MASK) != 0).fill_null(False).alias("_hot"))
-    hot = (
-        df.filter(pl.col("_hot"))
-        .group_by("_gpu", maintain_order=True)
-        .agg(
-            pl.len().alias("samples"),
-            pl.col("_ts").min().alias("first_ts"),
-            pl.col("_ts").max().alias("last_ts"),
-            pl.col("_line").first().alias("line"),
-            pl.col("_reasons").first().alias("reasons"),
-            (pl.col("temp_c").max() if "temp_c" in df.columns else pl.lit(None)).alias("max_temp_c"),
-        )
-    )
-    totals = df.group_by("_gpu").agg(pl.len().alias("all_samples"))
-    return [
-        Finding(
-            kind=FindingKind.THERMAL_THROTTLE,
-            severity=Severity.TICKET,
-            ts=row["first_ts"] if row["first_ts"] is not None else undated_ts,
-            gpu=row["_gpu"],
-            evidence={
-                "samples": row["samples"],
-                "of_samples": row["all_samples"],
-                "first_ts": row["first_ts"],
-                "last_ts": row["last_ts"],
-                "clock_event_reasons": row["reasons"],
-                "max_temperature_c": row["max_temp_c"],
-            },
-            summary=f"GPU {row['_gpu']} slowed its clocks for heat in {row['samples']} of {row['all_samples']} samples",
-            source=f"{display}:{row['line']}",
-            cause="hardware",
-        )
-        for row in hot.join(totals, on="_gpu").to_dicts()
-    ]
 
 
 # ---------------------------------------------------------------- a saved gpuvigil /metrics page
 
 
-def active_findings(samples: Iterable[Mapping[str, Any]], display: str, ts: float) -> list[Finding]:
-    """The findings gpuvigil itself had active when its `/metrics` was saved: one per sample of
-    an active-findings gauge above zero (`metric`, `labels`, `value`) whose kind and severity
-    gpuvigil knows."""
-    out = []
-    for s in samples:
-        if s["metric"] not in ACTIVE_FINDINGS_METRICS or s["value"] <= 0:
-            continue
-        labels = s["labels"]
-        try:
-            kind, sev = FindingKind(labels.get("kind", "")), Severity(labels.get("severity", ""))
-        except ValueError:
-            continue
-        node, job = labels.get("node"), labels.get("job")
-        out.append(
-            Finding(
-                kind=kind,
-                severity=sev,
-                ts=ts,
-                node=node,
-                job=job,
-                evidence={"active_count": int(s["value"]), "metric": s["metric"]},
-                summary=f"gpuvigil had {int(s['value'])} active {kind.value} finding(s) on {'node ' + node if node else 'job ' + str(job)} when this scrape was saved",
-                source=display,
+class ActiveFindingsDetector(Declared):
+    spec = DetectorSpec(
+        name="active_findings",
+        config=ActiveFindingsConfig,
+        emits=tuple(FindingKind),
+        reads={"active_findings": FRESH},
+        order=181,
+        placement_override="offline",
+    )
+
+    def __init__(self, cfg: dict[str, Any] | None = None):
+        self.config = settings("active_findings", ActiveFindingsConfig, cfg)
+
+    def detect(self, window: Window) -> list[Finding]:
+        """One finding per sample of an active-findings gauge of at least `min_active_count` whose
+        kind and severity gpuvigil knows."""
+        out = []
+        for s in window.fresh("active_findings").to_dicts():
+            if s["metric"] not in ACTIVE_FINDINGS_METRICS or not self.config.min_active_count <= (s["active_count"] or 0) < math.inf:
+                continue
+            try:
+                kind, sev = FindingKind(s["kind"] or ""), Severity(s["severity"] or "")
+            except ValueError:
+                continue
+            node, job, count = s["node"], s["job"], int(s["active_count"])
+            out.append(
+                Finding(
+                    kind=kind,
+                    severity=sev,
+                    ts=s["ts"],
+                    node=node,
+                    job=job,
+                    evidence={"active_count": count, "metric": s["metric"]},
+                    summary=f"gpuvigil had {count} active {kind.value} finding(s) on {'node ' + node if node else 'job ' + str(job)} when this scrape was saved",
+                    source=s["source"] or self.name,
+                )
             )
-        )
-    return out
+        return out
+
+
+__all__ = ["ACTIVE_FINDINGS_METRICS", "ActiveFindingsConfig", "ActiveFindingsDetector", "SmiHealthConfig", "SmiHealthDetector"]

@@ -12,7 +12,7 @@ from gpuvigil.gpu import throttle
 from gpuvigil.detectors.base import HISTORY, Declared, DetectorSpec, Reads
 from gpuvigil.detectors.common import gpu_jobs, settings
 from gpuvigil.detectors.per_gpu import GpuSlots, grow, last_per_slot
-from gpuvigil.model import Finding, FindingKind, Severity
+from gpuvigil.model import Finding, FindingKind, Severity, place
 from gpuvigil.window import Window
 
 
@@ -168,7 +168,7 @@ class ThermalDetector(Declared):
                         "power_w": round(float(row["power"] or 0), 1),
                     },
                     summary=(
-                        f"{row['node']} GPU {row['gpu']} is throttling ({', '.join(kinds) or 'clock events'})"
+                        f"{place(row['node'], row['gpu'])} is throttling ({', '.join(kinds) or 'clock events'})"
                         # a replay may have clock-event reasons but no temperature series
                         + (f" at {row['max_temp']:.0f} °C" if row["max_temp"] is not None else "")
                         + f", SM clock {row['clock'] or 0:.0f} MHz"

@@ -33,7 +33,7 @@ from typing import Any
 
 import polars as pl
 
-from gpuvigil import config
+from gpuvigil import config, schemas
 from gpuvigil.collectors.safe_pickle import looks_like_pickle
 from gpuvigil.errors import UserError
 from gpuvigil.model import Finding, FindingKind, Severity
@@ -50,6 +50,8 @@ MAX_TABLE_BYTES = 256 * 1024 * 1024  # NVML CSV (polars reads it whole)
 MAX_SCRAPE_BYTES = 64 * 1024 * 1024  # a saved /metrics page
 # What is printed of one message (`message` evidence); the JSON output carries the same cut text.
 MAX_MESSAGE_CHARS = 2000
+# The registered detectors that judge one saved dcgm-exporter scrape.
+SCRAPE_DETECTORS = ("xid", "ecc", "nvlink_fabric", "memory_repair")
 
 
 @dataclass
@@ -162,10 +164,14 @@ def _is_prometheus(head_text: str) -> bool:
     return head_text.lstrip().startswith("# HELP") or head_text.lstrip().startswith("# TYPE") or "DCGM_FI_" in head_text
 
 
-def analyze_nvml_csv(path: Path, display: str) -> list[Finding]:
-    """Thermal slowdowns in an NVML time series (one row per sample)."""
-    from gpuvigil.detectors import saved_readings
+# NVML CSV columns -> gpu_samples columns (scale): what the `thermal` detector reads.
+NVML_CSV_COLUMNS = {"temp_c": ("temperature_c", 1.0), "sm_clock": ("sm_clock_mhz", 1.0), "power_mw": ("power_w", 1e-3)}
 
+
+def nvml_csv_samples(path: Path, display: str, node: str | None = None) -> pl.DataFrame:
+    """An NVML time series (one row per sample; a time, a clock-event-reasons column and, where
+    recorded, the GPU index, temperature, SM clock and power) as `gpu_samples` rows, each with
+    `_line`, its line in the file. Rows without a time are left out: a series is judged in time."""
     try:
         df = pl.read_csv(path, infer_schema_length=10000)
     except (pl.exceptions.PolarsError, OSError, UnicodeDecodeError) as exc:
@@ -174,35 +180,85 @@ def analyze_nvml_csv(path: Path, display: str) -> list[Finding]:
     rcol = next((c for c in ("clock_event_reasons", "throttle_reasons") if c in df.columns), None)
     if tcol is None or rcol is None:
         raise UserError(f"{display}: CSV without a time and a clock-event-reasons column")
-    gpu_col = "gpu" if "gpu" in df.columns else None
-    df = df.with_columns(
-        pl.col(tcol).cast(pl.Float64, strict=False).alias("_ts"),
-        pl.col(rcol).cast(pl.Int64, strict=False).alias("_reasons"),
-        (pl.col(gpu_col).cast(pl.Int32, strict=False) if gpu_col else pl.lit(0, pl.Int32)).alias("_gpu"),
+    extra = [(pl.col(c).cast(pl.Float64, strict=False) * scale).alias(name) for c, (name, scale) in NVML_CSV_COLUMNS.items() if c in df.columns]
+    rows = df.select(
+        pl.col(tcol).cast(pl.Float64, strict=False).alias("ts"),
+        pl.lit(node, pl.Utf8).alias("node"),
+        (pl.col("gpu").cast(pl.Int32, strict=False) if "gpu" in df.columns else pl.lit(0, pl.Int32)).alias("gpu"),
+        pl.col(rcol).cast(pl.Int64, strict=False).alias("throttle_reasons"),
+        *extra,
         (pl.int_range(pl.len()) + 2).alias("_line"),  # header is line 1
-    )
-    return saved_readings.thermal_findings(df, display, _mtime(path))
+    ).filter(pl.col("ts").is_not_null() & pl.col("ts").is_finite())
+    return pl.concat([schemas.conform(rows, "gpu_samples"), rows.select("_line")], how="horizontal")
 
 
-def findings_from_gpuvigil_scrape(text: str, display: str, ts: float) -> list[Finding]:
-    """Findings gpuvigil itself had active when its `/metrics` was saved."""
+def analyze_nvml_csv(path: Path, display: str, node: str | None = None, cfg: dict[str, Any] | None = None) -> list[Finding]:
+    """Thermal slowdowns in an NVML time series: its samples replayed, in time, through serve's
+    `thermal` detector; each GPU's finding sourced to the line of the sample that made it."""
+    # A series saved on a host names no node; serve never judges a sample without one, so the
+    # replay names it "" (which `place` words as an unknown node) and the findings say None.
+    samples = nvml_csv_samples(path, display, node or "")
+    lines = {(ts, gpu): line for ts, gpu, line in samples.select("ts", "gpu", "_line").reverse().iter_rows()}
+    found = detect_series(["thermal"], "gpu_samples", samples.drop("_line"), cfg)
+    for f in found:
+        f.node = f.node or None
+        f.evidence["detector"] = f.source
+        f.source = f"{display}:{lines.get((f.ts, f.gpu), '?')}"
+    return found
+
+
+def detect_series(names: Iterable[str], stream: str, rows: pl.DataFrame, cfg: dict[str, Any] | None) -> list[Finding]:
+    """The registered detectors `names` over a saved time series of `stream`, one tick per
+    distinct time in time order, as serve would have seen it: each cause once, as first
+    reported, with `evidence.held_until_ts`, the last tick it was still reported."""
+    from gpuvigil.app import compose
+    from gpuvigil.window import Window
+
+    detectors = compose.detectors(cfg, "analyze", only=names)
+    window = Window(600.0)
+    first: dict[str, Finding] = {}
+    for (now,), tick in rows.sort("ts", maintain_order=True).group_by("ts", maintain_order=True):
+        window.add(stream, tick)
+        window.seal(float(now))  # type: ignore[arg-type]
+        for detector in detectors:
+            for f in detector.detect(window):
+                first.setdefault(f.cause_key, f).evidence["held_until_ts"] = float(now)  # type: ignore[arg-type]
+    return list(first.values())
+
+
+def findings_from_gpuvigil_scrape(text: str, display: str, ts: float, cfg: dict[str, Any] | None = None) -> list[Finding]:
+    """Findings gpuvigil itself had active when its `/metrics` was saved: the page's
+    active-findings gauges as `active_findings` rows, judged by the registered detector."""
     from prometheus_client.parser import text_string_to_metric_families
 
     from gpuvigil.detectors import saved_readings
 
-    samples = [
-        {"metric": family.name, "labels": s.labels, "value": s.value}
+    rows = [
+        {"ts": ts, "node": s.labels.get("node"), "job": s.labels.get("job"), "source": display, "metric": family.name,
+         "kind": s.labels.get("kind"), "severity": s.labels.get("severity"), "active_count": s.value}
         for family in text_string_to_metric_families(text)
         if family.name in saved_readings.ACTIVE_FINDINGS_METRICS
         for s in family.samples
     ]
-    return saved_readings.active_findings(samples, display, ts)
+    return detect_once(["active_findings"], {"active_findings": schemas.frame(rows, "active_findings")}, ts, cfg)
 
 
-def detect_once(names: Iterable[str], streams: dict[str, pl.DataFrame], ts: float, cfg: dict[str, Any] | None, *, horizon: float = 600.0) -> list[Finding]:
+def smi_findings(text: str, *, source_file: str | None = None, ts: float, node: str | None = None, cfg: dict[str, Any] | None = None) -> list[Finding]:
+    """What saved `nvidia-smi -q` output says of each GPU's memory repairs and heat: its GPU
+    blocks as `smi_health` rows, judged by the registered detector."""
+    from gpuvigil.parsers import nvidia_smi
+
+    rows = nvidia_smi.health_rows(nvidia_smi.health(nvidia_smi.parse(text)), ts=ts, node=node, source=source_file)
+    return detect_once(["smi_health"], {"smi_health": schemas.frame(rows, "smi_health")}, ts, cfg)
+
+
+def detect_once(names: Iterable[str], streams: dict[str, pl.DataFrame], ts: float, cfg: dict[str, Any] | None,
+                source: str | None = None, *, horizon: float = 600.0) -> list[Finding]:
     """Findings of the registered detectors `names` over one snapshot (one tick at `ts`, seeing
-    the last `horizon` seconds): what a saved scrape, a copy of a sysfs tree or a whole log says on
-    its own, by the detectors serve runs."""
+    the last `horizon` seconds): what a saved scrape, a copy of a sysfs tree or a whole log says
+    on its own, by the detectors serve runs. `source`: the file read; a finding a detector signed
+    with its own name is sourced to the file instead (`file:gpu=N` for one GPU's), the detector's
+    name kept as `evidence.detector`."""
     from gpuvigil.app import compose
     from gpuvigil.window import Window
 
@@ -212,8 +268,25 @@ def detect_once(names: Iterable[str], streams: dict[str, pl.DataFrame], ts: floa
     window.seal(ts)
     out: list[Finding] = []
     for detector in compose.detectors(cfg, "analyze", only=names):
-        out.extend(detector.detect(window))
+        found = detector.detect(window)
+        for f in found:
+            if source is not None and f.source in (None, detector.name):
+                f.evidence["detector"] = detector.name
+                f.source = source if f.gpu is None else f"{source}:gpu={f.gpu}"
+        out.extend(found)
     return out
+
+
+def scrape_findings(samples: pl.DataFrame, xid_counters: Iterable[dict[str, Any]], ts: float, *, node: str | None = None,
+                    cfg: dict[str, Any] | None = None, source: str | None = None) -> list[Finding]:
+    """What one saved dcgm-exporter scrape says (its `gpu_samples`, and the XID counter series
+    that label their code): XIDs, uncorrectable ECC and failed remaps, pending memory repairs,
+    the NVLink fabric, by serve's own detectors on the frames the collector makes of its first
+    scrape (each GPU's last XID an `xid` event at `ts`)."""
+    from gpuvigil.collectors import dcgm
+
+    events = dcgm.scrape_xid_events(samples, xid_counters, ts=ts, default_node=node)
+    return detect_once(SCRAPE_DETECTORS, {"gpu_samples": samples, "events": events}, ts, cfg, source)
 
 
 def is_sysfs_tree(path: Path) -> bool:
@@ -324,7 +397,7 @@ class Analyzer:
             return "flight_recorder"
         if self.alloc is not None and (self.alloc.is_memory_stats(path) or self.alloc.is_snapshot(path)):
             kind = "memory_stats" if self.alloc.is_memory_stats(path) else "memory_snapshot"
-            report.findings.extend(self._tag(memory_state_findings(path, cfg=self.cfg), name))
+            report.findings.extend(self._tag(memory_state_findings(path, cfg=self.cfg, source=str(path)), name))
             return kind
         if looks_like_pickle(head):
             from gpuvigil.collectors.safe_pickle import safe_load
@@ -381,32 +454,29 @@ class Analyzer:
         """One saved reading of a node: an NVML CSV, a dcgm-exporter or gpuvigil scrape, or
         `nvidia-smi -q` output."""
         from gpuvigil.collectors import dcgm
-        from gpuvigil.detectors import saved_readings
         from gpuvigil.parsers import nvidia_smi
 
         if _is_nvml_csv(text_head):
             _check_size(path, name, MAX_TABLE_BYTES, "an NVML CSV")
-            report.findings.extend(self._tag(analyze_nvml_csv(path, name), name))
+            report.findings.extend(self._tag(analyze_nvml_csv(path, name, self.node, self.cfg), name))
             return "nvml_csv"
         if _is_prometheus(text_head):
             _check_size(path, name, MAX_SCRAPE_BYTES, "a saved /metrics scrape")
             text = path.read_text(errors="replace")
             if dcgm.looks_like_dcgm_scrape(text):
                 samples, _w, _e = dcgm.read_scrape(path, ts=ref, default_node=self.node)
-                report.findings.extend(saved_readings.dcgm_scrape_findings(samples, source_file=name, ts=ref))
-                report.findings.extend(saved_readings.xid_counter_findings(nvidia_smi.xid_counter_samples(text), name, ref, self.node))
-                # the NVLink fabric and pending memory repairs, by serve's own detectors
-                report.findings.extend(self._tag(detect_once(["nvlink_fabric", "memory_repair"], {"gpu_samples": samples}, ref, self.cfg), name))
+                found = scrape_findings(samples, nvidia_smi.xid_counter_samples(text), ref, node=self.node, cfg=self.cfg, source=name)
+                report.findings.extend(self._tag(found, name))
                 return "dcgm_scrape"
             if "gpuvigil_" in text:
                 try:
-                    report.findings.extend(findings_from_gpuvigil_scrape(text, name, ref))
+                    report.findings.extend(findings_from_gpuvigil_scrape(text, name, ref, self.cfg))
                 except ValueError as exc:
                     raise UserError(f"{name}: not a Prometheus text exposition: {_first_line(exc)}") from exc
                 return "gpuvigil_scrape"
         if nvidia_smi.looks_like_nvidia_smi_q(text_head):
             text = path.read_text(errors="replace")
-            report.findings.extend(saved_readings.smi_findings(nvidia_smi.health(nvidia_smi.parse(text)), source_file=name, ts=ref, node=self.node))
+            report.findings.extend(smi_findings(text, source_file=name, ts=ref, node=self.node, cfg=self.cfg))
             return "nvidia_smi_q"
         return None
 
@@ -448,13 +518,15 @@ class Analyzer:
 
 
 def memory_state_findings(path: str | Path, *, job: str | None = None, node: str | None = None, gpu: int | None = None,
-                          cfg: dict[str, Any] | None = None) -> list[Finding]:
+                          cfg: dict[str, Any] | None = None, source: str | None = None) -> list[Finding]:
     """Findings for one memory_stats JSON or snapshot pickle (`UserError` for anything else): read
-    by the allocator reader, judged by detectors/allocator_state."""
+    by the allocator reader into an `allocator_readings` row, judged by the registered
+    `allocator_state` detector. `source`: the file's name in the findings (default: `path`)."""
     from gpuvigil.collectors import allocator
     from gpuvigil.detectors import allocator_state
 
     p = Path(path)
+    name = str(p) if source is None else source
     try:
         ts = p.stat().st_mtime
     except OSError as exc:
@@ -463,8 +535,11 @@ def memory_state_findings(path: str | Path, *, job: str | None = None, node: str
         head = fh.read(16)
     if looks_like_pickle(head):
         snap = allocator.read_snapshot(p, allocator_state.load_config(cfg).recurring_min_count)
-        return allocator_state.findings_for_snapshot(snap, ts=ts, job=job, node=node, gpu=gpu, cfg=cfg)
-    return allocator_state.findings_for_stats(allocator.read_memory_stats(p), str(p), ts=ts, job=job, node=node, gpu=gpu, cfg=cfg)
+        snap.source = name
+        row = allocator.snapshot_reading(snap, ts=ts, job=job, node=node, gpu=gpu)
+    else:
+        row = allocator.stats_reading(allocator.read_memory_stats(p), name, ts=ts, job=job, node=node, gpu=gpu)
+    return detect_once(["allocator_state"], {"allocator_readings": allocator.readings_frame([row], str(p))}, ts, cfg)
 
 
 def kernel_log_findings(
@@ -734,4 +809,4 @@ def add_parser(sub: Any) -> None:
     p.set_defaults(func=handler)
 
 
-__all__ = ["Analyzer", "Report", "add_parser", "format_text", "to_json_line", "analyze_nvml_csv"]
+__all__ = ["Analyzer", "Report", "add_parser", "format_text", "to_json_line", "analyze_nvml_csv", "scrape_findings", "smi_findings"]

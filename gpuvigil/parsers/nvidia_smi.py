@@ -15,7 +15,8 @@ What counts (NVIDIA's A100/H100 memory-error management and NVML clock-event rea
 - heat: `HW Slowdown`, `HW Thermal Slowdown` or `SW Thermal Slowdown` active -> `thermal_throttle`.
 
 Idle, application-clock, power-cap and sync-boost reasons are normal operation, not findings.
-The findings are made by `gpuvigil.detectors.saved_readings`.
+`health_rows` makes them `smi_health` rows; the registered detector `smi_health`
+(`gpuvigil.detectors.saved_readings`) judges them.
 """
 
 from __future__ import annotations
@@ -153,6 +154,27 @@ _XID_SERIES = re.compile(r"^(?P<name>[A-Za-z_:][A-Za-z0-9_:]*XID[A-Za-z0-9_:]*)\
 _LABEL = re.compile(r'(?P<k>[A-Za-z_][A-Za-z0-9_]*)="(?P<v>(?:[^"\\]|\\.)*)"')
 
 
+def health_rows(states: list[SmiHealth], *, ts: float, node: str | None = None, source: str | None = None) -> list[dict[str, Any]]:
+    """`smi_health` rows (gpuvigil/schemas.py), one per GPU block."""
+    return [
+        {
+            "ts": ts,
+            "node": node,
+            "gpu": None,
+            "source": source,
+            "line": h.first_line,
+            "gpu_block": h.index,
+            "pci_bus_id": h.pci_bus_id,
+            "ecc_dbe_volatile_total": min(h.ecc_dbe_volatile_total, (1 << 63) - 1),  # a forged count still fits the column
+            "remap_failure": h.remap_failure,
+            "remap_pending": h.remap_pending,
+            "retired_pages_pending": h.retired_pages_pending,
+            "thermal_reasons": list(h.thermal_reasons_active),
+        }
+        for h in states
+    ]
+
+
 def xid_counter_samples(text: str) -> list[dict[str, Any]]:
     """Series of an XID counter that name the code in a label (`xid`/`err_code`) and are > 0."""
     out = []
@@ -169,4 +191,4 @@ def xid_counter_samples(text: str) -> list[dict[str, Any]]:
     return out
 
 
-__all__ = ["SmiGpu", "SmiHealth", "health", "looks_like_nvidia_smi_q", "parse", "xid_counter_samples"]
+__all__ = ["SmiGpu", "SmiHealth", "health", "health_rows", "looks_like_nvidia_smi_q", "parse", "xid_counter_samples"]
