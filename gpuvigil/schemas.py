@@ -82,9 +82,11 @@ COLLECTIVE_PROGRESS = pl.Schema(
 FR_PIPES = pl.Schema({"ts": F64, "job": STR, "rank": I32, "node": STR, "path": STR})
 FR_ANALYSIS = pl.Schema(
     {
-        "ts": F64,  # when the dumps were analysed
+        "ts": F64,  # when the dumps were analysed (read after the fact: the time the analysis describes)
         "job": STR,
-        "trigger": STR,  # on_demand | periodic | timeout (dumps written by the watchdog)
+        # on_demand | periodic | timeout (dumps written by the watchdog) | offline (dumps read
+        # after the fact by `analyze` or `gpuvigil fr`: what they show is over, nothing is pending)
+        "trigger": STR,
         "kind": STR,  # collective_hang | collective_mismatch | none
         "culprit_ranks": pl.List(I32),
         "ranks": pl.List(I32),
@@ -95,6 +97,8 @@ FR_ANALYSIS = pl.Schema(
         "summary": STR,
         "dump_ts": F64,  # newest dump file's modification time
         "n_dumps": I32,
+        "source": STR,  # the dump that shows it (the culprit's own, for a mismatch)
+        "evidence_json": STR,  # the analysis's evidence (joined ranks, mismatch type, ...), JSON
     }
 )
 

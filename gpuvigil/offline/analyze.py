@@ -196,18 +196,11 @@ def findings_from_gpuvigil_scrape(text: str, display: str, ts: float) -> list[Fi
 
 def detect_once(names: Iterable[str], streams: dict[str, pl.DataFrame], ts: float, cfg: dict[str, Any] | None) -> list[Finding]:
     """Findings of the registered detectors `names` over one snapshot (one tick at `ts`): what a
-    saved scrape or a copy of a sysfs tree says on its own, by the detectors serve runs."""
+    saved scrape or a copy of a sysfs tree says on its own, by the detectors serve runs
+    (`compose.detect_once`)."""
     from gpuvigil.app import compose
-    from gpuvigil.window import Window
 
-    window = Window(600.0)
-    for stream, df in streams.items():
-        window.add(stream, df)
-    window.seal(ts)
-    out: list[Finding] = []
-    for detector in compose.detectors(cfg, "analyze", only=names):
-        out.extend(detector.detect(window))
-    return out
+    return compose.detect_once(names, streams, ts, cfg)
 
 
 def is_sysfs_tree(path: Path) -> bool:
@@ -271,7 +264,7 @@ class Analyzer:
                 # ranks are still analysed together.
                 from gpuvigil.offline.fr import analyze_paths
 
-                found = analyze_paths(dumps, errors=bad)
+                found = analyze_paths(dumps, job=self.job, errors=bad, cfg=self.cfg)
             except UserError as exc:
                 report.errors.append(_one_line(str(exc), ", ".join(names)))
                 continue
@@ -280,9 +273,6 @@ class Analyzer:
                 continue
             report.errors.extend(bad)
             names = [n for n, d in zip(names, dumps, strict=True) if not any(str(d) in b or n in b for b in bad)]
-            for f in found:
-                if f.job is None and self.job:
-                    f.job = self.job
             report.findings.extend(found)
             for n in names:
                 report.read.append(n)
