@@ -23,11 +23,18 @@ import polars as pl
 import pytest
 
 from gpuvigil import config, kinds, schemas
+from gpuvigil.app import compose
 from gpuvigil.detectors import registry
 from gpuvigil.model import Finding
 from gpuvigil.window import Window
 
 SPECS = registry.specs()
+
+
+def _built(name: str, cfg):
+    """The detector as the mode that runs it builds it: `analyze` runs every registered one,
+    the live ones and those placed `offline`."""
+    return compose.detectors(cfg, "analyze", only=[name])[0]
 
 
 class RecordingWindow(Window):
@@ -70,7 +77,7 @@ def tape() -> list[tuple[float, dict[str, pl.DataFrame]]]:
 
 
 def _play(name: str, ticks, keep: dict[str, tuple[str, ...]] | None = None) -> tuple[RecordingWindow, list[list[Finding]]]:
-    det = registry.default_detectors(config.defaults(), only={name: True})[0]
+    det = _built(name, config.defaults())
     w = RecordingWindow(600.0)
     out = []
     for now, frames in ticks:
@@ -110,7 +117,7 @@ def _null_rows(stream: str, now: float) -> pl.DataFrame:
 
 @pytest.mark.parametrize("name", sorted(SPECS))
 def test_survives_empty_late_and_null_input(name):
-    det = registry.default_detectors(config.defaults(), only={name: True})[0]
+    det = _built(name, config.defaults())
     w = Window(600.0)
     for now in (1000.0, 1001.0):
         w.seal(now)
@@ -133,13 +140,14 @@ def test_its_defaults_come_from_one_place(name):
     assert spec.config.model_validate(block).model_dump() == spec.config().model_dump(), (
         f"{name}: gpuvigil/config/detectors.yaml and {spec.config.__name__}'s defaults disagree"
     )
-    det = registry.default_detectors(None, only={name: True})[0]
+    det = _built(name, None)
     assert det.name == spec.name and isinstance(det.config, spec.config)
 
 
 def test_the_registry_is_the_set_serve_runs_and_the_config_knows():
     names = [d.name for d in registry.default_detectors(config.defaults())]
-    assert names == list(SPECS) and len(set(names)) == len(names)
+    assert names == [n for n, s in SPECS.items() if s.placement != "offline"] and len(set(names)) == len(names)
+    assert [d.name for d in compose.detectors(config.defaults(), "analyze")] == list(SPECS)
     assert set(config.blocks("detectors") or {}) == set(SPECS)
     assert set(config.defaults()["detectors"]) == set(SPECS)
     for spec in SPECS.values():

@@ -327,7 +327,7 @@ class Analyzer:
         """A kernel log and/or a training / NCCL log (one file may be both): the kinds found, or
         None for a prose document that only quotes log lines."""
         from gpuvigil.collectors import kernel_log
-        from gpuvigil.detectors import training_log, xid_incidents
+        from gpuvigil.detectors import training_log
         from gpuvigil.parsers import nccl as nccl_text
         from gpuvigil.parsers import xid_line
 
@@ -348,10 +348,8 @@ class Analyzer:
         ):
             cfg = kernel_log.load_config(self.cfg)
             lines = kernel_log.parse_lines(log_lines(_text_lines(path), xid_line.XID_LINE), node=self.node, pci_to_gpu=self.pci_to_gpu, reference_ts=ref)
-            found = xid_incidents.findings(
-                kernel_log.incidents(lines, cfg.burst_gap_seconds), source_file=name, job=self.job, companion_window_seconds=cfg.burst_gap_seconds
-            )
-            report.findings.extend(found)
+            incidents = kernel_log.incident_rows(lines, cfg.burst_gap_seconds, ts=ref, file=name, job=self.job)
+            report.findings.extend(detect_once(["xid_incidents"], {"xid_incidents": incidents}, ref, self.cfg))
             kinds.append("kernel_log")
         if nccl_text.looks_like_training_log("".join(log_lines(head_lines, nccl_text._SNIFF))) or (
             len(head) == SNIFF_BYTES and _grep(path, b"Watchdog caught", b"CUDA out of memory", b"HIP out of memory", b"NCCL WARN", b"NCCL error")
@@ -460,14 +458,15 @@ def kernel_log_findings(
     reference_ts: float | None = None,
     cfg: dict[str, Any] | None = None,
 ) -> list[Finding]:
-    """The `xid` findings of a kernel log's text: its lines read and grouped into incidents by
-    the kernel-log reader, judged by detectors/xid_incidents."""
+    """The `xid` findings of a kernel log's text: its lines read and grouped into incidents (the
+    `xid_incidents` stream) by the kernel-log reader, judged by the registered `xid_incidents`
+    detector."""
     from gpuvigil.collectors import kernel_log
-    from gpuvigil.detectors import xid_incidents
 
-    gap = kernel_log.load_config(cfg).burst_gap_seconds
-    lines = kernel_log.parse_lines(text.splitlines(), node=node, pci_to_gpu=pci_to_gpu, reference_ts=reference_ts)
-    return xid_incidents.findings(kernel_log.incidents(lines, gap), source_file=source_file, companion_window_seconds=gap)
+    ref = time.time() if reference_ts is None else reference_ts
+    lines = kernel_log.parse_lines(text.splitlines(), node=node, pci_to_gpu=pci_to_gpu, reference_ts=ref)
+    incidents = kernel_log.incident_rows(lines, kernel_log.load_config(cfg).burst_gap_seconds, ts=ref, file=source_file)
+    return detect_once(["xid_incidents"], {"xid_incidents": incidents}, ref, cfg)
 
 
 def _grep(path: Path, *needles: bytes) -> bool:
