@@ -130,3 +130,26 @@ def test_a_row_whose_evidence_is_missing_or_garbage_still_pages(evidence_json):
     rows = _rows(_wrong_op_at(44), job="job-9", trigger="on_demand", ts=NOW).with_columns(pl.lit(evidence_json, pl.Utf8).alias("evidence_json"))
     [[f]] = _serve([(NOW, {"fr_analysis": rows})])
     assert f.kind == FindingKind.COLLECTIVE_MISMATCH and f.culprit_ranks == [1] and f.evidence["seq"] == 44
+
+
+def test_the_dump_watcher_s_mismatch_row_pages_through_serve_s_detectors(tmp_path):
+    """End to end from the dump folder: the real torch JSON dump written as two ranks, rank 1's
+    #44 a broadcast turned all_gather; the live watcher (`FrDumpWatcher`) writes its row and the
+    detectors serve runs page the mismatch."""
+    from gpuvigil.collectors.fr_dumps import FrDumpWatcher
+
+    raw = json.loads((H200 / "s5_fr_dump.json").read_text())
+    raw["pg_config"]["0"]["ranks"] = "[0, 1]"
+    job_dir = tmp_path / "job-3"
+    job_dir.mkdir()
+    (job_dir / "fr_dump_0.json").write_text(json.dumps(raw))
+    for e in raw["entries"]:
+        if e["collective_seq_id"] == 44:
+            e["profiling_name"] = "nccl:all_gather"
+    (job_dir / "fr_dump_1.json").write_text(json.dumps(raw))
+    out = FrDumpWatcher(tmp_path).collect(NOW)
+    [row] = out["fr_analysis"].rows(named=True)
+    assert (row["job"], row["kind"], row["culprit_ranks"], row["seq"]) == ("job-3", "collective_mismatch", [1], 44)
+    [[f]] = _serve([(NOW, {"fr_analysis": out["fr_analysis"]})])
+    assert f.kind == FindingKind.COLLECTIVE_MISMATCH and f.job == "job-3" and f.culprit_ranks == [1] and f.source == "fr_mismatch"
+    assert f.evidence["dump"].endswith("fr_dump_1.json") and f.evidence["culprit_ops"] == ["all_gather"]
