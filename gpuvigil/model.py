@@ -240,8 +240,9 @@ class GroupAnalysis:
     """What the cross-rank analysis found in one process group: the first collective some members
     never joined or disagreed on, or one every member joined and none completed. `kind` names it
     as the `fr_analysis` stream does (`collective_hang`, `collective_mismatch`); the culprits are
-    the ranks the dumps show holding the others up. Whether it pages is for the detector that
-    reads it (`gpuvigil.detectors.fr_analysis`). The Flight Recorder reader (collectors/flight_recorder.py) returns it."""
+    the ranks the dumps show holding the others up. Whether it pages is for the detectors that
+    read it as an `fr_analysis` row (`hang_fr`, `fr_mismatch`). The Flight Recorder reader
+    (collectors/flight_recorder.py) returns it."""
 
     kind: str
     ts: float

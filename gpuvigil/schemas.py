@@ -82,9 +82,11 @@ COLLECTIVE_PROGRESS = pl.Schema(
 FR_PIPES = pl.Schema({"ts": F64, "job": STR, "rank": I32, "node": STR, "path": STR})
 FR_ANALYSIS = pl.Schema(
     {
-        "ts": F64,  # when the dumps were analysed
+        "ts": F64,  # when the dumps were analysed (read after the fact: the time the analysis describes)
         "job": STR,
-        "trigger": STR,  # on_demand | periodic | timeout (dumps written by the watchdog)
+        # on_demand | periodic | timeout (dumps written by the watchdog) | offline (dumps read
+        # after the fact by `analyze` or `gpuvigil fr`: what they show is over, nothing is pending)
+        "trigger": STR,
         "kind": STR,  # collective_hang | collective_mismatch | none
         "culprit_ranks": pl.List(I32),
         "ranks": pl.List(I32),
@@ -95,6 +97,8 @@ FR_ANALYSIS = pl.Schema(
         "summary": STR,
         "dump_ts": F64,  # newest dump file's modification time
         "n_dumps": I32,
+        "source": STR,  # the dump that shows it (the culprit's own, for a mismatch)
+        "evidence_json": STR,  # the analysis's evidence (joined ranks, mismatch type, ...), JSON
     }
 )
 
@@ -214,6 +218,37 @@ EVENTS = pl.Schema(
         "job": STR,
         "rank": I32,
         "message": STR,
+    }
+)
+
+# XID incidents of a whole kernel log read after the fact (`analyze`): one row per burst of the
+# same XID on the same GPU (collectors/kernel_log.py `incidents`), with what the live `events`
+# rows of the same lines do not keep: the PCI bus id, the first line, the processes named, the
+# codes the lines carried. Only analyze fills it; serve's `xid` detector judges the lines as events.
+XID_INCIDENT_COLUMNS = pl.Schema(
+    {
+        "node": STR,
+        "pci_bus_id": STR,
+        "gpu": I32,
+        "xid": I32,
+        "first_ts": F64,
+        "last_ts": F64,
+        "count": pl.UInt32,
+        "first_line": I64,
+        "message": STR,
+        "pids": pl.List(I64),
+        "processes": pl.List(STR),
+        "ts_kind": STR,  # how first_ts was read: wall-clock stamp, since boot, none (the file's time)
+        # the codes the lines carried (e.g. [45] for lines "caused by previous Xid <xid>")
+        "reported_xids": pl.List(I32),
+    }
+)
+XID_INCIDENTS = pl.Schema(
+    {
+        "ts": F64,  # when the log was read (the incident's own times are first_ts and last_ts)
+        "file": STR,  # the log, as the user named it (null: text handed over without a name)
+        "job": STR,  # the job the user says the log is about (--job), if any
+        **XID_INCIDENT_COLUMNS,
     }
 )
 
@@ -373,6 +408,7 @@ STREAMS: Mapping[str, pl.Schema] = {
     "collective_progress": COLLECTIVE_PROGRESS,
     "fr_pipes": FR_PIPES,
     "fr_analysis": FR_ANALYSIS,
+    "xid_incidents": XID_INCIDENTS,
     "findings": FINDINGS,
     "hints": HINTS,
 }

@@ -276,6 +276,8 @@ STREAM_SOURCES: Mapping[str, StreamSources] = {
     "collective_progress": StreamSources(("nccl_inspector",)),
     "fr_pipes": StreamSources(("flight_recorder",)),
     "fr_analysis": StreamSources(("flight_recorder",)),
+    # a whole kernel log read after the fact (analyze); live, the same lines are `events` rows
+    "xid_incidents": StreamSources(("logs",)),
     "gpu_jobs": StreamSources(("jobmap",)),
     "gpu_workloads": StreamSources(("dcgm",)),
     "jobs": StreamSources(("scheduler",)),

@@ -128,7 +128,7 @@ def test_no_mode_assembles_its_own_pipeline_or_detector_list():
     modes = {
         "gpuvigil/app/runtime.py": "build", "gpuvigil/app/serve.py": "build", "gpuvigil/fleet/agent.py": "build",
         "gpuvigil/fleet/detect.py": "build", "gpuvigil/fleet/act.py": "build", "gpuvigil/offline/replay.py": "build",
-        "gpuvigil/offline/analyze.py": "detectors",
+        "gpuvigil/offline/analyze.py": "detect_once", "gpuvigil/offline/fr.py": "detect_once",
     }
     for rel, fn in modes.items():
         assert _calls(ast.parse((ROOT / rel).read_text(encoding="utf-8")), fn), f"{rel} does not call compose.{fn}"

@@ -23,11 +23,18 @@ import polars as pl
 import pytest
 
 from gpuvigil import config, kinds, schemas
+from gpuvigil.app import compose
 from gpuvigil.detectors import registry
 from gpuvigil.model import Finding
 from gpuvigil.window import Window
 
 SPECS = registry.specs()
+
+
+def _built(name: str, cfg):
+    """The detector as the mode that runs it builds it: `analyze` runs every registered one,
+    the live ones and those placed `offline`."""
+    return compose.detectors(cfg, "analyze", only=[name])[0]
 
 
 class RecordingWindow(Window):
@@ -69,15 +76,8 @@ def tape() -> list[tuple[float, dict[str, pl.DataFrame]]]:
     return t.ticks
 
 
-def _build(name: str, cfg):
-    """The registered detector `name`, live or offline (analyze builds both through compose)."""
-    from gpuvigil.app import compose
-
-    return compose.detectors(cfg, "analyze", only=[name])[0]
-
-
 def _play(name: str, ticks, keep: dict[str, tuple[str, ...]] | None = None) -> tuple[RecordingWindow, list[list[Finding]]]:
-    det = _build(name, config.defaults())
+    det = _built(name, config.defaults())
     w = RecordingWindow(600.0)
     out = []
     for now, frames in ticks:
@@ -117,7 +117,7 @@ def _null_rows(stream: str, now: float) -> pl.DataFrame:
 
 @pytest.mark.parametrize("name", sorted(SPECS))
 def test_survives_empty_late_and_null_input(name):
-    det = _build(name, config.defaults())
+    det = _built(name, config.defaults())
     w = Window(600.0)
     for now in (1000.0, 1001.0):
         w.seal(now)
@@ -140,7 +140,7 @@ def test_its_defaults_come_from_one_place(name):
     assert spec.config.model_validate(block).model_dump() == spec.config().model_dump(), (
         f"{name}: gpuvigil/config/detectors.yaml and {spec.config.__name__}'s defaults disagree"
     )
-    det = _build(name, None)
+    det = _built(name, None)
     assert det.name == spec.name and isinstance(det.config, spec.config)
 
 

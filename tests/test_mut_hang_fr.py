@@ -10,6 +10,7 @@ allocations and XID events beside it are constructed.
 
 from __future__ import annotations
 
+import json
 import shutil
 
 import polars as pl
@@ -59,10 +60,15 @@ def test_the_real_timeout_dump_is_one_whole_page(real_row):
     assert f.kind == FindingKind.COLLECTIVE_HANG and f.severity == Severity.PAGE and f.ts == NOW
     assert f.job == "job-7" and f.ranks == [0] and f.culprit_ranks == [0]
     assert f.node == "h200" and f.gpu == 3 and f.cause == "software" and f.source == "hang_fr"
+    # the analysis's own evidence (what the dump shows), then how the detector confirmed it
+    found = json.loads(real_row["evidence_json"])
+    assert (found["collective_seq_id"], found["last_completed"], found["not_completed_ranks"]) == (6, [5], [0])
     assert f.evidence == {
+        **found,
         "level": "L1", "pending_seq": 6, "op": "all_reduce", "pg": "0", "trigger": "timeout",
-        "confirmed_by": "watchdog timeout dump", "dumps": 1, "culprit_nodes": ["h200"], "xids": [],
+        "confirmed_by": "watchdog timeout dump", "dumps": 1, "dump": real_row["source"], "culprit_nodes": ["h200"], "xids": [],
     }
+    assert real_row["source"].endswith("fr_dump_0")
     assert f.summary == f"job-7 is hung in collective #6 all_reduce (L1, Flight Recorder; watchdog timeout dump): {real_row['summary']}"
 
 

@@ -22,7 +22,7 @@ def test_every_default_detector_reads_its_block_of_the_configuration():
     """Each detector of the set is built from the configuration it was given, not the defaults."""
     base = default_detectors(config.load())
     changes = {d.name: _one_numeric_field(d.config) for d in base}
-    assert len(changes) == len(base) == 22
+    assert len(changes) == len(base) == 23
     cfg = config.load(overrides={"detectors": {name: {field: value} for name, (field, value) in changes.items()}})
     for d in default_detectors(cfg):
         field, value = changes[d.name]

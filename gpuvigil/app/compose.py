@@ -17,6 +17,9 @@ here from the config, their role and their sources. The role decides:
   run in `detect`, whose trigger sends each request to the agents of the nodes holding the job's
   ranks (`gv.fr.request.<node>`), and the agent's Flight Recorder source writes the pipes.
 
+`detect_once` runs analyze's detectors once over the stream frames a file read after the fact
+became (`analyze`, `gpuvigil fr`).
+
 `start_sources` starts a real node's `sources:` section (app/sources.py registry) and the
 built-in scheduler the same way for `serve` and the agent.
 
@@ -26,13 +29,16 @@ relay; the collectors, such as replay's recorded rows), never a copy of the asse
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
+
+import polars as pl
 
 from gpuvigil.detectors.base import Detector, Placement
 from gpuvigil.detectors.registry import placement, registered
 from gpuvigil.errors import UserError
+from gpuvigil.model import Finding
 from gpuvigil.pipeline.core import Pipeline, Sink
 
 Role = Literal["serve", "agent", "detect", "act", "replay", "analyze"]
@@ -91,6 +97,19 @@ def detectors(cfg: dict[str, Any] | None, role: str, *, fleet: Any = None, only:
     if only is not None:
         names &= set(only)
     return [cls(cfg) for cls in registered() if cls.spec.name in names]  # type: ignore[call-arg]
+
+
+def detect_once(names: Iterable[str], streams: Mapping[str, pl.DataFrame], ts: float, cfg: dict[str, Any] | None, *, horizon: float = 600.0) -> list[Finding]:
+    """The findings of `analyze`'s detectors `names` over one snapshot of stream frames (one tick
+    at `ts`, seeing the last `horizon` seconds): what a file read after the fact says, judged by
+    the registered detectors."""
+    from gpuvigil.window import Window
+
+    window = Window(horizon)
+    for stream, df in streams.items():
+        window.add(stream, df)
+    window.seal(ts)
+    return [f for detector in detectors(cfg, "analyze", only=names) for f in detector.detect(window)]
 
 
 @dataclass

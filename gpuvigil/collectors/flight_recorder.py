@@ -15,7 +15,8 @@ culprits are those who did not join), and the first one whose members disagree o
 sizes or the dtypes is a mismatch (`collective_mismatch`, the culprits are the minority).
 Later problems in the same group are consequences of the first and are not reported. This module
 reads and matches (`analyze_dumps` returns one `GroupAnalysis` per group); whether an analysis
-pages is decided by `gpuvigil.detectors.fr_analysis`.
+pages is decided by the registered detectors that read it as an `fr_analysis` row
+(`collectors/fr_dumps.py`'s `analysis_rows`): `hang_fr` and `fr_mismatch`, live and offline.
 """
 
 from __future__ import annotations

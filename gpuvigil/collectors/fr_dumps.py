@@ -15,17 +15,19 @@ with the restricted unpickler / JSON reader and run through the cross-rank analy
 `gpuvigil.collectors.flight_recorder` (stream `fr_analysis`: culprit ranks, sequence number, op).
 A set is complete when it holds a dump per member of the process group, or when it has not
 changed for `settle_seconds` (a dead rank writes nothing). Dumps written by the watchdog on a timeout are analysed the same way
-(trigger `timeout`).
+(trigger `timeout`). `analysis_rows` is the one conversion of analyses into rows; `analyze` and
+`gpuvigil fr` use it too (trigger `offline`).
 
 `FrDumpTrigger` (a pipeline sink) writes to every pipe of a job when an L0 hang is suspected
 (a finding, raised or suppressed by the level selection), when NCCL Inspector shows the job's
 collectives stopped completing, or every `every_seconds` (0: never). It does not decide anything:
-the `hang_fr` detector does, from the analyses.
+the `hang_fr` and `fr_mismatch` detectors do, from the analyses.
 """
 
 from __future__ import annotations
 
 import errno
+import json
 import os
 import stat
 from collections.abc import Callable, Mapping
@@ -173,25 +175,34 @@ class FrDumpWatcher:
             return []
         trigger = self.requests.how.get(job, "on_demand") if job in self.requests.asked else "timeout"
         self.requests.asked.pop(job, None)
-        base = {"ts": now, "job": job, "trigger": trigger, "dump_ts": dump_mtime, "n_dumps": len(dumps)}
-        if not analyses:
-            return [{**base, "kind": "none", "culprit_ranks": [], "ranks": sorted(d.rank for d in dumps if d.rank is not None)}]
-        rows = []
-        for a in analyses:
-            rows.append(
-                {
-                    **base,
-                    "kind": a.kind,
-                    "culprit_ranks": refine_culprits(a, dumps),
-                    "ranks": list(a.ranks),
-                    "pg": a.evidence.get("pg"),
-                    "seq": a.evidence.get("collective_seq_id"),
-                    "op": a.evidence.get("op"),
-                    "node": a.node,
-                    "summary": a.summary,
-                }
-            )
-        return rows
+        return analysis_rows(analyses, dumps, job=job, trigger=trigger, ts=now, dump_ts=dump_mtime)
+
+
+def analysis_rows(analyses: list[fr.GroupAnalysis], dumps: list[fr.FRDump], *, job: str | None, trigger: str, ts: float | None, dump_ts: float | None) -> list[dict]:
+    """One job's analyses as `fr_analysis` rows (a `none` row when the dumps show no problem), the
+    one conversion the watcher and `analyze` / `gpuvigil fr` use. `ts`: when they were analysed;
+    None (dumps read after the fact): each analysis's own time."""
+    base = {"job": job, "trigger": trigger, "dump_ts": dump_ts, "n_dumps": len(dumps)}
+    if not analyses:
+        when = ts if ts is not None else dump_ts
+        return [{**base, "ts": when, "kind": "none", "culprit_ranks": [], "ranks": sorted(d.rank for d in dumps if d.rank is not None)}]
+    return [
+        {
+            **base,
+            "ts": a.ts if ts is None else ts,
+            "kind": a.kind,
+            "culprit_ranks": refine_culprits(a, dumps),
+            "ranks": list(a.ranks),
+            "pg": a.evidence.get("pg"),
+            "seq": a.evidence.get("collective_seq_id"),
+            "op": a.evidence.get("op"),
+            "node": a.node,
+            "summary": a.summary,
+            "source": a.source,
+            "evidence_json": json.dumps(a.evidence, sort_keys=True, default=str),
+        }
+        for a in analyses
+    ]
 
 
 def pipe_writer(root: str | Path) -> Callable[[str], bool]:

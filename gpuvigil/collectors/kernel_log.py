@@ -12,9 +12,10 @@ burst; a burst is one incident until `burst_gap_seconds` of silence (3 minutes b
 
 One line's XID is parsed by `gpuvigil.parsers.xid_line` (pure, shared with `analyze`);
 `parse_lines` turns text into an `events` frame (plus the PCI bus id and line numbers for
-reports) and `incidents` groups bursts with polars; what an incident means (an `xid` finding,
-by the XID table `gpuvigil/data/xid.yaml` and the shared XID policy) is decided by
-`gpuvigil.detectors.xid_incidents`. `KernelLogCollector` reads the live kernel
+reports) and `incidents` groups bursts with polars (`incident_rows`: the `xid_incidents` stream
+`analyze` fills); what an incident means (an `xid` finding, by the XID table
+`gpuvigil/data/xid.yaml` and the shared XID policy) is decided by the registered offline
+detector `xid_incidents` (gpuvigil/detectors/xid_incidents.py). `KernelLogCollector` reads the live kernel
 log from `/dev/kmsg`, journald or a file, resuming where it stopped (see below and docs/sources.md).
 """
 
@@ -122,24 +123,8 @@ def events(xid_lines: pl.DataFrame) -> pl.DataFrame:
     return schemas.conform(xid_lines, schemas.EVENTS, stream="events")
 
 
-INCIDENTS = pl.Schema(
-    {
-        "node": pl.Utf8,
-        "pci_bus_id": pl.Utf8,
-        "gpu": pl.Int32,
-        "xid": pl.Int32,
-        "first_ts": pl.Float64,
-        "last_ts": pl.Float64,
-        "count": pl.UInt32,
-        "first_line": pl.Int64,
-        "message": pl.Utf8,
-        "pids": pl.List(pl.Int64),
-        "processes": pl.List(pl.Utf8),
-        "ts_kind": pl.Utf8,
-        # the codes the lines carried (e.g. [45] for lines "caused by previous Xid <xid>")
-        "reported_xids": pl.List(pl.Int32),
-    }
-)
+# One row per burst (the `xid_incidents` stream's columns, less when and from which file it was read).
+INCIDENTS = schemas.XID_INCIDENT_COLUMNS
 
 
 def incidents(xid_lines: pl.DataFrame, burst_gap_seconds: float = 180.0) -> pl.DataFrame:
@@ -172,6 +157,13 @@ def incidents(xid_lines: pl.DataFrame, burst_gap_seconds: float = 180.0) -> pl.D
         .sort(["first_ts", "first_line"])
     )
     return out.select([pl.col(c).cast(t) for c, t in INCIDENTS.items()])
+
+
+def incident_rows(xid_lines: pl.DataFrame, burst_gap_seconds: float, *, ts: float, file: str | None = None, job: str | None = None) -> pl.DataFrame:
+    """The `xid_incidents` stream of a whole log read at `ts`: its bursts (`incidents`), each
+    naming the file it came from and the job the user said the log is about."""
+    inc = incidents(xid_lines, burst_gap_seconds)
+    return schemas.conform(inc.with_columns(pl.lit(ts, pl.Float64).alias("ts"), pl.lit(file, pl.Utf8).alias("file"), pl.lit(job, pl.Utf8).alias("job")), "xid_incidents")
 
 
 def boot_time() -> float | None:

@@ -1,11 +1,18 @@
-"""What XID incidents read from a kernel log mean: one `xid` finding per incident (a burst of
-the same XID on the same GPU, `gpuvigil.collectors.kernel_log.incidents`), paging, ticketing or
-informing by the XID policy `serve`'s XID detector uses too (`gpuvigil.policies.xid_severity`,
-`xid_cause`), so an XID is the same severity online and offline; and one node-level finding per
-cascade, where one root XID hit several GPUs of a node.
+"""What the XID incidents of a whole kernel log mean, read after the fact (`analyze`): one `xid`
+finding per incident (a burst of the same XID on the same GPU, the `xid_incidents` stream that
+`gpuvigil.collectors.kernel_log.incident_rows` fills), paging, ticketing or informing by the XID
+policy `serve`'s XID detector uses too (`gpuvigil.policies.xid_severity`, `xid_cause`), so an XID
+is the same severity online and offline; and one node-level finding per cascade, where one root
+XID hit several GPUs of a node.
 
-The incidents keep what the `events` stream does not: the PCI bus id, the line numbers, the
-processes named and the XIDs a line says were caused by an earlier one.
+A registered detector placed `offline` (only `analyze` runs it), not the live `xid` detector
+over the log's `events` rows: what a whole log holds, no live stream does. Its incidents keep the
+PCI bus id (most logs name no GPU index), the line numbers and processes, and the XIDs a line
+says were caused by an earlier one; a burst is judged whole, however long ago, where `xid` judges
+the last `report_seconds` of events as they arrive, leaves the ECC codes (48, 63, 64, 92, 94, 95)
+to `ecc`, and blames by the jobs each GPU saw over days, which one log cannot tell. Judged by
+`xid`, the public kernel logs would lose their ECC-code XIDs, their GPUs known only by bus id
+and their cascades.
 """
 
 from __future__ import annotations
@@ -13,23 +20,65 @@ from __future__ import annotations
 from typing import Any
 
 import polars as pl
+from pydantic import BaseModel, ConfigDict, Field
 
-from gpuvigil import policies
+from gpuvigil import config, policies
+from gpuvigil.detectors.base import HISTORY, Declared, DetectorSpec
+from gpuvigil.detectors.common import settings
 from gpuvigil.gpu import xid
 from gpuvigil.model import Finding, FindingKind, Severity
+from gpuvigil.window import Window
 
 
-def findings(
-    incident_frame: pl.DataFrame,
-    *,
-    source_file: str | None = None,
-    job: str | None = None,
-    companion_window_seconds: float = 180.0,
-) -> list[Finding]:
-    """`xid` findings, one per incident: page for fatal XIDs, ticket for the application's own."""
-    rows = incident_frame.to_dicts()
-    out = [_incident_finding(row, _companions(row, rows, companion_window_seconds), source_file=source_file, job=job) for row in rows]
-    return _group_cascades(out)
+class XidIncidentsConfig(BaseModel):
+    # Other XIDs on the same GPU within this many seconds of an incident's burst are its
+    # companions (`with_xids`): e.g. 48 with 63/64 changes NVIDIA's workflow (drain and reset).
+    # null: the silence that ends a burst (`kernel_log.burst_gap_seconds`), one episode either way.
+    companion_seconds: float | None = Field(None, ge=0)
+    # A cascade: the same root XID on at least this many GPUs of a node, at least one of them only
+    # through "caused by previous Xid N" lines; it pages once for the node, not once per GPU.
+    cascade_min_gpus: int = Field(2, ge=2)
+
+
+class _BurstGap(BaseModel):
+    """The one setting of the `kernel_log` section this detector follows (the section's own
+    model belongs to the reader, which detectors do not import)."""
+
+    model_config = ConfigDict(extra="ignore")
+    burst_gap_seconds: float = Field(180.0, gt=0)
+
+
+class XidIncidentDetector(Declared):
+    spec = DetectorSpec(
+        name="xid_incidents",
+        config=XidIncidentsConfig,
+        emits=(FindingKind.XID,),
+        reads={"xid_incidents": HISTORY},
+        order=81,
+        level="L0",
+        placement_override="offline",
+    )
+
+    def __init__(self, cfg: dict[str, Any] | None = None):
+        self.config = settings("xid_incidents", XidIncidentsConfig, cfg)
+        given = self.config.companion_seconds
+        self.companion_seconds = given if given is not None else config.section("kernel_log", _BurstGap, cfg).burst_gap_seconds
+
+    def detect(self, window: Window) -> list[Finding]:
+        """`xid` findings, one per incident (one per cascade): page for fatal XIDs, ticket for
+        the application's own."""
+        inc = window.get("xid_incidents")
+        if inc.height == 0:
+            return []
+        rows = (
+            inc.filter(pl.col("xid").is_not_null() & pl.col("first_ts").is_not_null())
+            .with_columns(pl.col("last_ts").fill_null(pl.col("first_ts")))
+            .sort(["first_ts", "first_line"], nulls_last=True, maintain_order=True)
+            .to_dicts()
+        )
+        window_s = self.companion_seconds
+        out = [_incident_finding(row, _companions(row, rows, window_s)) for row in rows]
+        return _group_cascades(out, self.config.cascade_min_gpus)
 
 
 def _companions(row: dict[str, Any], rows: list[dict[str, Any]], window_seconds: float) -> list[int]:
@@ -50,7 +99,7 @@ def _companions(row: dict[str, Any], rows: list[dict[str, Any]], window_seconds:
     )
 
 
-def _incident_finding(row: dict[str, Any], companions: list[int], *, source_file: str | None, job: str | None) -> Finding:
+def _incident_finding(row: dict[str, Any], companions: list[int]) -> Finding:
     code = int(row["xid"])
     info = xid.xid_info(code)
     fatal = xid.is_fatal(code, row["message"] or "")
@@ -64,13 +113,13 @@ def _incident_finding(row: dict[str, Any], companions: list[int], *, source_file
         "action": action,
         "category": info.category if info else None,
         "name": name,
-        "count": int(row["count"]),
+        "count": int(row["count"] or 1),
         "first_ts": row["first_ts"],
         "last_ts": row["last_ts"],
         "pci_bus_id": row["pci_bus_id"],
         "message": row["message"],
-        "pids": list(row["pids"]),
-        "processes": list(row["processes"]),
+        "pids": list(row["pids"] or []),
+        "processes": list(row["processes"] or []),
         "with_xids": companions,
         "ts_kind": row["ts_kind"],
     }
@@ -80,7 +129,7 @@ def _incident_finding(row: dict[str, Any], companions: list[int], *, source_file
         evidence["caused_xids"] = reported
     if info is not None and not info.verified:
         evidence["table_row_verified"] = False
-    times = f"{row['count']}×" if row["count"] > 1 else "once"
+    times = f"{evidence['count']}×" if evidence["count"] > 1 else "once"
     summary = f"XID {code} ({name}) on {gpu_txt} of {where}, {times}"
     if reported:
         summary += f" (reported as Xid {', '.join(map(str, reported))} caused by previous Xid {code})"
@@ -89,13 +138,13 @@ def _incident_finding(row: dict[str, Any], companions: list[int], *, source_file
         kind=FindingKind.XID,
         severity=policies.xid_severity(code, row["message"] or ""),
         ts=row["first_ts"],
-        job=job,
+        job=row["job"],
         node=row["node"],
         gpu=row["gpu"],
         xid=code,
         evidence=evidence,
         summary=summary,
-        source=f"{source_file}:{row['first_line']}" if source_file else "kernel_log",
+        source=f"{row['file']}:{row['first_line']}" if row["file"] else "kernel_log",
         cause=policies.xid_cause(code, row["message"] or ""),
     )
 
@@ -103,7 +152,7 @@ def _incident_finding(row: dict[str, Any], companions: list[int], *, source_file
 _SEVERITY_RANK = {Severity.PAGE: 0, Severity.TICKET: 1, Severity.INFO: 2}
 
 
-def _group_cascades(found: list[Finding]) -> list[Finding]:
+def _group_cascades(found: list[Finding], min_gpus: int) -> list[Finding]:
     """One node-level finding per cascade: the GPUs of a node hit by the same root XID (at least
     one of them only through "caused by previous Xid N" lines) page once, not once per GPU."""
     groups: dict[tuple[str | None, int], list[Finding]] = {}
@@ -113,7 +162,7 @@ def _group_cascades(found: list[Finding]) -> list[Finding]:
     grouped: set[int] = set()
     for (node, code), members in groups.items():
         gpus = {m.evidence["pci_bus_id"] for m in members}
-        if len(gpus) < 2 or not any(m.evidence.get("caused_xids") for m in members):
+        if len(gpus) < min_gpus or not any(m.evidence.get("caused_xids") for m in members):
             continue
         first = min(members, key=lambda m: (m.ts, m.source or ""))
         worst = min(members, key=lambda m: _SEVERITY_RANK[m.severity])
@@ -128,7 +177,7 @@ def _group_cascades(found: list[Finding]) -> list[Finding]:
                 "caused_xids": m.evidence.get("caused_xids", []),
                 "direct": not m.evidence.get("caused_xids"),
             }
-            for m in sorted(members, key=lambda m: (m.ts, m.evidence["pci_bus_id"]))
+            for m in sorted(members, key=lambda m: (m.ts, m.evidence["pci_bus_id"] or ""))
         ]
         evidence = {k: worst.evidence.get(k) for k in ("fatal", "app_level", "action", "category", "name")}
         evidence.update(

@@ -260,21 +260,15 @@ def detect_once(names: Iterable[str], streams: dict[str, pl.DataFrame], ts: floa
     with its own name is sourced to the file instead (`file:gpu=N` for one GPU's), the detector's
     name kept as `evidence.detector`."""
     from gpuvigil.app import compose
-    from gpuvigil.window import Window
 
-    window = Window(horizon)
-    for stream, df in streams.items():
-        window.add(stream, df)
-    window.seal(ts)
-    out: list[Finding] = []
-    for detector in compose.detectors(cfg, "analyze", only=names):
-        found = detector.detect(window)
-        for f in found:
-            if source is not None and f.source in (None, detector.name):
-                f.evidence["detector"] = detector.name
-                f.source = source if f.gpu is None else f"{source}:gpu={f.gpu}"
-        out.extend(found)
-    return out
+    names = list(names)
+    found = compose.detect_once(names, streams, ts, cfg, horizon=horizon)
+    for f in found if source is not None else ():
+        if f.source is None or f.source in names:  # signed by the detector, not by the file's reader
+            if f.source is not None:
+                f.evidence["detector"] = f.source
+            f.source = source if f.gpu is None else f"{source}:gpu={f.gpu}"
+    return found
 
 
 def scrape_findings(samples: pl.DataFrame, xid_counters: Iterable[dict[str, Any]], ts: float, *, node: str | None = None,
@@ -350,7 +344,7 @@ class Analyzer:
                 # ranks are still analysed together.
                 from gpuvigil.offline.fr import analyze_paths
 
-                found = analyze_paths(dumps, errors=bad)
+                found = analyze_paths(dumps, job=self.job, errors=bad, cfg=self.cfg)
             except UserError as exc:
                 report.errors.append(_one_line(str(exc), ", ".join(names)))
                 continue
@@ -359,9 +353,6 @@ class Analyzer:
                 continue
             report.errors.extend(bad)
             names = [n for n, d in zip(names, dumps, strict=True) if not any(str(d) in b or n in b for b in bad)]
-            for f in found:
-                if f.job is None and self.job:
-                    f.job = self.job
             report.findings.extend(found)
             for n in names:
                 report.read.append(n)
@@ -416,7 +407,6 @@ class Analyzer:
         """A kernel log and/or a training / NCCL log (one file may be both): the kinds found, or
         None for a prose document that only quotes log lines."""
         from gpuvigil.collectors import kernel_log
-        from gpuvigil.detectors import xid_incidents
         from gpuvigil.parsers import nccl as nccl_text
         from gpuvigil.parsers import xid_line
 
@@ -437,10 +427,8 @@ class Analyzer:
         ):
             cfg = kernel_log.load_config(self.cfg)
             lines = kernel_log.parse_lines(log_lines(_text_lines(path), xid_line.XID_LINE), node=self.node, pci_to_gpu=self.pci_to_gpu, reference_ts=ref)
-            found = xid_incidents.findings(
-                kernel_log.incidents(lines, cfg.burst_gap_seconds), source_file=name, job=self.job, companion_window_seconds=cfg.burst_gap_seconds
-            )
-            report.findings.extend(found)
+            incidents = kernel_log.incident_rows(lines, cfg.burst_gap_seconds, ts=ref, file=name, job=self.job)
+            report.findings.extend(detect_once(["xid_incidents"], {"xid_incidents": incidents}, ref, self.cfg))
             kinds.append("kernel_log")
         if nccl_text.looks_like_training_log("".join(log_lines(head_lines, nccl_text._SNIFF))) or (
             len(head) == SNIFF_BYTES and _grep(path, b"Watchdog caught", b"CUDA out of memory", b"HIP out of memory", b"NCCL WARN", b"NCCL error")
@@ -551,14 +539,15 @@ def kernel_log_findings(
     reference_ts: float | None = None,
     cfg: dict[str, Any] | None = None,
 ) -> list[Finding]:
-    """The `xid` findings of a kernel log's text: its lines read and grouped into incidents by
-    the kernel-log reader, judged by detectors/xid_incidents."""
+    """The `xid` findings of a kernel log's text: its lines read and grouped into incidents (the
+    `xid_incidents` stream) by the kernel-log reader, judged by the registered `xid_incidents`
+    detector."""
     from gpuvigil.collectors import kernel_log
-    from gpuvigil.detectors import xid_incidents
 
-    gap = kernel_log.load_config(cfg).burst_gap_seconds
-    lines = kernel_log.parse_lines(text.splitlines(), node=node, pci_to_gpu=pci_to_gpu, reference_ts=reference_ts)
-    return xid_incidents.findings(kernel_log.incidents(lines, gap), source_file=source_file, companion_window_seconds=gap)
+    ref = time.time() if reference_ts is None else reference_ts
+    lines = kernel_log.parse_lines(text.splitlines(), node=node, pci_to_gpu=pci_to_gpu, reference_ts=ref)
+    incidents = kernel_log.incident_rows(lines, kernel_log.load_config(cfg).burst_gap_seconds, ts=ref, file=source_file)
+    return detect_once(["xid_incidents"], {"xid_incidents": incidents}, ref, cfg)
 
 
 # The registered detectors that judge a training / NCCL log's events, online and here alike.
