@@ -153,3 +153,35 @@ def test_the_dump_watcher_s_mismatch_row_pages_through_serve_s_detectors(tmp_pat
     [[f]] = _serve([(NOW, {"fr_analysis": out["fr_analysis"]})])
     assert f.kind == FindingKind.COLLECTIVE_MISMATCH and f.job == "job-3" and f.culprit_ranks == [1] and f.source == "fr_mismatch"
     assert f.evidence["dump"].endswith("fr_dump_1.json") and f.evidence["culprit_ops"] == ["all_gather"]
+
+
+def _mismatched_job_folder(root: Path, job: str) -> None:
+    """The real torch JSON dump written as two ranks of one job, rank 1's #44 a broadcast turned
+    all_gather."""
+    raw = json.loads((H200 / "s5_fr_dump.json").read_text())
+    raw["pg_config"]["0"]["ranks"] = "[0, 1]"
+    folder = root / job
+    folder.mkdir(parents=True)
+    (folder / "fr_dump_0.json").write_text(json.dumps(raw))
+    for e in raw["entries"]:
+        if e["collective_seq_id"] == 44:
+            e["profiling_name"] = "nccl:all_gather"
+    (folder / "fr_dump_1.json").write_text(json.dumps(raw))
+
+
+def test_gpuvigil_serve_pages_a_mismatch_in_its_dump_folder(tmp_path):
+    """As an operator runs it: `gpuvigil serve --fr-dump-dir DIR`, a process, with a job's dumps
+    in DIR: the mismatch is a page of serve's own, naming the rank that called another op."""
+    import os
+    import subprocess
+    import sys
+
+    _mismatched_job_folder(tmp_path / "fr", "job-3")
+    done = subprocess.run(
+        [sys.executable, "-m", "gpuvigil", "serve", "--port", "0", "--duration", "3", "--log-level", "info", "--fr-dump-dir", str(tmp_path / "fr")],
+        cwd=tmp_path, capture_output=True, text=True, timeout=120, env={**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])},
+    )
+    assert done.returncode == 0, done.stderr
+    pages = [line for line in done.stderr.splitlines() if "finding page collective_mismatch" in line]
+    assert len(pages) == 1, done.stderr[-3000:]
+    assert "job-3: collective #44 on process group 0 (default_pg): rank(s) 1 called all_gather where the other 1 rank(s) called broadcast" in pages[0]
