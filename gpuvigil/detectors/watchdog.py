@@ -190,6 +190,62 @@ def _per_job_or_file(rows: pl.DataFrame) -> list[pl.DataFrame]:
     return groups + rows.filter(pl.col("job").is_null()).sort("ts").partition_by(["node", "_file"], maintain_order=True)
 
 
+@dataclass
+class LogContext:
+    """What one group of log lines (a job's, or of no known job one node's file) is judged with,
+    alike for a timeout and an NCCL error: where it was logged, the hardware errors on those
+    nodes (which make the cause hardware and name the culprit node) and NCCL's network warnings
+    in the same logs."""
+
+    job: str | None
+    nodes: list[str]
+    files: list[str]
+    hw_nodes: list[str]
+    xids: list[int]
+    network: pl.DataFrame
+
+    @classmethod
+    def of(cls, rows: pl.DataFrame, hardware: pl.DataFrame, network: pl.DataFrame) -> LogContext:
+        job = rows["job"][0]
+        nodes = sorted({str(n) for n in rows["node"].drop_nulls().to_list()})
+        files = sorted({str(f) for f in rows["_file"].drop_nulls().to_list()})
+        hw = hardware.filter(pl.col("node").is_in(nodes)) if nodes else hardware.clear()
+        return cls(job, nodes, files, sorted({str(n) for n in hw["node"].drop_nulls().to_list()}),
+                   sorted({int(x) for x in hw["xid"].drop_nulls().to_list()}), _same_log(network, job, files))
+
+    @property
+    def who(self) -> str:
+        """The job, or of no known job the log (and its node) it was read from."""
+        if self.job:
+            return str(self.job)
+        nodes, files = self.nodes, self.files
+        logs = ", ".join(f"{nodes[0]}:{f}" if len(nodes) == 1 else f for f in files) or (place(nodes[0]) if len(nodes) == 1 else "")
+        return "Job unknown" + (f" (log {logs})" if logs else "")
+
+    @property
+    def hardware_why(self) -> str:
+        if not self.hw_nodes:
+            return ""
+        return f"; XID {', '.join(map(str, self.xids))} on {', '.join(self.hw_nodes)}" if self.xids else f"; hardware errors on {', '.join(self.hw_nodes)}"
+
+    def timeout_node(self) -> str | None:
+        """The node a timeout names: the one with the hardware error; of no known job, the one
+        that logged it (nothing else can be acted on). The ranks that print a timeout only
+        waited: a job's software timeout blames no node, so its requeue excludes none."""
+        if self.hw_nodes:
+            return self.hw_nodes[0]
+        return self.nodes[0] if not self.job and len(self.nodes) == 1 else None
+
+    def add_sources(self, evidence: dict[str, Any]) -> dict[str, Any]:
+        """`evidence` with the log files read and the network warnings in them."""
+        if self.files:
+            evidence["files"] = self.files
+        if self.network.height:
+            evidence["network_warnings"] = int(self.network.height)
+            evidence["first_network_warning"] = str(self.network.sort("ts")["message"][0])[:300]
+        return evidence
+
+
 class WatchdogTimeoutDetector(Declared):
     spec = DetectorSpec(
         name="watchdog",
@@ -221,60 +277,41 @@ class WatchdogTimeoutDetector(Declared):
         return sorted(findings, key=lambda f: f.evidence["first_ts"])  # type: ignore[arg-type,return-value]
 
     def _finding(self, rows: pl.DataFrame, hardware: pl.DataFrame, network: pl.DataFrame, progress: pl.DataFrame) -> Finding:
-        job = rows["job"][0]
-        nodes = sorted({str(n) for n in rows["node"].drop_nulls().to_list()})
-        files = sorted({str(f) for f in rows["_file"].drop_nulls().to_list()})
-        same = _same_log(progress, job, files)
-        colls = collectives(_records(rows, parse_timeout), _records(same.filter(pl.col("node").is_in(nodes)) if nodes and not job else same, parse_progress))
+        ctx = LogContext.of(rows, hardware, network)
+        same = _same_log(progress, ctx.job, ctx.files)
+        colls = collectives(_records(rows, parse_timeout), _records(same.filter(pl.col("node").is_in(ctx.nodes)) if ctx.nodes and not ctx.job else same, parse_progress))
         reporting = sorted({int(r) for r in rows["rank"].drop_nulls().to_list()})
         ranks = sorted(set(reporting).union(*(c.ranks for c in colls)))
-        culprits = sorted(set().union(*(c.culprits for c in colls)))
-        hw = hardware.filter(pl.col("node").is_in(nodes)) if nodes else hardware.clear()
-        hw_nodes = sorted({str(n) for n in hw["node"].drop_nulls().to_list()})
-        xids = sorted({int(x) for x in hw["xid"].drop_nulls().to_list()})
-        net = _same_log(network, job, files)
-        if job:
-            # The culprit node only: a software timeout blames no node, so the requeue excludes none.
-            node = hw_nodes[0] if hw_nodes else None
-        else:
-            # No job to act on: the finding is about the node (and file) that logged it.
-            node = hw_nodes[0] if hw_nodes else (nodes[0] if len(nodes) == 1 else None)
-        evidence = _timeout_evidence(colls, reporting, nodes, hw_nodes, xids, rows)
-        if files:
-            evidence["files"] = files
-        if net.height:
-            evidence["network_warnings"] = int(net.height)
-            evidence["first_network_warning"] = str(net.sort("ts")["message"][0])[:300]
         return Finding(
             kind=FindingKind.NCCL_TIMEOUT,
             severity=Severity.PAGE,
             ts=float(rows["ts"].max()),
-            job=job,
+            job=ctx.job,
             ranks=ranks,
-            culprit_ranks=culprits,
-            node=node,
-            cause="hardware" if hw_nodes else ("network" if net.height else "software"),
+            culprit_ranks=sorted(set().union(*(c.culprits for c in colls))),
+            node=ctx.timeout_node(),
+            cause="hardware" if ctx.hw_nodes else ("network" if ctx.network.height else "software"),
             source=self.name,
-            evidence=evidence,
-            summary=_timeout_summary(_who(job, nodes, files), colls, ranks, nodes, hw_nodes, xids, net.height),
+            evidence=ctx.add_sources(_timeout_evidence(colls, reporting, ctx, rows)),
+            summary=_timeout_summary(ctx, colls, ranks),
         )
 
 
-def _timeout_evidence(colls: list[Collective], reporting: list[int], nodes: list[str], hw_nodes: list[str], xids: list[int], rows: pl.DataFrame) -> dict[str, Any]:
+def _timeout_evidence(colls: list[Collective], reporting: list[int], ctx: LogContext, rows: pl.DataFrame) -> dict[str, Any]:
     """The first collective's WorkNCCL fields and progress, per-rank evidence, every collective
     when there were several."""
     first = colls[0] if colls else None
     t, p = (first.first, first.progress) if first else (None, None)
     evidence: dict[str, Any] = {
         "reporting_ranks": reporting,
-        "nodes": nodes,
-        "culprit_nodes": hw_nodes,
+        "nodes": ctx.nodes,
+        "culprit_nodes": ctx.hw_nodes,
         "seq": t.seq if t else None,
         "op": t.op_type if t else None,
         "timeout_ms": t.timeout_ms if t else None,
         "lines": int(rows.height),
         "first_ts": float(rows["ts"].min()),
-        "xids": xids,
+        "xids": ctx.xids,
     }
     if t is not None:
         extra = {"pg": t.pg, "numel_in": t.numel_in, "numel_out": t.numel_out, "ran_for_ms": t.ran_for_ms,
@@ -287,32 +324,25 @@ def _timeout_evidence(colls: list[Collective], reporting: list[int], nodes: list
     return evidence
 
 
-def _who(job: str | None, nodes: list[str], files: list[str]) -> str:
-    if job:
-        return str(job)
-    logs = ", ".join(f"{nodes[0]}:{f}" if len(nodes) == 1 else f for f in files) or (place(nodes[0]) if len(nodes) == 1 else "")
-    return "Job unknown" + (f" (log {logs})" if logs else "")
-
-
 def _ranks_text(ranks: list[int]) -> str:
     return f"rank{'s' if len(ranks) != 1 else ''} {', '.join(map(str, ranks))}"
 
 
-def _timeout_summary(who: str, colls: list[Collective], ranks: list[int], nodes: list[str], hw_nodes: list[str], xids: list[int], network: int) -> str:
+def _timeout_summary(ctx: LogContext, colls: list[Collective], ranks: list[int]) -> str:
     first = colls[0].first if colls else None
     what = f"collective #{first.seq}" if first is not None and first.seq is not None else "a collective"
     op = first.op_type if first is not None else None
     culprits = colls[0].culprits if colls else []
-    why = (f"; XID {', '.join(map(str, xids))} on {', '.join(hw_nodes)}" if xids else f"; hardware errors on {', '.join(hw_nodes)}") if hw_nodes else ""
+    hw_nodes, network = ctx.hw_nodes, ctx.network.height
     text = (
-        f"{who}: the NCCL watchdog timed out {what}" + (f" ({op})" if op else "")
-        + f" on {_ranks_text(ranks) if ranks else 'its ranks'}" + (f" ({', '.join(nodes)})" if nodes else "")
+        f"{ctx.who}: the NCCL watchdog timed out {what}" + (f" ({op})" if op else "")
+        + f" on {_ranks_text(ranks) if ranks else 'its ranks'}" + (f" ({', '.join(ctx.nodes)})" if ctx.nodes else "")
     )
     if culprits:
         text += f"; {_ranks_text(culprits)} never enqueued it (the rank{'s' if len(culprits) != 1 else ''} holding the others up)"
     for c in colls[1:]:
         text += f"; also collective #{c.first.seq} ({c.first.op_type}" + (f", PG {c.first.pg}" if c.first.pg else "") + ")"
-    text += why
+    text += ctx.hardware_why
     if network and not hw_nodes:
         text += f"; {network} NCCL network warning(s) in the log"
     if not hw_nodes and not culprits:
@@ -374,21 +404,10 @@ class NcclErrorDetector(Declared):
         # The fullest copy of the first error: the one that carries NCCL's last error.
         first = parsed[0]
         best = next((e for e in parsed if e.last_error and (e.code, e.where) == (first.code, first.where)), first)
-        job = rows["job"][0]
+        ctx = LogContext.of(rows, hardware, network)
         ranks = sorted({int(r) for r in rows["rank"].drop_nulls().to_list()})
-        nodes = sorted({str(n) for n in rows["node"].drop_nulls().to_list()})
-        files = sorted({str(f) for f in rows["_file"].drop_nulls().to_list()})
-        hw = hardware.filter(pl.col("node").is_in(nodes)) if nodes else hardware.clear()
-        hw_nodes = sorted({str(n) for n in hw["node"].drop_nulls().to_list()})
-        xids = sorted({int(x) for x in hw["xid"].drop_nulls().to_list()})
-        net = _same_log(network, job, files)
-        cause = "hardware" if hw_nodes else error_cause(best, network_warnings=net.height > 0)
-        who = _who(job, nodes, files)
         distinct = _distinct_errors(parsed)
-        # The node to act on: the one with the hardware error; of no known job, the one that logged it.
-        node = hw_nodes[0] if hw_nodes else (nodes[0] if len(nodes) == 1 else None)
-        where = f"rank{'s' if len(ranks) != 1 else ''} {', '.join(map(str, ranks))}" if ranks else "rank unknown"
-        why = f"; XID {', '.join(map(str, xids))} on {', '.join(hw_nodes)}" if xids else (f"; hardware errors on {', '.join(hw_nodes)}" if hw_nodes else "")
+        where = _ranks_text(ranks) if ranks else "rank unknown"
         evidence: dict[str, Any] = {
             "code": best.code,
             "reason": best.reason,
@@ -396,31 +415,28 @@ class NcclErrorDetector(Declared):
             "nccl_version": best.nccl_version,
             "last_error": best.last_error,
             "reporting_ranks": ranks,
-            "nodes": nodes,
-            "culprit_nodes": hw_nodes,
-            "xids": xids,
+            "nodes": ctx.nodes,
+            "culprit_nodes": ctx.hw_nodes,
+            "xids": ctx.xids,
             "lines": int(rows.height),
             "first_ts": float(rows["ts"].min()),
         }
         if len(distinct) > 1:
             evidence["errors"] = distinct
-        if files:
-            evidence["files"] = files
-        if net.height:
-            evidence["network_warnings"] = int(net.height)
-            evidence["first_network_warning"] = str(net.sort("ts")["message"][0])[:300]
         also = "".join(f"; also {d['code'] or d['reason']}" + (f" at {d['where']}" if d["where"] else "") for d in distinct[1:])
         return Finding(
             kind=FindingKind.NCCL_ERROR,
             severity=Severity.PAGE,
             ts=float(rows["ts"].max()),
-            job=job,
+            job=ctx.job,
             ranks=ranks,
-            node=node,
-            cause=cause,
+            # The node with the hardware error, else the one whose ranks printed it (an error is
+            # the failure of the call that printed it; a timeout only says who waited).
+            node=ctx.hw_nodes[0] if ctx.hw_nodes else (ctx.nodes[0] if len(ctx.nodes) == 1 else None),
+            cause="hardware" if ctx.hw_nodes else error_cause(best, network_warnings=ctx.network.height > 0),
             source=self.name,
-            evidence=evidence,
-            summary=f"{who}: NCCL error ({where}" + (f", {', '.join(nodes)}" if nodes else "") + f"): {describe_error(best).rstrip('.')}{also}{why}.",
+            evidence=ctx.add_sources(evidence),
+            summary=f"{ctx.who}: NCCL error ({where}" + (f", {', '.join(ctx.nodes)}" if ctx.nodes else "") + f"): {describe_error(best).rstrip('.')}{also}{ctx.hardware_why}.",
         )
 
 
