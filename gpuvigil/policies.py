@@ -1,4 +1,5 @@
-"""Policies every mode shares: how grave an XID is, and which events implicate a node's hardware.
+"""Policies every mode shares: how grave an XID is, which events implicate a node's hardware, and
+which finding a GPU's failing memory is.
 
 `serve`'s detectors, the kernel-log and DCGM collectors, and `analyze` of a log file all ask here,
 so that an XID is the same severity online and offline, and an application's XID (the XID
@@ -11,7 +12,7 @@ from __future__ import annotations
 import polars as pl
 
 from gpuvigil.gpu import xid as xid_table
-from gpuvigil.model import Severity
+from gpuvigil.model import FindingKind, Severity
 
 # Event kinds that say something about the device's hardware: XIDs, uncorrectable ECC errors
 # (NVML's `ecc_dbe` events) and ECC findings turned events.
@@ -50,3 +51,19 @@ def implicates_hardware(since: float) -> pl.Expr:
     on it is the job's bug and implicates nothing."""
     app = pl.col("xid").is_in(app_level_xids()).fill_null(False)
     return pl.col("kind").is_in(HARDWARE_EVENT_KINDS) & ~((pl.col("kind") == "xid") & app) & (pl.col("ts") >= since)
+
+
+# What to do about failing memory, by the finding it is.
+MEMORY_REMEDY = {
+    FindingKind.ROW_REMAP_FAILURE: "the GPU can no longer repair its failing memory (NVIDIA's RMA criterion): drain the node and replace the GPU",
+    FindingKind.ECC: "drain the node and reset the GPU before it runs anything again",
+}
+
+
+def memory_fault(remap_failed: bool, uncorrectable: bool) -> FindingKind | None:
+    """The finding a GPU's memory state is, whoever read it (NVML, DCGM, an XID, `nvidia-smi -q`):
+    a failed row remap is `row_remap_failure` (the GPU goes to RMA; an uncorrectable error with it
+    is its evidence), else an uncorrectable error is `ecc` (drain and reset), else none."""
+    if remap_failed:
+        return FindingKind.ROW_REMAP_FAILURE
+    return FindingKind.ECC if uncorrectable else None

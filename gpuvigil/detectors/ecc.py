@@ -19,6 +19,7 @@ from typing import Any
 import polars as pl
 from pydantic import BaseModel
 
+from gpuvigil import policies
 from gpuvigil.gpu import xid as xid_table
 from gpuvigil.detectors.base import HISTORY, Declared, DetectorSpec, Reads
 from gpuvigil.detectors.common import gpu_jobs, settings
@@ -143,12 +144,13 @@ class EccDetector(Declared):
         uncorrectable = bool(row["dbe_delta"] or 0) or bool(set(xids) & set(self.config.uncorrectable_codes))
         remap_failed = bool(row["remap_failure"]) or bool(set(xids) & set(self.config.remap_failure_codes))
         where = place(row["node"], row["gpu"])
-        if remap_failed:
-            kind, what = FindingKind.ROW_REMAP_FAILURE, f"Row remapping failed on {where}" + (" after an uncorrectable ECC error" if uncorrectable else "")
-            todo = ": the GPU can no longer repair its failing memory (NVIDIA's RMA criterion): drain the node and replace the GPU."
+        # A row the query keeps has a failed remap or a new DBE: it is one of the two.
+        kind = policies.memory_fault(remap_failed, uncorrectable) or FindingKind.ECC
+        if kind == FindingKind.ROW_REMAP_FAILURE:
+            what = f"Row remapping failed on {where}" + (" after an uncorrectable ECC error" if uncorrectable else "")
         else:
-            kind, what = FindingKind.ECC, f"Uncorrectable ECC error on {where}"
-            todo = ": drain the node and reset the GPU before it runs anything again."
+            what = f"Uncorrectable ECC error on {where}"
+        todo = f": {policies.MEMORY_REMEDY[kind]}."
         return Finding(
             kind=kind,
             severity=Severity.PAGE,

@@ -22,6 +22,7 @@ from typing import Any
 
 from pydantic import BaseModel, Field
 
+from gpuvigil import policies
 from gpuvigil.detectors.base import FRESH, Declared, DetectorSpec
 from gpuvigil.detectors.common import settings
 from gpuvigil.model import Finding, FindingKind, Severity
@@ -81,14 +82,14 @@ def _memory_findings(h: dict[str, Any], where: str, common: dict[str, Any], min_
     dbe = h["ecc_dbe_volatile_total"] or 0
     errors = f"{dbe} uncorrectable ECC error(s) since the driver loaded"
     out = []
-    if h["remap_failure"]:
-        out.append(Finding(kind=FindingKind.ROW_REMAP_FAILURE, severity=Severity.PAGE, **common,
+    kind = policies.memory_fault(bool(h["remap_failure"]), dbe >= min_dbe)
+    if kind == FindingKind.ROW_REMAP_FAILURE:
+        out.append(Finding(kind=kind, severity=Severity.PAGE, **common,
                            evidence={"pci_bus_id": h["pci_bus_id"], "remap_failure": True, **({"ecc_dbe_volatile_total": dbe} if dbe else {})},
-                           summary=f"nvidia-smi -q on {where}: a row remapping failed (NVIDIA's RMA criterion)" + (f"; {errors}" if dbe else "")
-                           + ": drain the node and replace the GPU"))
-    elif dbe >= min_dbe:
-        out.append(Finding(kind=FindingKind.ECC, severity=Severity.PAGE, **common, evidence={"pci_bus_id": h["pci_bus_id"], "ecc_dbe_volatile_total": dbe},
-                           summary=f"nvidia-smi -q on {where}: {errors}: drain the node and reset the GPU"))
+                           summary=f"nvidia-smi -q on {where}: a row remapping failed" + (f"; {errors}" if dbe else "") + f": {policies.MEMORY_REMEDY[kind]}"))
+    elif kind == FindingKind.ECC:
+        out.append(Finding(kind=kind, severity=Severity.PAGE, **common, evidence={"pci_bus_id": h["pci_bus_id"], "ecc_dbe_volatile_total": dbe},
+                           summary=f"nvidia-smi -q on {where}: {errors}: {policies.MEMORY_REMEDY[kind]}"))
     if h["remap_pending"]:
         out.append(Finding(kind=FindingKind.ROW_REMAP_PENDING, severity=Severity.TICKET, **common, evidence={"pci_bus_id": h["pci_bus_id"], "remap_pending": True},
                            summary=f"nvidia-smi -q on {where}: a row remapping is pending: reset the GPU to apply it"))
